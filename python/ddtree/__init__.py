@@ -1,0 +1,1 @@
+"""DDTree speculative decoding."""

@@ -1,0 +1,1 @@
+//! ddtree core: placeholder, filled in by the next commit.
