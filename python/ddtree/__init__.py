@@ -1,1 +1,48 @@
-"""DDTree speculative decoding."""
+"""DDTree speculative decoding: draft trees from a DFlash drafter's per-position
+distributions, verified in one target pass, accepted losslessly.
+
+The tree logic is the Rust extension ``ddtree._core``; ``ddtree.reference`` is
+a pure-Python oracle of the same algorithm. One decoding step:
+
+    tree = build_tree(log_probs, token_ids, budget)       # drafter -> tree
+    compiled = compile_tree(tree, start, window)          # -> positions, masks
+    path, bonus = accept(tree, target_tokens)             # target -> accepted
+    src, dst = kv_move_plan(path)                         # -> KV commit
+
+The batched forms (``build_trees``, ``compile_trees``, ``accept_trees``) do the
+same for every request of a step in one call each.
+"""
+
+from ddtree._core import (
+    AcceptedBatch,
+    CompiledBatch,
+    CompiledTree,
+    Executor,
+    Tree,
+    TreeBatch,
+    __version__,
+    accept,
+    accept_trees,
+    build_tree,
+    build_trees,
+    compile_tree,
+    compile_trees,
+    kv_move_plan,
+)
+
+__all__ = [
+    "AcceptedBatch",
+    "CompiledBatch",
+    "CompiledTree",
+    "Executor",
+    "Tree",
+    "TreeBatch",
+    "__version__",
+    "accept",
+    "accept_trees",
+    "build_tree",
+    "build_trees",
+    "compile_tree",
+    "compile_trees",
+    "kv_move_plan",
+]

@@ -1,1 +1,27 @@
-//! ddtree core: placeholder, filled in by the next commit.
+//! # ddtree
+//!
+//! The CPU side of DDTree speculative decoding: turn a DFlash drafter's
+//! per-position top-K distributions into the tree of the most probable draft
+//! prefixes ([`build`]), compile it into what a tree-verification forward pass
+//! needs ([`compile`]), walk the target's verdict to find the accepted path
+//! ([`accept`]), all batched over a decoding step's requests ([`batch`]).
+//!
+//! This crate knows nothing of Python; the extension module lives in
+//! `python.rs` behind the `python` feature.
+
+pub mod accept;
+pub mod batch;
+pub mod build;
+pub mod compile;
+pub mod error;
+pub mod tree;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use accept::TreeWalker;
+pub use batch::{accept_trees, build_trees, compile_trees, BatchDistribution, Executor, TreeBatch};
+pub use build::TreeBuilder;
+pub use compile::{kv_moves, words_per_row, CompiledTree};
+pub use error::{DdtreeError, Result};
+pub use tree::{DraftDistribution, TokenId, Tree, TreeView};

@@ -1,0 +1,81 @@
+"""Bad input raises an error that names the argument and what was expected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ddtree
+
+LP = np.log(np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]], dtype=np.float32))
+IDS = np.array([[5, 6, 7], [8, 9, 10]], dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    "log_probs, token_ids, budget, error, words",
+    [
+        (LP[0], IDS, 4, ValueError, ["log_probs", "[L, K]", "[3]"]),
+        (LP, IDS[:, :2], 4, ValueError, ["token_ids", "[2, 3]", "[2, 2]"]),
+        (LP.astype(np.float64), IDS, 4, TypeError, ["log_probs", "float32", "float64"]),
+        (LP, IDS.astype(np.float32), 4, TypeError, ["token_ids", "int32 or int64"]),
+        (LP.tolist(), IDS, 4, TypeError, ["log_probs", "numpy.ndarray", "list"]),
+        (LP, IDS, -1, ValueError, ["budget", ">= 0", "-1"]),
+        (LP, IDS, 2.5, TypeError, ["budget", "int", "float"]),
+        (np.where(np.eye(2, 3, dtype=bool), np.nan, LP).astype(np.float32), IDS, 4, ValueError,
+         ["log_probs[0, 0]", "NaN"]),
+        (LP[:, ::-1].copy(), IDS, 4, ValueError, ["row 0", "non-increasing"]),
+        (LP + 1, IDS, 4, ValueError, ["log_probs[0, 0]", "positive"]),
+        (LP, np.array([[5, 6, 5], [8, 9, 10]]), 4, ValueError, ["token_ids", "row 0", "token 5", "ranks 0 and 2"]),
+        (LP, np.array([[5, 6, 7], [8, -9, 10]]), 4, ValueError, ["token_ids[1, 1]", "negative"]),
+    ],
+)
+def test_build_tree_rejects(log_probs, token_ids, budget, error, words):
+    with pytest.raises(error) as info:
+        ddtree.build_tree(log_probs, token_ids, budget)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_duplicate_deep_in_a_row_is_rejected_even_if_unused():
+    ids = np.array([[5, 6, 7], [8, 9, 8]])
+    with pytest.raises(ValueError, match="row 1 has token 8 twice"):
+        ddtree.build_tree(LP, ids, 1)
+
+
+def test_batch_errors_name_the_request():
+    lp = np.stack([LP, LP[:, ::-1].copy()])
+    ids = np.stack([IDS, IDS])
+    with pytest.raises(ValueError, match="request 1: row 0 is not sorted"):
+        ddtree.build_trees(lp, ids, 4)
+    with pytest.raises(ValueError, match=r"budgets: expected shape an int or \[2\]"):
+        ddtree.build_trees(np.stack([LP, LP]), ids, [1, 2, 3])
+    with pytest.raises(ValueError, match="budgets: must be >= 0"):
+        ddtree.build_trees(np.stack([LP, LP]), ids, [1, -2])
+    with pytest.raises(ValueError, match=r"log_probs: expected shape \[R, L, K\]"):
+        ddtree.build_trees(LP, IDS, 4)
+
+
+def test_accept_checks_target_length_and_dtype():
+    tree = ddtree.build_tree(LP, IDS, 4)
+    with pytest.raises(ValueError, match=r"target_tokens: expected shape \[5\]"):
+        ddtree.accept(tree, np.zeros(4, dtype=np.int64))
+    with pytest.raises(TypeError, match="target_tokens: expected int32 or int64"):
+        ddtree.accept(tree, np.zeros(5, dtype=np.float64))
+    batch = ddtree.build_trees(np.stack([LP, LP]), np.stack([IDS, IDS]), [1, 2])
+    with pytest.raises(ValueError, match=r"target_tokens: expected shape \[5\]"):
+        ddtree.accept_trees(batch, np.zeros(6, dtype=np.int64))
+
+
+def test_compile_and_plan_arguments():
+    tree = ddtree.build_tree(LP, IDS, 4)
+    with pytest.raises(ValueError, match="window: must be >= 0"):
+        ddtree.compile_tree(tree, 0, -1)
+    batch = ddtree.build_trees(np.stack([LP, LP]), np.stack([IDS, IDS]), 2)
+    with pytest.raises(ValueError, match=r"starts: expected shape an int or \[2\]"):
+        ddtree.compile_trees(batch, [1, 2, 3])
+    with pytest.raises(ValueError, match="path: must start with the root"):
+        ddtree.kv_move_plan(np.array([1, 2], dtype=np.int32))
+    with pytest.raises(ValueError, match="path: node indices must be strictly increasing"):
+        ddtree.kv_move_plan(np.array([0, 2, 2], dtype=np.int32))
+    with pytest.raises(ValueError, match="num_threads: must be at least 1"):
+        ddtree.Executor(0)
