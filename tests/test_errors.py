@@ -25,7 +25,7 @@ IDS = np.array([[5, 6, 7], [8, 9, 10]], dtype=np.int64)
          ["log_probs[0, 0]", "NaN"]),
         (LP[:, ::-1].copy(), IDS, 4, ValueError, ["row 0", "non-increasing"]),
         (LP + 1, IDS, 4, ValueError, ["log_probs[0, 0]", "positive"]),
-        (LP, np.array([[5, 6, 5], [8, 9, 10]]), 4, ValueError, ["token_ids", "row 0", "token 5", "ranks 0 and 2"]),
+        (LP, np.array([[5, 6, 5], [8, 9, 10]]), 8, ValueError, ["token_ids", "row 0", "token 5", "ranks 0 and 2"]),
         (LP, np.array([[5, 6, 7], [8, -9, 10]]), 4, ValueError, ["token_ids[1, 1]", "negative"]),
     ],
 )
@@ -36,10 +36,14 @@ def test_build_tree_rejects(log_probs, token_ids, budget, error, words):
         assert word in str(info.value)
 
 
-def test_duplicate_deep_in_a_row_is_rejected_even_if_unused():
+def test_duplicates_are_checked_among_the_candidates_the_tree_reaches():
+    """Siblings must differ; candidates no node reaches cannot make the tree wrong,
+    and checking whole rows would cost O(L * K), more than building the tree."""
     ids = np.array([[5, 6, 7], [8, 9, 8]])
+    # Budget 4 reaches ranks 0-1 of row 1: the duplicate at rank 2 is never a node.
+    assert ddtree.build_tree(LP, ids, 4).tokens.tolist() == [5, 8, 6, 9]
     with pytest.raises(ValueError, match="row 1 has token 8 twice"):
-        ddtree.build_tree(LP, ids, 1)
+        ddtree.build_tree(LP, ids, 12)
 
 
 def test_batch_errors_name_the_request():

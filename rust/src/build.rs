@@ -19,26 +19,46 @@ use crate::tree::{DraftDistribution, TokenId, Tree, TreeSlots};
 /// leave the top entry a hair above zero, anything more is not a log-prob.
 const LOG_PROB_TOLERANCE: f32 = 1e-3;
 
-/// A prefix on the frontier: the node it extends, its last rank and its score.
+/// A prefix on the frontier: the node it extends and its last rank, keyed by
+/// its score mapped to an order-preserving integer (see [`score_key`]), so
+/// that heap comparisons are integer compares the compiler can make branchless.
 #[derive(Clone, Copy, Debug)]
 struct Candidate {
-    score: f64,
+    key: u64,
     parent: u32,
     rank: u32,
-    depth: u32,
+}
+
+/// Maps a score to a `u64` whose order is the score's order (-0.0 == 0.0).
+#[inline]
+fn score_key(score: f64) -> u64 {
+    let bits = (score + 0.0).to_bits();
+    if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | 1 << 63
+    }
 }
 
 /// Reusable scratch for building trees; one per thread. Building allocates
 /// nothing once the scratch has grown to the largest budget seen.
 #[derive(Default)]
 pub struct TreeBuilder {
-    heap: Vec<Candidate>,
-    node_parent: Vec<u32>,
-    node_rank: Vec<u32>,
+    frontier: Vec<Candidate>,
+    nodes: Nodes,
+    node_depth: Vec<u32>,
     node_score: Vec<f64>,
-    ranks_a: Vec<u32>,
-    ranks_b: Vec<u32>,
+    /// Per draft position: how many leading candidates the tree reached.
+    row_reached: Vec<usize>,
     seen_tokens: TokenSet,
+}
+
+/// Per node (root = 0): its parent and its rank in its row; all that
+/// tie-breaking needs to rebuild a candidate's rank tuple.
+#[derive(Default)]
+struct Nodes {
+    parent: Vec<u32>,
+    rank: Vec<u32>,
 }
 
 impl TreeBuilder {
@@ -65,47 +85,97 @@ impl TreeBuilder {
         budget: usize,
         out: TreeSlots<'_>,
     ) -> Result<()> {
-        validate_distribution(dist, &mut self.seen_tokens)?;
+        check_values(dist)?;
         let n = dist.node_count(budget);
         check_slots(&out, n)?;
-        self.reset(n);
-        let TreeSlots {
-            tokens,
-            parents,
-            depths,
-            scores,
-        } = out;
-        parents[0] = -1;
-        depths[0] = 0;
-        scores[0] = 0.0;
-        if n == 0 {
-            return Ok(());
-        }
-        self.push(Candidate {
-            score: dist.log_prob(0, 0) as f64,
-            parent: 0,
-            rank: 0,
-            depth: 1,
-        });
-        for node in 1..=n {
-            let c = self.pop();
-            let row = c.depth as usize - 1;
-            tokens[node - 1] = dist.token(row, c.rank as usize);
-            parents[node] = c.parent as i32;
-            depths[node] = c.depth as i32;
-            scores[node] = c.score as f32;
-            self.node_parent.push(c.parent);
-            self.node_rank.push(c.rank);
-            self.node_score.push(c.score);
-            self.push_successors(dist, node as u32, c);
-        }
+        self.search(dist, n);
+        self.check_reached_tokens_distinct(dist)?;
+        self.write(dist, out);
         Ok(())
     }
 
-    fn reset(&mut self, n: usize) {
-        self.heap.clear();
-        self.heap.reserve(2 * n + 2);
-        for v in [&mut self.node_parent, &mut self.node_rank] {
+    /// Pops the `n` best prefixes into the node arrays.
+    fn search<T: TokenId>(&mut self, dist: &DraftDistribution<'_, T>, n: usize) {
+        self.reset(n, dist.depth);
+        if n == 0 {
+            return;
+        }
+        self.frontier.push(Candidate {
+            key: score_key(dist.log_prob(0, 0) as f64),
+            parent: 0,
+            rank: 0,
+        });
+        for node in 1..=n {
+            let c = self.frontier[0];
+            let parent = c.parent as usize;
+            let depth = self.node_depth[parent] as usize + 1;
+            let score = self.node_score[parent] + dist.log_prob(depth - 1, c.rank as usize) as f64;
+            self.nodes.parent.push(c.parent);
+            self.nodes.rank.push(c.rank);
+            self.node_depth.push(depth as u32);
+            self.node_score.push(score);
+            self.row_reached[depth - 1] = self.row_reached[depth - 1].max(c.rank as usize + 1);
+            self.replace_top_with_successors(dist, node as u32, c, depth, score);
+        }
+    }
+
+    /// Removes the popped top and adds its next sibling and first child. The
+    /// first child usually scores close to its parent, so it replaces the top
+    /// and sinks a level or two: one sift instead of a pop and a push.
+    fn replace_top_with_successors<T: TokenId>(
+        &mut self,
+        dist: &DraftDistribution<'_, T>,
+        node: u32,
+        c: Candidate,
+        depth: usize,
+        score: f64,
+    ) {
+        let next_rank = c.rank as usize + 1;
+        let sibling = (next_rank < dist.width).then(|| Candidate {
+            key: score_key(
+                self.node_score[c.parent as usize] + dist.log_prob(depth - 1, next_rank) as f64,
+            ),
+            parent: c.parent,
+            rank: next_rank as u32,
+        });
+        let child = (depth < dist.depth).then(|| Candidate {
+            key: score_key(score + dist.log_prob(depth, 0) as f64),
+            parent: node,
+            rank: 0,
+        });
+        let frontier = &mut self.frontier;
+        match (child, sibling) {
+            (Some(child), sibling) => {
+                frontier[0] = child;
+                sift_down(frontier, &self.nodes);
+                if let Some(sibling) = sibling {
+                    push(frontier, sibling, &self.nodes);
+                }
+            }
+            (None, Some(sibling)) => {
+                frontier[0] = sibling;
+                sift_down(frontier, &self.nodes);
+            }
+            (None, None) => {
+                let last = frontier
+                    .pop()
+                    .expect("the popped top is still in the frontier");
+                if !frontier.is_empty() {
+                    frontier[0] = last;
+                    sift_down(frontier, &self.nodes);
+                }
+            }
+        }
+    }
+
+    fn reset(&mut self, n: usize, depth: usize) {
+        self.frontier.clear();
+        self.frontier.reserve(n + 2);
+        for v in [
+            &mut self.nodes.parent,
+            &mut self.nodes.rank,
+            &mut self.node_depth,
+        ] {
             v.clear();
             v.reserve(n + 1);
             v.push(0);
@@ -113,105 +183,121 @@ impl TreeBuilder {
         self.node_score.clear();
         self.node_score.reserve(n + 1);
         self.node_score.push(0.0);
+        self.row_reached.clear();
+        self.row_reached.resize(depth, 0);
     }
 
-    fn push_successors<T: TokenId>(
+    /// Copies the node arrays into the caller's slots.
+    fn write<T: TokenId>(&self, dist: &DraftDistribution<'_, T>, out: TreeSlots<'_>) {
+        out.parents[0] = -1;
+        out.depths[0] = 0;
+        out.scores[0] = 0.0;
+        for node in 1..self.nodes.parent.len() {
+            let depth = self.node_depth[node];
+            out.tokens[node - 1] = dist.token(depth as usize - 1, self.nodes.rank[node] as usize);
+            out.parents[node] = self.nodes.parent[node] as i32;
+            out.depths[node] = depth as i32;
+            out.scores[node] = self.node_score[node] as f32;
+        }
+    }
+
+    /// Sibling nodes must carry distinct tokens, or acceptance could not tell
+    /// them apart. The children of any node are a leading run of candidates
+    /// of one row, so it is enough (and, unlike checking whole rows, O(tree)
+    /// rather than O(L * K)) to check each row's candidates the tree reached.
+    fn check_reached_tokens_distinct<T: TokenId>(
         &mut self,
         dist: &DraftDistribution<'_, T>,
-        node: u32,
-        c: Candidate,
-    ) {
-        let row = c.depth as usize - 1;
-        let next_rank = c.rank as usize + 1;
-        if next_rank < dist.width {
-            let parent_score = self.node_score[c.parent as usize];
-            self.push(Candidate {
-                score: parent_score + dist.log_prob(row, next_rank) as f64,
-                parent: c.parent,
-                rank: next_rank as u32,
-                depth: c.depth,
-            });
-        }
-        if (c.depth as usize) < dist.depth {
-            self.push(Candidate {
-                score: c.score + dist.log_prob(row + 1, 0) as f64,
-                parent: node,
-                rank: 0,
-                depth: c.depth + 1,
-            });
-        }
-    }
-
-    /// True when `a` must pop before `b`.
-    fn pops_before(&mut self, a: &Candidate, b: &Candidate) -> bool {
-        match a.score.partial_cmp(&b.score) {
-            Some(Ordering::Greater) => true,
-            Some(Ordering::Less) => false,
-            // Equal (including -inf == -inf): smaller rank tuple first.
-            _ => self.rank_tuple_cmp(a, b) == Ordering::Less,
-        }
-    }
-
-    /// Lexicographic order of the two candidates' rank tuples (a proper
-    /// prefix sorts first). Only reached on exact score ties.
-    fn rank_tuple_cmp(&mut self, a: &Candidate, b: &Candidate) -> Ordering {
-        fill_rank_tuple(&mut self.ranks_a, &self.node_parent, &self.node_rank, a);
-        fill_rank_tuple(&mut self.ranks_b, &self.node_parent, &self.node_rank, b);
-        self.ranks_a.cmp(&self.ranks_b)
-    }
-
-    fn push(&mut self, c: Candidate) {
-        self.heap.push(c);
-        let mut child = self.heap.len() - 1;
-        while child > 0 {
-            let parent = (child - 1) / 2;
-            let (cv, pv) = (self.heap[child], self.heap[parent]);
-            if !self.pops_before(&cv, &pv) {
-                break;
+    ) -> Result<()> {
+        for (row, &reached) in self.row_reached.iter().enumerate() {
+            if reached < 2 {
+                continue;
             }
-            self.heap.swap(child, parent);
-            child = parent;
-        }
-    }
-
-    fn pop(&mut self) -> Candidate {
-        let top = self.heap.swap_remove(0);
-        let len = self.heap.len();
-        let mut parent = 0;
-        loop {
-            let left = 2 * parent + 1;
-            if left >= len {
-                break;
-            }
-            let right = left + 1;
-            let mut best = left;
-            if right < len {
-                let (r, l) = (self.heap[right], self.heap[left]);
-                if self.pops_before(&r, &l) {
-                    best = right;
+            self.seen_tokens.start_row(reached);
+            for rank in 0..reached {
+                let token = dist.token(row, rank);
+                if let Some(first) = self.seen_tokens.insert(token, rank as u32) {
+                    return Err(DdtreeError::value(
+                        "token_ids",
+                        format!(
+                            "row {row} has token {token} twice (ranks {first} and {rank}); \
+                             token ids in a row must be distinct"
+                        ),
+                    ));
                 }
             }
-            let (bv, pv) = (self.heap[best], self.heap[parent]);
-            if !self.pops_before(&bv, &pv) {
-                break;
-            }
-            self.heap.swap(best, parent);
-            parent = best;
         }
-        top
+        Ok(())
     }
 }
 
-/// Writes the rank tuple of candidate `c` (root first) into `out`.
-fn fill_rank_tuple(out: &mut Vec<u32>, node_parent: &[u32], node_rank: &[u32], c: &Candidate) {
-    out.clear();
-    out.push(c.rank);
+/// True when `a` must pop before `b`: higher score, or on a tie the smaller
+/// rank tuple.
+#[inline]
+fn pops_before(a: &Candidate, b: &Candidate, nodes: &Nodes) -> bool {
+    if a.key != b.key {
+        return a.key > b.key;
+    }
+    rank_tuple_cmp(a, b, nodes) == Ordering::Less
+}
+
+/// Lexicographic order of two candidates' rank tuples (a proper prefix sorts
+/// first). Only reached on exact score ties, so it may allocate.
+#[cold]
+fn rank_tuple_cmp(a: &Candidate, b: &Candidate, nodes: &Nodes) -> Ordering {
+    rank_tuple(a, nodes).cmp(&rank_tuple(b, nodes))
+}
+
+/// The rank tuple of candidate `c`, root first.
+fn rank_tuple(c: &Candidate, nodes: &Nodes) -> Vec<u32> {
+    let mut out = vec![c.rank];
     let mut node = c.parent as usize;
     while node != 0 {
-        out.push(node_rank[node]);
-        node = node_parent[node] as usize;
+        out.push(nodes.rank[node]);
+        node = nodes.parent[node] as usize;
     }
     out.reverse();
+    out
+}
+
+/// Adds `c` to the max-heap `heap`.
+fn push(heap: &mut Vec<Candidate>, c: Candidate, nodes: &Nodes) {
+    let mut hole = heap.len();
+    heap.push(c);
+    while hole > 0 {
+        let parent = (hole - 1) / 2;
+        if !pops_before(&c, &heap[parent], nodes) {
+            break;
+        }
+        heap[hole] = heap[parent];
+        hole = parent;
+    }
+    heap[hole] = c;
+}
+
+/// Restores the heap order after the top was replaced.
+fn sift_down(heap: &mut [Candidate], nodes: &Nodes) {
+    let len = heap.len();
+    let moving = heap[0];
+    let mut hole = 0;
+    loop {
+        let left = 2 * hole + 1;
+        if left >= len {
+            break;
+        }
+        let right = left + 1;
+        let best = if right < len && pops_before(&heap[right], &heap[left], nodes) {
+            right
+        } else {
+            left
+        };
+        if !pops_before(&heap[best], &moving, nodes) {
+            break;
+        }
+        heap[hole] = heap[best];
+        hole = best;
+    }
+    heap[hole] = moving;
 }
 
 fn check_slots(out: &TreeSlots<'_>, n: usize) -> Result<()> {
@@ -229,60 +315,72 @@ fn check_slots(out: &TreeSlots<'_>, n: usize) -> Result<()> {
     }
 }
 
-/// Rejects NaN, positive log-probs, rows that increase, negative and
-/// duplicate token ids: each would make the tree silently wrong.
-pub fn validate_distribution<T: TokenId>(
-    dist: &DraftDistribution<'_, T>,
-    seen: &mut TokenSet,
-) -> Result<()> {
+/// Rejects NaN, positive log-probs, rows that increase and negative token
+/// ids: each would make the tree silently wrong. One branch-free pass over
+/// the values; the slow pass that names the culprit runs only on failure.
+// `!(b <= a)` rather than `b > a`: the negation is what makes NaN fail.
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
+pub fn check_values<T: TokenId>(dist: &DraftDistribution<'_, T>) -> Result<()> {
+    let mut bad = 0u32;
+    for row in dist.log_probs.chunks_exact(dist.width.max(1)) {
+        let (head, tail) = (&row[..row.len() - 1], &row[1..]);
+        // `!(b <= a)` is also true when either is NaN. Integer ORs keep the
+        // loop free of branches, so it vectorizes.
+        bad |= head
+            .iter()
+            .zip(tail)
+            .fold(0u32, |acc, (a, b)| acc | !(b <= a) as u32);
+        bad |= !(row[0] <= LOG_PROB_TOLERANCE) as u32;
+    }
+    // OR-ing every id leaves the sign bit set iff one of them is negative.
+    bad |= (dist.token_ids.iter().fold(0i64, |acc, &t| acc | t.to_i64()) < 0) as u32;
+    if bad != 0 {
+        return Err(describe_bad_value(dist));
+    }
+    Ok(())
+}
+
+/// The first offending entry, in row-major order, as an error.
+#[cold]
+fn describe_bad_value<T: TokenId>(dist: &DraftDistribution<'_, T>) -> DdtreeError {
     for row in 0..dist.depth {
         let mut previous = f32::INFINITY;
-        seen.start_row(dist.width);
         for rank in 0..dist.width {
             let lp = dist.log_prob(row, rank);
             if lp.is_nan() {
-                return Err(DdtreeError::value(
-                    "log_probs",
-                    format!("log_probs[{row}, {rank}] is NaN"),
-                ));
+                return DdtreeError::value("log_probs", format!("log_probs[{row}, {rank}] is NaN"));
             }
             if lp > LOG_PROB_TOLERANCE {
-                return Err(DdtreeError::value(
+                return DdtreeError::value(
                     "log_probs",
                     format!("log_probs[{row}, {rank}] = {lp} is positive; expected log-probabilities (<= 0)"),
-                ));
+                );
             }
             if lp > previous {
-                return Err(DdtreeError::value(
+                return DdtreeError::value(
                     "log_probs",
                     format!(
                         "row {row} is not sorted: log_probs[{row}, {}] = {previous} < log_probs[{row}, {rank}] = {lp}; \
                          each row must be non-increasing (top-k order)",
                         rank - 1
                     ),
-                ));
+                );
             }
             previous = lp;
             let token = dist.token(row, rank);
             if token < 0 {
-                return Err(DdtreeError::value(
+                return DdtreeError::value(
                     "token_ids",
                     format!("token_ids[{row}, {rank}] = {token} is negative"),
-                ));
-            }
-            if let Some(first) = seen.insert(token, rank as u32) {
-                return Err(DdtreeError::value(
-                    "token_ids",
-                    format!("row {row} has token {token} twice (ranks {first} and {rank}); token ids in a row must be distinct"),
-                ));
+                );
             }
         }
     }
-    Ok(())
+    DdtreeError::Internal("a bad value was flagged but not found".into())
 }
 
 /// An open-addressing set of token ids, cleared in O(1) per row by a
-/// generation stamp, so the duplicate check costs O(K) per row.
+/// generation stamp, so the duplicate check costs O(reached) per row.
 #[derive(Default)]
 pub struct TokenSet {
     stamps: Vec<u32>,

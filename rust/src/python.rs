@@ -10,8 +10,7 @@ use std::borrow::Cow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use numpy::{
-    Element, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray,
-    PyUntypedArrayMethods,
+    Element, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -35,12 +34,18 @@ impl From<DdtreeError> for PyErr {
     }
 }
 
-/// Runs `work` without the GIL and with panics turned into errors.
-fn run_detached<T: Send>(
+/// Below this many input elements the work takes about a microsecond, less
+/// than releasing and re-taking the GIL costs, so it runs with the GIL held.
+const DETACH_MIN_ELEMENTS: usize = 16_384;
+
+/// Runs `work` with panics turned into errors, without the GIL when it is
+/// big enough (`elements`: the size of its input) for that to pay.
+fn run_core<T: Send>(
     py: Python<'_>,
+    elements: usize,
     work: impl FnOnce() -> crate::Result<T> + Send,
 ) -> PyResult<T> {
-    py.detach(|| {
+    let guarded = || {
         catch_unwind(AssertUnwindSafe(work)).unwrap_or_else(|panic| {
             let what = panic
                 .downcast_ref::<&str>()
@@ -49,8 +54,13 @@ fn run_detached<T: Send>(
                 .unwrap_or_else(|| "unknown panic".into());
             Err(DdtreeError::Internal(what))
         })
-    })
-    .map_err(PyErr::from)
+    };
+    let result = if elements < DETACH_MIN_ELEMENTS {
+        guarded()
+    } else {
+        py.detach(guarded)
+    };
+    result.map_err(PyErr::from)
 }
 
 // ---------------------------------------------------------------- arguments
@@ -82,10 +92,15 @@ fn ndarray<'a, 'py>(
 }
 
 /// The array's elements in C order: borrowed when contiguous, else copied.
-fn slice_of<'a, T: Element + Copy>(array: &'a PyReadonlyArrayDyn<'_, T>) -> Cow<'a, [T]> {
-    match array.as_slice() {
+fn slice_of<'a, T: Element + Copy>(array: &'a Bound<'_, PyArrayDyn<T>>) -> Cow<'a, [T]> {
+    // SAFETY: the slice is only read, and only during this call, while the
+    // caller holds a reference to the array. rust-numpy's borrow registry
+    // (`readonly()`) would cost more than building a small tree, and guards
+    // only against Rust-side mutable borrows, of which ddtree makes none; a
+    // Python thread writing the array during the call is a caller bug either way.
+    match unsafe { array.as_slice() } {
         Ok(slice) => Cow::Borrowed(slice),
-        Err(_) => Cow::Owned(array.as_array().iter().copied().collect()),
+        Err(_) => Cow::Owned(array.to_owned_array().iter().copied().collect()),
     }
 }
 
@@ -152,18 +167,24 @@ fn array_2d<'py, T: Element>(
 // ------------------------------------------------------------ build entry
 
 /// Token ids arrive as int32 or int64; the core is generic over both.
-enum TokenIds<'py> {
-    I32(PyReadonlyArrayDyn<'py, i32>),
-    I64(PyReadonlyArrayDyn<'py, i64>),
+enum TokenIds<'a, 'py> {
+    I32(&'a Bound<'py, PyArrayDyn<i32>>),
+    I64(&'a Bound<'py, PyArrayDyn<i64>>),
 }
 
-/// Reads `log_probs` and `token_ids`, both of the `expected` shape; returns
-/// borrowed arrays and the shape.
-fn read_distribution<'py>(
-    log_probs: &Bound<'py, PyAny>,
-    token_ids: &Bound<'py, PyAny>,
+/// Borrowed `log_probs` and `token_ids` arrays and their common shape.
+type DistributionArrays<'a, 'py> = (
+    &'a Bound<'py, PyArrayDyn<f32>>,
+    TokenIds<'a, 'py>,
+    Vec<usize>,
+);
+
+/// Reads `log_probs` and `token_ids`, both of the `expected` shape.
+fn read_distribution<'a, 'py>(
+    log_probs: &'a Bound<'py, PyAny>,
+    token_ids: &'a Bound<'py, PyAny>,
     expected: &'static str,
-) -> PyResult<(PyReadonlyArrayDyn<'py, f32>, TokenIds<'py>, Vec<usize>)> {
+) -> PyResult<DistributionArrays<'a, 'py>> {
     let lp = ndarray(log_probs, "log_probs", expected)?;
     let ids = ndarray(token_ids, "token_ids", expected)?;
     if lp.shape() != ids.shape() {
@@ -175,10 +196,10 @@ fn read_distribution<'py>(
         .into());
     }
     let shape = lp.shape().to_vec();
-    let values = typed::<f32>(lp, "log_probs", "float32")?.readonly();
+    let values = typed::<f32>(lp, "log_probs", "float32")?;
     let ids = match ids.cast::<PyArrayDyn<i64>>() {
-        Ok(a) => TokenIds::I64(a.readonly()),
-        Err(_) => TokenIds::I32(typed::<i32>(ids, "token_ids", "int32 or int64")?.readonly()),
+        Ok(a) => TokenIds::I64(a),
+        Err(_) => TokenIds::I32(typed::<i32>(ids, "token_ids", "int32 or int64")?),
     };
     Ok((values, ids, shape))
 }
@@ -213,15 +234,15 @@ fn build_tree(
 ) -> PyResult<PyTree> {
     let budget = count(budget, "budget")?;
     let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[L, K]")?;
-    let lp = slice_of(&lp);
+    let lp = slice_of(lp);
     let tree = match &ids {
         TokenIds::I32(ids) => {
             let ids = slice_of(ids);
-            run_detached(py, || build_one(&lp, &ids, &shape, budget))?
+            run_core(py, lp.len(), || build_one(&lp, &ids, &shape, budget))?
         }
         TokenIds::I64(ids) => {
             let ids = slice_of(ids);
-            run_detached(py, || build_one(&lp, &ids, &shape, budget))?
+            run_core(py, lp.len(), || build_one(&lp, &ids, &shape, budget))?
         }
     };
     Ok(PyTree { inner: tree })
@@ -258,15 +279,19 @@ fn build_trees(
             &serial
         }
     };
-    let lp = slice_of(&lp);
+    let lp = slice_of(lp);
     let batch = match &ids {
         TokenIds::I32(ids) => {
             let ids = slice_of(ids);
-            run_detached(py, || build_batch(&lp, &ids, &shape, &budgets, executor))?
+            run_core(py, lp.len(), || {
+                build_batch(&lp, &ids, &shape, &budgets, executor)
+            })?
         }
         TokenIds::I64(ids) => {
             let ids = slice_of(ids);
-            run_detached(py, || build_batch(&lp, &ids, &shape, &budgets, executor))?
+            run_core(py, lp.len(), || {
+                build_batch(&lp, &ids, &shape, &budgets, executor)
+            })?
         }
     };
     Ok(PyTreeBatch { inner: batch })
@@ -625,7 +650,9 @@ fn compile_tree(
     window: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyCompiledTree> {
     let window = window.map(|w| count(w, "window")).transpose()?.unwrap_or(0);
-    let inner = run_detached(py, || CompiledTree::new(tree.inner.view(), start, window))?;
+    let inner = run_core(py, tree.inner.len() * (window + 1), || {
+        CompiledTree::new(tree.inner.view(), start, window)
+    })?;
     Ok(PyCompiledTree { inner })
 }
 
@@ -644,17 +671,19 @@ fn compile_trees(
         None => vec![0; requests],
     };
     let window = window.map(|w| count(w, "window")).transpose()?.unwrap_or(0);
-    let inner = run_detached(py, || batch::compile_trees(&batch.inner, &starts, window))?;
+    let inner = run_core(py, batch.inner.total_nodes() * (window + 1), || {
+        batch::compile_trees(&batch.inner, &starts, window)
+    })?;
     Ok(PyCompiledBatch { inner })
 }
 
 fn target_tokens(obj: &Bound<'_, PyAny>, expected: &'static str) -> PyResult<Vec<i64>> {
     let array = ndarray(obj, "target_tokens", expected)?;
     if let Ok(a) = array.cast::<PyArrayDyn<i64>>() {
-        return Ok(slice_of(&a.readonly()).into_owned());
+        return Ok(slice_of(a).into_owned());
     }
-    let a = typed::<i32>(array, "target_tokens", "int32 or int64")?.readonly();
-    Ok(slice_of(&a).iter().map(|&t| t as i64).collect())
+    let a = typed::<i32>(array, "target_tokens", "int32 or int64")?;
+    Ok(slice_of(a).iter().map(|&t| t as i64).collect())
 }
 
 /// accept(tree, target_tokens) -> (path, bonus)
@@ -675,7 +704,7 @@ fn accept<'py>(
     target_tokens: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let target = self::target_tokens(target_tokens, "[n + 1]")?;
-    let (path, bonus) = run_detached(py, || {
+    let (path, bonus) = run_core(py, target.len(), || {
         WALKER.with_borrow_mut(|w| w.accept(tree.inner.view(), &target))
     })?;
     let path = array_1d(py, path).into_any();
@@ -693,7 +722,9 @@ fn accept_trees(
     target_tokens: &Bound<'_, PyAny>,
 ) -> PyResult<PyAcceptedBatch> {
     let target = self::target_tokens(target_tokens, "[T]")?;
-    let inner = run_detached(py, || batch::accept_trees(&batch.inner, &target))?;
+    let inner = run_core(py, target.len(), || {
+        batch::accept_trees(&batch.inner, &target)
+    })?;
     Ok(PyAcceptedBatch { inner })
 }
 
@@ -704,7 +735,7 @@ fn accept_trees(
 #[pyfunction]
 fn kv_move_plan<'py>(py: Python<'py>, path: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
     let array = ndarray(path, "path", "[m]")?;
-    let path = slice_of(&typed::<i32>(array, "path", "int32")?.readonly()).into_owned();
+    let path = slice_of(typed::<i32>(array, "path", "int32")?).into_owned();
     check_path(&path)?;
     let (src, dst): (Vec<i64>, Vec<i64>) =
         kv_moves(&path).map(|(s, d)| (s as i64, d as i64)).unzip();
