@@ -12,6 +12,7 @@ from _gdn_testing import (
     random_gdn_inputs,
     random_parents,
     root_path_outputs_by_chain,
+    root_path_outputs_by_state_walk,
     star_parents,
     tree_parents,
 )
@@ -100,6 +101,12 @@ def test_causal_mask_instead_of_ancestor_mask_is_detected():
                                                  inputs["initial_state"])
     assert (wrong - expected).abs().max() > 1e-2
     assert (run_tree(inputs, parents) - expected).abs().max() <= 1e-10
+
+
+def test_the_two_oracles_agree():
+    parents = random_parents(30, torch.Generator().manual_seed(8))
+    inputs = random_gdn_inputs(30, seed=8)
+    assert (root_path_outputs_by_chain(inputs, parents) - root_path_outputs_by_state_walk(inputs, parents)).abs().max() <= 1e-12
 
 
 def test_sibling_inputs_do_not_leak():
@@ -202,3 +209,16 @@ def test_bad_gdn_inputs_raise_value_error():
         call(parents=[-1, 0, 0])
     with pytest.raises(ValueError, match=r"v must have shape \[N, Hv, Dv\] with N = 5"):
         call(v=inputs["v"][:3])
+
+
+def test_fp32_stays_accurate_on_a_256_node_tree_with_long_memory_and_correlated_keys():
+    """Hard case for the triangular solve: beta ~ 1, almost no decay, nearly parallel keys, deep branches."""
+    gen = torch.Generator().manual_seed(6)
+    parents = [-1] + [max(0, node - 1 - int(torch.randint(0, 3, (1,), generator=gen))) for node in range(1, 256)]
+    inputs = random_gdn_inputs(256, head_k_dim=64, head_v_dim=32, seed=6)
+    inputs["beta"] = torch.full_like(inputs["beta"], 0.999)
+    inputs["g"] = torch.full_like(inputs["g"], -1e-4)
+    inputs["k"] = 0.3 * inputs["k"] + torch.randn(1, 2, 64, generator=gen, dtype=torch.float64)
+    expected = root_path_outputs_by_state_walk(inputs, parents)
+    out32 = run_tree({name: value.float() for name, value in inputs.items()}, parents)
+    assert (out32.double() - expected).abs().max() <= 1e-4
