@@ -96,13 +96,17 @@ def test_tree_conv_matches_transformers_conv_update_step_by_step():
         torch.testing.assert_close(out[node], step[0, :, 0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("path", [[0], [0, 1], [0, 1, 3], [0, 1, 3, 4, 5]])
-def test_commit_conv_history_keeps_last_inputs_of_history_plus_path(path):
+@pytest.mark.parametrize("path", [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4, 5]])
+def test_committed_conv_history_continues_the_sequential_conv(path):
+    """After committing a path, the next token's conv equals the ordinary conv over history + path + token."""
     parents = [-1, 0, 0, 1, 3, 4]
-    x_nodes, history, _, _ = conv_inputs(6, 4, seed=2)
+    x_nodes, history, weight, bias = conv_inputs(len(parents) + 1, 4, seed=2)
+    x_nodes, next_token = x_nodes[:-1], x_nodes[-1:]
+    assert path == root_path(torch.tensor(parents), path[-1])
     new_history = commit_conv_history(history, x_nodes, path)
-    expected = torch.cat([history, x_nodes[path]])[-3:]
-    assert torch.equal(new_history, expected)
+    next_out = tree_causal_conv1d(next_token, new_history, [-1], weight, bias)
+    expected = reference_causal_conv(torch.cat([history, x_nodes[path], next_token]), weight, bias, True)[-1]
+    torch.testing.assert_close(next_out[0], expected, rtol=0, atol=1e-12)
     # Shorter-than-window paths keep the newest old rows in front.
     if len(path) < 3:
         assert torch.equal(new_history[: 3 - len(path)], history[len(path):])

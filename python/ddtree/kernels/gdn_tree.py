@@ -409,7 +409,8 @@ def tree_gated_delta_rule_batched(
         Requests are independent, so this loops over them; a fused kernel
         would give each (request, head) pair its own program.
     """
-    num_nodes = q.shape[0] if q.dim() > 0 else 0
+    _require_dim("q", q, 3, "[T, Hk, Dk]")
+    num_nodes = q.shape[0]
     num_k_heads, head_k_dim, num_v_heads, head_v_dim = _check_gdn_inputs(q, k, v, g, beta, num_nodes)
     offsets = validate_node_offsets(node_offsets, num_nodes, device=q.device)
     local_parents = validate_batched_parents(parents, offsets, device=q.device)
