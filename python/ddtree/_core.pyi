@@ -1,22 +1,40 @@
 """Type stubs for the Rust extension module (rust/src/python.rs)."""
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
 
 __version__: str
+__all__ = [
+    "Tree",
+    "TreeBatch",
+    "CompiledTree",
+    "CompiledBatch",
+    "AcceptedBatch",
+    "Executor",
+    "build_tree",
+    "build_trees",
+    "compile_tree",
+    "compile_trees",
+    "accept",
+    "accept_trees",
+    "kv_move_plan",
+    "__version__",
+]
 
 _Ints = Union[int, Sequence[int], npt.NDArray[np.integer]]
 _TokenArray = Union[npt.NDArray[np.int32], npt.NDArray[np.int64]]
 
+@final
 class Executor:
     """A thread pool for batched calls, created on first use and anew after fork."""
 
-    def __init__(self, num_threads: int) -> None: ...
+    def __new__(cls, num_threads: int) -> Executor: ...
     @property
     def num_threads(self) -> int: ...
 
+@final
 class Tree:
     @property
     def tokens(self) -> npt.NDArray[np.int64]: ...
@@ -33,6 +51,7 @@ class Tree:
     def expected_acceptance(self) -> float: ...
     def __len__(self) -> int: ...
 
+@final
 class TreeBatch:
     @property
     def tokens(self) -> npt.NDArray[np.int64]: ...
@@ -50,8 +69,9 @@ class TreeBatch:
     def draft_depth(self) -> int: ...
     def expected_acceptance(self) -> npt.NDArray[np.float64]: ...
     def __len__(self) -> int: ...
-    def __getitem__(self, request: int) -> Tree: ...
+    def __getitem__(self, request: int, /) -> Tree: ...
 
+@final
 class CompiledTree:
     @property
     def positions(self) -> npt.NDArray[np.int64]: ...
@@ -63,6 +83,7 @@ class CompiledTree:
     def attention_bias(self) -> npt.NDArray[np.float32]: ...
     def __len__(self) -> int: ...
 
+@final
 class CompiledBatch:
     @property
     def positions(self) -> npt.NDArray[np.int64]: ...
@@ -71,6 +92,7 @@ class CompiledBatch:
     @property
     def windows(self) -> npt.NDArray[np.int32]: ...
 
+@final
 class AcceptedBatch:
     @property
     def paths(self) -> npt.NDArray[np.int32]: ...

@@ -1,0 +1,49 @@
+# One-command set-up on a fresh machine (Rust, Python 3.9+, a C compiler):
+#   make demo   install into .venv and run the command-line demo
+#   make test   install into .venv and run every test (Rust and Python)
+# .ci/run runs `make test`.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test install install-test lint rust-test py-test bench bench-rust bench-python clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Builds the Rust extension (release) and installs the package, editable.
+install: $(PY)
+	$(PIP) install -q -e .
+
+install-test: $(PY)
+	$(PIP) install -q -e ".[test,torch]"
+
+demo: install
+	$(VENV)/bin/ddtree demo
+
+lint:
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features python -- -D warnings
+
+rust-test:
+	cargo test --release
+
+py-test: install-test
+	$(PY) -m pytest -q
+
+test: lint rust-test py-test
+
+bench-rust:
+	cargo bench --bench tree -- --noplot
+
+bench-python: install
+	$(PY) benches/bench_python.py
+
+bench: bench-rust bench-python
+
+clean:
+	rm -rf $(VENV) target
