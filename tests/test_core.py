@@ -148,6 +148,13 @@ def test_batch_equals_loop_of_singles(batch_input, seed, threads):
     np.testing.assert_allclose(batch.expected_acceptance(), [t.expected_acceptance() for t in singles])
 
     compiled = ddtree.compile_trees(batch, starts, window=3)
+    masks = compiled.dense_masks()
+    largest = max(len(t) for t in singles)
+    assert masks.shape == (requests, largest, largest)
+    for r, single in enumerate(singles):
+        n = len(single)
+        np.testing.assert_array_equal(masks[r, :n, :n], ddtree.compile_tree(single).dense_mask())
+        assert not masks[r, n:].any() and not masks[r, :, n:].any()
     rng = np.random.default_rng(seed)
     targets = [random_targets(t, rng, 0.7) for t in singles]
     accepted = ddtree.accept_trees(batch, np.concatenate(targets))

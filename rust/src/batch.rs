@@ -240,6 +240,42 @@ pub struct CompiledBatch {
     /// `[T, window]`, tree-local node indices (negative: committed history).
     pub windows: Vec<i32>,
     pub window: usize,
+    /// `[R + 1]`, the batch's node offsets.
+    pub node_offsets: Vec<i64>,
+}
+
+impl CompiledBatch {
+    /// Largest tree of the batch, root included.
+    pub fn max_nodes(&self) -> usize {
+        self.node_offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Dense visibility per request, `[R, N, N]` row-major with N the largest
+    /// tree: `true` where node i of request r sees its node j; padding rows and
+    /// columns are `false`.
+    pub fn dense_masks(&self) -> Vec<bool> {
+        let n = self.max_nodes();
+        let requests = self.node_offsets.len().saturating_sub(1);
+        let mut masks = vec![false; requests * n * n];
+        for r in 0..requests {
+            let (first, last) = (
+                self.node_offsets[r] as usize,
+                self.node_offsets[r + 1] as usize,
+            );
+            for (i, node) in (first..last).enumerate() {
+                let bits = &self.ancestor_bits[node * self.words..(node + 1) * self.words];
+                let row = &mut masks[(r * n + i) * n..(r * n + i + 1) * n];
+                for (j, seen) in row.iter_mut().enumerate().take(last - first) {
+                    *seen = bits[j / 32] >> (j % 32) & 1 == 1;
+                }
+            }
+        }
+        masks
+    }
 }
 
 /// Compiles every tree; `starts[r]` is request r's first verified position
@@ -262,6 +298,7 @@ pub fn compile_trees(batch: &TreeBatch, starts: &[i64], window: usize) -> Result
         words,
         windows: vec![0; total * window],
         window,
+        node_offsets: batch.node_offsets.clone(),
     };
     let positions = split_sizes(&mut out.positions, sizes.iter().copied());
     let bits = split_sizes(&mut out.ancestor_bits, sizes.iter().map(|s| s * words));

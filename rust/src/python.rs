@@ -10,7 +10,8 @@ use std::borrow::Cow;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use numpy::{
-    Element, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArray1, PyArray2, PyArray3, PyArrayDyn, PyArrayMethods, PyUntypedArray,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -572,6 +573,13 @@ impl PyCompiledBatch {
             self.inner.positions.len(),
             self.inner.words,
         )
+    }
+    /// bool `[R, N, N]` (N: the largest tree): `masks[r, i, j]` when node i of
+    /// request r sees its node j; padding is False.
+    fn dense_masks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray3<bool>>> {
+        let n = self.inner.max_nodes();
+        let requests = self.inner.node_offsets.len() - 1;
+        PyArray1::from_vec(py, self.inner.dense_masks()).reshape([requests, n, n])
     }
     /// int32 `[T, window]`, tree-local indices; negative: committed history.
     #[getter]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs the CPU benchmarks and records them with the commit and the machine:
+#   bash benches/record_cpu.sh            -> benches/results/cpu-<commit>.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+commit=$(git rev-parse --short HEAD)
+out="benches/results/cpu-${commit}.md"
+{
+  echo "# CPU benchmarks at ${commit}"
+  echo
+  echo "- date: $(date -u +%F)"
+  echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(free -g | awk '/Mem/ {print $2}') GiB"
+  echo "- load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  [ -n "$(git status --porcelain)" ] && echo "- working tree: uncommitted changes present"
+  echo
+  echo "## python benches/bench_python.py --repeat 15 (serial)"
+  echo '```'
+  .venv/bin/python benches/bench_python.py --repeat 15
+  echo '```'
+  echo
+  echo "## python benches/bench_python.py --repeat 15 --threads 2 --budgets 64 256"
+  echo '```'
+  .venv/bin/python benches/bench_python.py --repeat 15 --threads 2 --budgets 64 256
+  echo '```'
+  echo
+  echo "## cargo bench --bench tree (criterion; time per call, throughput in tree nodes)"
+  echo '```'
+  cargo bench --bench tree -- --noplot 2>/dev/null | grep -E '^(build|build\+compile\+accept)/|time:|thrpt:'
+  echo '```'
+} | tee "$out"
+echo "recorded in $out" >&2
