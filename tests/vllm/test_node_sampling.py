@@ -1,7 +1,9 @@
 """Per-node target tokens and the losslessness of sample-then-walk (torch on CPU)."""
 
 import numpy as np
-import torch
+import pytest
+
+torch = pytest.importorskip("torch")
 
 import ddtree
 from ddtree.vllm.node_sampling import apply_top_k_top_p, sample_rows

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 import ddtree
 from ddtree.kernels.tree_attention import tree_attention

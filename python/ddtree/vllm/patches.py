@@ -133,10 +133,14 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
     draft_hf = spec.draft_model_config.hf_config
     cfg = resolve_draft_len(cfg, _drafter_block_size(draft_hf))
     model = vllm_config.model_config
+    text = getattr(model, "hf_text_config", None)
+    sliding = model.get_sliding_window()
+    if text is not None and getattr(text, "use_sliding_window", True) is False:
+        sliding = None  # Qwen-style configs keep a window size with the feature switched off
     check_target(
         is_hybrid=bool(getattr(model, "is_hybrid", False)),
         uses_mrope=bool(getattr(model, "uses_mrope", False)),
-        sliding_window=model.get_sliding_window(),
+        sliding_window=sliding,
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
         vocab_size=model.get_vocab_size(),
         cfg=cfg,

@@ -203,10 +203,18 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return out
 
     def sample_tokens(self, grammar_output):
+        if grammar_output is not None and self._ddtree_plan is not None:
+            raise RuntimeError("DDTree cannot verify trees under structured outputs (refused at admission; a bug)")
         self._ddtree_proposed = False
         if hasattr(self, "drafter"):
             self.drafter.last_req_ids, self.drafter.last_drafts = [], []
-        return super().sample_tokens(grammar_output)
+        try:
+            return super().sample_tokens(grammar_output)
+        finally:
+            if hasattr(self, "drafter"):
+                # A step whose drafter did not run must not leak its row order into the next one.
+                self.drafter.context_order = None
+                self.drafter.flat_positions = None
 
     def take_draft_token_ids(self) -> Optional[DraftTokenIds]:
         if not self.num_spec_tokens or not hasattr(self, "drafter"):
