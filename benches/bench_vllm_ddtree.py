@@ -1,0 +1,142 @@
+"""Throughput and acceptance of vLLM 0.25.x: no speculation vs vLLM's DFlash vs DDTree (GPU).
+
+    python benches/bench_vllm_ddtree.py [--target DIR --drafter DIR] [--budgets 16,32,64,128,256]
+                                        [--batches 1,8,32] [--max-tokens 128] [--out DIR] [--cuda-graphs]
+
+Without --target/--drafter it writes the tiny random Qwen3 target and DFlash
+drafter of ``ddtree.vllm.tiny_models`` (random drafter: acceptance near zero
+except where DDTree's top-K covers the tiny vocabulary). Each engine runs in
+its own subprocess; one table is printed at the end:
+
+    engine  batch  tokens/s  mean acceptance length  (greedy, ignore_eos, token-id prompts)
+
+Mean acceptance length = 1 + accepted / drafts from vLLM's own spec-decode
+counters (for DDTree a "draft" is one verified tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+
+
+def child(args):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(args.spec) if args.spec else None
+    max_batch = max(int(b) for b in args.batches.split(","))
+    budget = spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0)) if spec else 0
+    kw = dict(model=args.target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=not args.cuda_graphs,
+              max_model_len=args.max_model_len, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+              max_num_batched_tokens=max(8192, max_batch * (budget + 1) + args.prompt_len))
+    if spec is not None:
+        kw["speculative_config"] = dict(spec, model=args.drafter)
+    llm = LLM(**kw)
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    rnd = random.Random(0)
+
+    def counters():
+        out = {"drafts": 0.0, "accepted": 0.0}
+        for m in llm.get_metrics():
+            name = m.name.replace("_total", "")
+            if name == "vllm:spec_decode_num_drafts":
+                out["drafts"] = float(m.value)
+            elif name == "vllm:spec_decode_num_accepted_tokens":
+                out["accepted"] = float(m.value)
+        return out
+
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        prompts = [TokensPrompt(prompt_token_ids=[rnd.randrange(2, vocab - 1) for _ in range(args.prompt_len)])
+                   for _ in range(b)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False),
+                     use_tqdm=False)  # warm-up
+        before = counters()
+        t = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.time() - t
+        after = counters()
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        drafts = after["drafts"] - before["drafts"]
+        mal = 1.0 + (after["accepted"] - before["accepted"]) / drafts if drafts else None
+        rows.append({"batch": b, "tokens_per_s": tokens / dt, "mean_acceptance_length": mal, "seconds": dt})
+    print("RESULT-JSON " + json.dumps(rows), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target")
+    ap.add_argument("--drafter")
+    ap.add_argument("--budgets", default="16,32,64,128,256")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--draft-len", type=int, default=15)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--cuda-graphs", action="store_true", help="plain/dflash only; ddtree always runs eager")
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    if not args.target:
+        from ddtree.vllm.tiny_models import write_drafter, write_target
+
+        args.target, args.drafter = "/tmp/ddtree_bench/target", "/tmp/ddtree_bench/drafter"
+        spec = write_target(args.target)
+        write_drafter(args.drafter, spec)
+    os.makedirs(args.out, exist_ok=True)
+    engines = [("none", None), ("dflash", {"method": "dflash", "num_speculative_tokens": args.draft_len})]
+    for b in (int(x) for x in args.budgets.split(",")):
+        engines.append((f"ddtree-{b}", {"method": "ddtree", "num_speculative_tokens": args.draft_len,
+                                        "ddtree_budget": b}))
+    table = []
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
+    for name, spec in engines:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--target", args.target, "--drafter",
+               str(args.drafter), "--batches", args.batches, "--max-tokens", str(args.max_tokens), "--prompt-len",
+               str(args.prompt_len), "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization",
+               str(args.gpu_memory_utilization)]
+        if spec:
+            cmd += ["--spec", json.dumps(spec)]
+        if args.cuda_graphs and (spec is None or spec["method"] != "ddtree"):
+            cmd.append("--cuda-graphs")
+        t = time.time()
+        try:
+            with open(os.path.join(args.out, f"bench_{name}.log"), "w") as log:
+                proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
+            if line is None:
+                print(f"{name}: FAILED rc={proc.returncode}, see {args.out}/bench_{name}.log", flush=True)
+                continue
+            for row in json.loads(line[len("RESULT-JSON "):]):
+                table.append(dict(row, engine=name))
+            print(f"{name}: done in {time.time() - t:.0f}s", flush=True)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: TIMEOUT after {args.timeout}s", flush=True)
+        except Exception:
+            traceback.print_exc()
+    print(f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'mean acc len':>14}")
+    for row in table:
+        mal = row["mean_acceptance_length"]
+        print(f"{row['engine']:<14}{row['batch']:>6}{row['tokens_per_s']:>12.1f}{(f'{mal:.3f}' if mal else '-'):>14}")
+    json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""DDTree for vLLM 0.25.x (attention-only targets, V1 model runner).
+
+Usage, once ``ddtree`` is installed (its ``vllm.general_plugins`` entry point
+loads :mod:`ddtree.vllm.plugin` in every vLLM process)::
+
+    vllm serve <target> --speculative-config \\
+        '{"method": "ddtree", "model": "<DFlash drafter>", "num_speculative_tokens": 15, "ddtree_budget": 64}'
+
+or ``vllm.LLM(model=..., speculative_config={...same dict...})``.
+
+Modules: ``config`` (translation/validation, no vLLM import), ``step``
+(per-step tree bookkeeping on numpy, no vLLM import), ``node_sampling``,
+``kv``, ``tree_attention`` (torch/Triton, no vLLM import), and the vLLM side:
+``patches`` (every patch, version check), ``plugin``, ``worker``, ``runner``,
+``proposer``, ``sampler``, ``attention``. Nothing here imports vLLM at
+package import time.
+"""

@@ -1,0 +1,160 @@
+"""DDTree's attention backend for the target (registered as vLLM's CUSTOM backend).
+
+vLLM 0.25.1 has no tree attention (TREE_ATTN was removed in 0.22, and the
+surviving ``unified_attention(qq_bias=...)`` shares one bias across the
+batch). This backend is vLLM's Triton backend with one change: when the step
+verifies trees, ``forward`` runs :func:`ddtree.vllm.tree_attention.paged_tree_attention`,
+which masks each tree request with its own ancestor bitmasks and keeps every
+other sequence (prefills, chunks, plain decodes) causal, all in one launch.
+Steps without trees take the stock Triton path unchanged.
+
+The per-step tree inputs are published by the model runner
+(:func:`set_tree_inputs`) after it builds the verification plan and before
+vLLM builds the attention metadata; the builder attaches them to this
+backend's metadata and the runner clears them once the forward is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
+)
+
+from ddtree.vllm.tree_attention import paged_tree_attention
+
+
+@dataclasses.dataclass
+class TreeAttentionInputs:
+    """The GPU side of one step's verification plan."""
+
+    row_start: torch.Tensor  # [num_reqs] int32, -1 for sequences without a tree
+    ancestor_bits: torch.Tensor  # [T, words] int32
+    num_reqs: int
+    num_tokens: int
+
+
+_CURRENT: Optional[TreeAttentionInputs] = None
+
+
+def set_tree_inputs(inputs: Optional[TreeAttentionInputs]) -> None:
+    global _CURRENT
+    _CURRENT = inputs
+
+
+def get_tree_inputs() -> Optional[TreeAttentionInputs]:
+    return _CURRENT
+
+
+@dataclasses.dataclass
+class DDTreeAttentionMetadata(TritonAttentionMetadata):
+    tree: Optional[TreeAttentionInputs] = None
+
+
+class DDTreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+    # Tree inputs change every step and live outside vLLM's persistent buffers.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        tree = get_tree_inputs()
+        if tree is not None:
+            if (
+                tree.num_reqs != common_attn_metadata.num_reqs
+                or tree.num_tokens != common_attn_metadata.num_actual_tokens
+            ):
+                raise RuntimeError(
+                    "DDTree tree-attention inputs do not match the batch being built "
+                    f"({tree.num_reqs} requests / {tree.num_tokens} tokens vs "
+                    f"{common_attn_metadata.num_reqs} / {common_attn_metadata.num_actual_tokens})"
+                )
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TritonAttentionMetadata)}
+        return DDTreeAttentionMetadata(**fields, tree=tree)
+
+
+class DDTreeAttentionImpl(TritonAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        unsupported = []
+        if self.alibi_slopes is not None:
+            unsupported.append("ALiBi")
+        if tuple(self.sliding_window) != (-1, -1):
+            unsupported.append("sliding window")
+        if self.logits_soft_cap:
+            unsupported.append("logit soft-capping")
+        if self.sinks is not None:
+            unsupported.append("attention sinks")
+        if self.attn_type != AttentionType.DECODER:
+            unsupported.append(f"attention type {self.attn_type}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            unsupported.append(f"kv_cache_dtype={self.kv_cache_dtype}")
+        if getattr(self, "chunk_lookback", -1) not in (-1, None):
+            unsupported.append("chunked local attention")
+        if unsupported:
+            raise NotImplementedError(
+                "DDTree's tree-attention backend does not support " + ", ".join(unsupported)
+                + " (method 'ddtree' supports plain causal decoder attention targets for now)"
+            )
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        tree = getattr(attn_metadata, "tree", None) if attn_metadata is not None else None
+        if tree is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("DDTree tree attention does not support fused output quantization")
+        n = attn_metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache.unbind(1)
+        out = output[:n]
+        if out.dim() == 2:
+            out = out.view(n, self.num_heads, self.head_size)
+        paged_tree_attention(
+            query[:n],
+            key_cache,
+            value_cache,
+            attn_metadata.block_table,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            tree.row_start,
+            tree.ancestor_bits,
+            self.scale,
+            attn_metadata.max_query_len,
+            out=out,
+        )
+        return output
+
+
+class DDTreeAttentionBackend(TritonAttentionBackend):
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return DDTreeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return DDTreeAttentionMetadataBuilder
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER

@@ -1,0 +1,301 @@
+"""DDTree's user-facing vLLM configuration: parsing, translation, validation.
+
+Pure Python (no vLLM import), so CI tests it without vLLM installed.
+
+The user writes::
+
+    --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>",
+                           "num_speculative_tokens": 15, "ddtree_budget": 64}'
+
+vLLM 0.25.1 has no way to register a speculative method and its
+``SpeculativeConfig`` forbids unknown keys, so :func:`translate` rewrites the
+request before vLLM sees it:
+
+* ``method`` becomes ``"dflash"`` (the drafter *is* a DFlash drafter; vLLM
+  loads it, we only change what is done with its output);
+* vLLM's ``num_speculative_tokens`` becomes the tree budget B: the scheduler
+  sees B draft tokens per request (the tree's nodes in pop order, parents
+  first), reserves B+1 query slots and KV slots, and verifies B+1 logits rows;
+* the drafter's depth L (the user's ``num_speculative_tokens``, = DFlash block
+  size - 1) and the other ``ddtree_*`` keys move to
+  ``additional_config["ddtree"]``, which vLLM ships to every process with the
+  rest of ``VllmConfig``.
+
+Restrictions of this first adapter (each checked, each refused with the
+reason when the user asked for the opposite, see :data:`ENGINE_OVERRIDES`):
+eager mode (no CUDA graphs), V1 model runner, no async scheduling, no prefix
+caching, the adapter's own attention backend for the target (CUSTOM) and its
+own worker class, attention-only targets without sliding windows or M-RoPE,
+unquantized KV cache, one GPU (tensor/pipeline/data parallel size 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+METHOD = "ddtree"
+ADDITIONAL_CONFIG_KEY = "ddtree"
+WORKER_CLS = "ddtree.vllm.worker.DDTreeWorker"
+ATTENTION_BACKEND = "CUSTOM"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+#: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
+#: rows of full-vocabulary logits per step; beyond this the logits alone
+#: dominate memory for real vocabularies.
+MAX_BUDGET = 1024
+#: DFlash drafters in the wild use blocks of 8 or 16; anything deeper than this
+#: is almost certainly a typo.
+MAX_DRAFT_LEN = 64
+
+#: ``ddtree_*`` keys of the speculative config and their meaning.
+DDTREE_KEYS = {
+    "ddtree_budget": "tree budget B: draft nodes verified per request and step (required)",
+    "ddtree_top_k": "candidates kept per drafter position (default min(B, vocab size))",
+    "ddtree_num_threads": "threads of the Rust tree builder (default 1)",
+}
+
+#: Speculative-config keys that make no sense with a tree (vLLM keys).
+_REFUSED_SPEC_KEYS = {
+    "disable_padded_drafter_batch": "the adapter relies on vLLM's padded drafter batch",
+    "num_speculative_tokens_per_batch_size": "dynamic speculative decoding is not supported with trees",
+    "rejection_sample_method": "tree acceptance replaces vLLM's rejection sampler",
+    "synthetic_acceptance_rates": "tree acceptance replaces vLLM's rejection sampler",
+    "synthetic_acceptance_length": "tree acceptance replaces vLLM's rejection sampler",
+    "draft_sample_method": "the tree is built from the drafter's top-K, never sampled",
+    "use_heterogeneous_vocab": "the drafter must share the target's vocabulary",
+    "use_local_argmax_reduction": "the tree needs the drafter's top-K, not its argmax",
+    "parallel_drafting": "set by vLLM for DFlash drafters",
+}
+
+
+class DDTreeConfigError(ValueError):
+    """An invalid ``method: "ddtree"`` configuration; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DDTreeConfig:
+    budget: int
+    draft_len: Optional[int]  # L; None until resolved from the drafter's block_size
+    top_k: Optional[int]  # None: min(budget, vocab), resolved against the vocab
+    num_threads: int = 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DDTreeConfig":
+        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls) if f.name in data})
+
+    def width(self, vocab_size: int) -> int:
+        """K, the drafter candidates per position."""
+        k = self.top_k if self.top_k is not None else self.budget
+        return max(1, min(k, self.budget, vocab_size))
+
+
+def _positive_int(name: str, value: Any, maximum: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DDTreeConfigError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise DDTreeConfigError(f"{name} must be a positive integer, got {value}")
+    if maximum is not None and value > maximum:
+        raise DDTreeConfigError(f"{name} must be at most {maximum}, got {value}")
+    return value
+
+
+def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeConfig]:
+    """Splits a ``method: "ddtree"`` speculative config.
+
+    Returns the speculative config vLLM will see (``method: "dflash"``,
+    ``num_speculative_tokens`` = budget) and the DDTree settings.
+    """
+    if spec.get("method") != METHOD:
+        raise DDTreeConfigError(f"not a ddtree speculative config: method={spec.get('method')!r}")
+    unknown = [k for k in spec if k.startswith("ddtree_") and k not in DDTREE_KEYS]
+    if unknown:
+        known = ", ".join(sorted(DDTREE_KEYS))
+        raise DDTreeConfigError(f"unknown ddtree option(s) {sorted(unknown)}; known: {known}")
+    refused = {k: why for k, why in _REFUSED_SPEC_KEYS.items() if k in spec}
+    if refused:
+        reasons = "; ".join(f"{k}: {why}" for k, why in refused.items())
+        raise DDTreeConfigError(f"speculative-config key(s) not supported with method 'ddtree' ({reasons})")
+    if not spec.get("model"):
+        raise DDTreeConfigError(
+            "method 'ddtree' needs a DFlash drafter: set speculative_config['model'] to its path or HF id"
+        )
+    if "ddtree_budget" not in spec:
+        raise DDTreeConfigError("method 'ddtree' needs ddtree_budget (the number of tree nodes verified per step)")
+    budget = _positive_int("ddtree_budget", spec["ddtree_budget"], MAX_BUDGET)
+    draft_len = spec.get("num_speculative_tokens")
+    if draft_len is not None:
+        draft_len = _positive_int(
+            "num_speculative_tokens (the drafter's depth L = DFlash block_size - 1)", draft_len, MAX_DRAFT_LEN
+        )
+        if budget < draft_len:
+            raise DDTreeConfigError(
+                f"ddtree_budget={budget} is smaller than the drafter's depth num_speculative_tokens={draft_len}; "
+                "this adapter sizes the drafter's buffers by the budget, so it needs budget >= depth"
+            )
+    top_k = spec.get("ddtree_top_k")
+    if top_k is not None:
+        top_k = _positive_int("ddtree_top_k", top_k)
+    num_threads = _positive_int("ddtree_num_threads", spec.get("ddtree_num_threads", 1), 256)
+    vllm_spec = {k: v for k, v in spec.items() if not k.startswith("ddtree_")}
+    vllm_spec["method"] = "dflash"
+    vllm_spec["num_speculative_tokens"] = budget
+    return vllm_spec, DDTreeConfig(budget=budget, draft_len=draft_len, top_k=top_k, num_threads=num_threads)
+
+
+#: Engine settings the adapter needs: (EngineArgs attribute, required value,
+#: values that count as "not set by the user", why).
+ENGINE_OVERRIDES = (
+    ("enforce_eager", True, (False, None), "CUDA graphs are not supported yet (tree metadata changes every step)"),
+    ("async_scheduling", False, (None,), "the tree must be known on the CPU before the next step is scheduled"),
+    ("enable_prefix_caching", False, (None,), "not validated with tree KV compaction yet"),
+    ("attention_backend", ATTENTION_BACKEND, (None,), "the target's attention must run DDTree's tree backend"),
+    ("worker_cls", WORKER_CLS, ("auto",), "DDTree's worker installs its model runner"),
+)
+
+#: Parallelism the adapter refuses (EngineArgs attribute -> why).
+_PARALLEL_LIMITS = {
+    "tensor_parallel_size": "per-node sampling and tree acceptance are not synchronised across ranks yet",
+    "pipeline_parallel_size": "the drafter and acceptance assume one stage",
+    "data_parallel_size": "not validated",
+}
+
+
+def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
+    """The EngineArgs attributes to set; raises when the user asked for the opposite.
+
+    ``args`` is an ``EngineArgs`` (or anything with the same attributes).
+    """
+    changes: Dict[str, Any] = {}
+    for attr, required, unset, why in ENGINE_OVERRIDES:
+        if not hasattr(args, attr):
+            continue
+        value = getattr(args, attr)
+        if attr == "attention_backend" and value is not None:
+            value = getattr(value, "name", value)
+        if value == required:
+            continue
+        if value in unset:
+            changes[attr] = required
+            continue
+        raise DDTreeConfigError(f"method 'ddtree' needs {attr}={required!r}, got {value!r}: {why}")
+    attention_config = getattr(args, "attention_config", None)
+    backend = getattr(attention_config, "backend", None)
+    if backend is not None and getattr(backend, "name", backend) != ATTENTION_BACKEND:
+        raise DDTreeConfigError(
+            f"method 'ddtree' needs the target's attention backend {ATTENTION_BACKEND}, got attention_config.backend={backend}"
+        )
+    if backend is not None and "attention_backend" in changes:
+        del changes["attention_backend"]  # set through attention_config already; both would conflict
+    for attr, why in _PARALLEL_LIMITS.items():
+        value = getattr(args, attr, 1)
+        if value not in (None, 1):
+            raise DDTreeConfigError(f"method 'ddtree' supports {attr}=1 only, got {value}: {why}")
+    v2 = environ.get(V2_RUNNER_ENV)
+    if v2 is not None and v2.strip().lower() in ("1", "true"):
+        raise DDTreeConfigError(
+            f"method 'ddtree' runs on vLLM's V1 model runner; unset {V2_RUNNER_ENV} or set it to 0"
+        )
+    return changes
+
+
+def resolve_draft_len(cfg: DDTreeConfig, drafter_block_size: Optional[int]) -> DDTreeConfig:
+    """Fills L from the drafter's ``block_size`` (L = block_size - 1) and checks they agree."""
+    from_block = None
+    if drafter_block_size is not None:
+        if not isinstance(drafter_block_size, int) or drafter_block_size < 2:
+            raise DDTreeConfigError(f"the drafter's block_size must be an integer >= 2, got {drafter_block_size!r}")
+        from_block = drafter_block_size - 1
+    if cfg.draft_len is None:
+        if from_block is None:
+            raise DDTreeConfigError(
+                "cannot tell the drafter's depth: its config has no block_size; "
+                "set num_speculative_tokens to its block size - 1"
+            )
+        if cfg.budget < from_block:
+            raise DDTreeConfigError(
+                f"ddtree_budget={cfg.budget} is smaller than the drafter's depth {from_block} (block_size - 1); "
+                "this adapter needs budget >= depth"
+            )
+        return dataclasses.replace(cfg, draft_len=from_block)
+    if from_block is not None and from_block != cfg.draft_len:
+        raise DDTreeConfigError(
+            f"num_speculative_tokens={cfg.draft_len} does not match the drafter's block_size {drafter_block_size} "
+            f"(it must be block_size - 1 = {from_block})"
+        )
+    return cfg
+
+
+def check_target(
+    *,
+    is_hybrid: bool,
+    uses_mrope: bool,
+    sliding_window: Optional[int],
+    kv_cache_dtype: str,
+    vocab_size: int,
+    cfg: DDTreeConfig,
+    use_v2_model_runner: bool = False,
+    has_logits_processors: bool = False,
+) -> None:
+    """Refuses targets this adapter cannot verify exactly."""
+    if is_hybrid:
+        raise DDTreeConfigError(
+            "method 'ddtree' supports attention-only targets for now; this target has recurrent "
+            "(Mamba/GDN) layers, whose tree verification is not wired into vLLM yet"
+        )
+    if uses_mrope:
+        raise DDTreeConfigError("method 'ddtree' does not support M-RoPE targets yet (positions are 1-D tree depths)")
+    if sliding_window is not None:
+        raise DDTreeConfigError("method 'ddtree' does not support sliding-window attention in the target yet")
+    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise DDTreeConfigError(f"method 'ddtree' needs an unquantized KV cache, got kv_cache_dtype={kv_cache_dtype!r}")
+    if use_v2_model_runner:
+        raise DDTreeConfigError(f"method 'ddtree' runs on vLLM's V1 model runner; set {V2_RUNNER_ENV}=0")
+    if has_logits_processors:
+        raise DDTreeConfigError("method 'ddtree' does not support custom logits processors")
+    if cfg.top_k is not None and cfg.top_k > vocab_size:
+        raise DDTreeConfigError(f"ddtree_top_k={cfg.top_k} exceeds the vocabulary size {vocab_size}")
+
+
+def unsupported_sampling_reasons(params: Any) -> list:
+    """Why a request's ``SamplingParams`` cannot be served by the tree (empty: it can).
+
+    Per-node verification samples each node from the target's own
+    distribution with the request's temperature/top-p/top-k and seed; anything
+    that makes a token's distribution depend on the *draft* path in ways the
+    per-node sampler does not model is refused rather than served wrongly.
+    """
+    reasons = []
+
+    def get(name, default=None):
+        return getattr(params, name, default)
+
+    if get("structured_outputs") is not None or get("guided_decoding") is not None:
+        reasons.append("structured outputs (grammars would have to follow every tree branch)")
+    if (get("presence_penalty") or 0.0) != 0.0:
+        reasons.append("presence_penalty")
+    if (get("frequency_penalty") or 0.0) != 0.0:
+        reasons.append("frequency_penalty")
+    if (get("repetition_penalty") or 1.0) != 1.0:
+        reasons.append("repetition_penalty")
+    if get("bad_words"):
+        reasons.append("bad_words")
+    if get("logit_bias"):
+        reasons.append("logit_bias")
+    if (get("min_p") or 0.0) > 1e-5:
+        reasons.append("min_p")
+    if get("allowed_token_ids"):
+        reasons.append("allowed_token_ids")
+    if (get("min_tokens") or 0) > 0:
+        reasons.append("min_tokens (stop tokens would have to be masked per tree depth)")
+    if get("logprobs") is not None:
+        reasons.append("logprobs of sampled tokens")
+    if get("logits_processors"):
+        reasons.append("per-request logits processors")
+    if get("thinking_token_budget") is not None:
+        reasons.append("thinking_token_budget")
+    return reasons

@@ -1,0 +1,93 @@
+"""Per-node target tokens: the "sample" half of DDTree's sample-then-match acceptance.
+
+Every verified node gets one token drawn from the target's distribution at
+that node (its logits row), with the request's own temperature, top-k, top-p
+and seed: argmax at temperature 0, an independent sample per node otherwise.
+Walking the tree with these tokens (the Rust core's ``accept_trees``) is then
+exactly lossless: the accepted path plus bonus is distributed as if the target
+had sampled it token by token, because along any root path each depth uses
+one fresh sample of the right conditional distribution.
+
+Torch only (no vLLM import): CI tests it on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+GREEDY_EPS = 1e-5
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Masks ``logits [N, V]`` in place outside each row's top-k / nucleus top-p; returns it.
+
+    ``top_k`` values <= 0 or >= V and ``top_p`` values >= 1 disable the filter
+    for that row (vLLM's conventions).
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = top_k.to(torch.int64).clamp(min=0)
+        k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop |= ranks >= k[:, None]
+    if top_p is not None:
+        masked = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = masked.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches p (always the top token).
+        before = probs.cumsum(dim=-1) - probs
+        p = top_p.to(probs.dtype)[:, None]
+        drop |= (before >= p) & (p < 1.0)
+        drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return logits.scatter_(-1, order, sorted_logits)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: Optional[torch.Tensor],
+    top_k: Optional[torch.Tensor],
+    top_p: Optional[torch.Tensor],
+    generators: Optional[Dict[int, torch.Generator]] = None,
+    row_ranges: Optional[Sequence[tuple]] = None,
+    all_greedy: bool = False,
+) -> torch.Tensor:
+    """One token per row of ``logits [N, V]`` (int64 ``[N]``).
+
+    Args:
+        temperature, top_k, top_p: per row ``[N]`` (None: not used). Rows
+            with temperature < 1e-5 are greedy.
+        generators: request index -> seeded generator; ``row_ranges[i]`` is
+            ``(first_row, num_rows)`` of request ``i``. A seeded request's
+            noise comes from its own generator, in row order, so its samples
+            depend only on its seed and its trees.
+    """
+    greedy_tokens = logits.argmax(dim=-1)
+    if all_greedy or temperature is None:
+        return greedy_tokens
+    greedy = temperature < GREEDY_EPS
+    if bool(greedy.all()):
+        return greedy_tokens
+    scaled = logits.to(torch.float32) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None].to(
+        torch.float32
+    )
+    scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    if generators:
+        if row_ranges is None:
+            raise ValueError("seeded sampling needs row_ranges")
+        for req, gen in generators.items():
+            first, count = row_ranges[req]
+            if count:
+                noise[first : first + count] = torch.empty(
+                    (count, probs.shape[1]), dtype=probs.dtype, device=probs.device
+                ).exponential_(generator=gen)
+    # Exponential race: argmax p / E is a sample of p (Gumbel-max in disguise).
+    random_tokens = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, greedy_tokens, random_tokens)

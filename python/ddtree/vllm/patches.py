@@ -1,0 +1,244 @@
+"""Every change DDTree makes to vLLM, in one place.
+
+Supported vLLM: :data:`SUPPORTED` (0.25.x). Other versions are refused with a
+clear message: the adapter subclasses private parts of vLLM's V1 model runner
+and DFlash proposer whose signatures change between minor releases.
+
+What is patched, and why (all applied by :func:`apply`, idempotent):
+
+1. ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` (wrapped):
+   vLLM has no way to register a speculative method and its
+   ``SpeculativeConfig`` rejects unknown keys, so ``method: "ddtree"`` is
+   translated before vLLM parses it (``ddtree.vllm.config.parse_spec_config``:
+   method ``dflash`` with ``num_speculative_tokens`` = budget, DDTree settings
+   in ``additional_config["ddtree"]``), the engine settings DDTree needs are
+   applied or refused (``engine_overrides``: eager, no async scheduling, no
+   prefix caching, CUSTOM attention backend, DDTree's worker class, V1 runner),
+   and the created ``VllmConfig`` is validated (attention-only target, drafter
+   depth resolved from its ``block_size``). A later non-ddtree engine in the
+   same process is untouched.
+2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
+   (wrapped): requests whose sampling the tree cannot serve exactly
+   (structured outputs, penalties, bad words, logprobs, min_tokens, ...) are
+   rejected at admission with the reason, only for ddtree engines.
+3. ``register_backend(AttentionBackendEnum.CUSTOM, ...)``: the CUSTOM
+   attention backend is DDTree's tree-attention backend (vLLM's own
+   registration API; only selected when the engine asks for CUSTOM).
+4. ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (module attribute,
+   swapped only while :class:`ddtree.vllm.worker.DDTreeWorker` builds its
+   runner, see :func:`runner_class_swapped`): vLLM's worker imports the runner
+   class lazily from that module; the swap makes it build
+   :class:`ddtree.vllm.runner.DDTreeGPUModelRunner`.
+
+Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
+backends are used through subclasses (``runner.py``, ``proposer.py``,
+``sampler.py``, ``attention.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Optional
+
+from ddtree.vllm.config import (
+    ADDITIONAL_CONFIG_KEY,
+    METHOD,
+    V2_RUNNER_ENV,
+    DDTreeConfig,
+    DDTreeConfigError,
+    check_target,
+    engine_overrides,
+    parse_spec_config,
+    resolve_draft_len,
+    unsupported_sampling_reasons,
+)
+
+SUPPORTED = ((0, 25, 0), (0, 26, 0))  # [min, max)
+_APPLIED = False
+_MARK = "__ddtree_wrapped__"
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    pass
+
+
+def parse_version(text: str) -> tuple:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)
+
+
+def check_version(version: str) -> None:
+    v = parse_version(version)
+    lo, hi = SUPPORTED
+    if not (lo <= v < hi):
+        raise UnsupportedVLLMVersion(
+            f"ddtree's vLLM adapter supports vLLM >= {'.'.join(map(str, lo))}, < {'.'.join(map(str, hi))}; "
+            f"found vLLM {version}. Install a supported vLLM (pip install 'ddtree[vllm]') or uninstall ddtree's "
+            f"plugin with VLLM_PLUGINS excluding 'ddtree'."
+        )
+
+
+def _log():
+    from vllm.logger import init_logger
+
+    return init_logger("ddtree.vllm")
+
+
+# ---- 1. configuration --------------------------------------------------------------------------
+def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
+    """Rewrites a ddtree EngineArgs in place; returns its DDTree settings (None: not ddtree)."""
+    spec = args.speculative_config
+    if not isinstance(spec, dict) or spec.get("method") != METHOD:
+        return None
+    vllm_spec, cfg = parse_spec_config(spec)
+    changes = engine_overrides(args)
+    for attr, value in changes.items():
+        setattr(args, attr, value)
+    if changes:
+        _log().info("DDTree: engine settings %s", changes)
+    if os.environ.get(V2_RUNNER_ENV) is None:
+        os.environ[V2_RUNNER_ENV] = "0"
+    args.speculative_config = vllm_spec
+    extra = dict(args.additional_config or {})
+    extra[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
+    args.additional_config = extra
+    return cfg
+
+
+def _drafter_block_size(draft_hf_config: Any) -> Optional[int]:
+    for cfg in (draft_hf_config, getattr(draft_hf_config, "text_config", None)):
+        if cfg is None:
+            continue
+        block = getattr(cfg, "block_size", None)
+        if isinstance(block, int):
+            return block
+        dflash = getattr(cfg, "dflash_config", None) or {}
+        if isinstance(dflash, dict) and isinstance(dflash.get("block_size"), int):
+            return dflash["block_size"]
+    return None
+
+
+def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
+    """Checks the created VllmConfig and resolves the drafter depth; returns the final settings."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "dflash":
+        raise DDTreeConfigError("method 'ddtree' needs a DFlash drafter (vLLM did not detect one)")
+    draft_hf = spec.draft_model_config.hf_config
+    cfg = resolve_draft_len(cfg, _drafter_block_size(draft_hf))
+    model = vllm_config.model_config
+    text = getattr(model, "hf_text_config", None)
+    sliding = model.get_sliding_window()
+    if text is not None and getattr(text, "use_sliding_window", True) is False:
+        sliding = None  # Qwen-style configs keep a window size with the feature switched off
+    check_target(
+        is_hybrid=bool(getattr(model, "is_hybrid", False)),
+        uses_mrope=bool(getattr(model, "uses_mrope", False)),
+        sliding_window=sliding,
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        vocab_size=model.get_vocab_size(),
+        cfg=cfg,
+        use_v2_model_runner=bool(vllm_config.use_v2_model_runner),
+        has_logits_processors=bool(getattr(model, "logits_processors", None)),
+    )
+    if spec.num_speculative_tokens != cfg.budget:
+        raise DDTreeConfigError("internal: vLLM's num_speculative_tokens must equal the ddtree budget")
+    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
+    return cfg
+
+
+def _wrap_create_engine_config(engine_args_cls) -> None:
+    original = engine_args_cls.create_engine_config
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        cfg = _translate_engine_args(self)
+        if cfg is None:
+            extra = getattr(self, "additional_config", None)
+            if isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra:
+                raise DDTreeConfigError(
+                    "additional_config['ddtree'] is set by the ddtree plugin; use "
+                    "speculative_config={'method': 'ddtree', ...} instead"
+                )
+            return original(self, *args, **kwargs)
+        vllm_config = original(self, *args, **kwargs)
+        cfg = validate_vllm_config(vllm_config, cfg)
+        _log().info("DDTree enabled: %s", cfg)
+        return vllm_config
+
+    setattr(create_engine_config, _MARK, True)
+    engine_args_cls.create_engine_config = create_engine_config
+
+
+# ---- 2. admission ----------------------------------------------------------------------------------
+def _wrap_validate_params(processor_cls) -> None:
+    original = processor_cls._validate_params
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _validate_params(self, params, *args, **kwargs):
+        original(self, params, *args, **kwargs)
+        extra = getattr(self.vllm_config, "additional_config", None) or {}
+        if ADDITIONAL_CONFIG_KEY not in extra:
+            return
+        from vllm.sampling_params import SamplingParams
+
+        if isinstance(params, SamplingParams):
+            reasons = unsupported_sampling_reasons(params)
+            if reasons:
+                raise ValueError(
+                    "This server verifies draft trees (speculative method 'ddtree'), which cannot serve "
+                    "requests using: " + "; ".join(reasons) + "."
+                )
+
+    setattr(_validate_params, _MARK, True)
+    processor_cls._validate_params = _validate_params
+
+
+# ---- 3. attention backend ------------------------------------------------------------------------
+def _register_attention_backend() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, "ddtree.vllm.attention.DDTreeAttentionBackend")
+
+
+# ---- 4. runner class -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def runner_class_swapped():
+    """While active, ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` is DDTree's runner."""
+    import vllm.v1.worker.gpu_model_runner as module
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    original = module.GPUModelRunner
+    module.GPUModelRunner = DDTreeGPUModelRunner
+    try:
+        yield
+    finally:
+        module.GPUModelRunner = original
+
+
+def apply() -> None:
+    """Applies patches 1-3 (4 is applied by the worker). Raises on unsupported vLLM."""
+    global _APPLIED
+    import vllm
+
+    check_version(vllm.__version__)
+    if _APPLIED:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    _wrap_create_engine_config(EngineArgs)
+    _wrap_validate_params(InputProcessor)
+    _register_attention_backend()
+    _APPLIED = True

@@ -1,0 +1,96 @@
+"""DDTree's proposer: vLLM's DFlash drafter pass, kept as top-K, turned into trees.
+
+One drafter forward per step (vLLM's own ``DFlashProposer`` machinery, called
+with the drafter's depth L rather than vLLM's ``num_speculative_tokens``,
+which is the tree budget B). The drafter's logits at the L mask positions are
+reduced on the GPU to per-position top-K log-probabilities, copied to the host
+once as a single ``[batch, L, 2K]`` float32 tensor (log-probs and token ids
+bit-cast side by side), and all trees of the batch are built in one call to the
+Rust core (:class:`ddtree.vllm.step.TreeStore`).
+
+Conditioning: after a verification the target's rows of a tree request are
+in node order; the runner computes the permutation that puts the accepted path
+first (:func:`ddtree.vllm.step.drafter_context_order`) and this proposer
+applies it, and restores the flat positions the DFlash kernel expects, so the
+drafter's context is exactly the accepted path's hidden states.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from ddtree.vllm.config import DDTreeConfig
+from ddtree.vllm.step import TreeStore
+
+
+class DDTreeProposer(DFlashProposer):
+    def __init__(self, vllm_config, device, runner, cfg: DDTreeConfig):
+        super().__init__(vllm_config, device, runner)
+        if cfg.draft_len is None:
+            raise ValueError("DDTree: the drafter's depth was not resolved at startup")
+        self.cfg = cfg
+        self.draft_len = cfg.draft_len
+        self.budget = cfg.budget
+        vocab = vllm_config.model_config.get_vocab_size()
+        self.top_k = cfg.width(vocab)
+        self.store = TreeStore(cfg.budget, cfg.num_threads)
+        self._capture: Optional[torch.Tensor] = None
+        self._capturing = False
+        # Set by the runner before propose(): hidden-state row order and flat positions.
+        self.context_order: Optional[torch.Tensor] = None
+        self.flat_positions: Optional[torch.Tensor] = None
+        # Draft token lists of the last propose(), in batch order.
+        self.last_req_ids: List[str] = []
+        self.last_drafts: List[List[int]] = []
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        if not self._capturing:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        logits = self.model.compute_logits(hidden_states)  # [batch * L, V]
+        values, ids = logits.topk(self.top_k, dim=-1)
+        log_probs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        # One host copy: [rows, 2K] float32 with the ids' int32 bits beside the log-probs.
+        self._capture = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+        return ids[:, 0], None
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
+        if self.context_order is not None:
+            n = target_hidden_states.shape[0]
+            order = self.context_order[:n]
+            target_hidden_states = target_hidden_states[order]
+            target_token_ids = target_token_ids[order]
+            if self.flat_positions is not None:
+                target_positions = self.flat_positions[:n]
+        self.context_order = None
+        self.flat_positions = None
+
+        batch_size = common_attn_metadata.batch_size()
+        req_ids = list(self.runner.input_batch.req_ids[:batch_size])
+        self._capturing = True
+        self._capture = None
+        try:
+            super().propose(self.draft_len, target_token_ids, target_positions, target_hidden_states,
+                            next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                            mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+                            slot_mappings=slot_mappings)
+        finally:
+            self._capturing = False
+            # Restore vLLM's view of the draft length (the budget).
+            self.num_speculative_tokens = self.budget
+        assert self._capture is not None, "DDTree: the drafter's logits were not captured"
+        host = self._capture.view(batch_size, self.draft_len, 2 * self.top_k).cpu().numpy()
+        self._capture = None
+        log_probs = np.ascontiguousarray(host[..., : self.top_k])
+        token_ids = np.ascontiguousarray(host[..., self.top_k :]).view(np.int32)
+        self.last_req_ids = req_ids
+        self.last_drafts = self.store.propose(req_ids, log_probs, token_ids)
+        out = np.zeros((batch_size, self.budget), dtype=np.int64)
+        for r, drafts in enumerate(self.last_drafts):
+            out[r, : len(drafts)] = drafts
+        return torch.from_numpy(out).to(self.device, non_blocking=True)

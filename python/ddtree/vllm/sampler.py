@@ -1,0 +1,86 @@
+"""DDTree's replacement of vLLM's rejection sampler (``runner.rejection_sampler``).
+
+vLLM calls ``rejection_sampler(spec_decode_metadata, draft_probs, logits,
+sampling_metadata)`` with one logits row per verified token (``b + 1`` rows
+per request with ``b`` drafts, one row for the others) and expects
+``SamplerOutput.sampled_token_ids`` ``[num_reqs, max_spec_len + 1]`` in chain
+format: accepted draft tokens, then the bonus token, then -1. Everything
+downstream (scheduler, ``num_computed_tokens -= num_rejected``, metrics, the
+drafter's next input) reads only that.
+
+This sampler draws one target token per row (:func:`ddtree.vllm.node_sampling.sample_rows`),
+copies the tree rows' tokens to the host once, walks every tree in one Rust
+call and writes the chain rows. Rows of requests without a tree keep their
+single sampled token.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+import torch.nn as nn
+from vllm.v1.outputs import SamplerOutput
+
+from ddtree.vllm.node_sampling import sample_rows
+from ddtree.vllm.step import accept
+
+
+def check_sampling_metadata(md) -> None:
+    """Refuses batches whose sampling the per-node sampler does not model (admission should have)."""
+    problems = []
+    if not md.no_penalties:
+        problems.append("penalties")
+    if md.bad_words_token_ids:
+        problems.append("bad_words")
+    if md.allowed_token_ids_mask is not None:
+        problems.append("allowed_token_ids")
+    if md.max_num_logprobs is not None:
+        problems.append("logprobs")
+    if problems:
+        raise RuntimeError(
+            "DDTree cannot verify trees for requests using " + ", ".join(problems)
+            + " (such requests must be refused at admission; this is a bug)"
+        )
+
+
+class DDTreeRejectionSampler(nn.Module):
+    def __init__(self, runner):
+        super().__init__()
+        self._runner = weakref.ref(runner)
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        runner = self._runner()
+        plan = runner._ddtree_plan if runner is not None else None
+        num_reqs = len(metadata.num_draft_tokens)
+        width = metadata.max_spec_len + 1
+        counts = np.asarray(metadata.num_draft_tokens, dtype=np.int64) + 1
+        if plan is not None:
+            check_sampling_metadata(sampling_metadata)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        rows_per_req = torch.from_numpy(counts).to(logits.device)
+
+        def per_row(t):
+            if t is None:
+                return None
+            return t[:num_reqs].repeat_interleave(rows_per_req)
+
+        tokens = sample_rows(
+            logits,
+            per_row(sampling_metadata.temperature),
+            per_row(sampling_metadata.top_k),
+            per_row(sampling_metadata.top_p),
+            generators=sampling_metadata.generators,
+            row_ranges=[(int(s), int(c)) for s, c in zip(starts, counts)],
+            all_greedy=sampling_metadata.all_greedy,
+        )
+        out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
+        # Requests without a tree (no drafts, or the dummy run) emit their last row's token.
+        out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
+        if plan is not None:
+            node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
+            result = accept(plan, node_tokens, width)
+            out[plan.batch_index_gpu] = torch.from_numpy(result.output_tokens).to(logits.device, torch.int32)
+            runner._ddtree_accept = result
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)

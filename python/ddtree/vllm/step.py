@@ -1,0 +1,262 @@
+"""The per-step bookkeeping of DDTree inside vLLM, on CPU arrays only.
+
+No vLLM or torch import: this is the part of the adapter CI can test
+exhaustively. The runner (``runner.py``) feeds it vLLM's batch layout and
+turns its numpy outputs into GPU tensors.
+
+Life of a tree:
+
+1. *Propose* (end of step t): the drafter's top-K ``[R, L, K]`` goes through
+   :meth:`TreeStore.propose`, which builds the trees in one Rust call, keeps
+   each request's draft distribution, and returns the flat token lists vLLM's
+   scheduler receives (tree nodes in pop order, parents before children).
+2. *Schedule*: vLLM may verify only a prefix of a request's list (token budget,
+   ``max_model_len``). A prefix of pop order is the best tree of that smaller
+   budget, which :func:`plan_verify` rebuilds from the kept distribution.
+3. *Verify* (step t+1): :func:`plan_verify` gives depth-based positions, the
+   ancestor bitmasks of the tree attention and the logits row of every node.
+4. *Accept*: the Rust walk (:func:`accept`) returns vLLM's chain format and
+   the KV moves; :func:`drafter_context_order` reorders the target hidden
+   states so the drafter is conditioned on the accepted path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+import ddtree
+
+PLACEHOLDER = -1
+
+
+@dataclasses.dataclass
+class DraftRecord:
+    """One request's proposal: its draft distribution and the tree it produced."""
+
+    log_probs: np.ndarray  # [L, K] float32
+    token_ids: np.ndarray  # [L, K] int64
+    tokens: np.ndarray  # [n] int64, the tree's draft tokens in pop order
+
+
+class TreeStore:
+    """Draft records by request id, from proposal to verification.
+
+    A record lives until the request is verified, finishes, or is proposed
+    again: a request that is not scheduled in the step after its proposal
+    keeps its draft tokens in vLLM's scheduler, so its record must survive.
+    """
+
+    def __init__(self, budget: int, num_threads: int = 1):
+        self.budget = budget
+        self.executor = ddtree.Executor(num_threads) if num_threads > 1 else None
+        self.records: Dict[str, DraftRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def propose(self, req_ids: Sequence[str], log_probs: np.ndarray, token_ids: np.ndarray) -> List[List[int]]:
+        """Builds every request's tree in one call; returns the draft token lists."""
+        if len(req_ids) != log_probs.shape[0]:
+            raise ValueError(f"{len(req_ids)} request ids for {log_probs.shape[0]} distributions")
+        if len(req_ids) == 0:
+            return []
+        batch = ddtree.build_trees(log_probs, token_ids, self.budget, self.executor)
+        tokens = batch.tokens
+        offsets = batch.token_offsets
+        lists = []
+        for r, req_id in enumerate(req_ids):
+            own = tokens[offsets[r] : offsets[r + 1]]
+            self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], own)
+            lists.append(own.tolist())
+        return lists
+
+    def discard(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.records.pop(req_id, None)
+
+    def take(self, req_id: str) -> Optional[DraftRecord]:
+        return self.records.pop(req_id, None)
+
+
+class DraftMismatchError(RuntimeError):
+    """vLLM scheduled draft tokens that are not a prefix of the request's tree."""
+
+
+@dataclasses.dataclass
+class VerifyPlan:
+    """Everything the verification step needs, for the requests that verify a tree."""
+
+    batch_index: np.ndarray  # [R_t] int64: the tree requests' rows in vLLM's input batch
+    trees: "ddtree.TreeBatch"
+    token_index: np.ndarray  # [T] int64: flat index of each node among the step's scheduled tokens
+    logit_rows: np.ndarray  # [T] int64: row of each node in the step's logits
+    positions: np.ndarray  # [T] int64: start + depth
+    ancestor_bits: np.ndarray  # [T, words] uint32 (tree-local, row i bit j: j is ancestor-or-self of i)
+    row_start: np.ndarray  # [num_reqs] int32: first ancestor_bits row of each request, -1 if no tree
+    num_nodes: np.ndarray  # [R_t] int64: b + 1 (root included)
+
+    @property
+    def words(self) -> int:
+        return int(self.ancestor_bits.shape[1])
+
+    @property
+    def num_tree_tokens(self) -> int:
+        return int(self.token_index.shape[0])
+
+
+def plan_verify(
+    store: TreeStore,
+    req_ids: Sequence[str],
+    num_computed_tokens: np.ndarray,
+    num_scheduled_tokens: np.ndarray,
+    scheduled_spec_tokens: Mapping[str, Sequence[int]],
+) -> Optional[VerifyPlan]:
+    """Builds the verification of this step's trees (``None``: no request verifies one).
+
+    Args:
+        req_ids: vLLM's input-batch order (row i is request ``req_ids[i]``).
+        num_computed_tokens: ``[num_reqs]`` committed tokens before this step;
+            the root (last sampled token) sits at that position.
+        num_scheduled_tokens: ``[num_reqs]`` query tokens of this step.
+        scheduled_spec_tokens: draft tokens vLLM scheduled, by request id.
+
+    Raises:
+        DraftMismatchError: scheduled drafts that are not a prefix of the
+            request's recorded tree (never verified silently).
+    """
+    num_reqs = len(req_ids)
+    num_scheduled_tokens = np.asarray(num_scheduled_tokens, dtype=np.int64)[:num_reqs]
+    num_computed_tokens = np.asarray(num_computed_tokens, dtype=np.int64)[:num_reqs]
+    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_scheduled_tokens, out=query_start[1:])
+    # Logits layout of vLLM's spec-decode metadata: num_draft + 1 rows per request.
+    num_drafts = np.zeros(num_reqs, dtype=np.int64)
+    for i, req_id in enumerate(req_ids):
+        num_drafts[i] = len(scheduled_spec_tokens.get(req_id, ()))
+    logit_start = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_drafts + 1, out=logit_start[1:])
+
+    rows, budgets, lps, ids = [], [], [], []
+    for i, req_id in enumerate(req_ids):
+        b = int(num_drafts[i])
+        if b == 0:
+            continue
+        drafts = np.asarray(scheduled_spec_tokens[req_id], dtype=np.int64)
+        record = store.take(req_id)
+        if record is None:
+            raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
+        if b > record.tokens.shape[0] or not np.array_equal(drafts, record.tokens[:b]):
+            raise DraftMismatchError(
+                f"request {req_id}: scheduled drafts {drafts[:8].tolist()}... are not a prefix of its tree "
+                f"{record.tokens[:8].tolist()}... ({b} vs {record.tokens.shape[0]} tokens)"
+            )
+        if num_scheduled_tokens[i] != b + 1:
+            raise DraftMismatchError(
+                f"request {req_id}: {num_scheduled_tokens[i]} tokens scheduled with {b} drafts (expected {b + 1})"
+            )
+        rows.append(i)
+        budgets.append(b)
+        lps.append(record.log_probs)
+        ids.append(record.token_ids)
+    if not rows:
+        return None
+
+    trees = ddtree.build_trees(np.stack(lps), np.stack(ids), np.asarray(budgets, dtype=np.int64), store.executor)
+    if trees.tokens.shape[0] != sum(budgets):
+        raise DraftMismatchError("rebuilt trees do not have the scheduled number of nodes")
+    batch_index = np.asarray(rows, dtype=np.int64)
+    starts = num_computed_tokens[batch_index]
+    compiled = ddtree.compile_trees(trees, starts)
+    node_offsets = trees.node_offsets
+    sizes = np.diff(node_offsets)
+    local = np.arange(node_offsets[-1], dtype=np.int64) - np.repeat(node_offsets[:-1], sizes)
+    token_index = np.repeat(query_start[batch_index], sizes) + local
+    logit_rows = np.repeat(logit_start[batch_index], sizes) + local
+    row_start = np.full(num_reqs, -1, dtype=np.int32)
+    row_start[batch_index] = node_offsets[:-1]
+    # Rebuilding a smaller budget must reproduce the proposal's prefix.
+    for j, i in enumerate(rows):
+        got = trees.tokens[trees.token_offsets[j] : trees.token_offsets[j + 1]]
+        want = np.asarray(scheduled_spec_tokens[req_ids[i]], dtype=np.int64)
+        if not np.array_equal(got, want):
+            raise DraftMismatchError(f"request {req_ids[i]}: rebuilt tree differs from the scheduled drafts")
+    return VerifyPlan(
+        batch_index=batch_index,
+        trees=trees,
+        token_index=token_index,
+        logit_rows=logit_rows,
+        positions=compiled.positions,
+        ancestor_bits=compiled.ancestor_bits,
+        row_start=row_start,
+        num_nodes=sizes.astype(np.int64),
+    )
+
+
+@dataclasses.dataclass
+class AcceptPlan:
+    """The outcome of a verification, in vLLM's terms."""
+
+    accepted: "ddtree.AcceptedBatch"
+    # [R_t, width] accepted draft tokens + bonus, -1 padded (vLLM's sampled_token_ids rows)
+    output_tokens: np.ndarray
+    kv_src_token: np.ndarray  # [M] flat scheduled-token index whose K/V moves ...
+    kv_dst_token: np.ndarray  # [M] ... to this flat scheduled-token index
+
+
+def accept(plan: VerifyPlan, node_target_tokens: np.ndarray, width: int) -> AcceptPlan:
+    """Walks the trees with the target's per-node tokens (flat ``[T]``).
+
+    ``width`` is the row width of vLLM's ``sampled_token_ids`` (max scheduled
+    drafts + 1); accepted paths never exceed it because a request with ``b``
+    drafts has no node deeper than ``b``.
+    """
+    result = ddtree.accept_trees(plan.trees, np.ascontiguousarray(node_target_tokens, dtype=np.int64))
+    out = result.output_tokens
+    cols = min(out.shape[1], width)
+    if out.shape[1] > width and (out[:, width:] != PLACEHOLDER).any():
+        raise AssertionError("accepted path longer than the scheduled drafts")
+    rows = np.full((out.shape[0], width), PLACEHOLDER, dtype=np.int64)
+    rows[:, :cols] = out[:, :cols]
+    return AcceptPlan(
+        accepted=result,
+        output_tokens=rows,
+        kv_src_token=plan.token_index[result.kv_src],
+        kv_dst_token=plan.token_index[result.kv_dst],
+    )
+
+
+def drafter_context_order(plan: VerifyPlan, accepted: "ddtree.AcceptedBatch", num_tokens: int) -> np.ndarray:
+    """Row order of the target's hidden states for the next drafter pass: ``[num_tokens]``.
+
+    vLLM's DFlash proposer treats a request's verified rows as a chain: the
+    first ``accepted + 1`` are the committed context, the rest are "rejected"
+    padding it ignores. Putting each tree request's root and accepted path
+    first (in path order) and its other nodes after gives the drafter exactly
+    the accepted path's hidden states at consecutive positions.
+    """
+    order = np.arange(num_tokens, dtype=np.int64)
+    paths = accepted.paths
+    node_offsets = plan.trees.node_offsets
+    for j in range(plan.batch_index.shape[0]):
+        n = int(node_offsets[j + 1] - node_offsets[j])
+        path = paths[j][paths[j] >= 0].astype(np.int64)
+        if path.shape[0] <= 1 and n == 1:
+            continue
+        rest = np.setdiff1d(np.arange(n, dtype=np.int64), path, assume_unique=True)
+        base = plan.token_index[node_offsets[j]]  # flat index of the root
+        order[base : base + n] = base + np.concatenate([path, rest])
+    return order
+
+
+def chain_as_tree_check(output_tokens: np.ndarray) -> np.ndarray:
+    """Number of accepted draft tokens per row of a chain-format matrix (for tests and metrics)."""
+    valid = output_tokens != PLACEHOLDER
+    return valid.sum(axis=1) - 1
+
+
+def kv_slots(slot_mapping: np.ndarray, src_token: np.ndarray, dst_token: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Cache slots of a move plan given the step's slot mapping (flat token -> slot)."""
+    return slot_mapping[src_token], slot_mapping[dst_token]

@@ -1,0 +1,78 @@
+"""Tiny random checkpoints for GPU tests and benchmarks: a Qwen3 target and a DFlash drafter.
+
+Written in the formats vLLM 0.25.1 reads (see the project's GPU notes): the
+target is a ``Qwen3ForCausalLM`` with real (random, seeded) safetensors
+weights, so every engine of a comparison loads the same model; the drafter is
+``DFlashDraftModel`` (``model_type: qwen3``) with ``dflash_config`` and
+weights named like a Qwen3Model without ``embed_tokens`` plus ``fc`` and
+``hidden_norm``. No tokenizer: use ``skip_tokenizer_init=True`` and token-id
+prompts.
+
+Needs torch, safetensors and transformers (not a dependency of ddtree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict
+
+import torch
+
+TARGET = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+DRAFTER_LAYERS = 2
+BLOCK_SIZE = 16
+
+
+def _qwen3_config(**kw):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False, hidden_act="silu",
+                      bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16", **kw)
+    return cfg
+
+
+def write_target(path: str, seed: int = 0, logit_scale: float = 4.0, **overrides) -> Dict:
+    """A random Qwen3ForCausalLM; ``logit_scale`` sharpens the LM head so greedy argmax is rarely a near-tie."""
+    from transformers import Qwen3ForCausalLM
+
+    spec = dict(TARGET, **overrides)
+    torch.manual_seed(seed)
+    cfg = _qwen3_config(**spec)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model = model.to(torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return spec
+
+
+def write_drafter(path: str, target: Dict, seed: int = 1, target_layer_ids=(0, 1, 2), mask_token_id=None) -> Dict:
+    """A random DFlash drafter for ``target`` (shares its vocabulary, embedding and LM head at run time)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Model
+
+    torch.manual_seed(seed)
+    hidden = target["hidden_size"]
+    mask = target["vocab_size"] - 1 if mask_token_id is None else mask_token_id
+    cfg = _qwen3_config(vocab_size=target["vocab_size"], hidden_size=hidden, intermediate_size=target["intermediate_size"],
+                        num_hidden_layers=DRAFTER_LAYERS, num_attention_heads=target["num_attention_heads"],
+                        num_key_value_heads=target["num_key_value_heads"], head_dim=target["head_dim"],
+                        max_position_embeddings=target["max_position_embeddings"])
+    model = Qwen3Model(cfg).to(torch.bfloat16)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens")}
+    ids = list(target_layer_ids)
+    weights["fc.weight"] = (torch.randn(hidden, hidden * len(ids)) * (len(ids) * hidden) ** -0.5).to(torch.bfloat16)
+    weights["hidden_norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = cfg.to_dict()
+    config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=BLOCK_SIZE,
+                  num_target_layers=target["num_hidden_layers"],
+                  dflash_config={"mask_token_id": mask, "target_layer_ids": ids})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return config

@@ -1,0 +1,22 @@
+"""DDTree's vLLM worker: vLLM's GPU worker building DDTree's model runner.
+
+Selected by the plugin's config translation (``worker_cls``); everything but
+the runner class is vLLM's.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from ddtree.vllm.patches import runner_class_swapped
+
+
+class DDTreeWorker(Worker):
+    def init_device(self):
+        if self.vllm_config.use_v2_model_runner:
+            raise RuntimeError("DDTree runs on vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
+        with runner_class_swapped():
+            return super().init_device()
+
+    def ddtree_summary(self):
+        return self.model_runner.ddtree_summary()

@@ -1,0 +1,334 @@
+"""GPU end-to-end check of the DDTree vLLM adapter (not collected by pytest: run it directly).
+
+    python tests/gpu/vllm_ddtree_e2e.py [--out DIR] [--quick]
+
+Builds a tiny random Qwen3 target and a random DFlash drafter, then runs, each
+engine in its own subprocess (a crash or hang of one does not hide the others):
+
+  plain       vLLM greedy, no speculation (TRITON_ATTN, logprobs=2 for top-2 gaps)
+  dflash      vLLM's own DFlash chain, 15 draft tokens
+  ddtree16    method "ddtree", budget 16
+  ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
+  ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
+
+Scenarios per engine: batch 1 (3 prompts one at a time), batch 32 (mixed prompt
+lengths and max_tokens), a prompt near max_model_len, stop tokens that end
+requests mid-tree, temperature 1 with per-request seeds (run twice: must repeat).
+
+Checks: greedy outputs equal plain's, a divergence allowed only where plain's
+top-2 logprob gap is below --gap-tol (counted and reported); ddtree's mean
+acceptance length >= dflash's; seeded temperature-1 outputs reproducible.
+Everything goes to DIR/vllm_ddtree_e2e.log and DIR/vllm_ddtree_e2e.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+WORK = "/tmp/ddtree_e2e"
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 48
+
+
+def log(msg, fh=None):
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if fh is not None:
+        fh.write(line + "\n")
+        fh.flush()
+
+
+def prompts(seed=0):
+    import random
+
+    rnd = random.Random(seed)
+    vocab = 256
+    lens = [rnd.randint(4, 300) for _ in range(32)]
+    lens[3] = 1  # a one-token prompt
+    batch32 = [[rnd.randrange(2, vocab - 1) for _ in range(n)] for n in lens]
+    max_tokens = [rnd.randint(17, 64) for _ in range(32)]
+    near_max = [rnd.randrange(2, vocab - 1) for _ in range(MAX_MODEL_LEN - 20)]
+    return dict(batch1=batch32[:3], batch32=batch32, max_tokens=max_tokens, near_max=near_max,
+                stop=batch32[:8], t1=batch32[8:16])
+
+
+ENGINES = {
+    "plain": dict(spec=None),
+    "dflash": dict(spec={"method": "dflash", "num_speculative_tokens": 15}),
+    "ddtree16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16}),
+    "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
+    "ddtree64-preempt": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+                             num_gpu_blocks_override=160, only=("batch32",)),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Child: one engine, all scenarios, JSON on stdout (last line).
+def spec_metrics(llm):
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
+    try:
+        for m in llm.get_metrics():
+            name = m.name.replace("_total", "")
+            if name == "vllm:spec_decode_num_drafts":
+                out["drafts"] = float(m.value)
+            elif name == "vllm:spec_decode_num_draft_tokens":
+                out["draft_tokens"] = float(m.value)
+            elif name == "vllm:spec_decode_num_accepted_tokens":
+                out["accepted"] = float(m.value)
+            elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                out["per_pos"] = [float(v) for v in getattr(m, "values", [])]
+    except Exception as err:  # metrics are informative, never fatal
+        out["error"] = repr(err)
+    return out
+
+
+def diff_metrics(after, before):
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    d["mean_acceptance_length"] = 1.0 + d["accepted"] / d["drafts"] if d["drafts"] else None
+    pa, pb = after.get("per_pos", []), before.get("per_pos", [])
+    if pa and d["drafts"]:
+        pb = pb + [0.0] * (len(pa) - len(pb))
+        d["acceptance_per_depth"] = [round((a - b) / d["drafts"], 4) for a, b in zip(pa, pb)][:16]
+    return d
+
+
+def run_child(name, target, drafter):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    conf = ENGINES[name]
+    spec = dict(conf["spec"], model=drafter) if conf["spec"] else None
+    kw = dict(model=target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=32, max_num_batched_tokens=16384, gpu_memory_utilization=0.35, seed=0,
+              disable_log_stats=False, enable_prefix_caching=False)
+    if spec is None or spec["method"] != "ddtree":
+        kw["attention_backend"] = "TRITON_ATTN"  # numerically closest to DDTree's Triton tree kernel
+    if spec is not None:
+        kw["speculative_config"] = spec
+    if "num_gpu_blocks_override" in conf:
+        kw["num_gpu_blocks_override"] = conf["num_gpu_blocks_override"]
+    t0 = time.time()
+    llm = LLM(**kw)
+    res = {"engine": name, "init_s": round(time.time() - t0, 1), "scenarios": {}, "errors": {}}
+    P = prompts()
+    want_logprobs = name == "plain"
+
+    def greedy(max_tokens, stop=None):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                              logprobs=2 if want_logprobs else None, stop_token_ids=stop)
+
+    def collect(outs):
+        rows = []
+        for o in outs:
+            c = o.outputs[0]
+            gaps = None
+            if c.logprobs:
+                gaps = []
+                for step in c.logprobs:
+                    vals = sorted((lp.logprob for lp in step.values()), reverse=True)
+                    gaps.append(vals[0] - vals[1] if len(vals) > 1 else 99.0)
+            rows.append({"tokens": list(c.token_ids), "gaps": gaps, "finish": c.finish_reason})
+        return rows
+
+    def scenario(sname, fn):
+        if conf.get("only") and sname not in conf["only"]:
+            return
+        before = spec_metrics(llm)
+        t = time.time()
+        try:
+            rows, ntok = fn()
+            dt = time.time() - t
+            res["scenarios"][sname] = {"rows": rows, "seconds": round(dt, 3), "tokens": ntok,
+                                       "tokens_per_s": round(ntok / dt, 1) if dt else None,
+                                       "spec": diff_metrics(spec_metrics(llm), before)}
+        except Exception:
+            res["errors"][sname] = traceback.format_exc()[-4000:]
+
+    def b1():
+        rows = []
+        for p in P["batch1"]:
+            rows += collect(llm.generate([TokensPrompt(prompt_token_ids=p)], greedy(MAX_TOKENS), use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
+    def b32():
+        params = [greedy(m) for m in P["max_tokens"]]
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"]], params, use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
+    def near_max():
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=P["near_max"])], greedy(19), use_tqdm=False))
+        return rows, len(rows[0]["tokens"])
+
+    def stop():
+        # Ten stop tokens (~4% of a 256-token vocabulary each step): most requests end inside an accepted path.
+        params = greedy(MAX_TOKENS, stop=list(range(2, 12)))
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
+    def t1():
+        params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=100 + i, max_tokens=32, ignore_eos=True,
+                                 detokenize=False) for i in range(len(P["t1"]))]
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in P["t1"]]
+        a = collect(llm.generate(reqs, params, use_tqdm=False))
+        b = collect(llm.generate(reqs, params, use_tqdm=False))
+        rows = [{"tokens": x["tokens"], "repeat_equal": x["tokens"] == y["tokens"]} for x, y in zip(a, b)]
+        return rows, 2 * sum(len(r["tokens"]) for r in rows)
+
+    for sname, fn in (("batch1", b1), ("batch32", b32), ("near_max", near_max), ("stop", stop), ("t1", t1)):
+        scenario(sname, fn)
+    try:
+        if spec is not None and spec["method"] == "ddtree":
+            res["ddtree_summary"] = llm.collective_rpc("ddtree_summary")[0]
+    except Exception:
+        res["errors"]["ddtree_summary"] = traceback.format_exc()[-2000:]
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: models, children, comparisons.
+def compare(ref_rows, rows, gap_tol):
+    """(identical, tie_divergences, real_divergences, details)"""
+    same = tie = real = 0
+    details = []
+    for i, (r, x) in enumerate(zip(ref_rows, rows)):
+        a, b = r["tokens"], x["tokens"]
+        n = min(len(a), len(b))
+        k = next((j for j in range(n) if a[j] != b[j]), None)
+        if k is None and len(a) == len(b):
+            same += 1
+            continue
+        if k is None:
+            real += 1
+            details.append(f"req {i}: lengths differ {len(a)} vs {len(b)} (finish {r.get('finish')} vs {x.get('finish')})")
+            continue
+        gap = r["gaps"][k] if r.get("gaps") and k < len(r["gaps"]) else None
+        if gap is not None and gap < gap_tol:
+            tie += 1
+            details.append(f"req {i}: diverges at {k} where plain's top-2 gap is {gap:.4f} (< {gap_tol}: near-tie)")
+        else:
+            real += 1
+            details.append(f"req {i}: diverges at {k}, top-2 gap {gap}: plain {a[k:k+5]} vs {b[k:k+5]}")
+    return same, tie, real, details
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_e2e_out"))
+    ap.add_argument("--gap-tol", type=float, default=0.05)
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--timeout", type=int, default=150, help="per engine")
+    ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    args = ap.parse_args()
+    target, drafter = os.path.join(WORK, "target"), os.path.join(WORK, "drafter")
+    if args.child:
+        res = run_child(args.child, target, drafter)
+        print("RESULT-JSON " + json.dumps(res), flush=True)
+        return
+
+    os.makedirs(args.out, exist_ok=True)
+    fh = open(os.path.join(args.out, "vllm_ddtree_e2e.log"), "w")
+    log(f"python {sys.version.split()[0]}; out {args.out}", fh)
+    try:
+        import torch
+        import vllm
+
+        import ddtree
+
+        log(f"vllm {vllm.__version__} torch {torch.__version__} ddtree {ddtree.__version__} cuda {torch.cuda.is_available()}", fh)
+    except Exception:
+        log("import failure:\n" + traceback.format_exc(), fh)
+    from ddtree.vllm.tiny_models import write_drafter, write_target
+
+    t = time.time()
+    spec = write_target(target)
+    write_drafter(drafter, spec)
+    log(f"wrote tiny target {spec} and drafter in {time.time() - t:.1f}s", fh)
+
+    results = {}
+    started = time.time()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
+    for name in args.engines.split(","):
+        t = time.time()
+        left = args.deadline - (t - started)
+        if left < 45:
+            log(f"{name}: SKIPPED, {left:.0f}s left of the {args.deadline}s deadline", fh)
+            continue
+        timeout = int(min(args.timeout, left))
+        env_c = env
+        child_log = os.path.join(args.out, f"engine_{name}.log")
+        try:
+            with open(child_log, "w") as clog:
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out],
+                                      env=env_c, stdout=subprocess.PIPE, stderr=clog, text=True, timeout=timeout)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
+            if line is None:
+                tail = open(child_log).read()[-3000:]
+                log(f"{name}: no result (rc {proc.returncode}); stderr tail:\n{tail}", fh)
+                continue
+            res = json.loads(line[len("RESULT-JSON "):])
+            results[name] = res
+            log(f"{name}: init {res['init_s']}s, total {time.time() - t:.0f}s, errors {list(res['errors'])}", fh)
+            for sname, err in res["errors"].items():
+                log(f"  {name}/{sname} FAILED:\n{err}", fh)
+        except subprocess.TimeoutExpired:
+            log(f"{name}: TIMEOUT after {timeout}s (see {child_log})", fh)
+            log(open(child_log).read()[-3000:], fh)
+        except Exception:
+            log(f"{name}: harness failure\n{traceback.format_exc()}", fh)
+
+    # ---- report ----
+    verdict = {}
+    plain = results.get("plain")
+    log("=" * 100, fh)
+    log(f"{'engine':<18}{'scenario':<10}{'tok/s':>10}{'mean acc len':>14}{'same':>6}{'tie':>5}{'real':>6}  notes", fh)
+    for name, res in results.items():
+        for sname, sc in res["scenarios"].items():
+            spec_m = sc.get("spec") or {}
+            mal = spec_m.get("mean_acceptance_length")
+            same = tie = real = "-"
+            notes = ""
+            if plain and name != "plain" and sname in plain["scenarios"] and sname != "t1":
+                same, tie, real, details = compare(plain["scenarios"][sname]["rows"], sc["rows"], args.gap_tol)
+                verdict[f"{name}/{sname}"] = real == 0
+                for d in details:
+                    log(f"    {name}/{sname}: {d}", fh)
+            if sname == "t1":
+                ok = all(r.get("repeat_equal") for r in sc["rows"])
+                notes = f"seeded repeat equal: {ok}"
+                if name.startswith("ddtree"):
+                    verdict[f"{name}/t1-repeat"] = ok
+            if spec_m.get("acceptance_per_depth"):
+                notes += f" per-depth {spec_m['acceptance_per_depth'][:6]}"
+            mal_s = f"{mal:.3f}" if isinstance(mal, float) else "-"
+            log(f"{name:<18}{sname:<10}{str(sc.get('tokens_per_s')):>10}{mal_s:>14}{same:>6}{tie:>5}{real:>6}  {notes}", fh)
+        if res.get("ddtree_summary"):
+            log(f"{name} ddtree summary: {res['ddtree_summary']}", fh)
+
+    def mal(name):
+        sc = results.get(name, {}).get("scenarios", {}).get("batch32", {})
+        return (sc.get("spec") or {}).get("mean_acceptance_length")
+
+    if mal("dflash") is not None:
+        for name in results:
+            if name.startswith("ddtree") and mal(name) is not None:
+                verdict[f"{name}/acceptance>=dflash"] = mal(name) >= mal("dflash")
+                log(f"mean acceptance length batch32: {name} {mal(name):.3f} vs dflash {mal('dflash'):.3f}", fh)
+    missing = [n for n in args.engines.split(",") if n not in results]
+    log(f"missing engines: {missing}", fh)
+    log("VERDICT: " + json.dumps(verdict), fh)
+    log("ALL-PASS" if verdict and all(verdict.values()) and not missing else "NOT-ALL-PASS", fh)
+    json.dump({"results": results, "verdict": verdict}, open(os.path.join(args.out, "vllm_ddtree_e2e.json"), "w"))
+    fh.close()
+
+
+if __name__ == "__main__":
+    main()

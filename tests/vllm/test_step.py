@@ -1,0 +1,162 @@
+"""The adapter's per-step tree bookkeeping against vLLM's batch layout (numpy only)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ddtree
+from ddtree import reference
+from ddtree.vllm.step import (
+    DraftMismatchError,
+    TreeStore,
+    accept,
+    chain_as_tree_check,
+    drafter_context_order,
+    plan_verify,
+)
+
+
+def random_distribution(rng, depth, width, vocab=50):
+    logits = rng.normal(size=(depth, vocab)) * 2.0
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ids = np.argsort(-log_probs, axis=-1)[:, :width]
+    lp = np.take_along_axis(log_probs, ids, axis=-1).astype(np.float32)
+    return lp, ids.astype(np.int32)
+
+
+def propose(store, rng, req_ids, depth=5, width=4):
+    dists = [random_distribution(rng, depth, width) for _ in req_ids]
+    lp = np.stack([d[0] for d in dists])
+    ids = np.stack([d[1] for d in dists])
+    return store.propose(req_ids, lp, ids), lp, ids
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(1, 6), st.integers(1, 5))
+def test_a_prefix_of_pop_order_is_the_tree_of_the_smaller_budget(seed, budget, depth, width):
+    """What makes vLLM's truncation of a request's drafts safe."""
+    rng = np.random.default_rng(seed)
+    lp, ids = random_distribution(rng, depth, width)
+    full = ddtree.build_tree(lp, ids, budget)
+    for b in range(len(full.tokens) + 1):
+        small = ddtree.build_tree(lp, ids, b)
+        assert np.array_equal(small.tokens, full.tokens[:b])
+        assert np.array_equal(small.parents, full.parents[: b + 1])
+
+
+def test_plan_for_a_mixed_batch():
+    """Prefill, plain decode and two trees (one truncated by the scheduler) in one step."""
+    rng = np.random.default_rng(0)
+    store = TreeStore(budget=10)
+    lists, lp, ids = propose(store, rng, ["a", "b"])
+    assert all(len(x) == 10 for x in lists)
+    req_ids = ["p", "a", "d", "b"]  # vLLM's input batch order
+    scheduled = {"a": lists[0], "b": lists[1][:6]}  # b truncated to 6 drafts
+    num_sched = np.array([7, 11, 1, 7])
+    num_computed = np.array([0, 20, 33, 41])
+    plan = plan_verify(store, req_ids, num_computed, num_sched, scheduled)
+    assert len(store) == 0  # records consumed
+    assert plan.batch_index.tolist() == [1, 3]
+    assert plan.num_nodes.tolist() == [11, 7]
+    # flat token index: p occupies 0..6, a 7..17, d 18, b 19..25
+    assert plan.token_index.tolist() == list(range(7, 18)) + list(range(19, 26))
+    # logits rows: p 1 row (0), a 11 rows (1..11), d 1 row (12), b 7 rows (13..19)
+    assert plan.logit_rows.tolist() == list(range(1, 12)) + list(range(13, 20))
+    assert plan.row_start.tolist() == [-1, 0, -1, 11]
+    tree_a = ddtree.build_tree(lp[0], ids[0], 10)
+    tree_b = ddtree.build_tree(lp[1], ids[1], 6)
+    assert plan.positions.tolist() == (20 + tree_a.depths).tolist() + (41 + tree_b.depths).tolist()
+    ca = ddtree.compile_tree(tree_a, 20)
+    assert np.array_equal(plan.ancestor_bits[:11, : ca.ancestor_bits.shape[1]], ca.ancestor_bits)
+
+
+def test_scheduled_drafts_must_match_the_tree():
+    rng = np.random.default_rng(1)
+    store = TreeStore(budget=6)
+    lists, _, _ = propose(store, rng, ["a"])
+    bad = list(lists[0])
+    bad[2] = (bad[2] + 1) % 50
+    with pytest.raises(DraftMismatchError, match="not a prefix"):
+        plan_verify(store, ["a"], np.array([5]), np.array([7]), {"a": bad})
+    with pytest.raises(DraftMismatchError, match="no DDTree proposal"):
+        plan_verify(store, ["z"], np.array([5]), np.array([3]), {"z": [1, 2]})
+
+
+def test_no_drafts_no_plan():
+    store = TreeStore(budget=6)
+    assert plan_verify(store, ["a", "b"], np.array([3, 4]), np.array([1, 5]), {}) is None
+
+
+def test_records_outlive_an_unscheduled_step_and_die_with_the_request():
+    rng = np.random.default_rng(2)
+    store = TreeStore(budget=4)
+    propose(store, rng, ["a", "b"])
+    propose(store, rng, ["b"])  # a was not scheduled this step: its record stays
+    assert set(store.records) == {"a", "b"}
+    store.discard({"a"})
+    assert set(store.records) == {"b"}
+
+
+def reference_walk(parents, tokens, target):
+    """Straightforward walk: follow the child whose token is the target's token at the current node."""
+    path, node = [0], 0
+    children = {}
+    for i in range(1, len(parents)):
+        children.setdefault(int(parents[i]), {})[int(tokens[i - 1])] = i
+    while int(target[node]) in children.get(node, {}):
+        node = children[node][int(target[node])]
+        path.append(node)
+    return path, int(target[node])
+
+
+@given(st.integers(0, 2**31 - 1))
+def test_accept_gives_vllm_chain_rows_moves_and_drafter_order(seed):
+    rng = np.random.default_rng(seed)
+    store = TreeStore(budget=int(rng.integers(1, 20)))
+    req_ids = ["r0", "r1", "r2"]
+    lists, _, _ = propose(store, rng, req_ids, depth=4, width=3)
+    scheduled = {r: lists[i][: int(rng.integers(1, len(lists[i]) + 1))] for i, r in enumerate(req_ids)}
+    num_sched = np.array([len(scheduled[r]) + 1 for r in req_ids])
+    plan = plan_verify(store, req_ids, np.array([10, 20, 30]), num_sched, scheduled)
+    # A target that often agrees with the drafts: pick each node's token among the drafts' tokens.
+    target = np.empty(plan.num_tree_tokens, dtype=np.int64)
+    for j in range(len(req_ids)):
+        lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
+        target[lo:hi] = rng.choice(np.concatenate([toks, [999]]), size=hi - lo)
+    width = max(len(v) for v in scheduled.values()) + 1
+    result = accept(plan, target, width)
+    total = int(num_sched.sum())
+    order = drafter_context_order(plan, result.accepted, total)
+    assert sorted(order.tolist()) == list(range(total))
+    for j in range(len(req_ids)):
+        lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
+        parents = plan.trees.parents[lo:hi]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
+        path, bonus = reference_walk(parents, toks, target[lo:hi])
+        row = result.output_tokens[j]
+        want = [int(toks[n - 1]) for n in path[1:]] + [bonus]
+        assert row[: len(want)].tolist() == want and (row[len(want) :] == -1).all()
+        assert chain_as_tree_check(result.output_tokens)[j] == len(path) - 1
+        # drafter order: root and path first, in path order
+        base = plan.token_index[lo]
+        assert order[base : base + len(path)].tolist() == [base + n for n in path]
+        # KV moves: accepted node path[i] -> position i
+        moves = {int(s): int(d) for s, d in zip(result.kv_src_token, result.kv_dst_token) if base <= s < base + (hi - lo)}
+        assert moves == {base + n: base + i for i, n in enumerate(path) if n != i}
+
+
+def test_reference_oracle_agrees_on_acceptance():
+    """The adapter's accept() is the Rust walk; check it against the Python oracle too."""
+    rng = np.random.default_rng(7)
+    lp, ids = random_distribution(rng, 4, 3)
+    store = TreeStore(budget=12)
+    store.propose(["a"], lp[None], ids[None])
+    drafts = store.records["a"].tokens.tolist()
+    plan = plan_verify(store, ["a"], np.array([0]), np.array([13]), {"a": drafts})
+    ref_tree = reference.build_tree(lp.astype(np.float64), ids.astype(np.int64), 12)
+    target = rng.choice(np.concatenate([ref_tree.tokens, [7]]), size=13)
+    result = accept(plan, target, 13)
+    path, bonus = reference.accept(ref_tree, target)
+    assert result.accepted.paths[0][: len(path)].tolist() == list(path)
+    assert int(result.accepted.bonus[0]) == bonus

@@ -1,0 +1,182 @@
+"""The adapter against an installed vLLM 0.25.x, without a GPU (skipped without vLLM)."""
+
+
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from ddtree.vllm import patches  # noqa: E402
+from ddtree.vllm.config import DDTreeConfigError  # noqa: E402
+
+
+def test_entry_point_is_registered():
+    names = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert names.get("ddtree") == "ddtree.vllm.plugin:register"
+
+
+def test_version_range():
+    patches.check_version("0.25.1")
+    patches.check_version("0.25.3+cu130")
+    for bad in ("0.24.9", "0.26.0", "0.33.0"):
+        with pytest.raises(patches.UnsupportedVLLMVersion, match="supports vLLM >= 0.25.0, < 0.26.0"):
+            patches.check_version(bad)
+
+
+def test_apply_registers_everything_idempotently():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    patches.apply()
+    patches.apply()
+    assert getattr(EngineArgs.create_engine_config, "__ddtree_wrapped__", False)
+    assert getattr(InputProcessor._validate_params, "__ddtree_wrapped__", False)
+    from ddtree.vllm.attention import DDTreeAttentionBackend
+
+    assert AttentionBackendEnum.CUSTOM.get_class() is DDTreeAttentionBackend
+    assert DDTreeAttentionBackend.get_name() == "CUSTOM"
+
+
+def test_engine_args_translation(tmp_path, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    args = EngineArgs(model="/nonexistent", speculative_config={"method": "ddtree", "model": "/drafter",
+                                                                 "num_speculative_tokens": 15, "ddtree_budget": 32})
+    cfg = patches._translate_engine_args(args)
+    assert cfg.budget == 32 and cfg.draft_len == 15
+    assert args.speculative_config == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 32}
+    assert args.additional_config["ddtree"]["budget"] == 32
+    assert args.enforce_eager is True and args.async_scheduling is False and args.enable_prefix_caching is False
+    assert args.worker_cls == "ddtree.vllm.worker.DDTreeWorker"
+    assert str(getattr(args.attention_backend, "name", args.attention_backend)) == "CUSTOM"
+    import os
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    plain = EngineArgs(model="/nonexistent", speculative_config={"method": "dflash", "model": "/d",
+                                                                  "num_speculative_tokens": 3})
+    assert patches._translate_engine_args(plain) is None
+    bad = EngineArgs(model="/nonexistent", async_scheduling=True,
+                     speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    with pytest.raises(DDTreeConfigError, match="async_scheduling"):
+        patches._translate_engine_args(bad)
+
+
+def test_admission_refuses_unservable_requests():
+    from vllm.sampling_params import SamplingParams
+
+    holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: None})
+    patches._wrap_validate_params(holder)  # the wrapper vLLM's InputProcessor gets, around a stub
+    h = holder()
+    h.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
+    h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        h._validate_params(SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="logprobs"):
+        h._validate_params(SamplingParams(logprobs=2))
+    h.vllm_config = SimpleNamespace(additional_config={})
+    h._validate_params(SamplingParams(repetition_penalty=1.2))  # not a ddtree engine: untouched
+
+
+def test_rejection_sampler_emits_vllm_chain_rows():
+    """The sampler on CPU tensors with a fake runner: tree walk, chain format, plain rows."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(0)
+    store = TreeStore(budget=6)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
+    ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    drafts = [[], lists[0], lists[1][:4]]  # request "p" has no tree
+    req_ids = ["p", "a", "b"]
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]),
+                       {"a": drafts[1], "b": drafts[2]})
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    md.bonus_logits_indices = torch.tensor([0, 7, 12])
+    vocab = 20
+    # Target logits: make every node's argmax the token of its first child when it has one (accept all
+    # along first children), else token 19.
+    logits = torch.full((13, vocab), -5.0)
+    for j, (lo, hi) in enumerate(zip(plan.trees.node_offsets[:-1], plan.trees.node_offsets[1:])):
+        parents = plan.trees.parents[lo:hi]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+        for node in range(hi - lo):
+            kids = [c for c in range(1, hi - lo) if parents[c] == node]
+            tok = int(toks[kids[0] - 1]) if kids else 19
+            logits[plan.logit_rows[lo + node], tok] = 5.0
+    logits[0, 11] = 5.0
+    runner = type("FakeRunner", (), {})()
+    runner._ddtree_plan, runner._ddtree_accept = plan, None
+    sampler = DDTreeRejectionSampler(runner)
+    sampling = SimpleNamespace(temperature=None, all_greedy=True, top_k=None, top_p=None, generators={},
+                               no_penalties=True, bad_words_token_ids={}, allowed_token_ids_mask=None,
+                               max_num_logprobs=None)
+    out = sampler(md, None, logits, sampling).sampled_token_ids
+    assert out.shape == (3, 7)
+    assert out[0].tolist() == [11] + [-1] * 6
+    for row, j in ((1, 0), (2, 1)):
+        lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
+        parents = plan.trees.parents[lo:hi]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+        node, want = 0, []
+        while True:
+            kids = [c for c in range(1, hi - lo) if parents[c] == node]
+            if not kids:
+                break
+            node = kids[0]
+            want.append(int(toks[node - 1]))
+        want.append(19)
+        assert out[row, : len(want)].tolist() == want
+        assert (out[row, len(want):] == -1).all()
+    assert runner._ddtree_accept is not None
+
+
+def test_vllm_layout_assumptions():
+    """Signatures and layouts the adapter depends on (catches silent drift within 0.25.x)."""
+    import inspect
+
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert TritonAttentionBackend.get_kv_cache_shape(4, 16, 2, 64) == (4, 2, 16, 2, 64)
+    params = list(inspect.signature(SpecDecodeBaseProposer.propose).parameters)
+    assert params[:8] == ["self", "num_speculative_tokens", "target_token_ids", "target_positions",
+                          "target_hidden_states", "next_token_ids", "token_indices_to_sample",
+                          "common_attn_metadata"]
+    assert "num_rejected_tokens_gpu" in params
+    assert list(inspect.signature(SpecDecodeBaseProposer._sample_draft_tokens).parameters) == [
+        "self", "hidden_states", "sampling_metadata"]
+    for name in ("_prepare_inputs", "_sample", "_update_states", "take_draft_token_ids", "sample_tokens",
+                 "propose_draft_token_ids", "execute_model"):
+        assert hasattr(GPUModelRunner, name), name
+    assert list(inspect.signature(GPUModelRunner._prepare_inputs).parameters) == [
+        "self", "scheduler_output", "num_scheduled_tokens"]
+    assert list(inspect.signature(GPUModelRunner._sample).parameters) == ["self", "logits", "spec_decode_metadata"]
+    assert issubclass(DFlashProposer, SpecDecodeBaseProposer)
+    src = inspect.getsource(GPUModelRunner._prepare_inputs)
+    # Slot mapping is computed from the flat positions before we overwrite them with tree depths.
+    assert src.index("compute_slot_mapping") < src.index("_prepare_input_ids")
+    worker_src = inspect.getsource(__import__("vllm.v1.worker.gpu_worker", fromlist=["Worker"]).Worker.init_device)
+    assert "from vllm.v1.worker.gpu_model_runner import" in worker_src
+
+
+def test_modules_import():
+    import ddtree.vllm.attention  # noqa: F401
+    import ddtree.vllm.proposer  # noqa: F401
+    import ddtree.vllm.runner  # noqa: F401
+    import ddtree.vllm.sampler  # noqa: F401
+    import ddtree.vllm.worker  # noqa: F401
+
+
