@@ -77,3 +77,16 @@ def test_generate_without_a_tokenizer_asks_for_ids(tmp_path, capsys):
     tiny_target("qwen3").save_pretrained(tmp_path)
     assert main(["generate", "--target", str(tmp_path), "--mode", "ar", "--prompt", "hello"]) == 2
     assert "--prompt-ids" in capsys.readouterr().err
+
+
+def test_progress_bar_draws_and_finishes():
+    import io
+
+    from ddtree.engine.progress import ProgressBar
+
+    stream = io.StringIO()
+    bar = ProgressBar(10, label="ddtree", stream=stream, width=10)
+    bar.update(4)
+    bar.update(6)
+    bar.close()
+    assert stream.getvalue().rstrip().split("\r")[-1].startswith("ddtree [##########] 10/10")

@@ -33,7 +33,8 @@ def target_and_reference(request):
 
 def test_engine_autoregressive_equals_transformers_greedy(target_and_reference):
     model, reference = target_and_reference
-    assert reference[1] == hf_greedy(model, PROMPTS[1], NEW_TOKENS)
+    for prompt, output in zip(PROMPTS, reference):
+        assert output == hf_greedy(model, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("mode, budget", [("chain", 0), ("ddtree", 1), ("ddtree", 24), ("ddtree", 64)])
@@ -62,3 +63,18 @@ def test_high_acceptance_drafter_greedy_equals_autoregressive(target_and_referen
     assert min(taus) > (2.5 if mode == "ddtree" else 1.8) and longest >= 6, (taus, longest)
     for r in results:
         assert sum(r.stats.acceptance_lengths) + 1 == len(r.output_ids) or r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_generation_stops_after_a_stop_token(target_and_reference, mode):
+    model, reference = target_and_reference
+    stop = reference[0][20]
+    oracle = NoisyOracleProposer([p + r for p, r in zip(PROMPTS, reference)], model.config.vocab_size, depth=7)
+    results = SpeculativeEngine(model, oracle).generate(
+        PROMPTS, GenerationConfig(mode=mode, budget=16, max_new_tokens=NEW_TOKENS, stop_token_ids=[stop])
+    )
+    for result, expected in zip(results, reference):
+        if stop in expected:
+            assert result.output_ids == expected[: expected.index(stop) + 1] and result.finish_reason == "stop"
+        else:
+            assert result.output_ids == expected and result.finish_reason == "length"

@@ -49,14 +49,14 @@ def exact_joint(model, sampling: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def ddtree_counts(model, sampling: SamplingParams, num_samples: int, batch: int = 125) -> torch.Tensor:
+def ddtree_counts(model, sampling: SamplingParams, num_samples: int, batch: int = 125, mode: str = "ddtree"):
     """Histogram ``[V, V, V]`` of the first three generated tokens of ``num_samples`` requests."""
     engine = SpeculativeEngine(model, TargetMimicProposer(model, depth=2))
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     first_step_taus = []
     for start in range(0, num_samples, batch):
         # One more token than counted, so the first DDTree step may be 2 deep (t2, t3 drafted).
-        config = GenerationConfig(mode="ddtree", budget=4, max_new_tokens=FIRST_TOKENS + 1, sampling=sampling,
+        config = GenerationConfig(mode=mode, budget=4, max_new_tokens=FIRST_TOKENS + 1, sampling=sampling,
                                   seed=start)
         for result in engine.generate([PROMPT] * min(batch, num_samples - start), config):
             counts[tuple(result.output_ids[:FIRST_TOKENS])] += 1
@@ -81,16 +81,18 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    "kind, sampling, num_samples",
+    "kind, mode, sampling, num_samples",
     [
-        ("qwen3", SamplingParams(temperature=1.0), 1500),
-        ("qwen3_5", SamplingParams(temperature=1.0), 600),
-        ("qwen3", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 1000),
+        ("qwen3", "ddtree", SamplingParams(temperature=1.0), 1500),
+        ("qwen3_5", "ddtree", SamplingParams(temperature=1.0), 600),
+        ("qwen3", "ddtree", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 1000),
+        ("qwen3", "chain", SamplingParams(temperature=1.0), 1000),
     ],
 )
-def test_ddtree_first_tokens_follow_autoregressive_distribution(kind, sampling, num_samples):
+def test_first_tokens_follow_autoregressive_distribution(kind, mode, sampling, num_samples):
     model = peaked_target(kind)
-    p_value = chi_square_p_value(ddtree_counts(model, sampling, num_samples), exact_joint(model, sampling))
+    counts = ddtree_counts(model, sampling, num_samples, mode=mode)
+    p_value = chi_square_p_value(counts, exact_joint(model, sampling))
     assert p_value > ALPHA, f"DDTree samples do not follow the autoregressive distribution (p = {p_value:.2e})"
 
 

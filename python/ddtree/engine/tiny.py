@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 TARGET_KINDS = ("qwen3", "qwen3_next", "qwen3_5")
+#: Also buildable: a dense Llama (no q/k norms), same attention interface as Qwen3.
+EXTRA_KINDS = ("llama",)
 
 
 def tiny_target_config(kind: str, vocab_size: int = 128, num_layers: int = 4, hidden_size: int = 32,
@@ -38,6 +40,10 @@ def tiny_target_config(kind: str, vocab_size: int = 128, num_layers: int = 4, hi
         from transformers import Qwen3Config
 
         return Qwen3Config(**{**common, **overrides})
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**{**common, **overrides})
     if kind == "qwen3_next":
         from transformers import Qwen3NextConfig
 
@@ -47,7 +53,7 @@ def tiny_target_config(kind: str, vocab_size: int = 128, num_layers: int = 4, hi
         from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
         return Qwen3_5TextConfig(**{**common, **hybrid, **overrides})
-    raise ValueError(f"kind must be one of {TARGET_KINDS}, got {kind!r}")
+    raise ValueError(f"kind must be one of {TARGET_KINDS + EXTRA_KINDS}, got {kind!r}")
 
 
 def tiny_target(kind: str, seed: int = 0, **config_overrides):
