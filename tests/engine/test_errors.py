@@ -1,7 +1,6 @@
 """Bad input is refused before any compute, with an error that says what is wrong."""
 
 import pytest
-import torch
 
 from ddtree.engine import DFlashDraftModel, EngineInputError, GenerationConfig, SpeculativeEngine, TargetModel
 from ddtree.engine.tiny import tiny_target, tiny_target_config

@@ -7,7 +7,6 @@ against transformers' own cached greedy decoding.
 """
 
 import pytest
-import torch
 
 from ddtree.engine import DFlashDraftModel, GenerationConfig, SpeculativeEngine
 from ddtree.engine.tiny import TARGET_KINDS, tiny_target

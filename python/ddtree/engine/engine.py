@@ -66,6 +66,8 @@ class RequestStats:
 
     acceptance_lengths: tau per verification step, accepted draft tokens + 1 (bonus).
     accepted_at_depth: ``[L]``, entry ``d - 1`` counts steps that accepted >= d draft tokens.
+    total_seconds: wall time from the start of ``generate`` to this request's
+        last token (prefill included; batch-mates share the steps).
     """
 
     prompt_tokens: int

@@ -435,6 +435,8 @@ class TargetModel:
         The tree conv reads each node's conv window along its root path (then
         the committed history); the tree delta rule runs from each request's
         committed recurrent state. Both are exact for every root path.
+        (``compile_tree``'s ``windows`` name the same conv windows; the torch
+        reference derives them from ``parents``, a fused kernel would read them.)
         """
         num_nodes = hidden.shape[0]
         parents = torch.cat([tree.parents for tree in trees]).to(hidden.device)
@@ -472,8 +474,8 @@ class TargetModel:
             rows = output.request_rows(request)
             for index, (keys, values) in pending.node_kv.items():
                 state.kv[index].commit_tree(keys[rows], values[rows], path)
+        torch_paths = [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in paths]
         for index in self.gdn_layers:
-            torch_paths = [torch.as_tensor(np.asarray(p), dtype=torch.int64) for p in paths]
             recurrent, history = commit_gdn_state_batched(
                 torch.stack([state.gdn[index].conv_history for state in states]),
                 pending.gdn_conv_inputs[index],
