@@ -6,6 +6,13 @@ builds a draft tree from per-position distributions (a file with `log_probs`
 and `token_ids` arrays of shape [L, K], or a synthetic drafter's), compiles it,
 walks a simulated target through it, and prints the tree, the timings and the
 expected acceptance length.
+
+    ddtree generate --target DIR [--drafter DIR] --prompt TEXT|--prompt-file F|--prompt-ids 1,2,3
+                    [--mode ar|chain|ddtree] [--budget 64] [--max-new-tokens N]
+                    [--temperature T] [--top-p P] [--top-k K] [--seed S] [--device cpu|cuda]
+
+generates with the reference engine (``ddtree.engine``, needs torch and
+transformers) and prints the text and per-request statistics.
 """
 
 from __future__ import annotations
@@ -140,7 +147,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=24, help="tree nodes to print (default 24)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=demo)
+    add_generate_parser(commands)
     return parser
+
+
+def add_generate_parser(commands) -> None:
+    """``generate``'s arguments; the command itself (torch, transformers) is imported only when run."""
+    p = commands.add_parser("generate", help="generate with the reference engine (ar, DFlash chain or DDTree)")
+    p.add_argument("--target", required=True, help="transformers checkpoint directory of the target")
+    p.add_argument("--drafter", help="DFlash drafter directory (config.json + safetensors); not needed for --mode ar")
+    prompts = p.add_argument_group("prompts (repeat for a batch)")
+    prompts.add_argument("--prompt", action="append", default=[], help="prompt text, tokenised with the target's tokenizer")
+    prompts.add_argument("--prompt-file", action="append", default=[], help="a file whose whole content is one prompt")
+    prompts.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (no tokenizer needed)")
+    p.add_argument("--mode", choices=["ar", "chain", "ddtree"], default="ddtree")
+    p.add_argument("--budget", type=int, default=64, help="draft tree nodes per step (ddtree; default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's EOS token")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=generate)
+
+
+def generate(args: argparse.Namespace) -> int:
+    from ddtree.engine.command import run
+
+    return run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,111 @@
+"""``ddtree generate``: load a target and a DFlash drafter, generate, print text and statistics.
+
+The arguments are declared in ``ddtree.cli`` (which must not import torch for
+``ddtree demo``); this module runs the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+from .drafter import CONFIG_NAME, DFlashDraftModel
+from .engine import GenerationConfig, SpeculativeEngine
+from .sampling import SamplingParams
+from .validation import EngineInputError, check_prompts, check_settings
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _fail(message: str) -> int:
+    print(f"ddtree generate: {message}", file=sys.stderr)
+    return 2
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(directory: str, required: bool):
+    """The target's tokenizer, or None when it has none and none is needed."""
+    # transformers may hand back a default tokenizer for a directory without
+    # tokenizer files; that would silently mis-tokenise, so look first.
+    has_files = any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
+    error = None
+    if has_files:
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(directory)
+        except Exception as caught:  # an unreadable tokenizer
+            error = caught
+    if required:
+        reason = f"cannot load its tokenizer ({error})" if error else "has no tokenizer files"
+        raise EngineInputError(f"{directory} {reason}; pass --prompt-ids instead")
+    return None
+
+
+def _prompt_ids(args, tokenizer) -> List[List[int]]:
+    texts = list(args.prompt)
+    for path in args.prompt_file:
+        with open(path, encoding="utf-8") as handle:
+            texts.append(handle.read())
+    prompts = [tokenizer.encode(text) for text in texts] if texts else []
+    for spec in args.prompt_ids:
+        try:
+            prompts.append([int(t) for t in spec.replace(" ", "").split(",") if t])
+        except ValueError as error:
+            raise EngineInputError(f"--prompt-ids must be comma-separated integers, got {spec!r}") from error
+    return prompts
+
+
+def _check_drafter_config(directory: str) -> None:
+    """Cheap checks on the drafter directory before loading any weights."""
+    if not os.path.isfile(os.path.join(directory, CONFIG_NAME)):
+        raise EngineInputError(f"--drafter {directory}: no {CONFIG_NAME} there")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        check_settings(args.mode, args.budget, args.max_new_tokens, has_drafter=bool(args.drafter) or args.mode == "ar")
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+        sampling.validate()
+        if not (args.prompt or args.prompt_file or args.prompt_ids):
+            raise EngineInputError("give at least one --prompt, --prompt-file or --prompt-ids")
+        if args.drafter and args.mode != "ar":
+            _check_drafter_config(args.drafter)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise EngineInputError("--device cuda but torch sees no CUDA device")
+        tokenizer = _load_tokenizer(args.target, required=bool(args.prompt or args.prompt_file))
+        prompts = _prompt_ids(args, tokenizer)
+
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=DTYPES[args.dtype]).to(args.device)
+        drafter: Optional[DFlashDraftModel] = None
+        if args.mode != "ar":
+            drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=target.dtype, device=args.device)
+        engine = SpeculativeEngine(target, drafter)  # checks drafter vs target
+        check_prompts(prompts, engine.target)
+    except (EngineInputError, ValueError, FileNotFoundError) as error:
+        return _fail(str(error))
+
+    stop = ()
+    if tokenizer is not None and tokenizer.eos_token_id is not None and not args.ignore_eos:
+        stop = (tokenizer.eos_token_id,)
+    config = GenerationConfig(
+        mode=args.mode, budget=args.budget, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+        stop_token_ids=stop, progress=not args.no_progress,
+    )
+    results = engine.generate(prompts, config)
+    for index, result in enumerate(results):
+        text = tokenizer.decode(result.output_ids) if tokenizer is not None else " ".join(map(str, result.output_ids))
+        print(f"=== request {index} ({result.finish_reason}) ===")
+        print(text)
+        print(f"--- {args.mode}: {result.stats.summary()}")
+    return 0
+
+
