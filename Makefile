@@ -1,6 +1,6 @@
 # One-command set-up on a fresh machine (Rust, Python 3.9+, a C compiler):
 #   make demo   install into .venv and run the command-line demo
-#   make test   install into .venv and run every test (Rust and Python)
+#   make test   install into .venv (with torch, transformers, vLLM) and run every test
 # .ci/run runs `make test`.
 
 PYTHON ?= python3
@@ -18,8 +18,9 @@ $(PY):
 install: $(PY)
 	$(PIP) install -q -e .
 
+# torch/transformers for the kernels and the engine; vLLM (CPU import only) for the adapter's tests.
 install-test: $(PY)
-	$(PIP) install -q -e ".[test,torch]"
+	$(PIP) install -q -e ".[test,torch,vllm]"
 
 demo: install
 	$(VENV)/bin/ddtree demo

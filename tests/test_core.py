@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import ddtree
 from ddtree import reference
 
-from conftest import distributions
+from core_strategies import distributions
 
 
 def assert_same_tree(tree, ref) -> None:
