@@ -119,9 +119,8 @@ impl TreeBuilder {
         }
     }
 
-    /// Removes the popped top and adds its next sibling and first child. The
-    /// first child usually scores close to its parent, so it replaces the top
-    /// and sinks a level or two: one sift instead of a pop and a push.
+    /// Removes the popped top and adds its next sibling and first child, with
+    /// one sift down and one push instead of a pop and two pushes.
     fn replace_top_with_successors<T: TokenId>(
         &mut self,
         dist: &DraftDistribution<'_, T>,
@@ -145,15 +144,21 @@ impl TreeBuilder {
         });
         let frontier = &mut self.frontier;
         match (child, sibling) {
-            (Some(child), sibling) => {
-                frontier[0] = child;
+            (Some(child), Some(sibling)) => {
+                // The better of the two is often the next pop: it takes the
+                // top and barely sinks; the other joins at the bottom and
+                // barely climbs. The other way round both would travel far.
+                let (first, second) = if pops_before(&sibling, &child, &self.nodes) {
+                    (sibling, child)
+                } else {
+                    (child, sibling)
+                };
+                frontier[0] = first;
                 sift_down(frontier, &self.nodes);
-                if let Some(sibling) = sibling {
-                    push(frontier, sibling, &self.nodes);
-                }
+                push(frontier, second, &self.nodes);
             }
-            (None, Some(sibling)) => {
-                frontier[0] = sibling;
+            (Some(only), None) | (None, Some(only)) => {
+                frontier[0] = only;
                 sift_down(frontier, &self.nodes);
             }
             (None, None) => {
