@@ -49,11 +49,14 @@ States, ``G``, ``U``, ``O`` accumulate in fp32. ``precision`` picks how fp32
 ``tl.dot`` operands are fed to tensor cores: ``"tf32x3"`` (default; three
 TF32 products, about fp32 accuracy), ``"ieee"`` (fp32 FMA, no tensor cores,
 slowest) or ``"tf32"`` (one TF32 product, ~1e-3 relative error: not exact,
-for timing comparisons only). When q/k are bf16/fp16 the two ``N x N`` Gram
-products run on the *raw* 16-bit q/k with fp32 accumulation and are then
-scaled by the l2 norms (``q^ . k^ = (q . k) r_q r_k``): products of 16-bit
-numbers are exact in fp32, so this is as accurate as the fp32 path and
-needs one 16-bit MMA instead of three TF32 ones.
+for timing comparisons only). The l2 normalisation is applied as row and
+column scales after the products (``q^ . k^ = (q . k) r_q r_k``), so when
+q/k are bf16/fp16 the two ``N x N`` key products run on the raw 16-bit
+values with fp32 accumulation: products of 16-bit numbers are exact in
+fp32, so this is as accurate as the fp32 path at one 16-bit MMA instead of
+three TF32 ones. Every product over the head dimension walks it in chunks
+of ``BKC`` loaded from memory: a ``BT x Dk`` MMA operand would sit whole in
+every warp's registers and spill (checked with ptxas for sm_90).
 
 Ancestor mask
 -------------
