@@ -69,6 +69,23 @@ shift and an AND per element, free next to the Gram products. The bits are
 built once per verification step and shared by every GDN layer;
 :func:`ancestor_bits_from_parents` builds them on any device.
 
+Limits
+------
+* The row blocks of one program are sequential (``ceil(N / BT)`` steps, 17 at
+  N = 257 with BT = 16) and every step re-reads the earlier column tiles, so
+  one program does ``O(N^2)`` work; with few requests the grid is only
+  ``R * Hv * Dv / BV`` programs (48 x 4 at batch 1). Splitting Dv repeats
+  the ``N x N`` key products per split, and the 3 value heads of a GQA group
+  repeat them too (they differ only in decays and betas).
+* ``G`` is written by every value-column program of a head (identical
+  values, benign) and read back after ``tl.debug_barrier()``; ``U`` rows are
+  read back the same way (each program owns its value columns).
+* Register pressure: ptxas for sm_90 reports ~255 registers per thread at
+  BT = 16 / 4 warps with a few bytes of spill; tiles are small because
+  ``BT = 16`` row blocks make every MMA an ``m16`` (mma.sync, not wgmma).
+* No conv kernel: the tree conv is :func:`ddtree.kernels.gdn_tree.tree_causal_conv1d_batched`
+  (a torch gather of each node's ``W`` window along its root path).
+
 Import this module only where Triton is available; it is not imported by
 ``ddtree.kernels``. Set ``TRITON_INTERPRET=1`` before importing triton to run
 the kernels on CPU.
@@ -418,9 +435,10 @@ def ancestor_bits_from_parents(
 
 
 def _default_block_v(num_programs_without_split: int, head_v_dim: int) -> int:
-    """Split Dv until the grid has about two programs per SM (H200: 132 SMs), but keep BV >= 32:
-    each split recomputes the N x N key products."""
-    block_v = _next_power_of_two(head_v_dim)
+    """At most 64 value columns per program (BV = 128 spills ~0.8 KB at 4 warps on sm_90); split Dv
+    further until the grid has about two programs per SM (H200: 132 SMs), but keep BV >= 32: each
+    split recomputes the N x N key products."""
+    block_v = min(64, _next_power_of_two(head_v_dim))
     while block_v > 32 and num_programs_without_split * (head_v_dim // block_v) < 264:
         block_v //= 2
     return block_v
