@@ -96,3 +96,15 @@ def test_generation_stops_at_max_position_embeddings(target):
         [[1] * 28], GenerationConfig(mode="ddtree", budget=8, max_new_tokens=50)
     )
     assert len(results[0].output_ids) == 4 and results[0].finish_reason == "max_position_embeddings"
+
+
+def test_old_transformers_is_refused_with_the_reason(monkeypatch):
+    import transformers
+
+    from ddtree.engine.target import require_supported_transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(RuntimeError, match=r"needs transformers >= 5\.24, found 5\.17\.0"):
+        require_supported_transformers()
+    monkeypatch.setattr(transformers, "__version__", "5.24.1")
+    require_supported_transformers()

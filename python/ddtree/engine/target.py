@@ -279,6 +279,24 @@ def gdn_input_projections(layer: nn.Module, hidden: torch.Tensor):
 # --------------------------------------------------------------------------
 
 
+#: The engine calls the HF attention and rotary modules directly; their calling
+#: conventions changed within 5.x (5.17 fails: measured on the H200 image).
+MIN_TRANSFORMERS = (5, 24)
+
+
+def require_supported_transformers() -> None:
+    """Refuses transformers versions whose module interfaces the engine does not match."""
+    import transformers
+
+    found = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    if found < MIN_TRANSFORMERS:
+        wanted = ".".join(map(str, MIN_TRANSFORMERS))
+        raise RuntimeError(
+            f"ddtree.engine needs transformers >= {wanted}, found {transformers.__version__}: "
+            "it drives the models' attention and rotary modules directly, and their interfaces changed"
+        )
+
+
 class TargetModel:
     """A transformers causal LM driven layer by layer for tree verification.
 
@@ -288,6 +306,7 @@ class TargetModel:
     """
 
     def __init__(self, model: nn.Module):
+        require_supported_transformers()
         self.model = model.eval()
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
