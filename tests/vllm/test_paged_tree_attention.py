@@ -139,7 +139,7 @@ def test_tree_node_equals_causal_attention_of_its_root_path():
 KERNEL_CHECK = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_tree_attention import make_batch
+from test_paged_tree_attention import make_batch
 from ddtree.vllm.tree_attention import paged_tree_attention, paged_tree_attention_reference
 device = sys.argv[2]
 for seed, dtype, heads in [(0, torch.float32, (4, 2, 32)), (5, torch.float32, (6, 2, 24)), (9, torch.float32, (2, 2, 64))]:
