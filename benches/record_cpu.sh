@@ -11,7 +11,7 @@ out="benches/results/cpu-${commit}.md"
   echo "- date: $(date -u +%F)"
   echo "- machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(free -g | awk '/Mem/ {print $2}') GiB"
   echo "- load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-  [ -n "$(git status --porcelain)" ] && echo "- working tree: uncommitted changes present"
+  if [ -n "$(git status --porcelain -- . ':!benches/results')" ]; then echo "- working tree: uncommitted changes present"; fi
   echo
   echo "## python benches/bench_python.py --repeat 15 (serial)"
   echo '```'
@@ -25,7 +25,8 @@ out="benches/results/cpu-${commit}.md"
   echo
   echo "## cargo bench --bench tree (criterion; time per call, throughput in tree nodes)"
   echo '```'
-  cargo bench --bench tree -- --noplot 2>/dev/null | grep -E '^(build|build\+compile\+accept)/|time:|thrpt:'
+  # Criterion's comparisons with an earlier run (lines with %) are left out.
+  cargo bench --bench tree -- --noplot 2>/dev/null | grep -E '^(build|build\+compile\+accept)/|time:|thrpt:' | grep -v '%'
   echo '```'
 } | tee "$out"
 echo "recorded in $out" >&2
