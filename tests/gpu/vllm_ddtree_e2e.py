@@ -13,7 +13,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 32 (mixed prompt
 lengths and max_tokens), a prompt near max_model_len, stop tokens that end
-requests mid-tree, temperature 1 with per-request seeds (run twice: must repeat).
+requests mid-tree, requests aborted mid-tree (survivors and a later batch must be
+unaffected), temperature 1 with per-request seeds (run twice: must repeat).
 
 Checks: greedy outputs equal plain's, a divergence allowed only where plain's
 top-2 logprob gap is below --gap-tol (counted and reported); ddtree's mean
@@ -182,7 +183,30 @@ def run_child(name, target, drafter):
         rows = [{"tokens": x["tokens"], "repeat_equal": x["tokens"] == y["tokens"]} for x, y in zip(a, b)]
         return rows, 2 * sum(len(r["tokens"]) for r in rows)
 
-    for sname, fn in (("batch1", b1), ("batch32", b32), ("near_max", near_max), ("stop", stop), ("t1", t1)):
+    def abort():
+        # 16 requests in flight; after 3 engine steps (trees mid-verification) every other one is
+        # aborted. The survivors must finish exactly as they would have, and the engine must serve
+        # a fresh batch afterwards. Aborted rows are recorded empty.
+        engine = llm.llm_engine
+        ids = [f"abort-{i}" for i in range(16)]
+        for rid, p in zip(ids, P["batch32"][:16]):
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=p), greedy(MAX_TOKENS))
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            steps += 1
+            if steps == 3:
+                engine.abort_request(ids[::2])
+        rows = [collect([finished[rid]])[0] if rid in finished and i % 2 else {"tokens": [], "gaps": [], "aborted": True}
+                for i, rid in enumerate(ids)]
+        rows += collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"][16:20]], greedy(MAX_TOKENS),
+                                     use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
+    scenarios = (("batch1", b1), ("batch32", b32), ("near_max", near_max), ("stop", stop), ("abort", abort), ("t1", t1))
+    for sname, fn in scenarios:
         scenario(sname, fn)
     try:
         if spec is not None and spec["method"] == "ddtree":
