@@ -86,12 +86,17 @@ def greedy_margins(target, prompts: Sequence[Sequence[int]], outputs: Sequence[S
     """
     device = next(target.parameters()).device
     margins, agree = [], True
-    for prompt, output in zip(prompts, outputs):
-        ids = torch.tensor([list(prompt) + list(output)], device=device)
-        logits = target(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        top = logits.topk(2, dim=-1)
-        margins.append((top.values[:, 0] - top.values[:, 1]).cpu())
-        agree &= bool((top.indices[:, 0].cpu() == torch.tensor(output)).all())
+    rows = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    same_length = len({len(r) for r in rows}) == 1 and len({len(p) for p in prompts}) == 1
+    groups = [list(range(len(rows)))] if same_length else [[i] for i in range(len(rows))]
+    for group in groups:  # one batched forward when every row has the same length
+        ids = torch.tensor([rows[i] for i in group], device=device)
+        all_logits = target(input_ids=ids).logits.float()
+        for row, i in enumerate(group):
+            logits = all_logits[row, len(prompts[i]) - 1 : -1]
+            top = logits.topk(2, dim=-1)
+            margins.append((top.values[:, 0] - top.values[:, 1]).cpu())
+            agree &= bool((top.indices[:, 0].cpu() == torch.tensor(list(outputs[i]))).all())
     flat = torch.cat(margins)
     return {
         "min": float(flat.min()),

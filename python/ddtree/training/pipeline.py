@@ -22,7 +22,6 @@ Outputs under ``--out`` (at most 8 files, none over 15 MiB, as the device tool r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 import os
@@ -87,12 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--budget-s", type=float, default=540.0, help="the whole run stops by then")
     run.add_argument("--target-steps", type=int, default=None, help="fixed step count (default: calibrated)")
     run.add_argument("--target-time-s", type=float, default=230.0)
+    run.add_argument("--target-max-epochs", type=float, default=8.0,
+                     help="cap on passes over the train split (a 10M model overfits 9M tokens beyond that)")
     run.add_argument("--target-batch", type=int, default=64)
     run.add_argument("--target-seq", type=int, default=512)
     run.add_argument("--target-lr", type=float, default=2e-3)
     run.add_argument("--generate", type=int, default=2048, help="target continuations for drafter training")
     run.add_argument("--generate-time-s", type=float, default=35.0)
-    run.add_argument("--generate-batch", type=int, default=512)
+    run.add_argument("--generate-batch", type=int, default=1024)
     run.add_argument("--drafter-steps", type=int, default=None)
     run.add_argument("--drafter-time-s", type=float, default=150.0)
     run.add_argument("--drafter-batch", type=int, default=32)
@@ -166,7 +167,7 @@ def evaluate_pair(args, dataset, target_dir: str, drafter_dir: str, end: float, 
         "prompts": len(used_prompts), "prompt_length": len(prompts[0]), "new_tokens": args.eval_tokens,
         "engine_device": eval_device, "modes": result["modes"], "skipped": result["skipped"],
         "margins": margins, "gpu_bf16": gpu, "engine_ar_vs_cpu_fp32": engine_vs_cpu,
-        "reference_outputs": reference,
+        "reference_outputs": reference, "prompt_ids": prompts,
         "prompt_sources": [(p.get("path"), p["offset"]) for p in dataset.prompts[: args.eval_prompts]],
     }
 
@@ -219,6 +220,8 @@ def run(args) -> Dict:
         target = model.new_target(text_config, args.seed)
         settings = train.PhaseSettings(batch_size=args.target_batch, seq_len=args.target_seq, peak_lr=args.target_lr,
                                        warmup_steps=100 if not args.tiny else 5, steps=args.target_steps,
+                                       max_steps=max(1, int(args.target_max_epochs * dataset.train.size
+                                                            / (args.target_batch * args.target_seq))),
                                        time_box_s=args.target_time_s, log_every=25 if not args.tiny else 5)
         log(f"[target] Qwen3_5ForCausalLM {model.count_parameters(target):,} parameters, layers {text_config.layer_types}")
         loop = train.train_target(target, dataset, settings, device, args.seed, args.work, log,
