@@ -1,0 +1,278 @@
+"""The two training phases (target LM, then DFlash drafter on the frozen target), time-boxed and resumable.
+
+Each phase runs a fixed number of optimizer steps: given (``--target-steps``) or, by default,
+calibrated once from the wall time of its first steps so that the phase fits its time box. The
+chosen count is logged and written to the model card, so a run is reproducible from the seed and
+the step counts (up to GPU floating-point non-determinism). A wall-clock deadline stops a phase
+early (and says so) if the calibration was off. State is checkpointed to the work directory every
+``save_every_s`` seconds; ``--resume`` continues from there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import dflash
+from .data import Dataset, sample_windows
+
+
+@dataclass
+class PhaseSettings:
+    """One phase's optimisation settings."""
+
+    batch_size: int
+    seq_len: int
+    peak_lr: float
+    warmup_steps: int
+    weight_decay: float = 0.1
+    max_steps: int = 100_000
+    steps: Optional[int] = None  # fixed step count; None: calibrate from the time box
+    time_box_s: float = 240.0
+    calibration_steps: int = 20
+    log_every: int = 25
+    save_every_s: float = 60.0
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (the GPU run); nothing on CPU (tests, fp32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def make_optimizer(params, settings: PhaseSettings, device: torch.device):
+    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+class StepLoop:
+    """Shared loop: fixed/calibrated step count, LR schedule, deadline, periodic state saves, logging."""
+
+    def __init__(self, name: str, settings: PhaseSettings, model, optimizer, generator: torch.Generator,
+                 state_path: str, log: Callable[[str], None], deadline: float):
+        self.name, self.settings, self.model, self.optimizer = name, settings, model, optimizer
+        self.generator, self.state_path, self.log = generator, state_path, log
+        self.deadline = deadline  # time.monotonic() value
+        self.step = 0
+        self.total_steps = settings.steps
+        self.history: List[Dict] = []
+        self.stopped_early = False
+        self.train_seconds = 0.0
+
+    def resume(self) -> bool:
+        if not os.path.isfile(self.state_path):
+            return False
+        state = torch.load(self.state_path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.step, self.total_steps = state["step"], state["total_steps"]
+        self.history, self.train_seconds = state["history"], state["train_seconds"]
+        self.log(f"[{self.name}] resumed at step {self.step}/{self.total_steps}")
+        return True
+
+    def save(self) -> None:
+        tmp = self.state_path + ".tmp"
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "generator": self.generator.get_state(), "step": self.step, "total_steps": self.total_steps,
+                    "history": self.history, "train_seconds": self.train_seconds}, tmp)
+        os.replace(tmp, self.state_path)
+
+    def run(self, step_fn: Callable[[], Dict]) -> None:
+        """``step_fn()`` does forward + backward on one batch and returns ``{"loss": float, ...}``."""
+        s = self.settings
+        started = time.monotonic()
+        budget_end = min(self.deadline, started + s.time_box_s - self.train_seconds)
+        last_save = started
+        calib_start = None
+        window_loss, window_n, window_t = 0.0, 0, time.monotonic()
+        device_sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        while self.total_steps is None or self.step < self.total_steps:
+            if time.monotonic() >= budget_end:
+                self.stopped_early = True
+                self.log(f"[{self.name}] time box reached at step {self.step}/{self.total_steps}: stopping early")
+                break
+            lr = dflash.cosine_lr(self.step, self.total_steps or s.max_steps, s.peak_lr, s.warmup_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = step_fn()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.step += 1
+            window_loss += metrics["loss"]
+            window_n += 1
+            if self.total_steps is None:
+                # calibration: time steps 5..calibration_steps (the first ones include warm-up work)
+                if self.step == 5:
+                    device_sync()
+                    calib_start = time.monotonic()
+                elif self.step == s.calibration_steps:
+                    device_sync()
+                    per_step = (time.monotonic() - calib_start) / (s.calibration_steps - 5)
+                    left = budget_end - time.monotonic()
+                    self.total_steps = int(min(s.max_steps, self.step + max(0, left * 0.97) / per_step))
+                    self.log(f"[{self.name}] calibrated: {per_step * 1000:.1f} ms/step -> {self.total_steps} steps "
+                             f"(pass --{self.name}-steps {self.total_steps} to reproduce)")
+            if self.step % s.log_every == 0 or self.step == self.total_steps:
+                now = time.monotonic()
+                entry = {"step": self.step, "loss": window_loss / window_n, "lr": lr, "grad_norm": float(grad_norm),
+                         "elapsed_s": round(self.train_seconds + now - started, 1)}
+                entry.update({k: v for k, v in metrics.items() if k != "loss" and isinstance(v, float)})
+                self.history.append(entry)
+                extra = " ".join(f"{k} {v:.3f}" for k, v in entry.items() if k not in ("step", "loss", "lr", "elapsed_s"))
+                self.log(f"[{self.name}] step {self.step}/{self.total_steps} loss {entry['loss']:.4f} lr {lr:.2e} "
+                         f"{extra} ({(now - window_t) / window_n * 1000:.0f} ms/step, {entry['elapsed_s']:.0f} s)")
+                window_loss, window_n, window_t = 0.0, 0, now
+            if time.monotonic() - last_save >= s.save_every_s:
+                self.train_seconds += time.monotonic() - started
+                started = last_save = time.monotonic()
+                self.save()
+        self.train_seconds += time.monotonic() - started
+        if self.total_steps is None:
+            self.total_steps = self.step
+        self.save()
+
+
+# --------------------------------------------------------------------------- target
+
+
+def train_target(model, dataset: Dataset, settings: PhaseSettings, device: torch.device, seed: int, work_dir: str,
+                 log, deadline: float, resume: bool = False) -> StepLoop:
+    """Next-token training of the target on random windows of the train stream."""
+    model.to(device).train()
+    generator = torch.Generator().manual_seed(seed + 1)
+    optimizer = make_optimizer(list(model.parameters()), settings, device)
+    loop = StepLoop("target", settings, model, optimizer, generator, os.path.join(work_dir, "target_state.pt"),
+                    log, deadline)
+    if resume:
+        loop.resume()
+
+    def step() -> Dict:
+        batch = sample_windows(dataset.train, settings.batch_size, settings.seq_len + 1, generator).to(device)
+        with autocast(device):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        return {"loss": float(loss.detach())}
+
+    loop.run(step)
+    model.eval()
+    return loop
+
+
+@torch.no_grad()
+def heldout_loss(model, stream: np.ndarray, seq_len: int, device: torch.device, max_tokens: int = 400_000,
+                 batch_size: int = 16) -> Dict:
+    """Mean next-token CE (nats) and perplexity of ``model`` in fp32 over non-overlapping windows."""
+    model.eval()
+    n_windows = min((stream.size - 1) // seq_len, max(1, max_tokens // seq_len))
+    total, count = 0.0, 0
+    for first in range(0, n_windows, batch_size):
+        rows = [stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(first, min(n_windows, first + batch_size))]
+        batch = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
+        logits = model(input_ids=batch[:, :-1]).logits.float()
+        total += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
+        count += batch[:, 1:].numel()
+    mean = total / max(1, count)
+    return {"loss": mean, "perplexity": math.exp(mean), "tokens": count}
+
+
+# --------------------------------------------------------------------------- distillation data
+
+
+@torch.no_grad()
+def generate_sequences(model, dataset: Dataset, count: int, prompt_len: int, new_tokens: int, batch_size: int,
+                       device: torch.device, seed: int, log, deadline: float) -> torch.Tensor:
+    """``[n, prompt_len + new_tokens]``: train-split prompts followed by the target's greedy continuation.
+
+    The drafter learns to predict the target's own greedy output, which is what it is asked to do
+    at evaluation (DFlash trains on target-generated responses for the same reason). Stops at
+    ``deadline`` with what it has (at least one batch).
+    """
+    generator = torch.Generator().manual_seed(seed + 3)
+    model.eval()
+    model.generation_config.eos_token_id = None  # plain greedy continuation: no stop, no EOS suppression
+    rows = []
+    done = 0
+    while done < count:
+        n = min(batch_size, count - done)
+        prompts = sample_windows(dataset.train, n, prompt_len, generator).to(device)
+        with autocast(device):
+            out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=dataset.pad_id)
+        rows.append(out[:, : prompt_len + new_tokens].cpu())
+        done += n
+        log(f"[generate] {done}/{count} sequences of {prompt_len}+{new_tokens} tokens")
+        if time.monotonic() >= deadline:
+            log("[generate] time box reached")
+            break
+    return torch.cat(rows)
+
+
+# --------------------------------------------------------------------------- drafter
+
+
+def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.Tensor], settings: PhaseSettings,
+                  num_anchors: int, gamma: float, raw_fraction: float, device: torch.device, seed: int,
+                  work_dir: str, log, deadline: float, resume: bool = False) -> StepLoop:
+    """DFlash training (module :mod:`.dflash`) with the target frozen.
+
+    Each batch: ``raw_fraction`` of the rows are raw train-split windows, the rest are drawn from
+    ``generated`` (target continuations); rows are cut to ``settings.seq_len``.
+    """
+    target.to(device).eval()
+    for parameter in target.parameters():
+        parameter.requires_grad_(False)
+    drafter.to(device).train()
+    generator = torch.Generator().manual_seed(seed + 2)
+    optimizer = make_optimizer(list(drafter.parameters()), settings, device)
+    loop = StepLoop("drafter", settings, drafter, optimizer, generator, os.path.join(work_dir, "drafter_state.pt"),
+                    log, deadline)
+    if resume:
+        loop.resume()
+    features_hook = dflash.TargetFeatures(target, drafter.target_layer_ids)
+    weights = dflash.position_weights(drafter.block_size, gamma).to(device)
+    n_raw = settings.batch_size if generated is None else int(round(settings.batch_size * raw_fraction))
+
+    def batch_tokens() -> torch.Tensor:
+        parts = []
+        if n_raw:
+            parts.append(sample_windows(dataset.train, n_raw, settings.seq_len, generator))
+        if settings.batch_size - n_raw:
+            pick = torch.randint(0, generated.shape[0], (settings.batch_size - n_raw,), generator=generator)
+            parts.append(generated[pick, : settings.seq_len])
+        return torch.cat(parts).to(device)
+
+    def step() -> Dict:
+        tokens = batch_tokens()
+        anchors = dflash.sample_anchors(tokens.shape[0], tokens.shape[1], num_anchors, drafter.block_size,
+                                        generator).to(device)
+        with torch.no_grad(), autocast(device):
+            target(input_ids=tokens)
+        features = features_hook.take()
+        with autocast(device):
+            logits, labels = dflash.dflash_step_logits(drafter, target, tokens, features, anchors)
+        loss, info = dflash.dflash_loss(logits, labels, weights)
+        loss.backward()
+        acc = info["accuracy"].tolist()
+        return {"loss": float(loss.detach()), "acc1": acc[0], "acc8": acc[min(7, len(acc) - 1)],
+                "tf_tau": info["chain_tau"]}
+
+    try:
+        loop.run(step)
+    finally:
+        features_hook.remove()
+    drafter.eval()
+    return loop

@@ -1,0 +1,35 @@
+"""The whole command at tiny scale on CPU: phases run, outputs fit the device tool's limits, resume works."""
+
+import json
+import os
+import tarfile
+
+from ddtree.training import card, pipeline
+
+
+def test_run_tiny_end_to_end(tiny_data, tmp_path):
+    out, work = str(tmp_path / "out"), str(tmp_path / "work")
+    argv = ["run", "--data", tiny_data.directory, "--out", out, "--work", work, "--tiny", "--device", "cpu",
+            "--target-steps", "4", "--target-batch", "2", "--target-seq", "48", "--generate", "2",
+            "--generate-batch", "2", "--drafter-steps", "3", "--drafter-batch", "2", "--drafter-seq", "80",
+            "--anchors", "4", "--eval-prompts", "1", "--eval-tokens", "6", "--eval-threads", "1"]
+    metrics = pipeline.run(pipeline.build_parser().parse_args(argv))
+    assert metrics["target"]["steps"] == 4 and metrics["drafter"]["steps"] == 3
+    assert "error" not in metrics["eval"], metrics["eval"].get("error")
+    assert set(metrics["eval"]["modes"]) == {"chain"} | {f"ddtree-{b}" for b in card.BUDGETS}
+    assert all(m["lossless"] for m in metrics["eval"]["modes"].values())
+    # without a GPU only the bf16-vs-fp32 count is missing
+    assert card.missing_fields(metrics) == ["eval.gpu_bf16.prompts_agreeing_128"]
+    files = sorted(os.listdir(out))
+    assert files == ["MODEL_CARD.md", "metrics.json", "models.tar.00", "train.log"]
+    assert all(os.path.getsize(os.path.join(out, f)) <= pipeline.PART_BYTES for f in files)
+    with tarfile.open(os.path.join(out, "models.tar.00")) as tar:
+        names = set(tar.getnames())
+    assert {"README.md", "target/config.json", "target/model.safetensors", "target/tokenizer.json",
+            "drafter/config.json", "drafter/model.safetensors"} <= names
+    with open(os.path.join(out, "metrics.json")) as handle:
+        assert json.load(handle)["eval"]["modes"]["chain"]["tau"] >= 1.0
+
+    # resume: finished phases are skipped, evaluation and outputs are redone
+    again = pipeline.run(pipeline.build_parser().parse_args(argv + ["--resume"]))
+    assert again["target"]["steps"] == 4 and again["eval"]["reference_outputs"] == metrics["eval"]["reference_outputs"]
