@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU command of the pair training (see python/ddtree/training/pipeline.py). On the H200:
-#   carry: .whl (the ddtree abi3 wheel) and .carry/train-pair (written by `python -m ddtree.training prepare`)
+#   carry: .whl (the ddtree abi3 wheel, plus transformers>=5.24 as a wheel where the host has an older one:
+#          the engine drives HF modules directly) and .carry/train-pair (from `python -m ddtree.training prepare`)
 #   run:   bash benches/train_pair.sh            (writes everything under $OUT; ~9 minutes)
 # Extra arguments go to `python -m ddtree.training run` (e.g. --target-steps N --drafter-steps M to reproduce).
 set -euo pipefail
 OUT=${OUT:-/tmp/train-pair-out}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/ddtree-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)'
 exec python3 -m ddtree.training run --data .carry/train-pair --out "$OUT" --seed 0 "$@"
