@@ -44,6 +44,10 @@ def test_duplicates_are_checked_among_the_candidates_the_tree_reaches():
     assert ddtree.build_tree(LP, ids, 4).tokens.tolist() == [5, 8, 6, 9]
     with pytest.raises(ValueError, match="row 1 has token 8 twice"):
         ddtree.build_tree(LP, ids, 12)
+    negative = np.array([[5, 6, 7], [8, 9, -1]])
+    assert ddtree.build_tree(LP, negative, 4).tokens.tolist() == [5, 8, 6, 9]
+    with pytest.raises(ValueError, match=r"token_ids\[1, 2\] = -1 is negative"):
+        ddtree.build_tree(LP, negative, 12)
 
 
 def test_batch_errors_name_the_request():

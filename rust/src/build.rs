@@ -206,21 +206,25 @@ impl TreeBuilder {
         }
     }
 
-    /// Sibling nodes must carry distinct tokens, or acceptance could not tell
-    /// them apart. The children of any node are a leading run of candidates
-    /// of one row, so it is enough (and, unlike checking whole rows, O(tree)
-    /// rather than O(L * K)) to check each row's candidates the tree reached.
+    /// Sibling nodes must carry distinct, non-negative tokens, or acceptance
+    /// could not tell them apart. The children of any node are a leading run
+    /// of candidates of one row, so it is enough (and, unlike checking whole
+    /// rows, O(tree) rather than O(L * K)) to check the candidates each row
+    /// contributes to the tree: the others cannot change it.
     fn check_reached_tokens_distinct<T: TokenId>(
         &mut self,
         dist: &DraftDistribution<'_, T>,
     ) -> Result<()> {
         for (row, &reached) in self.row_reached.iter().enumerate() {
-            if reached < 2 {
-                continue;
-            }
             self.seen_tokens.start_row(reached);
             for rank in 0..reached {
                 let token = dist.token(row, rank);
+                if token < 0 {
+                    return Err(DdtreeError::value(
+                        "token_ids",
+                        format!("token_ids[{row}, {rank}] = {token} is negative"),
+                    ));
+                }
                 if let Some(first) = self.seen_tokens.insert(token, rank as u32) {
                     return Err(DdtreeError::value(
                         "token_ids",
@@ -320,9 +324,10 @@ fn check_slots(out: &TreeSlots<'_>, n: usize) -> Result<()> {
     }
 }
 
-/// Rejects NaN, positive log-probs, rows that increase and negative token
-/// ids: each would make the tree silently wrong. One branch-free pass over
-/// the values; the slow pass that names the culprit runs only on failure.
+/// Rejects NaN, positive log-probs and rows that increase: each would make
+/// the tree silently wrong (an unsorted row hides candidates from the
+/// search). One branch-free pass over the values; the slow pass that names
+/// the culprit runs only on failure.
 // `!(b <= a)` rather than `b > a`: the negation is what makes NaN fail.
 #[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub fn check_values<T: TokenId>(dist: &DraftDistribution<'_, T>) -> Result<()> {
@@ -337,8 +342,6 @@ pub fn check_values<T: TokenId>(dist: &DraftDistribution<'_, T>) -> Result<()> {
             .fold(0u32, |acc, (a, b)| acc | !(b <= a) as u32);
         bad |= !(row[0] <= LOG_PROB_TOLERANCE) as u32;
     }
-    // OR-ing every id leaves the sign bit set iff one of them is negative.
-    bad |= (dist.token_ids.iter().fold(0i64, |acc, &t| acc | t.to_i64()) < 0) as u32;
     if bad != 0 {
         return Err(describe_bad_value(dist));
     }
@@ -372,13 +375,6 @@ fn describe_bad_value<T: TokenId>(dist: &DraftDistribution<'_, T>) -> DdtreeErro
                 );
             }
             previous = lp;
-            let token = dist.token(row, rank);
-            if token < 0 {
-                return DdtreeError::value(
-                    "token_ids",
-                    format!("token_ids[{row}, {rank}] = {token} is negative"),
-                );
-            }
         }
     }
     DdtreeError::Internal("a bad value was flagged but not found".into())
