@@ -23,44 +23,6 @@ PYTHON_DIR = TESTS_DIR.parent.parent / "python"
 GDN_ARGS = ("q", "k", "v", "g", "beta")
 
 
-def patch_triton_interpreter_for_numpy2() -> None:
-    """Two interpreter-only fixes for Triton 3.6 (no effect on compiled kernels):
-
-    * scalar tensors (1-element arrays) become Python ints via ``int(array)``, which NumPy 2.4
-      rejects for 1-D arrays, so data-dependent loop bounds (``range(0, num_nodes)``) fail;
-    * ``tl.dot`` on bf16 operands multiplies their raw uint16 bit patterns (NumPy has no bf16);
-      widen them to fp32 first, which is exact and what the tensor cores compute.
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original_patch = interpreter._patch_lang_tensor
-    if getattr(original_patch, "_ddtree_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._ddtree_patched = True
-    interpreter._patch_lang_tensor = patched
-
-    builder = interpreter.InterpreterBuilder
-    original_dot = builder.create_dot
-
-    def widened(handle):
-        if handle.dtype.scalar == tl.bfloat16 or handle.dtype == tl.bfloat16:
-            data = (handle.data.astype(np.uint32) << 16).view(np.float32)
-            return interpreter.TensorHandle(data, tl.float32)
-        return handle
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
-
-    builder.create_dot = create_dot
-
-
 def _batch(trees, num_k_heads, num_v_heads, head_k_dim, head_v_dim, seed=0):
     requests = [
         random_gdn_inputs(len(p), num_k_heads, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float64, seed=seed + i)
@@ -183,7 +145,7 @@ def run_all_checks(device: str) -> None:
 def test_triton_kernels_in_interpreter_mode_match_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), str(TESTS_DIR)]))
     script = (
-        "import test_gdn_tree_triton as t; t.patch_triton_interpreter_for_numpy2(); "
+        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); import test_gdn_tree_triton as t; "
         "import torch; torch.set_num_threads(1); t.run_all_checks('cpu')"
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)

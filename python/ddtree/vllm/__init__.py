@@ -9,9 +9,10 @@ loads :mod:`ddtree.vllm.plugin` in every vLLM process)::
 or ``vllm.LLM(model=..., speculative_config={...same dict...})``.
 
 Modules: ``config`` (translation/validation, no vLLM import), ``step``
-(per-step tree bookkeeping on numpy, no vLLM import), ``node_sampling``,
-``kv``, ``tree_attention`` (torch/Triton, no vLLM import), and the vLLM side:
-``patches`` (every patch, version check), ``plugin``, ``worker``, ``runner``,
-``proposer``, ``sampler``, ``attention``. Nothing here imports vLLM at
+(per-step tree bookkeeping on numpy, no vLLM import), ``node_sampling``
+(torch, no vLLM import), and the vLLM side: ``patches`` (every patch, version
+check), ``plugin``, ``worker``, ``runner``, ``proposer``, ``sampler``,
+``attention`` (the backend around
+:mod:`ddtree.kernels.paged_tree_attention`). Nothing here imports vLLM at
 package import time.
 """

@@ -32,7 +32,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ddtree.vllm.attention import DDTreeAttentionBackend, TreeAttentionInputs, set_tree_inputs
 from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
-from ddtree.vllm.kv import apply_kv_moves_paged
+from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, drafter_context_order, plan_verify
 
 logger = init_logger(__name__)

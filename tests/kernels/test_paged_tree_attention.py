@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 
 import ddtree
 from ddtree.kernels.tree_attention import tree_attention
-from ddtree.vllm.kv import apply_kv_moves_paged
-from ddtree.vllm.tree_attention import paged_tree_attention_reference
+from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
+from ddtree.kernels.paged_tree_attention import paged_tree_attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,8 +139,11 @@ def test_tree_node_equals_causal_attention_of_its_root_path():
 KERNEL_CHECK = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "cpu":
+    import _triton_interpreter
+    _triton_interpreter.patch_triton_interpreter_for_numpy2()
 from test_paged_tree_attention import make_batch
-from ddtree.vllm.tree_attention import paged_tree_attention, paged_tree_attention_reference
+from ddtree.kernels.paged_tree_attention import paged_tree_attention, paged_tree_attention_reference
 device = sys.argv[2]
 for seed, dtype, heads in [(0, torch.float32, (4, 2, 32)), (5, torch.float32, (6, 2, 24)), (9, torch.float32, (2, 2, 64))]:
     if device == "cuda":

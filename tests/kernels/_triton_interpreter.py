@@ -1,0 +1,41 @@
+"""Test-only fixes for Triton 3.6's CPU interpreter (TRITON_INTERPRET=1), shared by the kernel tests."""
+
+from __future__ import annotations
+
+
+def patch_triton_interpreter_for_numpy2() -> None:
+    """Two interpreter-only fixes for Triton 3.6 (no effect on compiled kernels):
+
+    * scalar tensors (1-element arrays) become Python ints via ``int(array)``, which NumPy 2.4
+      rejects for 1-D arrays, so data-dependent loop bounds (``range(0, num_nodes)``) fail;
+    * ``tl.dot`` on bf16 operands multiplies their raw uint16 bit patterns (NumPy has no bf16);
+      widen them to fp32 first, which is exact and what the tensor cores compute.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original_patch = interpreter._patch_lang_tensor
+    if getattr(original_patch, "_ddtree_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ddtree_patched = True
+    interpreter._patch_lang_tensor = patched
+
+    builder = interpreter.InterpreterBuilder
+    original_dot = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar == tl.bfloat16 or handle.dtype == tl.bfloat16:
+            data = (handle.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
