@@ -124,8 +124,9 @@ def _target(**kw):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"is_hybrid": True}, "attention-only"),
-        ({"uses_mrope": True}, "M-RoPE"),
+        ({"is_hybrid": True, "architecture": "NemotronHForCausalLM"}, "Gated DeltaNet"),
+        ({"is_hybrid": True, "architecture": "Qwen3NextForCausalLM", "mamba_cache_mode": "align"},
+         "mamba_cache_mode='none'"),
         ({"sliding_window": 4096}, "sliding-window"),
         ({"kv_cache_dtype": "fp8"}, "unquantized"),
         ({"use_v2_model_runner": True}, "V1"),
@@ -137,6 +138,11 @@ def test_targets_the_adapter_cannot_verify_are_refused(kw, match):
     with pytest.raises(DDTreeConfigError, match=match):
         check_target(**_target(**kw))
     check_target(**_target())
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration"])
+def test_gdn_hybrids_and_mrope_targets_are_accepted(architecture):
+    check_target(**_target(is_hybrid=True, architecture=architecture, uses_mrope=True))
 
 
 def test_width_is_min_of_topk_budget_vocab():

@@ -68,6 +68,27 @@ def test_plan_for_a_mixed_batch():
     assert plan.positions.tolist() == (20 + tree_a.depths).tolist() + (41 + tree_b.depths).tolist()
     ca = ddtree.compile_tree(tree_a, 20)
     assert np.array_equal(plan.ancestor_bits[:11, : ca.ancestor_bits.shape[1]], ca.ancestor_bits)
+    assert plan.conv_index is None
+
+
+def test_plan_for_a_hybrid_target_carries_conv_windows():
+    """Each node's conv rows: its ancestors (or its request's history once the path runs out), then itself."""
+    rng = np.random.default_rng(1)
+    store = TreeStore(budget=8)
+    lists, lp, ids = propose(store, rng, ["a", "b"])
+    plan = plan_verify(store, ["a", "b"], np.array([5, 9]), np.array([9, 9]), {"a": lists[0], "b": lists[1]},
+                       conv_window=3)
+    parents = plan.trees.parents
+    offsets = plan.trees.node_offsets
+    num_requests = 2
+    for r in range(num_requests):
+        for node in range(int(offsets[r]), int(offsets[r + 1])):
+            chain = [node]
+            while len(chain) < 4 and parents[chain[-1]] >= 0:
+                chain.append(int(offsets[r]) + int(parents[chain[-1]]))
+            rows = [num_requests * 3 + n for n in reversed(chain)]
+            history = [r * 3 + k for k in range(3)][len(rows) - 1 :] if len(rows) < 4 else []
+            assert plan.conv_index[node].tolist() == history + rows
 
 
 def test_scheduled_drafts_must_match_the_tree():

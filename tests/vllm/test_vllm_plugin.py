@@ -180,3 +180,90 @@ def test_modules_import():
     import ddtree.vllm.worker  # noqa: F401
 
 
+
+
+def test_hybrid_gdn_engines_get_one_state_slot_per_request():
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.platforms.interface import Platform
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    patches.apply()
+    for wrapped in (MambaBase.get_kv_cache_spec, GatedDeltaNetAttention.__init__,
+                    Platform._align_hybrid_block_size, MambaStateShapeCalculator.gated_delta_net_state_shape):
+        assert getattr(wrapped, "__ddtree_wrapped__", False)
+
+    # 5c: the page-size alignment of a ddtree engine sizes the conv state without the budget's columns.
+    args = (1, 2, 4, 16, 16, 4, 64)  # tp, Hk, Hv, Dk, Dv, conv width, num_spec
+    conv_chain, _ = MambaStateShapeCalculator.gated_delta_net_state_shape(*args)
+    token = patches._SINGLE_SLOT_SHAPES.set(True)
+    try:
+        conv_tree, _ = MambaStateShapeCalculator.gated_delta_net_state_shape(*args)
+        conv_kw, _ = MambaStateShapeCalculator.gated_delta_net_state_shape(*args[:6], num_spec=64)
+    finally:
+        patches._SINGLE_SLOT_SHAPES.reset(token)
+    assert 3 + 64 in conv_chain and 3 in conv_tree and 3 + 64 not in conv_tree and conv_kw == conv_tree
+
+    # 5a: only ddtree engines lose the speculative state blocks.
+    class FakeLayer:
+        def get_kv_cache_spec(self, vllm_config):
+            return MambaSpec(shapes=((4, 3), (2, 2)), dtypes=(torch.float32, torch.float32), block_size=16,
+                             num_speculative_blocks=64)
+
+    patches._wrap_kv_cache_spec(FakeLayer)
+    ddtree_cfg = SimpleNamespace(additional_config={"ddtree": {"budget": 64}})
+    plain_cfg = SimpleNamespace(additional_config={})
+    assert FakeLayer().get_kv_cache_spec(ddtree_cfg).num_speculative_blocks == 0
+    assert FakeLayer().get_kv_cache_spec(plain_cfg).num_speculative_blocks == 64
+
+
+def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
+    """Tree tokens go to DDTree's verification, the rest to vLLM's code with spec-free metadata."""
+    import dataclasses
+
+    import vllm.forward_context
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from ddtree.vllm import gdn
+
+    tree_index = torch.tensor([2, 3, 4])
+    other_index = torch.tensor([0, 1, 5])
+    md = GDNAttentionMetadata(num_prefills=2, num_prefill_tokens=3, num_decodes=0, num_decode_tokens=0,
+                              num_spec_decodes=1, num_spec_decode_tokens=3, num_actual_tokens=6,
+                              spec_sequence_masks=torch.tensor([False, True, False]),
+                              spec_state_indices_tensor=torch.tensor([[7]]), num_accepted_tokens=torch.tensor([1]))
+    metadata = {"layer.0": md}
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(attn_metadata=metadata))
+    step = gdn.GdnTreeStep(token_index=tree_index, other_index=other_index, node_offsets=torch.tensor([0, 3]),
+                           ancestor_bits=torch.zeros(3, 1, dtype=torch.int32), conv_index=torch.zeros(3, 4),
+                           num_requests=1, num_tree_tokens=3)
+    seen = {}
+
+    def fake_verify(step_, name, x, a, b, conv_state, ssm_state, slots, *rest):
+        seen["verify"] = (x[:, 0].tolist(), slots.tolist())
+        return torch.full((x.shape[0], 2, 2), 100.0) + x[:, :1, None]
+
+    def fake_original(layer, x, b, a, out):
+        md_now = metadata[layer.prefix]
+        seen["original"] = (x[:, 0].tolist(), md_now.spec_sequence_masks, md_now.num_actual_tokens)
+        out[:] = -x[:, :1, None]
+
+    monkeypatch.setattr(gdn, "verify_tree_tokens", fake_verify)
+    conv = torch.zeros(1, 1, 1)
+    layer = SimpleNamespace(prefix="layer.0", kv_cache=(conv, torch.zeros(1)), conv1d=SimpleNamespace(
+        weight=torch.zeros(1, 1, 4), bias=None), activation="silu", A_log=None, dt_bias=None, head_k_dim=2,
+        head_v_dim=2)
+    x = torch.arange(6, dtype=torch.float32)[:, None].repeat(1, 4)
+    out = torch.zeros(6, 2, 2)
+    patches._gdn_forward_core_with_trees(layer, fake_original, step, x, torch.zeros(6, 2), torch.zeros(6, 2), out)
+    assert seen["verify"] == ([2.0, 3.0, 4.0], [7])
+    assert seen["original"] == ([0.0, 1.0, 5.0], None, 3)
+    assert metadata["layer.0"] is md  # restored
+    assert out[:, 0, 0].tolist() == [0.0, -1.0, 102.0, 103.0, 104.0, -5.0]
+
+    bad = dataclasses.replace(md, num_spec_decode_tokens=2)
+    metadata["layer.0"] = bad
+    with pytest.raises(RuntimeError, match="sees 2 spec-decode tokens in a step that verifies 3"):
+        patches._gdn_forward_core_with_trees(layer, fake_original, step, x, torch.zeros(6, 2), torch.zeros(6, 2),
+                                             out)

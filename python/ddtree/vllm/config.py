@@ -25,8 +25,9 @@ Restrictions of this first adapter (each checked, each refused with the
 reason when the user asked for the opposite, see :data:`ENGINE_OVERRIDES`):
 eager mode (no CUDA graphs), V1 model runner, no async scheduling, no prefix
 caching, the adapter's own attention backend for the target (CUSTOM) and its
-own worker class, attention-only targets without sliding windows or M-RoPE,
-unquantized KV cache, one GPU (tensor/pipeline/data parallel size 1).
+own worker class, attention-only or Gated-DeltaNet hybrid targets
+(:data:`GDN_ARCHITECTURES`) without sliding windows, unquantized KV cache, one
+GPU (tensor/pipeline/data parallel size 1).
 """
 
 from __future__ import annotations
@@ -230,6 +231,15 @@ def resolve_draft_len(cfg: DDTreeConfig, drafter_block_size: Optional[int]) -> D
     return cfg
 
 
+#: Hybrid targets whose recurrent layers are vLLM's ``QwenGatedDeltaNetAttention``
+#: (the layer whose forward DDTree's tree verification replaces for tree tokens).
+GDN_ARCHITECTURES = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+
+
 def check_target(
     *,
     is_hybrid: bool,
@@ -240,15 +250,25 @@ def check_target(
     cfg: DDTreeConfig,
     use_v2_model_runner: bool = False,
     has_logits_processors: bool = False,
+    architecture: str = "",
+    mamba_cache_mode: str = "none",
 ) -> None:
-    """Refuses targets this adapter cannot verify exactly."""
+    """Refuses targets this adapter cannot verify exactly.
+
+    M-RoPE targets are accepted: a tree token's three rotary sections are its
+    root's plus the node's depth (the runner writes them).
+    """
     if is_hybrid:
-        raise DDTreeConfigError(
-            "method 'ddtree' supports attention-only targets for now; this target has recurrent "
-            "(Mamba/GDN) layers, whose tree verification is not wired into vLLM yet"
-        )
-    if uses_mrope:
-        raise DDTreeConfigError("method 'ddtree' does not support M-RoPE targets yet (positions are 1-D tree depths)")
+        if architecture not in GDN_ARCHITECTURES:
+            raise DDTreeConfigError(
+                f"method 'ddtree' supports hybrid targets whose recurrent layers are Gated DeltaNet "
+                f"({', '.join(GDN_ARCHITECTURES)}); got {architecture or 'an unknown architecture'}"
+            )
+        if mamba_cache_mode != "none":
+            raise DDTreeConfigError(
+                f"method 'ddtree' needs mamba_cache_mode='none' for hybrid targets (got {mamba_cache_mode!r}): "
+                "the tree commit keeps one state slot per request"
+            )
     if sliding_window is not None:
         raise DDTreeConfigError("method 'ddtree' does not support sliding-window attention in the target yet")
     if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):

@@ -30,6 +30,28 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    class lazily from that module; the swap makes it build
    :class:`ddtree.vllm.runner.DDTreeGPUModelRunner`.
 
+5. Hybrid Gated-DeltaNet targets (Qwen3.5/3.6, Qwen3-Next), one recurrent
+   state slot per request instead of vLLM's ``num_speculative_tokens + 1``
+   (with a tree, ``num_speculative_tokens`` is the budget: 65 slots of ~3 MB
+   per GDN layer per request at budget 64). DDTree verifies without writing
+   any per-node state and commits the accepted path into the request's one
+   slot (``ddtree.vllm.gdn``), so only a ddtree engine is changed:
+
+   a. ``MambaBase.get_kv_cache_spec`` (wrapped): ``num_speculative_blocks=0``
+      (one state block per request);
+   b. ``GatedDeltaNetAttention.__init__`` (wrapped): ``num_spec = 0``, so the
+      layer's conv state is ``W - 1`` wide instead of ``W - 1 + budget``;
+   c. ``Platform._align_hybrid_block_size`` (wrapped) and
+      ``MambaStateShapeCalculator.gated_delta_net_state_shape`` (wrapped): while
+      the former aligns a ddtree engine's page sizes, the latter computes the
+      same single-slot conv shape as (b);
+   d. ``QwenGatedDeltaNetAttention._forward_core`` (wrapped, in the worker
+      process only, see :func:`apply_worker_patches`): steps that verify trees
+      run the tree tokens through ``ddtree.vllm.gdn.verify_tree_tokens`` and
+      every other token (prefills, chunks) through vLLM's own code with the
+      metadata restricted to them; steps without trees are vLLM's code
+      untouched.
+
 Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
 backends are used through subclasses (``runner.py``, ``proposer.py``,
 ``sampler.py``, ``attention.py``).
@@ -38,6 +60,8 @@ backends are used through subclasses (``runner.py``, ``proposer.py``,
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import os
 from typing import Any, Optional
@@ -138,6 +162,8 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
     if text is not None and getattr(text, "use_sliding_window", True) is False:
         sliding = None  # Qwen-style configs keep a window size with the feature switched off
     check_target(
+        architecture=str(getattr(model, "architecture", "")),
+        mamba_cache_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none")),
         is_hybrid=bool(getattr(model, "is_hybrid", False)),
         uses_mrope=bool(getattr(model, "uses_mrope", False)),
         sliding_window=sliding,
@@ -227,8 +253,153 @@ def runner_class_swapped():
         module.GPUModelRunner = original
 
 
+# ---- 5. hybrid GDN targets: one state slot per request ---------------------------------------------
+_SINGLE_SLOT_SHAPES: contextvars.ContextVar[bool] = contextvars.ContextVar("ddtree_single_slot", default=False)
+
+
+def is_ddtree_config(vllm_config: Any) -> bool:
+    extra = getattr(vllm_config, "additional_config", None)
+    return isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra
+
+
+def _wrap_kv_cache_spec(mamba_base_cls) -> None:
+    original = mamba_base_cls.get_kv_cache_spec
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if spec is not None and is_ddtree_config(vllm_config) and getattr(spec, "num_speculative_blocks", 0):
+            spec = dataclasses.replace(spec, num_speculative_blocks=0)
+        return spec
+
+    setattr(get_kv_cache_spec, _MARK, True)
+    mamba_base_cls.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _wrap_gdn_init(gdn_cls) -> None:
+    original = gdn_cls.__init__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, config, vllm_config, *args, **kwargs):
+        original(self, config, vllm_config, *args, **kwargs)
+        if is_ddtree_config(vllm_config):
+            self.num_spec = 0
+
+    setattr(__init__, _MARK, True)
+    gdn_cls.__init__ = __init__
+
+
+def _wrap_page_size_alignment(platform_cls, shape_calculator_cls) -> None:
+    align = platform_cls.__dict__["_align_hybrid_block_size"].__func__
+    if not getattr(align, _MARK, False):
+
+        @functools.wraps(align)
+        def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+            token = _SINGLE_SLOT_SHAPES.set(is_ddtree_config(vllm_config))
+            try:
+                return align(cls, vllm_config, backend_cls)
+            finally:
+                _SINGLE_SLOT_SHAPES.reset(token)
+
+        setattr(_align_hybrid_block_size, _MARK, True)
+        platform_cls._align_hybrid_block_size = classmethod(_align_hybrid_block_size)
+
+    shape = shape_calculator_cls.__dict__["gated_delta_net_state_shape"].__func__
+    if not getattr(shape, _MARK, False):
+
+        @functools.wraps(shape)
+        def gated_delta_net_state_shape(cls, *args, **kwargs):
+            if _SINGLE_SLOT_SHAPES.get():
+                if "num_spec" in kwargs:
+                    kwargs["num_spec"] = 0
+                elif len(args) >= 7:
+                    args = args[:6] + (0,) + args[7:]
+            return shape(cls, *args, **kwargs)
+
+        setattr(gated_delta_net_state_shape, _MARK, True)
+        shape_calculator_cls.gated_delta_net_state_shape = classmethod(gated_delta_net_state_shape)
+
+
+def _wrap_gdn_forward_core(layer_cls) -> None:
+    original = layer_cls._forward_core
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        from ddtree.vllm.gdn import get_gdn_step
+
+        step = get_gdn_step()
+        if step is None:
+            return original(self, mixed_qkv, b, a, core_attn_out)
+        return _gdn_forward_core_with_trees(self, original, step, mixed_qkv, b, a, core_attn_out)
+
+    setattr(_forward_core, _MARK, True)
+    layer_cls._forward_core = _forward_core
+
+
+def _gdn_forward_core_with_trees(layer, original, step, mixed_qkv, b, a, core_attn_out) -> None:
+    """Tree tokens through DDTree's exact tree verification, the rest through vLLM's own code."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    from ddtree.vllm.gdn import verify_tree_tokens
+
+    metadata = get_forward_context().attn_metadata
+    md = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
+    if md is None or md.spec_sequence_masks is None or md.num_spec_decode_tokens != step.num_tree_tokens:
+        raise RuntimeError(
+            f"DDTree: GDN layer {layer.prefix} sees {getattr(md, 'num_spec_decode_tokens', None)} spec-decode "
+            f"tokens in a step that verifies {step.num_tree_tokens} tree tokens"
+        )
+    conv_state = layer.kv_cache[0] if is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
+    tree = step.token_index
+    core_attn_out[tree] = verify_tree_tokens(
+        step, layer.prefix, mixed_qkv[tree], a[tree], b[tree], conv_state, layer.kv_cache[1],
+        md.spec_state_indices_tensor[:, 0],
+        layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2)), layer.conv1d.bias,
+        layer.activation, layer.A_log, layer.dt_bias, layer.head_k_dim, layer.head_v_dim, core_attn_out.dtype,
+    ).to(core_attn_out.dtype)
+    other = step.other_index
+    if other is None:
+        return
+    # vLLM's builder already computed the non-spec half (prefills, and decodes
+    # reclassified as prefills) on its own; hide the spec half from its code.
+    rest = dataclasses.replace(
+        md, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=int(other.shape[0]),
+        spec_query_start_loc=None, spec_state_indices_tensor=None, spec_sequence_masks=None,
+        spec_token_indx=None, non_spec_token_indx=None, num_accepted_tokens=None,
+    )
+    out = _zeros_rows(core_attn_out, int(other.shape[0]))
+    metadata[layer.prefix] = rest
+    try:
+        original(layer, mixed_qkv[other], b[other], a[other], out)
+    finally:
+        metadata[layer.prefix] = md
+    core_attn_out[other] = out
+
+
+def _zeros_rows(like, rows: int):
+    import torch
+
+    return torch.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+
+
+def apply_worker_patches(vllm_config: Any) -> None:
+    """Patch 5d, in a ddtree worker whose target is a hybrid GDN model."""
+    if not getattr(vllm_config.model_config, "is_hybrid", False):
+        return
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    _wrap_gdn_forward_core(QwenGatedDeltaNetAttention)
+
+
 def apply() -> None:
-    """Applies patches 1-3 (4 is applied by the worker). Raises on unsupported vLLM."""
+    """Applies patches 1-3 and 5a-c (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
     global _APPLIED
     import vllm
 
@@ -238,7 +409,15 @@ def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.platforms.interface import Platform
+
     _wrap_create_engine_config(EngineArgs)
     _wrap_validate_params(InputProcessor)
     _register_attention_backend()
+    _wrap_kv_cache_spec(MambaBase)
+    _wrap_gdn_init(GatedDeltaNetAttention)
+    _wrap_page_size_alignment(Platform, MambaStateShapeCalculator)
     _APPLIED = True

@@ -31,9 +31,17 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ddtree.vllm.attention import DDTreeAttentionBackend, TreeAttentionInputs, set_tree_inputs
-from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
-from ddtree.vllm.step import AcceptPlan, VerifyPlan, drafter_context_order, plan_verify
+from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
+from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, get_gdn_step, set_gdn_step
+from ddtree.vllm.step import (
+    AcceptPlan,
+    VerifyPlan,
+    commit_paths,
+    conv_commit_index,
+    drafter_context_order,
+    plan_verify,
+)
 
 logger = init_logger(__name__)
 
@@ -70,6 +78,15 @@ class DDTreeStats:
         }
 
 
+def gdn_conv_window(model_config) -> int:
+    """``W - 1`` of a hybrid target's GDN conv, from its HF config."""
+    text = model_config.hf_text_config
+    width = getattr(text, "linear_conv_kernel_dim", None)
+    if not isinstance(width, int) or width < 1:
+        raise RuntimeError("DDTree: hybrid target without linear_conv_kernel_dim (only GDN hybrids are supported)")
+    return width - 1
+
+
 class DDTreeGPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -83,6 +100,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_proposed = False
         self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0)
         self._ddtree_kv_layers: Optional[List[tuple]] = None
+        # Hybrid GDN targets: W - 1 of the conv (0: attention-only target).
+        self._ddtree_conv_window = gdn_conv_window(self.model_config) if self.model_config.is_hybrid else 0
         if self.speculative_config is not None and hasattr(self, "drafter"):
             from ddtree.vllm.proposer import DDTreeProposer
             from ddtree.vllm.sampler import DDTreeRejectionSampler
@@ -109,6 +128,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept = None
         self._ddtree_flat_positions = None
         set_tree_inputs(None)
+        set_gdn_step(None)
         if spec_decode_metadata is None:
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
@@ -118,6 +138,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.input_batch.num_computed_tokens_cpu[:num_reqs],
             num_scheduled_tokens,
             scheduler_output.scheduled_spec_decode_tokens,
+            conv_window=self._ddtree_conv_window,
         )
         if plan is None:
             return logits_indices, spec_decode_metadata
@@ -126,19 +147,63 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_flat_positions = self.positions[:total].clone()
         index = torch.from_numpy(plan.token_index).to(self.device, non_blocking=True)
         self.positions[index] = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
-        bits = np.ascontiguousarray(plan.ancestor_bits).view(np.int32)
+        if self.uses_mrope:
+            self._ddtree_tree_mrope_positions(plan, index)
+        bits = torch.from_numpy(np.ascontiguousarray(plan.ancestor_bits).view(np.int32)).to(
+            self.device, non_blocking=True
+        )
         set_tree_inputs(
             TreeAttentionInputs(
                 row_start=torch.from_numpy(plan.row_start).to(self.device, non_blocking=True),
-                ancestor_bits=torch.from_numpy(bits).to(self.device, non_blocking=True),
+                ancestor_bits=bits,
                 num_reqs=num_reqs,
                 num_tokens=total,
             )
         )
+        if self._ddtree_conv_window > 0:
+            set_gdn_step(self._ddtree_gdn_step(plan, index, bits, num_reqs, total))
         plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows).to(self.device, non_blocking=True)
         plan.batch_index_gpu = torch.from_numpy(plan.batch_index).to(self.device, non_blocking=True)
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
+
+    def _ddtree_tree_mrope_positions(self, plan: VerifyPlan, index: torch.Tensor) -> None:
+        """M-RoPE targets: every section of a tree token is its root's plus the node's depth.
+
+        (For text the three sections of a decode position are equal; taking the
+        root's keeps any multimodal offset of the request.)
+        """
+        sizes = plan.num_nodes
+        roots = np.repeat(plan.token_index[plan.trees.node_offsets[:-1]], sizes)
+        depth = torch.from_numpy(plan.trees.depths.astype(np.int64)).to(self.device, non_blocking=True)
+        root_index = torch.from_numpy(roots).to(self.device, non_blocking=True)
+        mrope = self.mrope_positions.gpu
+        mrope[:, index] = mrope[:, root_index] + depth.to(mrope.dtype)
+
+    def _ddtree_gdn_step(self, plan: VerifyPlan, index: torch.Tensor, bits: torch.Tensor, num_reqs: int,
+                         total: int) -> GdnTreeStep:
+        # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as
+        # spec decodes, in batch order; they must be exactly the tree requests.
+        spec_rows = np.flatnonzero(self.num_decode_draft_tokens.np[:num_reqs] >= 0)
+        if not np.array_equal(spec_rows, plan.batch_index):
+            raise RuntimeError(
+                f"DDTree: vLLM's spec-decode rows {spec_rows.tolist()} differ from the tree rows "
+                f"{plan.batch_index.tolist()}"
+            )
+        other = None
+        if plan.num_tree_tokens < total:
+            keep = np.ones(total, dtype=bool)
+            keep[plan.token_index] = False
+            other = torch.from_numpy(np.flatnonzero(keep)).to(self.device, non_blocking=True)
+        return GdnTreeStep(
+            token_index=index,
+            other_index=other,
+            node_offsets=torch.from_numpy(plan.trees.node_offsets.astype(np.int32)).to(self.device, non_blocking=True),
+            ancestor_bits=bits,
+            conv_index=torch.from_numpy(plan.conv_index).to(self.device, non_blocking=True),
+            num_requests=int(plan.batch_index.shape[0]),
+            num_tree_tokens=plan.num_tree_tokens,
+        )
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         try:
@@ -152,6 +217,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         plan, accept = self._ddtree_plan, self._ddtree_accept
         if plan is not None and accept is not None:
             self._ddtree_move_kv(accept)
+            self._ddtree_commit_gdn(plan, accept)
             order = drafter_context_order(plan, accept.accepted, int(self._ddtree_flat_positions.shape[0]))
             self.drafter.context_order = torch.from_numpy(order).to(self.device, non_blocking=True)
             self.drafter.flat_positions = self._ddtree_flat_positions
@@ -160,6 +226,27 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter.context_order = None
             self.drafter.flat_positions = None
         return out
+
+    def _ddtree_commit_gdn(self, plan: VerifyPlan, accept: AcceptPlan) -> None:
+        step = get_gdn_step()
+        set_gdn_step(None)
+        if self._ddtree_conv_window == 0:
+            return
+        if step is None or not step.pending:
+            raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
+        paths = accept.accepted.paths
+        padded, lengths = commit_paths(paths)
+        conv_index = conv_commit_index(paths, plan.trees.node_offsets, self._ddtree_conv_window)
+        commit = GdnCommitPlan(
+            node_offsets=step.node_offsets,
+            paths=self._to_device(padded),
+            path_lengths=self._to_device(lengths),
+            conv_index=self._to_device(conv_index),
+        )
+        commit_pending(step, commit)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     def _target_kv_layers(self) -> List[tuple]:
         """(kv_cache_group_id, kv cache tensor) of each target attention layer, shared caches once."""
@@ -211,6 +298,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             return super().sample_tokens(grammar_output)
         finally:
+            set_gdn_step(None)
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.
                 self.drafter.context_order = None

@@ -97,6 +97,7 @@ class VerifyPlan:
     ancestor_bits: np.ndarray  # [T, words] uint32 (tree-local, row i bit j: j is ancestor-or-self of i)
     row_start: np.ndarray  # [num_reqs] int32: first ancestor_bits row of each request, -1 if no tree
     num_nodes: np.ndarray  # [R_t] int64: b + 1 (root included)
+    conv_index: Optional[np.ndarray] = None  # [T, W] int64 (hybrid targets): see conv_gather_index
 
     @property
     def words(self) -> int:
@@ -113,6 +114,7 @@ def plan_verify(
     num_computed_tokens: np.ndarray,
     num_scheduled_tokens: np.ndarray,
     scheduled_spec_tokens: Mapping[str, Sequence[int]],
+    conv_window: int = 0,
 ) -> Optional[VerifyPlan]:
     """Builds the verification of this step's trees (``None``: no request verifies one).
 
@@ -122,6 +124,8 @@ def plan_verify(
             the root (last sampled token) sits at that position.
         num_scheduled_tokens: ``[num_reqs]`` query tokens of this step.
         scheduled_spec_tokens: draft tokens vLLM scheduled, by request id.
+        conv_window: ``W - 1`` of the target's GDN conv (0: no GDN layers);
+            when > 0 the plan carries :attr:`VerifyPlan.conv_index`.
 
     Raises:
         DraftMismatchError: scheduled drafts that are not a prefix of the
@@ -169,7 +173,7 @@ def plan_verify(
         raise DraftMismatchError("rebuilt trees do not have the scheduled number of nodes")
     batch_index = np.asarray(rows, dtype=np.int64)
     starts = num_computed_tokens[batch_index]
-    compiled = ddtree.compile_trees(trees, starts)
+    compiled = ddtree.compile_trees(trees, starts, window=conv_window if conv_window > 0 else None)
     node_offsets = trees.node_offsets
     sizes = np.diff(node_offsets)
     local = np.arange(node_offsets[-1], dtype=np.int64) - np.repeat(node_offsets[:-1], sizes)
@@ -192,7 +196,53 @@ def plan_verify(
         ancestor_bits=compiled.ancestor_bits,
         row_start=row_start,
         num_nodes=sizes.astype(np.int64),
+        conv_index=conv_gather_index(compiled.windows, node_offsets) if conv_window > 0 else None,
     )
+
+
+def conv_gather_index(windows: np.ndarray, node_offsets: np.ndarray) -> np.ndarray:
+    """Rows of ``cat(histories, tree inputs)`` forming each node's conv window: ``[T, w + 1]`` int64.
+
+    ``windows`` is ``compile_trees(..., window=w).windows``: per node its last
+    ``w`` ancestors, oldest first, tree-local, ``-1 .. -w`` naming the newest ..
+    oldest committed history entry. In the source matrix request ``r``'s
+    history is rows ``r*w .. r*w + w - 1`` (oldest first) and node ``t`` of the
+    flat batch is row ``R*w + t``; the last column is the node itself.
+    """
+    windows = np.asarray(windows, dtype=np.int64)
+    num_nodes, w = windows.shape
+    num_requests = node_offsets.shape[0] - 1
+    request = np.repeat(np.arange(num_requests, dtype=np.int64), np.diff(node_offsets))
+    first = node_offsets[:-1][request][:, None]
+    index = np.where(windows >= 0, num_requests * w + first + windows, request[:, None] * w + w + windows)
+    own = num_requests * w + np.arange(num_nodes, dtype=np.int64)
+    return np.concatenate([index, own[:, None]], axis=1)
+
+
+def conv_commit_index(paths: np.ndarray, node_offsets: np.ndarray, w: int) -> np.ndarray:
+    """Rows of ``cat(histories, tree inputs)`` that form each request's new conv history: ``[R, w]``.
+
+    The new history is the last ``w`` entries of ``old history + accepted path``
+    (root included), oldest first; ``paths`` is ``[R, P]`` request-local, -1 padded.
+    """
+    paths = np.asarray(paths, dtype=np.int64)
+    num_requests = paths.shape[0]
+    lengths = (paths >= 0).sum(axis=1)
+    # Entry i of request r's sequence: history row r*w + i for i < w, else path node i - w.
+    seq = lengths[:, None] + np.arange(w, dtype=np.int64)[None, :]  # the last w entries
+    from_path = seq >= w
+    path_pos = np.clip(seq - w, 0, max(paths.shape[1] - 1, 0))
+    nodes = np.take_along_axis(paths, path_pos, axis=1) if paths.shape[1] else np.zeros_like(seq)
+    tree_row = num_requests * w + node_offsets[:-1][:, None] + nodes
+    history_row = np.arange(num_requests, dtype=np.int64)[:, None] * w + seq
+    return np.where(from_path, tree_row, history_row)
+
+
+def commit_paths(paths: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``(paths padded with 0 as int32 [R, P], lengths int32 [R])`` for the GDN commit kernel."""
+    paths = np.asarray(paths)
+    valid = paths >= 0
+    return np.where(valid, paths, 0).astype(np.int32), valid.sum(axis=1).astype(np.int32)
 
 
 @dataclasses.dataclass

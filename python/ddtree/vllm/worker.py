@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu_worker import Worker
 
-from ddtree.vllm.patches import runner_class_swapped
+from ddtree.vllm.patches import apply_worker_patches, runner_class_swapped
 
 
 class DDTreeWorker(Worker):
     def init_device(self):
         if self.vllm_config.use_v2_model_runner:
             raise RuntimeError("DDTree runs on vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
+        apply_worker_patches(self.vllm_config)
         with runner_class_swapped():
             return super().init_device()
 

@@ -1,0 +1,193 @@
+"""Exact tree verification of Gated DeltaNet layers inside vLLM's own state cache.
+
+vLLM's chain speculation keeps one recurrent-state slot per draft position
+(``num_speculative_tokens + 1`` slots per request per GDN layer) and reads
+position t's state from slot t-1; a tree breaks both. DDTree keeps ONE slot per
+request (the committed state, exactly as without speculation) and:
+
+* *verify* (inside the layer's forward, :func:`verify_tree_tokens`): every tree
+  node's conv window is gathered along its root path from the committed conv
+  history and its ancestors' inputs; every node's output comes from the WY form
+  of the delta rule over its root path (:func:`ddtree.kernels.gdn_tree_triton.tree_gdn_verify`),
+  which reads the committed state and writes nothing per node. The layer keeps
+  what the commit needs (:class:`PendingCommit`): the nodes' conv inputs, raw
+  keys, per-node deltas and root-path log decays -- activations of this step
+  only, released after the commit;
+* *commit* (after acceptance, :func:`commit_pending`): the conv history becomes
+  the last ``W - 1`` inputs of ``history + accepted path`` and the state slot is
+  overwritten in place with the state after the accepted path (WY commit, one
+  ``[Dk, P] @ [P, Dv]`` product per head), so the next step reads slot 0 like
+  any decode.
+
+The state memory a request holds is therefore one slot whatever the budget
+(vLLM's chain: 16 slots at 15 draft tokens). What grows with the tree is the
+step's transient activations (about ``(C + 2 Hk Dk + 4 Hv Dv)`` bytes per tree
+token and GDN layer).
+
+No vLLM import: the runner and the patch (``ddtree.vllm.patches``) pass vLLM's
+tensors in, which keeps this module testable on CPU (Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class GdnTreeStep:
+    """One verification step's tree layout, shared by every GDN layer (GPU tensors).
+
+    ``token_index`` lists the tree tokens among the step's flat tokens in vLLM's
+    batch order (which is also the order of the GDN metadata's spec requests).
+    ``conv_index[t]`` indexes ``cat(history rows, tree inputs)`` where request
+    ``r``'s committed history occupies rows ``r*(W-1) .. r*(W-1)+W-2`` (oldest
+    first) and tree node ``t`` is row ``R*(W-1) + t``; its last column is node
+    ``t`` itself.
+    """
+
+    token_index: torch.Tensor  # [T] int64
+    other_index: Optional[torch.Tensor]  # [N - T] int64, None when every token is a tree token
+    node_offsets: torch.Tensor  # [R + 1] int32
+    ancestor_bits: torch.Tensor  # [T, words] int32
+    conv_index: torch.Tensor  # [T, W] int64
+    num_requests: int
+    num_tree_tokens: int
+    pending: Dict[str, "PendingCommit"] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PendingCommit:
+    """What one GDN layer's commit needs from its verification."""
+
+    conv_state: torch.Tensor  # [S, C, W - 1] view of the layer's conv cache
+    ssm_state: torch.Tensor  # [S, Hv, Dk, Dv] view of the layer's state cache
+    slots: torch.Tensor  # [R] state slot of each tree request
+    x: torch.Tensor  # [T, C] conv inputs of the tree nodes
+    k: torch.Tensor  # [T, Hk, Dk] raw keys (conv outputs)
+    deltas: torch.Tensor  # [T, Hv, Dv] fp32
+    cum_log_decay: torch.Tensor  # [T, Hv] fp32
+
+
+@dataclasses.dataclass
+class GdnCommitPlan:
+    """The accepted paths in the form the commit kernels take (GPU tensors, shared by every layer)."""
+
+    node_offsets: torch.Tensor  # [R + 1] int32, the verified trees' CSR offsets
+    paths: torch.Tensor  # [R, P] int32 request-local, padded with 0
+    path_lengths: torch.Tensor  # [R] int32 (root included, >= 1)
+    conv_index: torch.Tensor  # [R, W - 1] int64 into cat(history rows, tree inputs)
+
+
+def tree_conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, conv_index: torch.Tensor,
+              weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> torch.Tensor:
+    """Causal depthwise conv of every tree node along its own root path; fp32 math, ``x.dtype`` out.
+
+    Args:
+        x: ``[T, C]`` conv inputs of the tree nodes.
+        conv_state: ``[S, C, W - 1]`` committed histories (oldest first).
+        slots: ``[R]`` history slot of each request.
+        conv_index: ``[T, W]`` (see :class:`GdnTreeStep`).
+        weight: ``[C, W]``, ``weight[:, -1]`` multiplies the node's own input.
+    """
+    channels = x.shape[1]
+    history = conv_state[slots.long()].transpose(1, 2).reshape(-1, channels)
+    source = torch.cat([history.to(x.dtype), x])
+    out = torch.einsum("twc,cw->tc", source[conv_index].float(), weight.float())
+    if bias is not None:
+        out = out + bias.float()
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"unsupported GDN conv activation {activation!r}")
+    return out.to(x.dtype)
+
+
+def verify_tree_tokens(
+    step: GdnTreeStep,
+    layer_name: str,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: Optional[torch.Tensor],
+    activation: Optional[str],
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    head_k_dim: int,
+    head_v_dim: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Outputs ``[T, Hv, Dv]`` of one GDN layer for the step's tree tokens; records the layer's commit.
+
+    ``x``, ``a``, ``b`` are the tree tokens' rows only (``[T, C]``, ``[T, Hv]``);
+    ``conv_state`` is ``[S, C, W - 1]`` and ``ssm_state`` vLLM's ``[S, Hv, Dv, Dk]``.
+    The caches are only read here.
+    """
+    from ddtree.kernels.gdn_tree_triton import tree_gdn_verify
+
+    num_tokens = x.shape[0]
+    if num_tokens != step.num_tree_tokens or slots.shape[0] != step.num_requests:
+        raise RuntimeError(
+            f"DDTree GDN layer {layer_name}: {num_tokens} tree tokens / {slots.shape[0]} requests in the layer, "
+            f"{step.num_tree_tokens} / {step.num_requests} in the step's plan"
+        )
+    conv_out = tree_conv(x, conv_state, slots, step.conv_index, conv_weight, conv_bias, activation)
+    num_v_heads = a.shape[1]
+    key_width = (conv_out.shape[1] - num_v_heads * head_v_dim) // 2
+    q, k, v = conv_out.split([key_width, key_width, num_v_heads * head_v_dim], dim=-1)
+    q = q.reshape(num_tokens, -1, head_k_dim)
+    k = k.reshape(num_tokens, -1, head_k_dim).contiguous()
+    v = v.reshape(num_tokens, num_v_heads, head_v_dim)
+    pool = ssm_state.transpose(-1, -2)  # [S, Hv, Dk, Dv] view
+    out, deltas, cum_log_decay = tree_gdn_verify(
+        q, k, v, a, b, step.node_offsets, step.ancestor_bits, pool, slots.to(torch.int32),
+        a_log=a_log, dt_bias=dt_bias, out_dtype=out_dtype,
+    )
+    step.pending[layer_name] = PendingCommit(conv_state, pool, slots, x, k, deltas, cum_log_decay)
+    return out
+
+
+def commit_layer(pending: PendingCommit, plan: GdnCommitPlan) -> None:
+    """Writes the accepted paths' conv history and recurrent state into the layer's slots (in place)."""
+    from ddtree.kernels.gdn_tree_triton import tree_gdn_commit
+
+    conv_state, slots = pending.conv_state, pending.slots.long()
+    channels = pending.x.shape[1]
+    if conv_state.shape[-1] > 0:
+        history = conv_state[slots].transpose(1, 2).reshape(-1, channels)
+        source = torch.cat([history, pending.x.to(history.dtype)])
+        conv_state[slots] = source[plan.conv_index].transpose(1, 2)
+    tree_gdn_commit(
+        pending.k, pending.deltas, pending.cum_log_decay, plan.node_offsets, plan.paths, plan.path_lengths,
+        pending.ssm_state, pending.slots.to(torch.int32),
+    )
+
+
+def commit_pending(step: GdnTreeStep, plan: GdnCommitPlan) -> int:
+    """Commits every GDN layer verified in ``step``; returns the number of layers committed."""
+    count = 0
+    for pending in step.pending.values():
+        commit_layer(pending, plan)
+        count += 1
+    step.pending.clear()
+    return count
+
+
+_CURRENT: Optional[GdnTreeStep] = None
+
+
+def set_gdn_step(step: Optional[GdnTreeStep]) -> None:
+    """Published by the runner for the step's forward (None: no tree tokens in this step)."""
+    global _CURRENT
+    _CURRENT = step
+
+
+def get_gdn_step() -> Optional[GdnTreeStep]:
+    return _CURRENT
