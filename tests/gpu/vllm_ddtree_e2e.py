@@ -1,13 +1,16 @@
 """GPU end-to-end check of the DDTree vLLM adapter (not collected by pytest: run it directly).
 
-    python tests/gpu/vllm_ddtree_e2e.py [--out DIR] [--quick]
+    python tests/gpu/vllm_ddtree_e2e.py [--out DIR] [--model tiny-qwen3|tiny-qwen3-next|DIR] [--engines ...]
 
-Builds a tiny random Qwen3 target and a random DFlash drafter, then runs, each
+Builds a tiny random target (attention-only Qwen3, or hybrid Qwen3-Next with
+Gated-DeltaNet and MoE layers) and a random DFlash drafter -- or takes a model
+pair from DIR (``DIR/target``, ``DIR/drafter``, prompts from ``DIR/prompts.json``
+when present: ``{"batch32": [[ids]...], "near_max": [ids]}``) -- then runs, each
 engine in its own subprocess (a crash or hang of one does not hide the others):
 
   plain       vLLM greedy, no speculation (TRITON_ATTN, logprobs=2 for top-2 gaps)
   dflash      vLLM's own DFlash chain, 15 draft tokens
-  ddtree16    method "ddtree", budget 16
+  ddtree16    method "ddtree", budget 16 (ddtree64 likewise)
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
 
@@ -45,24 +48,36 @@ def log(msg, fh=None):
         fh.flush()
 
 
-def prompts(seed=0):
+def prompts(vocab, given=None, seed=0):
+    """Random token prompts (or ``given``: a pair's own prompts), the same for every engine."""
     import random
 
     rnd = random.Random(seed)
-    vocab = 256
     lens = [rnd.randint(4, 300) for _ in range(32)]
     lens[3] = 1  # a one-token prompt
     batch32 = [[rnd.randrange(2, vocab - 1) for _ in range(n)] for n in lens]
-    max_tokens = [rnd.randint(17, 64) for _ in range(32)]
     near_max = [rnd.randrange(2, vocab - 1) for _ in range(MAX_MODEL_LEN - 20)]
+    if given:
+        batch32 = [list(p) for p in given["batch32"]][:32]
+        near_max = list(given["near_max"])[: MAX_MODEL_LEN - 20]
+    max_tokens = [rnd.randint(17, 64) for _ in range(32)]
     return dict(batch1=batch32[:3], batch32=batch32, max_tokens=max_tokens, near_max=near_max,
                 stop=batch32[:8], t1=batch32[8:16])
+
+
+def model_info(target):
+    """(architecture, vocab size) from the target's config.json."""
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    return cfg["architectures"][0], int(text["vocab_size"])
 
 
 ENGINES = {
     "plain": dict(spec=None),
     "dflash": dict(spec={"method": "dflash", "num_speculative_tokens": 15}),
     "ddtree16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16}),
+    "ddtree64": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}),
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
     "ddtree64-preempt": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
                              num_gpu_blocks_override=160, only=("batch32",)),
@@ -110,6 +125,11 @@ def run_child(name, target, drafter):
     kw = dict(model=target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=32, max_num_batched_tokens=16384, gpu_memory_utilization=0.35, seed=0,
               disable_log_stats=False, enable_prefix_caching=False)
+    architecture, vocab = model_info(target)
+    if architecture != "Qwen3ForCausalLM":
+        kw["additional_config"] = {"gdn_prefill_backend": "triton"}  # the H200 image has no flashinfer GDN
+    if architecture.startswith("Qwen3_5"):
+        kw["language_model_only"] = True
     if spec is None or spec["method"] != "ddtree":
         kw["attention_backend"] = "TRITON_ATTN"  # numerically closest to DDTree's Triton tree kernel
     if spec is not None:
@@ -119,7 +139,12 @@ def run_child(name, target, drafter):
     t0 = time.time()
     llm = LLM(**kw)
     res = {"engine": name, "init_s": round(time.time() - t0, 1), "scenarios": {}, "errors": {}}
-    P = prompts()
+    given = None
+    prompt_file = os.path.join(os.path.dirname(target), "prompts.json")
+    if os.path.exists(prompt_file):
+        with open(prompt_file) as f:
+            given = json.load(f)
+    P = prompts(vocab, given)
     want_logprobs = name == "plain"
 
     def greedy(max_tokens, stop=None):
@@ -250,9 +275,11 @@ def main():
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=150, help="per engine")
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default="plain,dflash,ddtree16,ddtree256,ddtree64-preempt")
+    ap.add_argument("--model", default="tiny-qwen3", help="tiny-qwen3, tiny-qwen3-next, or a directory with a pair")
     args = ap.parse_args()
-    target, drafter = os.path.join(WORK, "target"), os.path.join(WORK, "drafter")
+    root = args.model if os.path.isdir(args.model) else os.path.join(WORK, args.model)
+    target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
     if args.child:
         res = run_child(args.child, target, drafter)
         print("RESULT-JSON " + json.dumps(res), flush=True)
@@ -270,12 +297,14 @@ def main():
         log(f"vllm {vllm.__version__} torch {torch.__version__} ddtree {ddtree.__version__} cuda {torch.cuda.is_available()}", fh)
     except Exception:
         log("import failure:\n" + traceback.format_exc(), fh)
-    from ddtree.vllm.tiny_models import write_drafter, write_target
+    from ddtree.vllm.tiny_models import write_drafter, write_qwen3_next_target, write_target
 
     t = time.time()
-    spec = write_target(target)
-    write_drafter(drafter, spec)
-    log(f"wrote tiny target {spec} and drafter in {time.time() - t:.1f}s", fh)
+    if args.model in ("tiny-qwen3", "tiny-qwen3-next"):
+        spec = (write_target if args.model == "tiny-qwen3" else write_qwen3_next_target)(target)
+        write_drafter(drafter, spec)
+        log(f"wrote {args.model} target {spec} and drafter in {time.time() - t:.1f}s", fh)
+    log(f"model {args.model}: target {model_info(target)}", fh)
 
     results = {}
     started = time.time()
@@ -291,7 +320,8 @@ def main():
         child_log = os.path.join(args.out, f"engine_{name}.log")
         try:
             with open(child_log, "w") as clog:
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out],
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
+                                       "--model", args.model],
                                       env=env_c, stdout=subprocess.PIPE, stderr=clog, text=True, timeout=timeout)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:

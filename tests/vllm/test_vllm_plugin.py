@@ -115,13 +115,17 @@ def test_rejection_sampler_emits_vllm_chain_rows():
             tok = int(toks[kids[0] - 1]) if kids else 19
             logits[plan.logit_rows[lo + node], tok] = 5.0
     logits[0, 11] = 5.0
+    from ddtree.vllm.runner import DDTreeStats
+
     runner = type("FakeRunner", (), {})()
     runner._ddtree_plan, runner._ddtree_accept = plan, None
+    runner.ddtree_stats = DDTreeStats(15)
     sampler = DDTreeRejectionSampler(runner)
     sampling = SimpleNamespace(temperature=None, all_greedy=True, top_k=None, top_p=None, generators={},
                                no_penalties=True, bad_words_token_ids={}, allowed_token_ids_mask=None,
                                max_num_logprobs=None)
     out = sampler(md, None, logits, sampling).sampled_token_ids
+    assert runner.ddtree_stats.host_seconds["accept"] > 0
     assert out.shape == (3, 7)
     assert out[0].tolist() == [11] + [-1] * 6
     for row, j in ((1, 0), (2, 1)):

@@ -86,11 +86,12 @@ class DDTreeProposer(DFlashProposer):
         assert self._capture is not None, "DDTree: the drafter's logits were not captured"
         host = self._capture.view(batch_size, self.draft_len, 2 * self.top_k).cpu().numpy()
         self._capture = None
-        log_probs = np.ascontiguousarray(host[..., : self.top_k])
-        token_ids = np.ascontiguousarray(host[..., self.top_k :]).view(np.int32)
-        self.last_req_ids = req_ids
-        self.last_drafts = self.store.propose(req_ids, log_probs, token_ids)
-        out = np.zeros((batch_size, self.budget), dtype=np.int64)
-        for r, drafts in enumerate(self.last_drafts):
-            out[r, : len(drafts)] = drafts
+        with self.runner.ddtree_stats.timed("build"):
+            log_probs = np.ascontiguousarray(host[..., : self.top_k])
+            token_ids = np.ascontiguousarray(host[..., self.top_k :]).view(np.int32)
+            self.last_req_ids = req_ids
+            self.last_drafts = self.store.propose(req_ids, log_probs, token_ids)
+            out = np.zeros((batch_size, self.budget), dtype=np.int64)
+            for r, drafts in enumerate(self.last_drafts):
+                out[r, : len(drafts)] = drafts
         return torch.from_numpy(out).to(self.device, non_blocking=True)

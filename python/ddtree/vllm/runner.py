@@ -22,6 +22,8 @@ Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -55,6 +57,16 @@ class DDTreeStats:
         self.nodes = 0
         self.accepted = 0
         self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
+        # Host (CPU) seconds DDTree adds, by part; GPU waits are outside the timed blocks.
+        self.host_seconds: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host_seconds[part] = self.host_seconds.get(part, 0.0) + time.perf_counter() - start
 
     def observe(self, plan: VerifyPlan, accept: AcceptPlan) -> None:
         acc = accept.accepted.accepted
@@ -75,6 +87,9 @@ class DDTreeStats:
             "mean_draft_nodes": self.nodes / trees,
             "mean_acceptance_length": 1.0 + self.accepted / trees,
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
+            "host_ms_per_verify_step": {
+                part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.host_seconds.items())
+            },
         }
 
 
@@ -132,6 +147,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if spec_decode_metadata is None:
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
+        with self.ddtree_stats.timed("plan"):
+            return self._ddtree_prepare(scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata,
+                                        num_reqs)
+
+    def _ddtree_prepare(self, scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata,
+                        num_reqs):
         plan = plan_verify(
             self.drafter.store,
             self.input_batch.req_ids[:num_reqs],
@@ -235,8 +256,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if step is None or not step.pending:
             raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
         paths = accept.accepted.paths
-        padded, lengths = commit_paths(paths)
-        conv_index = conv_commit_index(paths, plan.trees.node_offsets, self._ddtree_conv_window)
+        with self.ddtree_stats.timed("commit_plan"):
+            padded, lengths = commit_paths(paths)
+            conv_index = conv_commit_index(paths, plan.trees.node_offsets, self._ddtree_conv_window)
         commit = GdnCommitPlan(
             node_offsets=step.node_offsets,
             paths=self._to_device(padded),

@@ -80,7 +80,8 @@ class DDTreeRejectionSampler(nn.Module):
         out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
         if plan is not None:
             node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
-            result = accept(plan, node_tokens, width)
+            with runner.ddtree_stats.timed("accept"):
+                result = accept(plan, node_tokens, width)
             out[plan.batch_index_gpu] = torch.from_numpy(result.output_tokens).to(logits.device, torch.int32)
             runner._ddtree_accept = result
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)

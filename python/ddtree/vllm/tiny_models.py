@@ -1,4 +1,4 @@
-"""Tiny random checkpoints for GPU tests and benchmarks: a Qwen3 target and a DFlash drafter.
+"""Tiny random checkpoints for GPU tests and benchmarks: Qwen3 and Qwen3-Next targets, a DFlash drafter.
 
 Written in the formats vLLM 0.25.1 reads (see the project's GPU notes): the
 target is a ``Qwen3ForCausalLM`` with real (random, seeded) safetensors
@@ -42,6 +42,38 @@ def write_target(path: str, seed: int = 0, logit_scale: float = 4.0, **overrides
     cfg = _qwen3_config(**spec)
     cfg.architectures = ["Qwen3ForCausalLM"]
     model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model = model.to(torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return spec
+
+
+def write_qwen3_next_target(path: str, seed: int = 0, logit_scale: float = 4.0) -> Dict:
+    """A random hybrid ``Qwen3NextForCausalLM``: 3 Gated-DeltaNet layers + 1 gated attention layer, MoE MLPs.
+
+    vLLM 0.25.1 builds Qwen3-Next only with MoE layers (4 experts, 2 per token here). Returns the
+    fields :func:`write_drafter` needs.
+    """
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    spec = dict(TARGET)
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"], num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, hidden_act="silu", bos_token_id=0, eos_token_id=1,
+    )
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    model = Qwen3NextForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     model = model.to(torch.bfloat16)

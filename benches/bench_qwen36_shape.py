@@ -1,0 +1,189 @@
+"""DDTree vs vLLM's DFlash chain at Qwen3.6-27B's exact shapes, dummy weights, one GPU (issue: hybrid GDN).
+
+    python3 benches/bench_qwen36_shape.py --out DIR [--engines dflash,ddtree16,ddtree64,ddtree256] [--batch 1,8]
+
+Target: ``Qwen3_5ForConditionalGeneration`` with Qwen3.6-27B's text config (64 layers: 48 Gated DeltaNet +
+16 gated attention, hidden 5120, 24/4 heads of 256, GDN 16 key / 48 value heads of 128, conv 4, partial
+rotary 0.25 with M-RoPE sections [11, 11, 10], vocab 248320, fp32 recurrent state); drafter: the released
+DFlash drafter's shape (5 layers, block 16, target layers [1, 16, 31, 46, 61]). ``load_format="dummy"``
+for both, so the drafter is never accepted and every step emits one token: steps/s = tokens/s per sequence.
+Every engine runs eagerly (DDTree has no CUDA-graph support yet), so the chain and the trees are compared
+under the same execution mode. Each engine runs in its own subprocess.
+
+Per engine it prints and writes (DIR/bench_qwen36_shape.json):
+* recurrent-state memory reserved per request (the engine's own KV-cache spec: GDN layers x state blocks
+  per request x page size) and the KV-cache capacity vLLM reports;
+* per batch size: ms per decoding step (64 tokens per request after a warm-up);
+* ddtree: host (CPU) milliseconds per verification step, by part (plan, accept, tree build, commit plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+VOCAB = 248320
+ROOT = "/tmp/qwen36_shape"
+PROMPT_LEN = 512
+OUT_TOKENS = 64
+
+ENGINES = {
+    "plain": None,
+    "dflash": {"method": "dflash", "num_speculative_tokens": 15},
+    "ddtree16": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16},
+    "ddtree64": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+    "ddtree256": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256},
+}
+
+
+def write_models(root: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3_5Config
+
+    text = dict(
+        model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=VOCAB, attn_output_gate=True,
+        full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_value_head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, hidden_act="silu", mamba_ssm_dtype="float32", eos_token_id=248044,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    )
+    target = os.path.join(root, "target")
+    cfg = Qwen3_5Config(text_config=text)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    cfg.torch_dtype = "bfloat16"
+    os.makedirs(target, exist_ok=True)
+    cfg.save_pretrained(target)
+    # A word-level tokenizer over the full vocabulary (vLLM's Qwen3.5 processor wants one).
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t248044", pad_token="t0").save_pretrained(target)
+    drafter = os.path.join(root, "drafter")
+    os.makedirs(drafter, exist_ok=True)
+    with open(os.path.join(drafter, "config.json"), "w") as f:
+        json.dump(dict(
+            architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=5120, intermediate_size=17408,
+            num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB,
+            rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=262144, torch_dtype="bfloat16",
+            hidden_act="silu", block_size=16, num_target_layers=64, tie_word_embeddings=False,
+            dflash_config={"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+        ), f, indent=1)
+
+
+def state_memory(worker) -> dict:
+    """Recurrent-state bytes a request holds, from the worker's KV-cache config (runs inside the worker)."""
+    runner = worker.model_runner
+    reserved = exact = layers = blocks = 0
+    for group in runner.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if type(spec).__name__ != "MambaSpec":
+            continue
+        per_block = 1 + spec.num_speculative_blocks
+        blocks = per_block
+        layers += len(group.layer_names)
+        reserved += len(group.layer_names) * per_block * spec.page_size_bytes
+        import math
+
+        import torch
+
+        state = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                    for shape, dt in zip(spec.shapes, spec.dtypes))
+        exact += len(group.layer_names) * per_block * state
+    return {"gdn_layers": layers, "state_blocks_per_request": blocks, "reserved_bytes": reserved,
+            "state_bytes": exact}
+
+
+def run_engine(name: str, batches) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+    import torch
+    from vllm import LLM, SamplingParams
+
+    spec = ENGINES[name]
+    kw = dict(model=os.path.join(ROOT, "target"), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.85,
+              max_model_len=4096, max_num_seqs=max(batches), seed=0, language_model_only=True,
+              enable_prefix_caching=False, enforce_eager=True, additional_config={"gdn_prefill_backend": "triton"})
+    if spec is not None:
+        kw["speculative_config"] = dict(spec, model=os.path.join(ROOT, "drafter"))
+    t0 = time.time()
+    llm = LLM(**kw)
+    res = {"engine": name, "init_s": round(time.time() - t0, 1), "steps": {}}
+    cache = llm.llm_engine.vllm_config.cache_config
+    res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
+    res["state_memory"] = llm.collective_rpc(state_memory)[0]
+    gen = torch.Generator().manual_seed(0)
+    for bs in batches:
+        prompts = [{"prompt_token_ids": torch.randint(1000, 200000, (PROMPT_LEN,), generator=gen).tolist()}
+                   for _ in range(bs)]
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        before = llm.collective_rpc("ddtree_summary")[0] if name.startswith("ddtree") else None
+        torch.cuda.synchronize()
+        t = time.time()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.time() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        row = {"seconds": round(seconds, 3), "tokens": tokens, "ms_per_step": round(1e3 * seconds / OUT_TOKENS, 2),
+               "tokens_per_s": round(tokens / seconds, 1)}
+        if before is not None:
+            after = llm.collective_rpc("ddtree_summary")[0]
+            steps = after["verify_steps"] - before["verify_steps"]
+            row["verify_steps"] = steps
+            row["mean_acceptance_length"] = after["mean_acceptance_length"]
+            row["host_ms_per_verify_step"] = after["host_ms_per_verify_step"]
+        res["steps"][bs] = row
+        print(f"{name} bs={bs}: {row}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/qwen36_shape_out"))
+    ap.add_argument("--engines", default="dflash,ddtree16,ddtree64,ddtree256")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--timeout", type=int, default=240)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    if args.child:
+        print("RESULT-JSON " + json.dumps(run_engine(args.child, batches)), flush=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    write_models(ROOT)
+    results = {}
+    for name in args.engines.split(","):
+        t = time.time()
+        log_path = os.path.join(args.out, f"engine_{name}.log")
+        try:
+            with open(log_path, "w") as log:
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--batch",
+                                       args.batch], stdout=subprocess.PIPE, stderr=log, text=True,
+                                      timeout=args.timeout)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
+            if line is None:
+                print(f"{name}: no result (rc {proc.returncode}); log tail:\n{open(log_path).read()[-3000:]}")
+                continue
+            results[name] = json.loads(line[len("RESULT-JSON "):])
+            print(f"{name}: done in {time.time() - t:.0f} s", flush=True)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: TIMEOUT after {args.timeout} s; log tail:\n{open(log_path).read()[-3000:]}", flush=True)
+    with open(os.path.join(args.out, "bench_qwen36_shape.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{'engine':<11}{'state MB/req':>13}{'blocks':>7}{'KV blocks':>10}  ms/step by batch   host ms/step")
+    for name, res in results.items():
+        mem = res["state_memory"]
+        steps = "  ".join(f"bs{bs}: {row['ms_per_step']}" for bs, row in res["steps"].items())
+        host = {bs: row.get("host_ms_per_verify_step") for bs, row in res["steps"].items()}
+        print(f"{name:<11}{mem['reserved_bytes'] / 2**20:>13.1f}{mem['state_blocks_per_request']:>7}"
+              f"{res['kv_cache']['num_gpu_blocks']:>10}  {steps}   {host}")
+
+
+if __name__ == "__main__":
+    main()
