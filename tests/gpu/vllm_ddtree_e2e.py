@@ -114,7 +114,7 @@ def diff_metrics(after, before):
     return d
 
 
-def run_child(name, target, drafter):
+def run_child(name, target, drafter, only_scenarios=()):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
@@ -166,6 +166,8 @@ def run_child(name, target, drafter):
 
     def scenario(sname, fn):
         if conf.get("only") and sname not in conf["only"]:
+            return
+        if only_scenarios and sname not in only_scenarios:
             return
         before = spec_metrics(llm)
         t = time.time()
@@ -276,12 +278,13 @@ def main():
     ap.add_argument("--timeout", type=int, default=150, help="per engine")
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
     ap.add_argument("--engines", default="plain,dflash,ddtree16,ddtree256,ddtree64-preempt")
+    ap.add_argument("--scenarios", default="", help="comma-separated subset of the scenarios (default: all)")
     ap.add_argument("--model", default="tiny-qwen3", help="tiny-qwen3, tiny-qwen3-next, or a directory with a pair")
     args = ap.parse_args()
     root = args.model if os.path.isdir(args.model) else os.path.join(WORK, args.model)
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
     if args.child:
-        res = run_child(args.child, target, drafter)
+        res = run_child(args.child, target, drafter, [x for x in args.scenarios.split(",") if x])
         print("RESULT-JSON " + json.dumps(res), flush=True)
         return
 
@@ -321,7 +324,7 @@ def main():
         try:
             with open(child_log, "w") as clog:
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
-                                       "--model", args.model],
+                                       "--model", args.model, "--scenarios", args.scenarios],
                                       env=env_c, stdout=subprocess.PIPE, stderr=clog, text=True, timeout=timeout)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:
