@@ -1,6 +1,6 @@
 """DDTree vs vLLM's DFlash chain at Qwen3.6-27B's exact shapes, dummy weights, one GPU (issue: hybrid GDN).
 
-    python3 benches/bench_qwen36_shape.py --out DIR [--engines dflash,ddtree16,ddtree64,ddtree256] [--batch 1,8]
+    python3 benches/bench_qwen36_shape.py --out DIR [--engines dflash,ddtree16,ddtree64,ddtree256] [--batch 1,8] [--tp 2]
 
 Target: ``Qwen3_5ForConditionalGeneration`` with Qwen3.6-27B's text config (64 layers: 48 Gated DeltaNet +
 16 gated attention, hidden 5120, 24/4 heads of 256, GDN 16 key / 48 value heads of 128, conv 4, partial
@@ -98,7 +98,7 @@ def state_memory(worker) -> dict:
             "state_bytes": exact}
 
 
-def run_engine(name: str, batches) -> dict:
+def run_engine(name: str, batches, tp: int = 1) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
@@ -108,12 +108,13 @@ def run_engine(name: str, batches) -> dict:
     spec = ENGINES[name]
     kw = dict(model=os.path.join(ROOT, "target"), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.85,
               max_model_len=4096, max_num_seqs=max(batches), seed=0, language_model_only=True,
-              enable_prefix_caching=False, enforce_eager=True, additional_config={"gdn_prefill_backend": "triton"})
+              enable_prefix_caching=False, enforce_eager=True, additional_config={"gdn_prefill_backend": "triton"},
+              tensor_parallel_size=tp)
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=os.path.join(ROOT, "drafter"))
     t0 = time.time()
     llm = LLM(**kw)
-    res = {"engine": name, "init_s": round(time.time() - t0, 1), "steps": {}}
+    res = {"engine": name, "tensor_parallel_size": tp, "init_s": round(time.time() - t0, 1), "steps": {}}
     cache = llm.llm_engine.vllm_config.cache_config
     res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
     res["state_memory"] = llm.collective_rpc(state_memory)[0]
@@ -150,10 +151,11 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
-        print("RESULT-JSON " + json.dumps(run_engine(args.child, batches)), flush=True)
+        print("RESULT-JSON " + json.dumps(run_engine(args.child, batches, args.tp)), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
     write_models(ROOT)
@@ -164,7 +166,7 @@ def main() -> None:
         try:
             with open(log_path, "w") as log:
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--batch",
-                                       args.batch], stdout=subprocess.PIPE, stderr=log, text=True,
+                                       args.batch, "--tp", str(args.tp)], stdout=subprocess.PIPE, stderr=log, text=True,
                                       timeout=args.timeout)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:
@@ -172,6 +174,8 @@ def main() -> None:
                 continue
             results[name] = json.loads(line[len("RESULT-JSON "):])
             print(f"{name}: done in {time.time() - t:.0f} s", flush=True)
+            with open(os.path.join(args.out, "bench_qwen36_shape.json"), "w") as f:  # kept if a later engine hangs
+                json.dump(results, f, indent=1)
         except subprocess.TimeoutExpired:
             print(f"{name}: TIMEOUT after {args.timeout} s; log tail:\n{open(log_path).read()[-3000:]}", flush=True)
     with open(os.path.join(args.out, "bench_qwen36_shape.json"), "w") as f:

@@ -78,6 +78,9 @@ ENGINES = {
     "dflash": dict(spec={"method": "dflash", "num_speculative_tokens": 15}),
     "ddtree16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16}),
     "ddtree64": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}),
+    # Tensor parallelism over 2 GPUs: compared with plain (TP 1) and with the same engine at TP 1.
+    "ddtree64-tp2": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, tp=2),
+    "plain-tp2": dict(spec=None, tp=2),
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
     "ddtree64-preempt": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
                              num_gpu_blocks_override=160, only=("batch32",)),
@@ -134,6 +137,8 @@ def run_child(name, target, drafter, only_scenarios=()):
         kw["attention_backend"] = "TRITON_ATTN"  # numerically closest to DDTree's Triton tree kernel
     if spec is not None:
         kw["speculative_config"] = spec
+    if conf.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = conf["tp"]
     if "num_gpu_blocks_override" in conf:
         kw["num_gpu_blocks_override"] = conf["num_gpu_blocks_override"]
     t0 = time.time()
@@ -270,6 +275,20 @@ def compare(ref_rows, rows, gap_tol):
     return same, tie, real, details
 
 
+def with_plain_gaps(rows, plain_scenario):
+    """``rows`` with plain's top-2 gaps, kept only up to where the row first departs from plain's output."""
+    out = []
+    for i, row in enumerate(rows):
+        gaps = None
+        if plain_scenario and i < len(plain_scenario["rows"]) and plain_scenario["rows"][i].get("gaps"):
+            p = plain_scenario["rows"][i]
+            agree = next((j for j, (a, b) in enumerate(zip(p["tokens"], row["tokens"])) if a != b),
+                         min(len(p["tokens"]), len(row["tokens"])))
+            gaps = p["gaps"][: agree + 1]
+        out.append(dict(row, gaps=gaps))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_e2e_out"))
@@ -358,9 +377,17 @@ def main():
                 verdict[f"{name}/{sname}"] = real == 0
                 for d in details:
                     log(f"    {name}/{sname}: {d}", fh)
+            base = results.get(name[: -len("-tp2")]) if name.endswith("-tp2") else None
+            if base and sname in base["scenarios"] and sname != "t1":
+                ref = with_plain_gaps(base["scenarios"][sname]["rows"], (plain or {}).get("scenarios", {}).get(sname))
+                b_same, b_tie, b_real, b_details = compare(ref, sc["rows"], args.gap_tol)
+                notes += f"vs TP1 {name[:-4]}: same {b_same} tie {b_tie} real {b_real}; "
+                for d in b_details:
+                    log(f"    {name}/{sname} vs TP1: {d}", fh)
+                verdict[f"{name}/{sname}=tp1"] = b_real == 0
             if sname == "t1":
                 ok = all(r.get("repeat_equal") for r in sc["rows"])
-                notes = f"seeded repeat equal: {ok}"
+                notes += f"seeded repeat equal: {ok}"
                 if name.startswith("ddtree"):
                     verdict[f"{name}/t1-repeat"] = ok
             if spec_m.get("acceptance_per_depth"):

@@ -98,7 +98,7 @@ def test_engine_overrides_fill_unset_settings():
         ({"attention_backend": SimpleNamespace(name="FLASH_ATTN")}, {}, "attention_backend"),
         ({"attention_config": SimpleNamespace(backend="FLASH_ATTN")}, {}, "attention_config.backend"),
         ({"worker_cls": "my.Worker"}, {}, "worker_cls"),
-        ({"tensor_parallel_size": 2}, {}, "tensor_parallel_size=1"),
+        ({"pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
         ({"pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
         ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "V1 model runner"),
     ],

@@ -181,3 +181,22 @@ def test_reference_oracle_agrees_on_acceptance():
     path, bonus = reference.accept(ref_tree, target)
     assert result.accepted.paths[0][: len(path)].tolist() == list(path)
     assert int(result.accepted.bonus[0]) == bonus
+
+
+def test_ranks_that_do_not_build_at_proposal_verify_the_same_trees():
+    """A tensor-parallel rank keeping only the distribution plans exactly what the drafting rank plans,
+    and still refuses drafts its own tree does not reproduce."""
+    rng = np.random.default_rng(3)
+    driver, follower = TreeStore(budget=12), TreeStore(budget=12)
+    lists, lp, ids = propose(driver, rng, ["a", "b"])
+    assert follower.propose(["a", "b"], lp, ids, build=False) == [[], []]
+    scheduled = {"a": lists[0], "b": lists[1][:5]}
+    args = (["a", "b"], np.array([7, 30]), np.array([13, 6]), scheduled)
+    mine, theirs = plan_verify(driver, *args, conv_window=3), plan_verify(follower, *args, conv_window=3)
+    for field in ("token_index", "logit_rows", "positions", "ancestor_bits", "row_start", "conv_index"):
+        assert np.array_equal(getattr(mine, field), getattr(theirs, field)), field
+    follower.propose(["a"], lp[:1], ids[:1], build=False)
+    wrong = list(lists[0])
+    wrong[0] = (wrong[0] + 1) % 1000
+    with pytest.raises(DraftMismatchError, match="rebuilt tree differs"):
+        plan_verify(follower, ["a"], np.array([7]), np.array([13]), {"a": wrong})

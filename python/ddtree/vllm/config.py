@@ -26,8 +26,8 @@ reason when the user asked for the opposite, see :data:`ENGINE_OVERRIDES`):
 eager mode (no CUDA graphs), V1 model runner, no async scheduling, no prefix
 caching, the adapter's own attention backend for the target (CUSTOM) and its
 own worker class, attention-only or Gated-DeltaNet hybrid targets
-(:data:`GDN_ARCHITECTURES`) without sliding windows, unquantized KV cache, one
-GPU (tensor/pipeline/data parallel size 1).
+(:data:`GDN_ARCHITECTURES`) without sliding windows, unquantized KV cache,
+tensor parallelism only (pipeline/data parallel size 1).
 """
 
 from __future__ import annotations
@@ -160,7 +160,6 @@ ENGINE_OVERRIDES = (
 
 #: Parallelism the adapter refuses (EngineArgs attribute -> why).
 _PARALLEL_LIMITS = {
-    "tensor_parallel_size": "per-node sampling and tree acceptance are not synchronised across ranks yet",
     "pipeline_parallel_size": "the drafter and acceptance assume one stage",
     "data_parallel_size": "not validated",
 }

@@ -27,6 +27,15 @@ from ddtree.vllm.config import DDTreeConfig
 from ddtree.vllm.step import TreeStore
 
 
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # no model-parallel group (single process without distributed init)
+        return 0
+
+
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device, runner, cfg: DDTreeConfig):
         super().__init__(vllm_config, device, runner)
@@ -38,6 +47,10 @@ class DDTreeProposer(DFlashProposer):
         vocab = vllm_config.model_config.get_vocab_size()
         self.top_k = cfg.width(vocab)
         self.store = TreeStore(cfg.budget, cfg.num_threads)
+        # Under tensor parallelism every rank drafts (the drafter's logits are
+        # gathered, hence identical), but only the first rank's draft tokens
+        # reach vLLM's scheduler: it alone builds trees at proposal.
+        self.builds_drafts = _tensor_parallel_rank() == 0
         self._capture: Optional[torch.Tensor] = None
         self._capturing = False
         # Set by the runner before propose(): hidden-state row order and flat positions.
@@ -90,7 +103,7 @@ class DDTreeProposer(DFlashProposer):
             log_probs = np.ascontiguousarray(host[..., : self.top_k])
             token_ids = np.ascontiguousarray(host[..., self.top_k :]).view(np.int32)
             self.last_req_ids = req_ids
-            self.last_drafts = self.store.propose(req_ids, log_probs, token_ids)
+            self.last_drafts = self.store.propose(req_ids, log_probs, token_ids, build=self.builds_drafts)
             out = np.zeros((batch_size, self.budget), dtype=np.int64)
             for r, drafts in enumerate(self.last_drafts):
                 out[r, : len(drafts)] = drafts

@@ -38,7 +38,7 @@ class DraftRecord:
 
     log_probs: np.ndarray  # [L, K] float32
     token_ids: np.ndarray  # [L, K] int64
-    tokens: np.ndarray  # [n] int64, the tree's draft tokens in pop order
+    tokens: Optional[np.ndarray]  # [n] int64, the tree's draft tokens in pop order (None: not built here)
 
 
 class TreeStore:
@@ -57,12 +57,23 @@ class TreeStore:
     def __len__(self) -> int:
         return len(self.records)
 
-    def propose(self, req_ids: Sequence[str], log_probs: np.ndarray, token_ids: np.ndarray) -> List[List[int]]:
-        """Builds every request's tree in one call; returns the draft token lists."""
+    def propose(self, req_ids: Sequence[str], log_probs: np.ndarray, token_ids: np.ndarray,
+                build: bool = True) -> List[List[int]]:
+        """Builds every request's tree in one call; returns the draft token lists.
+
+        ``build=False`` (tensor-parallel ranks other than the one whose drafts
+        vLLM's scheduler takes) only keeps the distributions: such a rank
+        builds its trees at verification, from the scheduled drafts' count,
+        and checks them against the drafts the scheduler sent to every rank.
+        """
         if len(req_ids) != log_probs.shape[0]:
             raise ValueError(f"{len(req_ids)} request ids for {log_probs.shape[0]} distributions")
         if len(req_ids) == 0:
             return []
+        if not build:
+            for r, req_id in enumerate(req_ids):
+                self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], None)
+            return [[] for _ in req_ids]
         batch = ddtree.build_trees(log_probs, token_ids, self.budget, self.executor)
         tokens = batch.tokens
         offsets = batch.token_offsets
@@ -152,10 +163,11 @@ def plan_verify(
         record = store.take(req_id)
         if record is None:
             raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
-        if b > record.tokens.shape[0] or not np.array_equal(drafts, record.tokens[:b]):
+        built = record.tokens
+        if built is not None and (b > built.shape[0] or not np.array_equal(drafts, built[:b])):
             raise DraftMismatchError(
                 f"request {req_id}: scheduled drafts {drafts[:8].tolist()}... are not a prefix of its tree "
-                f"{record.tokens[:8].tolist()}... ({b} vs {record.tokens.shape[0]} tokens)"
+                f"{built[:8].tolist()}... ({b} vs {built.shape[0]} tokens)"
             )
         if num_scheduled_tokens[i] != b + 1:
             raise DraftMismatchError(
