@@ -215,7 +215,7 @@ def test_hybrid_gdn_engines_get_one_state_slot_per_request():
             return MambaSpec(shapes=((4, 3), (2, 2)), dtypes=(torch.float32, torch.float32), block_size=16,
                              num_speculative_blocks=64)
 
-    patches._wrap_kv_cache_spec(FakeLayer)
+    patches._wrap_once(FakeLayer, "get_kv_cache_spec", patches._single_slot_spec)
     ddtree_cfg = SimpleNamespace(additional_config={"ddtree": {"budget": 64}})
     plain_cfg = SimpleNamespace(additional_config={})
     assert FakeLayer().get_kv_cache_spec(ddtree_cfg).num_speculative_blocks == 0

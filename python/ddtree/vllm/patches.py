@@ -84,6 +84,21 @@ _APPLIED = False
 _MARK = "__ddtree_wrapped__"
 
 
+def _wrap_once(owner: Any, name: str, make_wrapper) -> None:
+    """Replaces ``owner.name`` by ``make_wrapper(original)``, once (marked, so applying again is a no-op).
+
+    A classmethod stays a classmethod: ``make_wrapper`` then gets and returns the underlying function.
+    """
+    attribute = owner.__dict__.get(name)
+    is_classmethod = isinstance(attribute, classmethod)
+    original = attribute.__func__ if is_classmethod else getattr(owner, name)
+    if getattr(original, _MARK, False):
+        return
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, _MARK, True)
+    setattr(owner, name, classmethod(wrapper) if is_classmethod else wrapper)
+
+
 class UnsupportedVLLMVersion(RuntimeError):
     pass
 
@@ -180,11 +195,10 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
 
 
 def _wrap_create_engine_config(engine_args_cls) -> None:
-    original = engine_args_cls.create_engine_config
-    if getattr(original, _MARK, False):
-        return
+    _wrap_once(engine_args_cls, "create_engine_config", _create_engine_config_wrapper)
 
-    @functools.wraps(original)
+
+def _create_engine_config_wrapper(original):
     def create_engine_config(self, *args, **kwargs):
         cfg = _translate_engine_args(self)
         if cfg is None:
@@ -200,17 +214,15 @@ def _wrap_create_engine_config(engine_args_cls) -> None:
         _log().info("DDTree enabled: %s", cfg)
         return vllm_config
 
-    setattr(create_engine_config, _MARK, True)
-    engine_args_cls.create_engine_config = create_engine_config
+    return create_engine_config
 
 
 # ---- 2. admission ----------------------------------------------------------------------------------
 def _wrap_validate_params(processor_cls) -> None:
-    original = processor_cls._validate_params
-    if getattr(original, _MARK, False):
-        return
+    _wrap_once(processor_cls, "_validate_params", _validate_params_wrapper)
 
-    @functools.wraps(original)
+
+def _validate_params_wrapper(original):
     def _validate_params(self, params, *args, **kwargs):
         original(self, params, *args, **kwargs)
         extra = getattr(self.vllm_config, "additional_config", None) or {}
@@ -226,8 +238,7 @@ def _wrap_validate_params(processor_cls) -> None:
                     "requests using: " + "; ".join(reasons) + "."
                 )
 
-    setattr(_validate_params, _MARK, True)
-    processor_cls._validate_params = _validate_params
+    return _validate_params
 
 
 # ---- 3. attention backend ------------------------------------------------------------------------
@@ -262,74 +273,57 @@ def is_ddtree_config(vllm_config: Any) -> bool:
     return isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra
 
 
-def _wrap_kv_cache_spec(mamba_base_cls) -> None:
-    original = mamba_base_cls.get_kv_cache_spec
-    if getattr(original, _MARK, False):
-        return
+def _single_slot_spec(original):
+    """5a: a ddtree engine's mamba layers hold one state block per request."""
 
-    @functools.wraps(original)
     def get_kv_cache_spec(self, vllm_config):
         spec = original(self, vllm_config)
         if spec is not None and is_ddtree_config(vllm_config) and getattr(spec, "num_speculative_blocks", 0):
             spec = dataclasses.replace(spec, num_speculative_blocks=0)
         return spec
 
-    setattr(get_kv_cache_spec, _MARK, True)
-    mamba_base_cls.get_kv_cache_spec = get_kv_cache_spec
+    return get_kv_cache_spec
 
 
-def _wrap_gdn_init(gdn_cls) -> None:
-    original = gdn_cls.__init__
-    if getattr(original, _MARK, False):
-        return
+def _single_slot_gdn_init(original):
+    """5b: a ddtree engine's GDN layers size their conv state for one slot (W - 1 columns)."""
 
-    @functools.wraps(original)
     def __init__(self, config, vllm_config, *args, **kwargs):
         original(self, config, vllm_config, *args, **kwargs)
         if is_ddtree_config(vllm_config):
             self.num_spec = 0
 
-    setattr(__init__, _MARK, True)
-    gdn_cls.__init__ = __init__
+    return __init__
 
 
-def _wrap_page_size_alignment(platform_cls, shape_calculator_cls) -> None:
-    align = platform_cls.__dict__["_align_hybrid_block_size"].__func__
-    if not getattr(align, _MARK, False):
+def _single_slot_alignment(align):
+    """5c: while a ddtree engine's page sizes are aligned, GDN state shapes are single-slot."""
 
-        @functools.wraps(align)
-        def _align_hybrid_block_size(cls, vllm_config, backend_cls):
-            token = _SINGLE_SLOT_SHAPES.set(is_ddtree_config(vllm_config))
-            try:
-                return align(cls, vllm_config, backend_cls)
-            finally:
-                _SINGLE_SLOT_SHAPES.reset(token)
+    def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+        token = _SINGLE_SLOT_SHAPES.set(is_ddtree_config(vllm_config))
+        try:
+            return align(cls, vllm_config, backend_cls)
+        finally:
+            _SINGLE_SLOT_SHAPES.reset(token)
 
-        setattr(_align_hybrid_block_size, _MARK, True)
-        platform_cls._align_hybrid_block_size = classmethod(_align_hybrid_block_size)
-
-    shape = shape_calculator_cls.__dict__["gated_delta_net_state_shape"].__func__
-    if not getattr(shape, _MARK, False):
-
-        @functools.wraps(shape)
-        def gated_delta_net_state_shape(cls, *args, **kwargs):
-            if _SINGLE_SLOT_SHAPES.get():
-                if "num_spec" in kwargs:
-                    kwargs["num_spec"] = 0
-                elif len(args) >= 7:
-                    args = args[:6] + (0,) + args[7:]
-            return shape(cls, *args, **kwargs)
-
-        setattr(gated_delta_net_state_shape, _MARK, True)
-        shape_calculator_cls.gated_delta_net_state_shape = classmethod(gated_delta_net_state_shape)
+    return _align_hybrid_block_size
 
 
-def _wrap_gdn_forward_core(layer_cls) -> None:
-    original = layer_cls._forward_core
-    if getattr(original, _MARK, False):
-        return
+def _single_slot_shape(shape):
+    def gated_delta_net_state_shape(cls, *args, **kwargs):
+        if _SINGLE_SLOT_SHAPES.get():
+            if "num_spec" in kwargs:
+                kwargs["num_spec"] = 0
+            elif len(args) >= 7:  # tp, Hk, Hv, Dk, Dv, conv width, num_spec
+                args = args[:6] + (0,) + args[7:]
+        return shape(cls, *args, **kwargs)
 
-    @functools.wraps(original)
+    return gated_delta_net_state_shape
+
+
+def _tree_aware_forward_core(original):
+    """5d: tree tokens through DDTree's verification, everything else through vLLM's code."""
+
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         from ddtree.vllm.gdn import get_gdn_step
 
@@ -338,8 +332,7 @@ def _wrap_gdn_forward_core(layer_cls) -> None:
             return original(self, mixed_qkv, b, a, core_attn_out)
         return _gdn_forward_core_with_trees(self, original, step, mixed_qkv, b, a, core_attn_out)
 
-    setattr(_forward_core, _MARK, True)
-    layer_cls._forward_core = _forward_core
+    return _forward_core
 
 
 def _gdn_forward_core_with_trees(layer, original, step, mixed_qkv, b, a, core_attn_out) -> None:
@@ -395,7 +388,7 @@ def apply_worker_patches(vllm_config: Any) -> None:
         return
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
-    _wrap_gdn_forward_core(QwenGatedDeltaNetAttention)
+    _wrap_once(QwenGatedDeltaNetAttention, "_forward_core", _tree_aware_forward_core)
 
 
 def apply() -> None:
@@ -417,7 +410,8 @@ def apply() -> None:
     _wrap_create_engine_config(EngineArgs)
     _wrap_validate_params(InputProcessor)
     _register_attention_backend()
-    _wrap_kv_cache_spec(MambaBase)
-    _wrap_gdn_init(GatedDeltaNetAttention)
-    _wrap_page_size_alignment(Platform, MambaStateShapeCalculator)
+    _wrap_once(MambaBase, "get_kv_cache_spec", _single_slot_spec)
+    _wrap_once(GatedDeltaNetAttention, "__init__", _single_slot_gdn_init)
+    _wrap_once(Platform, "_align_hybrid_block_size", _single_slot_alignment)
+    _wrap_once(MambaStateShapeCalculator, "gated_delta_net_state_shape", _single_slot_shape)
     _APPLIED = True

@@ -41,13 +41,16 @@ def write_target(path: str, seed: int = 0, logit_scale: float = 4.0, **overrides
     torch.manual_seed(seed)
     cfg = _qwen3_config(**spec)
     cfg.architectures = ["Qwen3ForCausalLM"]
-    model = Qwen3ForCausalLM(cfg)
+    _save_sharpened(Qwen3ForCausalLM(cfg), path, logit_scale)
+    return spec
+
+
+def _save_sharpened(model, path: str, logit_scale: float) -> None:
+    """Scales the LM head (fewer greedy near-ties) and saves bf16 safetensors."""
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
-    model = model.to(torch.bfloat16)
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    return spec
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
 def write_qwen3_next_target(path: str, seed: int = 0, logit_scale: float = 4.0) -> Dict:
@@ -73,12 +76,7 @@ def write_qwen3_next_target(path: str, seed: int = 0, logit_scale: float = 4.0) 
         tie_word_embeddings=False, hidden_act="silu", bos_token_id=0, eos_token_id=1,
     )
     cfg.architectures = ["Qwen3NextForCausalLM"]
-    model = Qwen3NextForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(logit_scale)
-    model = model.to(torch.bfloat16)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    _save_sharpened(Qwen3NextForCausalLM(cfg), path, logit_scale)
     return spec
 
 
