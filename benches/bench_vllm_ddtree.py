@@ -1,11 +1,13 @@
 """Throughput and acceptance of vLLM 0.25.x: no speculation vs vLLM's DFlash vs DDTree (GPU).
 
-    python benches/bench_vllm_ddtree.py [--target DIR --drafter DIR] [--budgets 16,32,64,128,256]
+    python benches/bench_vllm_ddtree.py [--target DIR --drafter DIR [--prompts FILE]] [--budgets 16,32,64,128,256]
                                         [--batches 1,8,32] [--max-tokens 128] [--out DIR] [--cuda-graphs]
 
 Without --target/--drafter it writes the tiny random Qwen3 target and DFlash
 drafter of ``ddtree.vllm.tiny_models`` (random drafter: acceptance near zero
-except where DDTree's top-K covers the tiny vocabulary). Each engine runs in
+except where DDTree's top-K covers the tiny vocabulary). ``--prompts`` takes a
+JSON file ``{"batch32": [[token ids], ...]}`` (e.g. a trained pair's held-out
+prompts, cut or cycled to the batch size) instead of random token prompts. Each engine runs in
 its own subprocess; one table is printed at the end:
 
     engine  batch  tokens/s  mean acceptance length  (greedy, ignore_eos, token-id prompts)
@@ -41,7 +43,14 @@ def child(args):
               max_num_batched_tokens=max(8192, max_batch * (budget + 1) + args.prompt_len))
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=args.drafter)
+    from ddtree.vllm.tiny_models import engine_kwargs_for
+
+    kw.update(engine_kwargs_for(args.target))
     llm = LLM(**kw)
+    given = None
+    if args.prompts:
+        with open(args.prompts) as f:
+            given = json.load(f)["batch32"]
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     rnd = random.Random(0)
 
@@ -57,8 +66,11 @@ def child(args):
 
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        prompts = [TokensPrompt(prompt_token_ids=[rnd.randrange(2, vocab - 1) for _ in range(args.prompt_len)])
-                   for _ in range(b)]
+        if given:
+            prompts = [TokensPrompt(prompt_token_ids=list(given[i % len(given)])) for i in range(b)]
+        else:
+            prompts = [TokensPrompt(prompt_token_ids=[rnd.randrange(2, vocab - 1) for _ in range(args.prompt_len)])
+                       for _ in range(b)]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False),
                      use_tqdm=False)  # warm-up
@@ -78,6 +90,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--prompts", default=None, help="JSON file with a 'batch32' list of token-id prompts")
     ap.add_argument("--budgets", default="16,32,64,128,256")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -112,6 +125,8 @@ def main():
                str(args.drafter), "--batches", args.batches, "--max-tokens", str(args.max_tokens), "--prompt-len",
                str(args.prompt_len), "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization",
                str(args.gpu_memory_utilization)]
+        if args.prompts:
+            cmd += ["--prompts", args.prompts]
         if spec:
             cmd += ["--spec", json.dumps(spec)]
         if args.cuda_graphs and (spec is None or spec["method"] != "ddtree"):

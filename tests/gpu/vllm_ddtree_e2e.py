@@ -128,11 +128,10 @@ def run_child(name, target, drafter, only_scenarios=()):
     kw = dict(model=target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=32, max_num_batched_tokens=16384, gpu_memory_utilization=0.35, seed=0,
               disable_log_stats=False, enable_prefix_caching=False)
-    architecture, vocab = model_info(target)
-    if architecture != "Qwen3ForCausalLM":
-        kw["additional_config"] = {"gdn_prefill_backend": "triton"}  # the H200 image has no flashinfer GDN
-    if architecture.startswith("Qwen3_5"):
-        kw["language_model_only"] = True
+    from ddtree.vllm.tiny_models import engine_kwargs_for
+
+    kw.update(engine_kwargs_for(target))
+    _, vocab = model_info(target)
     if spec is None or spec["method"] != "ddtree":
         kw["attention_backend"] = "TRITON_ATTN"  # numerically closest to DDTree's Triton tree kernel
     if spec is not None:

@@ -106,3 +106,22 @@ def write_drafter(path: str, target: Dict, seed: int = 1, target_layer_ids=(0, 1
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return config
+
+
+def engine_kwargs_for(target: str) -> Dict:
+    """vLLM engine arguments a target needs on the lent H200, from its ``config.json``.
+
+    GDN hybrids need the Triton GDN prefill kernels (the image has no flashinfer ones); Qwen3.5's
+    multimodal wrapper is served text-only.
+    """
+    from ddtree.vllm.config import GDN_ARCHITECTURES
+
+    with open(os.path.join(target, "config.json")) as f:
+        architecture = json.load(f)["architectures"][0]
+    kw: Dict = {}
+    if architecture in GDN_ARCHITECTURES:
+        kw["additional_config"] = {"gdn_prefill_backend": "triton"}
+    if architecture.startswith("Qwen3_5"):
+        kw["language_model_only"] = True
+    return kw
+
