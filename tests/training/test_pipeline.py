@@ -15,6 +15,9 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
             "--anchors", "4", "--eval-prompts", "1", "--eval-tokens", "6", "--eval-threads", "1"]
     metrics = pipeline.run(pipeline.build_parser().parse_args(argv))
     assert metrics["target"]["steps"] == 4 and metrics["drafter"]["steps"] == 3
+    # the drafter phase reports the engine-equivalent chain tau on the held-out prompts, not only the
+    # mean over the anchors of its training batches
+    assert metrics["drafter"]["heldout_chain_tau"] >= 1.0 and metrics["drafter"]["heldout_chain_steps"] >= 1
     assert "error" not in metrics["eval"], metrics["eval"].get("error")
     assert set(metrics["eval"]["modes"]) == {"chain"} | {f"ddtree-{b}" for b in card.BUDGETS}
     assert all(m["lossless"] for m in metrics["eval"]["modes"].values())

@@ -272,10 +272,13 @@ def run(args) -> Dict:
                                        log_every=25 if not args.tiny else 5)
         log(f"[drafter] DFlash {model.count_parameters(drafter):,} parameters, block {drafter.block_size}, "
             f"target layers {drafter.target_layer_ids}, gamma {gamma}")
+        heldout_prompts = [p["ids"] for p in dataset.prompts[: args.eval_prompts]]
+        heldout = (heldout_prompts, train.greedy_continuations(target, heldout_prompts, args.eval_tokens,
+                                                               dataset.pad_id, device))
         loop = train.train_drafter(drafter, target, dataset, generated, settings, args.anchors, gamma,
                                    args.raw_fraction, device, args.seed, args.work, log,
                                    deadline=min(end - 75.0, time.monotonic() + args.drafter_time_s),
-                                   resume=args.resume)
+                                   resume=args.resume, heldout=heldout)
         model.round_to_bf16_(drafter)
         drafter.to(torch.bfloat16).save_pretrained(drafter_dir)
         metrics["drafter"] = {
@@ -288,6 +291,8 @@ def run(args) -> Dict:
             "first_loss": loop.history[0]["loss"] if loop.history else None,
             "final_loss": loop.history[-1]["loss"] if loop.history else None,
             "final_tf_tau": loop.history[-1].get("tf_tau") if loop.history else None,
+            "heldout_chain_tau": loop.heldout["tau"] if loop.heldout else None,
+            "heldout_chain_steps": loop.heldout["steps"] if loop.heldout else None,
             "history": loop.history,
         }
         with open(drafter_done, "w") as handle:

@@ -224,13 +224,43 @@ def generate_sequences(model, dataset: Dataset, count: int, prompt_len: int, new
 # --------------------------------------------------------------------------- drafter
 
 
+@torch.no_grad()
+def greedy_continuations(model, prompts, new_tokens: int, pad_id: int, device: torch.device) -> List[List[int]]:
+    """The target's fp32 greedy continuations of ``prompts`` (equal lengths; no stop): what the
+    engine's ``ar`` mode outputs, so :func:`dflash.teacher_forced_chain` on them is the engine's chain tau."""
+    model.eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([list(p) for p in prompts], device=device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=pad_id)
+    return [row[ids.shape[1]:].tolist() for row in out.cpu()]
+
+
+def heldout_chain_tau(drafter, target, heldout) -> Dict:
+    """Engine-equivalent greedy chain tau of ``drafter`` on ``heldout = (prompts, continuations)`` (fp32)."""
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        return dflash.teacher_forced_chain(drafter, target, heldout[0], heldout[1])
+    finally:
+        drafter.train(was_training)
+
+
 def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.Tensor], settings: PhaseSettings,
                   num_anchors: int, gamma: float, raw_fraction: float, device: torch.device, seed: int,
-                  work_dir: str, log, deadline: float, resume: bool = False) -> StepLoop:
+                  work_dir: str, log, deadline: float, resume: bool = False, heldout=None,
+                  eval_every: int = 500) -> StepLoop:
     """DFlash training (module :mod:`.dflash`) with the target frozen.
 
     Each batch: ``raw_fraction`` of the rows are raw train-split windows, the rest are drawn from
     ``generated`` (target continuations); rows are cut to ``settings.seq_len``.
+
+    The logged ``tf_tau`` is the teacher-forced chain length averaged over the random anchors of the
+    current *training* batch: it weighs easy stretches (the loops of greedy continuations) as much
+    as hard ones and says nothing about held-out text. ``heldout = (prompts, continuations)`` (held-out
+    prompts and the target's greedy continuations) adds ``heldout_tau``, the engine's chain tau on
+    them (:func:`dflash.teacher_forced_chain`), every ``eval_every`` steps and at the end
+    (``loop.heldout``).
     """
     target.to(device).eval()
     for parameter in target.parameters():
@@ -267,12 +297,23 @@ def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.T
         loss, info = dflash.dflash_loss(logits, labels, weights)
         loss.backward()
         acc = info["accuracy"].tolist()
-        return {"loss": float(loss.detach()), "acc1": acc[0], "acc8": acc[min(7, len(acc) - 1)],
-                "tf_tau": info["chain_tau"]}
+        metrics = {"loss": float(loss.detach()), "acc1": acc[0], "acc8": acc[min(7, len(acc) - 1)],
+                   "tf_tau": info["chain_tau"]}
+        # loop.step is the count before this step; skip the calibration window (it times the steps)
+        if heldout is not None and eval_every and loop.step > settings.calibration_steps \
+                and (loop.step + 1) % eval_every == 0:
+            metrics["heldout_tau"] = heldout_chain_tau(drafter, target, heldout)["tau"]
+            features_hook.captured.clear()  # the evaluation's forward also ran the training hooks
+        return metrics
 
     try:
         loop.run(step)
     finally:
         features_hook.remove()
     drafter.eval()
+    loop.heldout = None
+    if heldout is not None:
+        loop.heldout = heldout_chain_tau(drafter, target, heldout)
+        log(f"[drafter] held-out chain tau (engine-equivalent, teacher-forced on the target's greedy output of "
+            f"{len(heldout[0])} held-out prompts): {loop.heldout['tau']:.3f} over {loop.heldout['steps']} steps")
     return loop
