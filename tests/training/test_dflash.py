@@ -161,3 +161,24 @@ def test_teacher_forced_chain_equals_the_engines_chain(tiny_pair, tiny_data):
     assert result["lengths"] == [r.stats.acceptance_lengths for r in chain]
     assert max(max(r.stats.acceptance_lengths) for r in chain) > 2  # a non-trivial chain was compared
     assert result["steps"] == sum(r.stats.steps for r in chain)
+
+
+def test_target_greedy_labels(tiny_pair):
+    """Labels from the target's argmax: the continuation of a greedy output labels itself."""
+    from ddtree.engine import GenerationConfig, SpeculativeEngine
+
+    _, target, drafter = tiny_pair
+    prompt = torch.randint(3, target.config.vocab_size, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    output = SpeculativeEngine(target, None).generate([prompt], GenerationConfig(mode="ar", max_new_tokens=20))[0]
+    tokens = torch.tensor([prompt + output.output_ids])
+    with torch.no_grad():
+        labels = dflash.target_greedy_labels(tokens, target(input_ids=tokens).logits)
+    assert labels[0, 20:].tolist() == output.output_ids  # inside the greedy continuation: the tokens themselves
+    assert labels[0, 0] == tokens[0, 0]
+    anchors = torch.tensor([[3, 19]])
+    _, text_labels = dflash.dflash_step_logits(drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features),
+                                               anchors)
+    _, greedy_labels = dflash.dflash_step_logits(drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features),
+                                                 anchors, labels)
+    assert torch.equal(greedy_labels[0, 1], text_labels[0, 1])  # anchor 19: labels 20.. are all greedy output
+    assert greedy_labels[0, 0].tolist() == labels[0, 4:19].tolist()

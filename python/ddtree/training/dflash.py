@@ -21,7 +21,7 @@ weights are used as they were trained.
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -177,13 +177,28 @@ class TargetFeatures:
             handle.remove()
 
 
-def dflash_step_logits(drafter, target, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor):
+def target_greedy_labels(tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` label tokens: at ``t >= 1`` the target's argmax after ``tokens[:, :t]``; ``t = 0`` keeps the token.
+
+    Self-distillation labels: what the target's greedy decoding emits next after the real prefix, the
+    token a drafted slot must equal to be accepted. Inside a greedy continuation they equal the tokens.
+    """
+    labels = tokens.clone()
+    labels[:, 1:] = target_logits[:, :-1].argmax(-1)
+    return labels
+
+
+def dflash_step_logits(drafter, target, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                       label_tokens: Optional[torch.Tensor] = None):
     """Drafter logits ``[B, N, bs - 1, V]`` and labels ``[B, N, bs - 1]`` for one batch.
 
     ``target``: the HF causal LM whose embedding and LM head the drafter shares (frozen).
+    ``label_tokens [B, T]``: where labels come from (default ``tokens``; e.g. :func:`target_greedy_labels`).
     """
     bs = drafter.block_size
     block_ids, positions, labels = block_layout(tokens, anchors, bs, drafter.mask_token_id)
+    if label_tokens is not None:
+        labels = block_layout(label_tokens, anchors, bs, drafter.mask_token_id)[2]
     embeddings = target.get_input_embeddings()(block_ids).detach()
     mask = attention_mask(anchors, tokens.shape[1], bs)
     hidden = drafter_block_hidden(drafter, embeddings, positions, features, mask)
