@@ -6,7 +6,7 @@
 ``run`` phases and default time boxes (wall clock; the whole run stops by ``--budget-s``, 540 s):
 
     setup (load data, build model)           ~10 s
-    target training (calibrated steps)        230 s
+    target training (calibrated steps)        175 s
     held-out perplexity + save target         ~5 s
     target greedy continuations (drafter data) 35 s
     drafter training (calibrated steps)       150 s
@@ -85,27 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     run.add_argument("--budget-s", type=float, default=540.0, help="the whole run stops by then")
     run.add_argument("--target-steps", type=int, default=None, help="fixed step count (default: calibrated)")
-    run.add_argument("--target-time-s", type=float, default=230.0)
+    run.add_argument("--target-time-s", type=float, default=175.0)
     run.add_argument("--target-max-epochs", type=float, default=8.0,
                      help="cap on passes over the train split (a 10M model overfits 9M tokens beyond that)")
     run.add_argument("--target-batch", type=int, default=64)
     run.add_argument("--target-seq", type=int, default=512)
     run.add_argument("--target-lr", type=float, default=2e-3)
-    run.add_argument("--generate", type=int, default=2048, help="target continuations for drafter training")
+    run.add_argument("--generate", type=int, default=12288, help="target continuations for drafter training")
     run.add_argument("--generate-time-s", type=float, default=35.0)
-    run.add_argument("--generate-batch", type=int, default=1024)
-    run.add_argument("--generate-prompt", type=int, default=64, help="train-text prompt tokens of each continuation")
+    run.add_argument("--generate-batch", type=int, default=2048)
+    run.add_argument("--generate-prompt", type=int, default=96, help="train-text prompt tokens of each continuation")
     run.add_argument("--generate-new", type=int, default=None,
                      help="greedy tokens per continuation (default: --drafter-seq minus --generate-prompt); "
                           "a small target's long greedy continuations end in loops")
     run.add_argument("--drafter-steps", type=int, default=None)
     run.add_argument("--drafter-time-s", type=float, default=150.0)
-    run.add_argument("--drafter-batch", type=int, default=32)
-    run.add_argument("--drafter-seq", type=int, default=512)
+    run.add_argument("--drafter-batch", type=int, default=64)
+    run.add_argument("--drafter-seq", type=int, default=256)
     run.add_argument("--drafter-lr", type=float, default=1.5e-3)
-    run.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
-    run.add_argument("--raw-fraction", type=float, default=0.25)
-    run.add_argument("--drafter-labels", choices=("text", "target"), default="text",
+    run.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
+    run.add_argument("--raw-fraction", type=float, default=0.5)
+    run.add_argument("--drafter-labels", choices=("text", "target"), default="target",
                      help="drafter labels: the row's next tokens, or the target's greedy next token after the "
                           "real prefix (what acceptance is measured against)")
     run.add_argument("--drafter-eval-every", type=int, default=500,
