@@ -80,3 +80,24 @@ def test_loading_rejects_other_architectures(tmp_path, drafter):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="DFlashDraftModel"):
         DFlashDraftModel.from_pretrained(str(tmp_path))
+
+
+def test_proposer_drafts_a_full_block_whatever_the_depth():
+    """Near the token limit the engine asks for fewer positions; the drafter must still see the block it
+    was trained on (bonus + block_size - 1 masks): its attention over the block is bidirectional, so a
+    shorter block would change every slot's output. Shallower drafts are a prefix of the full one."""
+    from ddtree.engine import TargetModel
+    from ddtree.engine.drafting import DFlashProposer
+    from ddtree.engine.tiny import tiny_target
+
+    hf_target = tiny_target("qwen3", seed=5)
+    target = TargetModel(hf_target)
+    model = DFlashDraftModel.random(hf_target.config, num_layers=2, block_size=6, target_layer_ids=[0, 2], seed=7)
+    proposer = DFlashProposer(model, target)
+    state = proposer.new_request()
+    proposer.add_context(state, torch.randn(7, 64, generator=torch.Generator().manual_seed(8)))
+    committed = [3, 9, 4]
+    full = proposer.draft_logits(state, committed, proposer.num_draft_positions)
+    assert full.shape == (5, 128)
+    for depth in range(1, 5):
+        assert torch.allclose(proposer.draft_logits(state, committed, depth), full[:depth], atol=1e-6)

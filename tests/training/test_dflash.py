@@ -107,3 +107,78 @@ def test_training_forward_equals_inference_drafter(tiny_pair):
                 expected = target.get_output_embeddings()(hidden)
                 torch.testing.assert_close(logits[b, n], expected, atol=1e-4, rtol=1e-4)
                 assert labels[b, n].tolist() == tokens[b, a + 1 : a + bs].tolist()
+
+
+def test_walk_chain_visits_only_the_engines_anchors():
+    """A stretch the drafter gets right is covered by few steps: the mean over all anchors overstates tau."""
+    bs = 5
+    # anchors 10..29: 10..19 all hits (a loop), 20..29 all misses
+    correct = torch.zeros(20, bs - 1, dtype=torch.bool)
+    correct[:10] = True
+    lengths = dflash.walk_chain(correct, 10, 29)
+    # steps at 10 (+5), 15 (+5), 20..29 one token each; the last step (anchor 29) drafts nothing
+    assert lengths == [5, 5] + [1] * 10
+    assert sum(lengths) == 29 - 10 + 1
+    anchor_mean = 1 + float(correct.long().cumprod(-1).sum(-1).float().mean())
+    assert anchor_mean == 3.0 and sum(lengths) / len(lengths) == pytest.approx(20 / 12)
+    # the depth cap near the end: never accept past the last anchor
+    assert dflash.walk_chain(torch.ones(4, bs - 1, dtype=torch.bool), 0, 3) == [4]
+
+
+def test_teacher_forced_chain_equals_the_engines_chain(tiny_pair, tiny_data):
+    """The training-side metric reproduces the engine's greedy chain acceptance lengths step by step."""
+    from ddtree.engine import GenerationConfig, SpeculativeEngine
+    from ddtree.training import train
+
+    _, target, drafter = tiny_pair
+    drafter = copy.deepcopy(drafter).train()
+    prompts = [p["ids"] for p in tiny_data.prompts]
+    new_tokens = 40
+    engine = SpeculativeEngine(target, None)
+    reference = [r.output_ids for r in engine.generate(prompts, GenerationConfig(mode="ar", max_new_tokens=new_tokens))]
+    # fit the drafter to these very continuations so that the chain accepts more than the bonus
+    tokens = torch.tensor([p + r for p, r in zip(prompts, reference)])
+    hook = dflash.TargetFeatures(target, drafter.target_layer_ids)
+    with torch.no_grad():
+        target(input_ids=tokens)
+    features = hook.take()
+    hook.remove()
+    anchors = torch.arange(1, tokens.shape[1] - drafter.block_size + 1)[None].expand(len(prompts), -1)
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    weights = dflash.position_weights(drafter.block_size, 7.0)
+    for _ in range(60):
+        logits, labels = dflash.dflash_step_logits(drafter, target, tokens, features, anchors)
+        loss = dflash.dflash_loss(logits, labels, weights)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    drafter.eval()
+
+    chain = SpeculativeEngine(target, drafter).generate(prompts, GenerationConfig(mode="chain", max_new_tokens=new_tokens))
+    assert [r.output_ids for r in chain] == reference
+    assert train.greedy_continuations(target, prompts, new_tokens, tiny_data.pad_id, torch.device("cpu")) == reference
+    result = dflash.teacher_forced_chain(drafter, target, prompts, reference)
+    assert result["lengths"] == [r.stats.acceptance_lengths for r in chain]
+    assert max(max(r.stats.acceptance_lengths) for r in chain) > 2  # a non-trivial chain was compared
+    assert result["steps"] == sum(r.stats.steps for r in chain)
+
+
+def test_target_greedy_labels(tiny_pair):
+    """Labels from the target's argmax: the continuation of a greedy output labels itself."""
+    from ddtree.engine import GenerationConfig, SpeculativeEngine
+
+    _, target, drafter = tiny_pair
+    prompt = torch.randint(3, target.config.vocab_size, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    output = SpeculativeEngine(target, None).generate([prompt], GenerationConfig(mode="ar", max_new_tokens=20))[0]
+    tokens = torch.tensor([prompt + output.output_ids])
+    with torch.no_grad():
+        labels = dflash.target_greedy_labels(tokens, target(input_ids=tokens).logits)
+    assert labels[0, 20:].tolist() == output.output_ids  # inside the greedy continuation: the tokens themselves
+    assert labels[0, 0] == tokens[0, 0]
+    anchors = torch.tensor([[3, 19]])
+    _, text_labels = dflash.dflash_step_logits(drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features),
+                                               anchors)
+    _, greedy_labels = dflash.dflash_step_logits(drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features),
+                                                 anchors, labels)
+    assert torch.equal(greedy_labels[0, 1], text_labels[0, 1])  # anchor 19: labels 20.. are all greedy output
+    assert greedy_labels[0, 0].tolist() == labels[0, 4:19].tolist()

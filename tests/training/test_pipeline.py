@@ -12,9 +12,16 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
     argv = ["run", "--data", tiny_data.directory, "--out", out, "--work", work, "--tiny", "--device", "cpu",
             "--target-steps", "4", "--target-batch", "2", "--target-seq", "48", "--generate", "2",
             "--generate-batch", "2", "--drafter-steps", "3", "--drafter-batch", "2", "--drafter-seq", "80",
-            "--anchors", "4", "--eval-prompts", "1", "--eval-tokens", "6", "--eval-threads", "1"]
+            "--anchors", "4", "--eval-prompts", "1", "--eval-tokens", "6", "--eval-threads", "1",
+            "--generate-prompt", "8", "--generate-new", "40", "--drafter-labels", "target"]
     metrics = pipeline.run(pipeline.build_parser().parse_args(argv))
     assert metrics["target"]["steps"] == 4 and metrics["drafter"]["steps"] == 3
+    # the drafter phase reports the engine-equivalent chain tau on the held-out prompts, not only the
+    # mean over the anchors of its training batches
+    assert metrics["drafter"]["heldout_chain_tau"] >= 1.0 and metrics["drafter"]["heldout_chain_steps"] >= 1
+    # short continuations: drafter rows are cut to their length (raw windows too)
+    assert metrics["drafter"]["generated_shape"] == [2, 48] and metrics["drafter"]["seq_len"] == 48
+    assert metrics["drafter"]["labels"] == "target"
     assert "error" not in metrics["eval"], metrics["eval"].get("error")
     assert set(metrics["eval"]["modes"]) == {"chain"} | {f"ddtree-{b}" for b in card.BUDGETS}
     assert all(m["lossless"] for m in metrics["eval"]["modes"].values())

@@ -58,10 +58,18 @@ class DFlashProposer:
 
     @torch.no_grad()
     def draft_logits(self, state: DrafterContext, committed_tokens: Sequence[int], depth: int) -> torch.Tensor:
-        block = torch.full((depth + 1,), self.drafter.mask_token_id, dtype=torch.int64, device=self.target.device)
+        """Always a full block ``[bonus, MASK x (block_size - 1)]``, cut to ``depth`` afterwards.
+
+        The block attends to itself bidirectionally, so a shorter block (fewer masks) would change
+        every slot's output: the drafter was trained on full blocks only.
+        """
+        if not 0 <= depth <= self.num_draft_positions:
+            raise ValueError(f"depth {depth} outside [0, {self.num_draft_positions}]")
+        block = torch.full((self.num_draft_positions + 1,), self.drafter.mask_token_id, dtype=torch.int64,
+                           device=self.target.device)
         block[0] = committed_tokens[-1]
         embeddings = self.target.embed_tokens(block).to(self.drafter.fc.weight.dtype)
-        hidden = self.drafter(embeddings, state)[1:]
+        hidden = self.drafter(embeddings, state)[1 : depth + 1]
         return self.target.lm_head(hidden.to(self.target.dtype)).float()
 
 

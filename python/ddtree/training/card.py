@@ -80,10 +80,13 @@ def render(metrics: Dict) -> str:
         "(shares the target's embedding and LM head).",
         f"- Frozen target, {g('drafter.anchors')} random anchors per sequence, CE on block positions 1..15 weighted "
         f"exp(-(k-1)/{g('drafter.gamma', 1)}); sequences: {g('drafter.raw_fraction', 2)} raw train text, the rest "
-        f"{g('drafter.generated')} target greedy continuations of train prompts.",
+        f"{g('drafter.generated')} target greedy continuations of train prompts (prompt + continuation tokens: "
+        f"{g('drafter.generated_shape')}); labels: {g('drafter.labels')} (target: the target's greedy next token).",
         f"- {g('drafter.steps')} steps, batch {g('drafter.batch_size')} x {g('drafter.seq_len')}; loss first "
-        f"{g('drafter.first_loss')}, final {g('drafter.final_loss')}; teacher-forced chain tau at the end "
-        f"{g('drafter.final_tf_tau')}; {g('drafter.train_seconds', 0)} s.",
+        f"{g('drafter.first_loss')}, final {g('drafter.final_loss')}; teacher-forced chain tau over the random anchors of "
+        f"the last training batches {g('drafter.final_tf_tau')} (training data, every anchor weighted alike: not the "
+        f"engine's tau); held-out chain tau before the evaluation (teacher-forced on the target's greedy output, "
+        f"walked as the engine's steps) {g('drafter.heldout_chain_tau')}; {g('drafter.train_seconds', 0)} s.",
         "",
         "## Acceptance on held-out prompts (ddtree.engine, temperature 0)",
         f"Engine on {g('eval.engine_device')} in fp32; {g('eval.prompts')} prompts of {g('eval.prompt_length')} tokens from distinct held-out files, "

@@ -21,7 +21,7 @@ weights are used as they were trained.
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -177,13 +177,28 @@ class TargetFeatures:
             handle.remove()
 
 
-def dflash_step_logits(drafter, target, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor):
+def target_greedy_labels(tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` label tokens: at ``t >= 1`` the target's argmax after ``tokens[:, :t]``; ``t = 0`` keeps the token.
+
+    Self-distillation labels: what the target's greedy decoding emits next after the real prefix, the
+    token a drafted slot must equal to be accepted. Inside a greedy continuation they equal the tokens.
+    """
+    labels = tokens.clone()
+    labels[:, 1:] = target_logits[:, :-1].argmax(-1)
+    return labels
+
+
+def dflash_step_logits(drafter, target, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                       label_tokens: Optional[torch.Tensor] = None):
     """Drafter logits ``[B, N, bs - 1, V]`` and labels ``[B, N, bs - 1]`` for one batch.
 
     ``target``: the HF causal LM whose embedding and LM head the drafter shares (frozen).
+    ``label_tokens [B, T]``: where labels come from (default ``tokens``; e.g. :func:`target_greedy_labels`).
     """
     bs = drafter.block_size
     block_ids, positions, labels = block_layout(tokens, anchors, bs, drafter.mask_token_id)
+    if label_tokens is not None:
+        labels = block_layout(label_tokens, anchors, bs, drafter.mask_token_id)[2]
     embeddings = target.get_input_embeddings()(block_ids).detach()
     mask = attention_mask(anchors, tokens.shape[1], bs)
     hidden = drafter_block_hidden(drafter, embeddings, positions, features, mask)
@@ -199,3 +214,76 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int, floor: float = 0.
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# --------------------------------------------------------------------------- engine-equivalent teacher forcing
+
+
+def walk_chain(correct: torch.Tensor, first_anchor: int, last_anchor: int) -> list:
+    """Acceptance lengths of the DFlash chain walking a sequence, as the engine's greedy steps do.
+
+    ``correct [A, bs - 1]`` (bool): row ``i`` is the drafter's per-slot hits for the block anchored
+    at ``first_anchor + i`` (teacher-forced on the target's own greedy output, so a hit is exactly a
+    verified acceptance). The first step's bonus sits at ``first_anchor``; each step accepts the
+    leading hits (at most ``last_anchor - a`` of them: the engine never drafts past the last token)
+    and the next bonus follows them. Returns one length (accepted + 1) per step.
+
+    Unlike the mean over *all* anchors (:func:`dflash_loss`'s ``chain_tau``), this visits only the
+    anchors the engine visits: a run of easy tokens is covered by few steps, so it weighs little.
+    """
+    lengths = []
+    anchor = first_anchor
+    while anchor <= last_anchor:
+        depth = min(correct.shape[1], last_anchor - anchor)
+        hits = correct[anchor - first_anchor, :depth].long().cumprod(0)
+        accepted = int(hits.sum())
+        lengths.append(accepted + 1)
+        anchor += accepted + 1
+    return lengths
+
+
+@torch.no_grad()
+def teacher_forced_chain(drafter, target, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+                         rows_per_batch: int = 4) -> Dict:
+    """The engine's greedy DFlash chain tau, computed by teacher forcing (one target + one drafter forward).
+
+    ``continuations[i]``: the target's greedy output after ``prompts[i]`` (as the engine's ``ar``
+    mode produces it, ``max_new_tokens = len(continuations[i])``). At temperature 0 the engine's
+    chain accepts exactly the drafter's leading hits against that output, so walking it
+    (:func:`walk_chain`) reproduces the engine's acceptance lengths, up to floating-point ties and
+    the engine's shorter blocks in the last 15 tokens. Returns ``{"tau", "steps", "lengths"}``
+    (lengths per prompt), tau pooled over all steps like the engine evaluation.
+    """
+    device = next(target.parameters()).device
+    bs = drafter.block_size
+    hook = TargetFeatures(target, drafter.target_layer_ids)
+    per_prompt = []
+    try:
+        rows = [(list(p), list(c)) for p, c in zip(prompts, continuations)]
+        for start in range(0, len(rows), rows_per_batch):
+            group = rows[start:start + rows_per_batch]
+            # group rows of equal shape; otherwise one by one
+            if len({(len(p), len(c)) for p, c in group}) != 1:
+                chunks = [[row] for row in group]
+            else:
+                chunks = [group]
+            for chunk in chunks:
+                prompt_len, new = len(chunk[0][0]), len(chunk[0][1])
+                # pad with the mask token so every block fits; padded positions are never context
+                # (context < anchor <= last token) and their labels are never counted (depth cap)
+                tokens = torch.tensor([p + c + [drafter.mask_token_id] * bs for p, c in chunk], device=device)
+                target(input_ids=tokens)
+                features = hook.take()
+                first, last = prompt_len, prompt_len + new - 2  # bonus positions of the engine's steps
+                if last < first:
+                    per_prompt.extend([[] for _ in chunk])
+                    continue
+                anchors = torch.arange(first, last + 1, device=device)[None].expand(len(chunk), -1)
+                logits, labels = dflash_step_logits(drafter, target, tokens, features.to(drafter.fc.weight.dtype),
+                                                    anchors)
+                correct = (logits.argmax(-1) == labels).cpu()
+                per_prompt.extend(walk_chain(correct[i], first, last) for i in range(len(chunk)))
+    finally:
+        hook.remove()
+    flat = [length for lengths in per_prompt for length in lengths]
+    return {"tau": float(sum(flat) / len(flat)) if flat else 0.0, "steps": len(flat), "lengths": per_prompt}

@@ -6,7 +6,7 @@
 ``run`` phases and default time boxes (wall clock; the whole run stops by ``--budget-s``, 540 s):
 
     setup (load data, build model)           ~10 s
-    target training (calibrated steps)        230 s
+    target training (calibrated steps)        175 s
     held-out perplexity + save target         ~5 s
     target greedy continuations (drafter data) 35 s
     drafter training (calibrated steps)       150 s
@@ -85,22 +85,31 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     run.add_argument("--budget-s", type=float, default=540.0, help="the whole run stops by then")
     run.add_argument("--target-steps", type=int, default=None, help="fixed step count (default: calibrated)")
-    run.add_argument("--target-time-s", type=float, default=230.0)
+    run.add_argument("--target-time-s", type=float, default=175.0)
     run.add_argument("--target-max-epochs", type=float, default=8.0,
                      help="cap on passes over the train split (a 10M model overfits 9M tokens beyond that)")
     run.add_argument("--target-batch", type=int, default=64)
     run.add_argument("--target-seq", type=int, default=512)
     run.add_argument("--target-lr", type=float, default=2e-3)
-    run.add_argument("--generate", type=int, default=2048, help="target continuations for drafter training")
+    run.add_argument("--generate", type=int, default=12288, help="target continuations for drafter training")
     run.add_argument("--generate-time-s", type=float, default=35.0)
-    run.add_argument("--generate-batch", type=int, default=1024)
+    run.add_argument("--generate-batch", type=int, default=2048)
+    run.add_argument("--generate-prompt", type=int, default=96, help="train-text prompt tokens of each continuation")
+    run.add_argument("--generate-new", type=int, default=None,
+                     help="greedy tokens per continuation (default: --drafter-seq minus --generate-prompt); "
+                          "a small target's long greedy continuations end in loops")
     run.add_argument("--drafter-steps", type=int, default=None)
     run.add_argument("--drafter-time-s", type=float, default=150.0)
-    run.add_argument("--drafter-batch", type=int, default=32)
-    run.add_argument("--drafter-seq", type=int, default=512)
+    run.add_argument("--drafter-batch", type=int, default=64)
+    run.add_argument("--drafter-seq", type=int, default=256)
     run.add_argument("--drafter-lr", type=float, default=1.5e-3)
-    run.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
-    run.add_argument("--raw-fraction", type=float, default=0.25)
+    run.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
+    run.add_argument("--raw-fraction", type=float, default=0.5)
+    run.add_argument("--drafter-labels", choices=("text", "target"), default="target",
+                     help="drafter labels: the row's next tokens, or the target's greedy next token after the "
+                          "real prefix (what acceptance is measured against)")
+    run.add_argument("--drafter-eval-every", type=int, default=500,
+                     help="log the held-out engine-equivalent chain tau every N drafter steps (0: only at the end)")
     run.add_argument("--eval-prompts", type=int, default=16)
     run.add_argument("--eval-tokens", type=int, default=128)
     run.add_argument("--eval-threads", type=int, default=0, help="CPU threads for the fp32 reference (0: all)")
@@ -259,7 +268,8 @@ def run(args) -> Dict:
             generated = torch.load(gen_path)
         elif args.generate > 0:
             generated = train.generate_sequences(
-                target, dataset, args.generate, 64, args.drafter_seq - 64, args.generate_batch, device, args.seed, log,
+                target, dataset, args.generate, args.generate_prompt,
+                args.generate_new or args.drafter_seq - args.generate_prompt, args.generate_batch, device, args.seed, log,
                 deadline=min(time.monotonic() + args.generate_time_s, end - args.drafter_time_s - 75.0))
             torch.save(generated, gen_path)
         else:
@@ -272,22 +282,30 @@ def run(args) -> Dict:
                                        log_every=25 if not args.tiny else 5)
         log(f"[drafter] DFlash {model.count_parameters(drafter):,} parameters, block {drafter.block_size}, "
             f"target layers {drafter.target_layer_ids}, gamma {gamma}")
+        heldout_prompts = [p["ids"] for p in dataset.prompts[: args.eval_prompts]]
+        heldout = (heldout_prompts, train.greedy_continuations(target, heldout_prompts, args.eval_tokens,
+                                                               dataset.pad_id, device))
         loop = train.train_drafter(drafter, target, dataset, generated, settings, args.anchors, gamma,
                                    args.raw_fraction, device, args.seed, args.work, log,
                                    deadline=min(end - 75.0, time.monotonic() + args.drafter_time_s),
-                                   resume=args.resume)
+                                   resume=args.resume, heldout=heldout, eval_every=args.drafter_eval_every,
+                                   labels=args.drafter_labels)
         model.round_to_bf16_(drafter)
         drafter.to(torch.bfloat16).save_pretrained(drafter_dir)
         metrics["drafter"] = {
             "parameters": model.count_parameters(drafter), "steps": loop.step, "planned_steps": loop.total_steps,
-            "stopped_early": loop.stopped_early, "batch_size": settings.batch_size, "seq_len": settings.seq_len,
+            "stopped_early": loop.stopped_early, "batch_size": settings.batch_size,
+            "seq_len": settings.seq_len if generated is None else min(settings.seq_len, int(generated.shape[1])),
             "peak_lr": settings.peak_lr, "train_seconds": round(loop.train_seconds, 1),
             "layers": drafter_shape.num_layers, "block_size": drafter_shape.block_size,
             "target_layer_ids": drafter_shape.target_layer_ids, "anchors": args.anchors, "gamma": gamma,
             "raw_fraction": args.raw_fraction, "generated": 0 if generated is None else int(generated.shape[0]),
+            "generated_shape": None if generated is None else list(generated.shape), "labels": args.drafter_labels,
             "first_loss": loop.history[0]["loss"] if loop.history else None,
             "final_loss": loop.history[-1]["loss"] if loop.history else None,
             "final_tf_tau": loop.history[-1].get("tf_tau") if loop.history else None,
+            "heldout_chain_tau": loop.heldout["tau"] if loop.heldout else None,
+            "heldout_chain_steps": loop.heldout["steps"] if loop.heldout else None,
             "history": loop.history,
         }
         with open(drafter_done, "w") as handle:

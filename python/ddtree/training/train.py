@@ -224,13 +224,47 @@ def generate_sequences(model, dataset: Dataset, count: int, prompt_len: int, new
 # --------------------------------------------------------------------------- drafter
 
 
+@torch.no_grad()
+def greedy_continuations(model, prompts, new_tokens: int, pad_id: int, device: torch.device) -> List[List[int]]:
+    """The target's fp32 greedy continuations of ``prompts`` (equal lengths; no stop): what the
+    engine's ``ar`` mode outputs, so :func:`dflash.teacher_forced_chain` on them is the engine's chain tau."""
+    model.eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([list(p) for p in prompts], device=device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=pad_id)
+    return [row[ids.shape[1]:].tolist() for row in out.cpu()]
+
+
+def heldout_chain_tau(drafter, target, heldout) -> Dict:
+    """Engine-equivalent greedy chain tau of ``drafter`` on ``heldout = (prompts, continuations)`` (fp32)."""
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        return dflash.teacher_forced_chain(drafter, target, heldout[0], heldout[1])
+    finally:
+        drafter.train(was_training)
+
+
 def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.Tensor], settings: PhaseSettings,
                   num_anchors: int, gamma: float, raw_fraction: float, device: torch.device, seed: int,
-                  work_dir: str, log, deadline: float, resume: bool = False) -> StepLoop:
+                  work_dir: str, log, deadline: float, resume: bool = False, heldout=None,
+                  eval_every: int = 500, labels: str = "text") -> StepLoop:
     """DFlash training (module :mod:`.dflash`) with the target frozen.
 
     Each batch: ``raw_fraction`` of the rows are raw train-split windows, the rest are drawn from
-    ``generated`` (target continuations); rows are cut to ``settings.seq_len``.
+    ``generated`` (target continuations); rows are cut to ``settings.seq_len`` (or to the length of
+    the generated rows, if shorter). ``labels``: ``"text"`` (the next tokens of the row) or
+    ``"target"`` (the target's greedy next token after the real prefix,
+    :func:`dflash.target_greedy_labels`: the same inside greedy continuations, and on raw text what
+    acceptance is measured against).
+
+    The logged ``tf_tau`` is the teacher-forced chain length averaged over the random anchors of the
+    current *training* batch: it weighs easy stretches (the loops of greedy continuations) as much
+    as hard ones and says nothing about held-out text. ``heldout = (prompts, continuations)`` (held-out
+    prompts and the target's greedy continuations) adds ``heldout_tau``, the engine's chain tau on
+    them (:func:`dflash.teacher_forced_chain`), every ``eval_every`` steps and at the end
+    (``loop.heldout``).
     """
     target.to(device).eval()
     for parameter in target.parameters():
@@ -244,15 +278,18 @@ def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.T
         loop.resume()
     features_hook = dflash.TargetFeatures(target, drafter.target_layer_ids)
     weights = dflash.position_weights(drafter.block_size, gamma).to(device)
+    if labels not in ("text", "target"):
+        raise ValueError(f"labels must be 'text' or 'target', got {labels!r}")
     n_raw = settings.batch_size if generated is None else int(round(settings.batch_size * raw_fraction))
+    seq_len = settings.seq_len if generated is None else min(settings.seq_len, int(generated.shape[1]))
 
     def batch_tokens() -> torch.Tensor:
         parts = []
         if n_raw:
-            parts.append(sample_windows(dataset.train, n_raw, settings.seq_len, generator))
+            parts.append(sample_windows(dataset.train, n_raw, seq_len, generator))
         if settings.batch_size - n_raw:
             pick = torch.randint(0, generated.shape[0], (settings.batch_size - n_raw,), generator=generator)
-            parts.append(generated[pick, : settings.seq_len])
+            parts.append(generated[pick, :seq_len])
         return torch.cat(parts).to(device)
 
     def step() -> Dict:
@@ -260,19 +297,32 @@ def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.T
         anchors = dflash.sample_anchors(tokens.shape[0], tokens.shape[1], num_anchors, drafter.block_size,
                                         generator).to(device)
         with torch.no_grad(), autocast(device):
-            target(input_ids=tokens)
+            target_out = target(input_ids=tokens)
+            label_tokens = dflash.target_greedy_labels(tokens, target_out.logits) if labels == "target" else None
+        del target_out
         features = features_hook.take()
         with autocast(device):
-            logits, labels = dflash.dflash_step_logits(drafter, target, tokens, features, anchors)
-        loss, info = dflash.dflash_loss(logits, labels, weights)
+            logits, block_labels = dflash.dflash_step_logits(drafter, target, tokens, features, anchors, label_tokens)
+        loss, info = dflash.dflash_loss(logits, block_labels, weights)
         loss.backward()
         acc = info["accuracy"].tolist()
-        return {"loss": float(loss.detach()), "acc1": acc[0], "acc8": acc[min(7, len(acc) - 1)],
-                "tf_tau": info["chain_tau"]}
+        metrics = {"loss": float(loss.detach()), "acc1": acc[0], "acc8": acc[min(7, len(acc) - 1)],
+                   "tf_tau": info["chain_tau"]}
+        # loop.step is the count before this step; skip the calibration window (it times the steps)
+        if heldout is not None and eval_every and loop.step > settings.calibration_steps \
+                and (loop.step + 1) % eval_every == 0:
+            metrics["heldout_tau"] = heldout_chain_tau(drafter, target, heldout)["tau"]
+            features_hook.captured.clear()  # the evaluation's forward also ran the training hooks
+        return metrics
 
     try:
         loop.run(step)
     finally:
         features_hook.remove()
     drafter.eval()
+    loop.heldout = None
+    if heldout is not None:
+        loop.heldout = heldout_chain_tau(drafter, target, heldout)
+        log(f"[drafter] held-out chain tau (engine-equivalent, teacher-forced on the target's greedy output of "
+            f"{len(heldout[0])} held-out prompts): {loop.heldout['tau']:.3f} over {loop.heldout['steps']} steps")
     return loop
