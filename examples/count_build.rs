@@ -37,7 +37,24 @@ fn main() {
     let iters = *args.get(2).unwrap_or(&1000);
     let width = args.get(3).copied().unwrap_or(budget.min(1024));
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let (lp, ids) = drafter_output(batch, width, &mut rng);
+    let (mut lp, mut ids) = drafter_output(batch, width, &mut rng);
+    // DDTREE_DATA=prefix: raw f32 log-probs and i64 ids from prefix.lp / prefix.ids
+    // ([batch, 15, width] row-major, e.g. dumped from Python) instead of the generator.
+    if let Some(prefix) = std::env::var_os("DDTREE_DATA") {
+        let prefix = prefix.into_string().unwrap();
+        let raw = std::fs::read(format!("{prefix}.lp")).unwrap();
+        lp = raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let raw = std::fs::read(format!("{prefix}.ids")).unwrap();
+        ids = raw
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        lp.truncate(batch * DEPTH * width);
+        ids.truncate(batch * DEPTH * width);
+    }
     let mut checksum = 0i64;
     if batch == 1 {
         let dist = DraftDistribution::new(&lp, &ids, DEPTH, width).unwrap();

@@ -34,6 +34,23 @@ fn main() {
         let base = (rng.next_f64() * VOCAB as f64) as i64;
         ids.extend((0..width as i64).map(|k| (base + 7919 * k) % VOCAB));
     }
+    // DDTREE_DATA=prefix: raw f32 log-probs and i64 ids from prefix.lp / prefix.ids
+    // ([batch, 15, width] row-major, e.g. dumped from Python) instead of the generator.
+    if let Some(prefix) = std::env::var_os("DDTREE_DATA") {
+        let prefix = prefix.into_string().unwrap();
+        let raw = std::fs::read(format!("{prefix}.lp")).unwrap();
+        lp = raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let raw = std::fs::read(format!("{prefix}.ids")).unwrap();
+        ids = raw
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        lp.truncate(batch * DEPTH * width);
+        ids.truncate(batch * DEPTH * width);
+    }
     let inner = (20_000 / batch).max(1);
     let mut best = f64::INFINITY;
     let mut sink = 0i64;

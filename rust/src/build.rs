@@ -259,7 +259,7 @@ impl Frontier {
 
     /// Removes the top and adds the popped prefix's successors, with one
     /// sift down and one push instead of a pop and two pushes.
-    #[inline]
+    #[inline(always)]
     fn replace_top(
         &mut self,
         sibling: Option<Candidate>,
@@ -295,6 +295,7 @@ impl Frontier {
     }
 
     /// Adds `c` where the sentinel was and climbs it up.
+    #[inline(always)]
     fn push(&mut self, c: Candidate, nodes: &[Node]) {
         let mut hole = self.heap.len() - 1;
         self.heap.push(EMPTY);
@@ -342,6 +343,7 @@ fn rank_tuple(c: &Candidate, nodes: &[Node]) -> Vec<u32> {
 
 /// Restores the heap order after the top was replaced; `heap` ends with the
 /// sentinel, which loses every match.
+#[inline(always)]
 fn sift_down(heap: &mut [Candidate], nodes: &[Node]) {
     let len = heap.len() - 1;
     let moving = heap[0];
