@@ -21,7 +21,7 @@ const LOG_PROB_TOLERANCE: f32 = 1e-3;
 
 /// A prefix on the frontier: the node it extends and its last rank, keyed by
 /// its score mapped to an order-preserving integer (see [`score_key`]), so
-/// that heap comparisons are integer compares the compiler can make branchless.
+/// that queue comparisons are integer compares.
 #[derive(Clone, Copy, Debug)]
 struct Candidate {
     key: u64,
@@ -40,25 +40,33 @@ fn score_key(score: f64) -> u64 {
     }
 }
 
+/// The score a key was made from (`-0.0` comes back as `0.0`, which a score
+/// never is: sums that start from the root's `0.0` cannot give `-0.0`).
+#[inline]
+fn key_score(key: u64) -> f64 {
+    f64::from_bits(if key >> 63 == 1 { key ^ 1 << 63 } else { !key })
+}
+
 /// Reusable scratch for building trees; one per thread. Building allocates
 /// nothing once the scratch has grown to the largest budget seen.
 #[derive(Default)]
 pub struct TreeBuilder {
-    frontier: Vec<Candidate>,
-    nodes: Nodes,
-    node_depth: Vec<u32>,
-    node_score: Vec<f64>,
+    frontier: Frontier,
+    /// The emitted nodes, root first.
+    nodes: Vec<Node>,
     /// Per draft position: how many leading candidates the tree reached.
     row_reached: Vec<usize>,
     seen_tokens: TokenSet,
 }
 
-/// Per node (root = 0): its parent and its rank in its row; all that
-/// tie-breaking needs to rebuild a candidate's rank tuple.
-#[derive(Default)]
-struct Nodes {
-    parent: Vec<u32>,
-    rank: Vec<u32>,
+/// An emitted node: what its children's scores, the output and
+/// tie-breaking (which rebuilds rank tuples from parents and ranks) need.
+#[derive(Clone, Copy, Debug, Default)]
+struct Node {
+    score: f64,
+    parent: u32,
+    rank: u32,
+    depth: u32,
 }
 
 impl TreeBuilder {
@@ -88,122 +96,18 @@ impl TreeBuilder {
         check_values(dist)?;
         let n = dist.node_count(budget);
         check_slots(&out, n)?;
-        self.search(dist, n);
+        if self.nodes.len() <= n {
+            self.nodes.resize(n + 1, Node::default());
+        }
+        search(
+            &mut self.frontier,
+            &mut self.nodes[..=n],
+            &mut self.row_reached,
+            dist,
+        );
         self.check_reached_tokens_distinct(dist)?;
-        self.write(dist, out);
+        write(&self.nodes[..=n], dist, out);
         Ok(())
-    }
-
-    /// Pops the `n` best prefixes into the node arrays.
-    fn search<T: TokenId>(&mut self, dist: &DraftDistribution<'_, T>, n: usize) {
-        self.reset(n, dist.depth);
-        if n == 0 {
-            return;
-        }
-        self.frontier.push(Candidate {
-            key: score_key(dist.log_prob(0, 0) as f64),
-            parent: 0,
-            rank: 0,
-        });
-        for node in 1..=n {
-            let c = self.frontier[0];
-            let parent = c.parent as usize;
-            let depth = self.node_depth[parent] as usize + 1;
-            let score = self.node_score[parent] + dist.log_prob(depth - 1, c.rank as usize) as f64;
-            self.nodes.parent.push(c.parent);
-            self.nodes.rank.push(c.rank);
-            self.node_depth.push(depth as u32);
-            self.node_score.push(score);
-            self.row_reached[depth - 1] = self.row_reached[depth - 1].max(c.rank as usize + 1);
-            self.replace_top_with_successors(dist, node as u32, c, depth, score);
-        }
-    }
-
-    /// Removes the popped top and adds its next sibling and first child, with
-    /// one sift down and one push instead of a pop and two pushes.
-    fn replace_top_with_successors<T: TokenId>(
-        &mut self,
-        dist: &DraftDistribution<'_, T>,
-        node: u32,
-        c: Candidate,
-        depth: usize,
-        score: f64,
-    ) {
-        let next_rank = c.rank as usize + 1;
-        let sibling = (next_rank < dist.width).then(|| Candidate {
-            key: score_key(
-                self.node_score[c.parent as usize] + dist.log_prob(depth - 1, next_rank) as f64,
-            ),
-            parent: c.parent,
-            rank: next_rank as u32,
-        });
-        let child = (depth < dist.depth).then(|| Candidate {
-            key: score_key(score + dist.log_prob(depth, 0) as f64),
-            parent: node,
-            rank: 0,
-        });
-        let frontier = &mut self.frontier;
-        match (child, sibling) {
-            (Some(child), Some(sibling)) => {
-                // The better of the two is often the next pop: it takes the
-                // top and barely sinks; the other joins at the bottom and
-                // barely climbs. The other way round both would travel far.
-                let (first, second) = if pops_before(&sibling, &child, &self.nodes) {
-                    (sibling, child)
-                } else {
-                    (child, sibling)
-                };
-                frontier[0] = first;
-                sift_down(frontier, &self.nodes);
-                push(frontier, second, &self.nodes);
-            }
-            (Some(only), None) | (None, Some(only)) => {
-                frontier[0] = only;
-                sift_down(frontier, &self.nodes);
-            }
-            (None, None) => {
-                let last = frontier
-                    .pop()
-                    .expect("the popped top is still in the frontier");
-                if !frontier.is_empty() {
-                    frontier[0] = last;
-                    sift_down(frontier, &self.nodes);
-                }
-            }
-        }
-    }
-
-    fn reset(&mut self, n: usize, depth: usize) {
-        self.frontier.clear();
-        self.frontier.reserve(n + 2);
-        for v in [
-            &mut self.nodes.parent,
-            &mut self.nodes.rank,
-            &mut self.node_depth,
-        ] {
-            v.clear();
-            v.reserve(n + 1);
-            v.push(0);
-        }
-        self.node_score.clear();
-        self.node_score.reserve(n + 1);
-        self.node_score.push(0.0);
-        self.row_reached.clear();
-        self.row_reached.resize(depth, 0);
-    }
-
-    /// Copies the node arrays into the caller's slots.
-    fn write<T: TokenId>(&self, dist: &DraftDistribution<'_, T>, out: TreeSlots<'_>) {
-        out.parents[0] = -1;
-        out.depths[0] = 0;
-        out.scores[0] = 0.0;
-        for node in 1..self.nodes.parent.len() {
-            let depth = self.node_depth[node];
-            out.tokens[node - 1] = dist.token(depth as usize - 1, self.nodes.rank[node] as usize);
-            out.parents[node] = self.nodes.parent[node] as i32;
-            out.depths[node] = depth as i32;
-            out.scores[node] = self.node_score[node] as f32;
-        }
     }
 
     /// Sibling nodes must carry distinct, non-negative tokens, or acceptance
@@ -216,14 +120,22 @@ impl TreeBuilder {
         dist: &DraftDistribution<'_, T>,
     ) -> Result<()> {
         for (row, &reached) in self.row_reached.iter().enumerate() {
+            let tokens = &dist.token_ids[row * dist.width..][..reached];
+            if reached == 0 {
+                continue;
+            }
+            if let [only] = tokens {
+                // Nothing to be distinct from.
+                if only.to_i64() < 0 {
+                    return Err(negative_token(row, 0, only.to_i64()));
+                }
+                continue;
+            }
             self.seen_tokens.start_row(reached);
-            for rank in 0..reached {
-                let token = dist.token(row, rank);
+            for (rank, token) in tokens.iter().enumerate() {
+                let token = token.to_i64();
                 if token < 0 {
-                    return Err(DdtreeError::value(
-                        "token_ids",
-                        format!("token_ids[{row}, {rank}] = {token} is negative"),
-                    ));
+                    return Err(negative_token(row, rank, token));
                 }
                 if let Some(first) = self.seen_tokens.insert(token, rank as u32) {
                     return Err(DdtreeError::value(
@@ -240,10 +152,170 @@ impl TreeBuilder {
     }
 }
 
+#[cold]
+fn negative_token(row: usize, rank: usize, token: i64) -> DdtreeError {
+    DdtreeError::value(
+        "token_ids",
+        format!("token_ids[{row}, {rank}] = {token} is negative"),
+    )
+}
+
+/// Pops the best prefixes into `nodes[1..]` (one per slot after the root's):
+/// each pop emits a node and queues its next sibling (last rank + 1) and its
+/// first child (append rank 0).
+fn search<T: TokenId>(
+    frontier: &mut Frontier,
+    nodes: &mut [Node],
+    row_reached: &mut Vec<usize>,
+    dist: &DraftDistribution<'_, T>,
+) {
+    let (width, depth, log_probs) = (dist.width, dist.depth, dist.log_probs);
+    nodes[0] = Node::default();
+    row_reached.clear();
+    row_reached.resize(depth, 0);
+    if nodes.len() == 1 {
+        return;
+    }
+    let first = Candidate {
+        key: score_key(log_probs[0] as f64),
+        parent: 0,
+        rank: 0,
+    };
+    frontier.start(first);
+    for node in 1..nodes.len() {
+        let c = frontier.top();
+        let parent = nodes[c.parent as usize];
+        let d = parent.depth as usize + 1;
+        let score = key_score(c.key);
+        nodes[node] = Node {
+            score,
+            parent: c.parent,
+            rank: c.rank,
+            depth: d as u32,
+        };
+        let reached = &mut row_reached[d - 1];
+        *reached = (*reached).max(c.rank as usize + 1);
+        let row = &log_probs[(d - 1) * width..];
+        let next = c.rank as usize + 1;
+        let sibling = (next < width).then(|| Candidate {
+            key: score_key(parent.score + row[next] as f64),
+            parent: c.parent,
+            rank: next as u32,
+        });
+        let child = (d < depth).then(|| Candidate {
+            key: score_key(score + row[width] as f64),
+            parent: node as u32,
+            rank: 0,
+        });
+        frontier.replace_top(sibling, child, nodes);
+    }
+}
+
+/// Copies the nodes into the caller's slots.
+fn write<T: TokenId>(nodes: &[Node], dist: &DraftDistribution<'_, T>, out: TreeSlots<'_>) {
+    out.parents[0] = -1;
+    out.depths[0] = 0;
+    out.scores[0] = 0.0;
+    let slots = out.parents[1..]
+        .iter_mut()
+        .zip(&mut out.depths[1..])
+        .zip(&mut out.scores[1..])
+        .zip(out.tokens.iter_mut());
+    for (node, (((parent, depth), score), token)) in nodes[1..].iter().zip(slots) {
+        *parent = node.parent as i32;
+        *depth = node.depth as i32;
+        *score = node.score as f32;
+        *token = dist.token(node.depth as usize - 1, node.rank as usize);
+    }
+}
+
+/// The search's priority queue: a binary max-heap of candidates, higher
+/// score first, equal scores by the smaller rank tuple (which the nodes
+/// emitted so far give). An [`EMPTY`] sentinel follows the last candidate,
+/// so that every node of the heap has a right child to compare with.
+#[derive(Default)]
+struct Frontier {
+    heap: Vec<Candidate>,
+}
+
+/// No candidate: key 0 is below every score's key (that of `-inf` included).
+const EMPTY: Candidate = Candidate {
+    key: 0,
+    parent: 0,
+    rank: 0,
+};
+
+impl Frontier {
+    fn start(&mut self, first: Candidate) {
+        self.heap.clear();
+        self.heap.extend([first, EMPTY]);
+    }
+
+    /// The next candidate; the search never pops more than it pushed.
+    #[inline]
+    fn top(&self) -> Candidate {
+        self.heap[0]
+    }
+
+    /// Removes the top and adds the popped prefix's successors, with one
+    /// sift down and one push instead of a pop and two pushes.
+    #[inline(always)]
+    fn replace_top(
+        &mut self,
+        sibling: Option<Candidate>,
+        child: Option<Candidate>,
+        nodes: &[Node],
+    ) {
+        match (child, sibling) {
+            (Some(child), Some(sibling)) => {
+                // The better of the two is often the next pop: it takes the
+                // top and barely sinks; the other joins at the bottom and
+                // barely climbs. The other way round both would travel far.
+                let (first, second) = if pops_before(&sibling, &child, nodes) {
+                    (sibling, child)
+                } else {
+                    (child, sibling)
+                };
+                self.heap[0] = first;
+                sift_down(&mut self.heap, nodes);
+                self.push(second, nodes);
+            }
+            (Some(only), None) | (None, Some(only)) => {
+                self.heap[0] = only;
+                sift_down(&mut self.heap, nodes);
+            }
+            (None, None) => {
+                let len = self.heap.len() - 1;
+                self.heap.swap(0, len - 1);
+                self.heap[len - 1] = EMPTY;
+                self.heap.truncate(len);
+                sift_down(&mut self.heap, nodes);
+            }
+        }
+    }
+
+    /// Adds `c` where the sentinel was and climbs it up.
+    #[inline(always)]
+    fn push(&mut self, c: Candidate, nodes: &[Node]) {
+        let mut hole = self.heap.len() - 1;
+        self.heap.push(EMPTY);
+        let heap = &mut self.heap[..];
+        while hole > 0 {
+            let parent = (hole - 1) / 2;
+            if !pops_before(&c, &heap[parent], nodes) {
+                break;
+            }
+            heap[hole] = heap[parent];
+            hole = parent;
+        }
+        heap[hole] = c;
+    }
+}
+
 /// True when `a` must pop before `b`: higher score, or on a tie the smaller
 /// rank tuple.
 #[inline]
-fn pops_before(a: &Candidate, b: &Candidate, nodes: &Nodes) -> bool {
+fn pops_before(a: &Candidate, b: &Candidate, nodes: &[Node]) -> bool {
     if a.key != b.key {
         return a.key > b.key;
     }
@@ -253,40 +325,27 @@ fn pops_before(a: &Candidate, b: &Candidate, nodes: &Nodes) -> bool {
 /// Lexicographic order of two candidates' rank tuples (a proper prefix sorts
 /// first). Only reached on exact score ties, so it may allocate.
 #[cold]
-fn rank_tuple_cmp(a: &Candidate, b: &Candidate, nodes: &Nodes) -> Ordering {
+fn rank_tuple_cmp(a: &Candidate, b: &Candidate, nodes: &[Node]) -> Ordering {
     rank_tuple(a, nodes).cmp(&rank_tuple(b, nodes))
 }
 
 /// The rank tuple of candidate `c`, root first.
-fn rank_tuple(c: &Candidate, nodes: &Nodes) -> Vec<u32> {
+fn rank_tuple(c: &Candidate, nodes: &[Node]) -> Vec<u32> {
     let mut out = vec![c.rank];
     let mut node = c.parent as usize;
     while node != 0 {
-        out.push(nodes.rank[node]);
-        node = nodes.parent[node] as usize;
+        out.push(nodes[node].rank);
+        node = nodes[node].parent as usize;
     }
     out.reverse();
     out
 }
 
-/// Adds `c` to the max-heap `heap`.
-fn push(heap: &mut Vec<Candidate>, c: Candidate, nodes: &Nodes) {
-    let mut hole = heap.len();
-    heap.push(c);
-    while hole > 0 {
-        let parent = (hole - 1) / 2;
-        if !pops_before(&c, &heap[parent], nodes) {
-            break;
-        }
-        heap[hole] = heap[parent];
-        hole = parent;
-    }
-    heap[hole] = c;
-}
-
-/// Restores the heap order after the top was replaced.
-fn sift_down(heap: &mut [Candidate], nodes: &Nodes) {
-    let len = heap.len();
+/// Restores the heap order after the top was replaced; `heap` ends with the
+/// sentinel, which loses every match.
+#[inline(always)]
+fn sift_down(heap: &mut [Candidate], nodes: &[Node]) {
+    let len = heap.len() - 1;
     let moving = heap[0];
     let mut hole = 0;
     loop {
@@ -294,12 +353,9 @@ fn sift_down(heap: &mut [Candidate], nodes: &Nodes) {
         if left >= len {
             break;
         }
-        let right = left + 1;
-        let best = if right < len && pops_before(&heap[right], &heap[left], nodes) {
-            right
-        } else {
-            left
-        };
+        // The better child by arithmetic, not a branch: its outcome is a
+        // coin flip that a branch predictor would mostly miss.
+        let best = left + pops_before(&heap[left + 1], &heap[left], nodes) as usize;
         if !pops_before(&heap[best], &moving, nodes) {
             break;
         }
@@ -331,21 +387,43 @@ fn check_slots(out: &TreeSlots<'_>, n: usize) -> Result<()> {
 // `!(b <= a)` rather than `b > a`: the negation is what makes NaN fail.
 #[allow(clippy::neg_cmp_op_on_partial_ord)]
 pub fn check_values<T: TokenId>(dist: &DraftDistribution<'_, T>) -> Result<()> {
-    let mut bad = 0u32;
+    let mut bad = false;
     for row in dist.log_probs.chunks_exact(dist.width.max(1)) {
-        let (head, tail) = (&row[..row.len() - 1], &row[1..]);
-        // `!(b <= a)` is also true when either is NaN. Integer ORs keep the
-        // loop free of branches, so it vectorizes.
-        bad |= head
-            .iter()
-            .zip(tail)
-            .fold(0u32, |acc, (a, b)| acc | !(b <= a) as u32);
-        bad |= !(row[0] <= LOG_PROB_TOLERANCE) as u32;
+        bad |= !row_non_increasing(row);
+        bad |= !(row[0] <= LOG_PROB_TOLERANCE);
     }
-    if bad != 0 {
+    if bad {
         return Err(describe_bad_value(dist));
     }
     Ok(())
+}
+
+/// Whether every `row[i + 1] <= row[i]` (false on NaN). Compares blocks of
+/// [`BLOCK`] pairs into lane flags with no branch but the loop's, the last
+/// block overlapping its predecessor rather than leaving a scalar tail, so
+/// that the compiler vectorizes it.
+#[inline]
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
+fn row_non_increasing(row: &[f32]) -> bool {
+    const BLOCK: usize = 16;
+    let pairs = row.len().saturating_sub(1);
+    if pairs < BLOCK {
+        return row.windows(2).fold(true, |ok, w| ok & (w[1] <= w[0]));
+    }
+    let mut unsorted = [false; BLOCK];
+    let last = pairs - BLOCK;
+    let mut start = 0;
+    loop {
+        let x: &[f32; BLOCK + 1] = row[start..].first_chunk().expect("start <= pairs - BLOCK");
+        for lane in 0..BLOCK {
+            unsorted[lane] |= !(x[lane + 1] <= x[lane]);
+        }
+        if start == last {
+            break;
+        }
+        start = (start + BLOCK).min(last);
+    }
+    !unsorted.iter().any(|&u| u)
 }
 
 /// The first offending entry, in row-major order, as an error.

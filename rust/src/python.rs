@@ -173,11 +173,12 @@ enum TokenIds<'a, 'py> {
     I64(&'a Bound<'py, PyArrayDyn<i64>>),
 }
 
-/// Borrowed `log_probs` and `token_ids` arrays and their common shape.
+/// Borrowed `log_probs` and `token_ids` arrays and their common shape
+/// (2 or 3 dimensions, checked; unused ones 0), kept off the heap.
 type DistributionArrays<'a, 'py> = (
     &'a Bound<'py, PyArrayDyn<f32>>,
     TokenIds<'a, 'py>,
-    Vec<usize>,
+    [usize; 3],
 );
 
 /// Reads `log_probs` and `token_ids`, both of the `expected` shape.
@@ -196,7 +197,8 @@ fn read_distribution<'a, 'py>(
         )
         .into());
     }
-    let shape = lp.shape().to_vec();
+    let mut shape = [0; 3];
+    shape[..lp.ndim()].copy_from_slice(lp.shape());
     let values = typed::<f32>(lp, "log_probs", "float32")?;
     let ids = match ids.cast::<PyArrayDyn<i64>>() {
         Ok(a) => TokenIds::I64(a),
