@@ -8,37 +8,12 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use ddtree::{accept_trees, build_trees, compile_trees, BatchDistribution, Executor};
 
-const DEPTH: usize = 15;
 const BUDGETS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1024];
 const BATCHES: [usize; 3] = [1, 8, 64];
-const VOCAB: i64 = 151_936;
 
-/// Deterministic xorshift so that benches need no RNG crate.
-struct Rng(u64);
-
-impl Rng {
-    fn next_f64(&mut self) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Peaked top-K rows like a trained drafter's: sorted log-probs, distinct ids.
-fn drafter_output(requests: usize, width: usize, rng: &mut Rng) -> (Vec<f32>, Vec<i64>) {
-    let mut log_probs = Vec::with_capacity(requests * DEPTH * width);
-    let mut ids = Vec::with_capacity(requests * DEPTH * width);
-    for _ in 0..requests * DEPTH {
-        let mut weights: Vec<f64> = (0..width).map(|_| rng.next_f64().powi(6)).collect();
-        weights.sort_by(|a, b| b.partial_cmp(a).unwrap());
-        let total: f64 = weights.iter().sum::<f64>() / 0.9; // 10% mass outside the top-K
-        log_probs.extend(weights.iter().map(|w| ((w / total).max(1e-30)).ln() as f32));
-        let base = (rng.next_f64() * VOCAB as f64) as i64;
-        ids.extend((0..width as i64).map(|k| (base + 7919 * k) % VOCAB));
-    }
-    (log_probs, ids)
-}
+#[path = "synthetic.rs"]
+mod synthetic;
+use synthetic::{drafter_output, Rng, DEPTH, VOCAB};
 
 fn bench_step(c: &mut Criterion) {
     let serial = Executor::new(1).unwrap();

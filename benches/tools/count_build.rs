@@ -3,30 +3,10 @@
 //! the difference between two `iters` values divided by their difference is the cost per call.
 use ddtree::{build_trees, BatchDistribution, DraftDistribution, Executor, TreeBuilder};
 
-const DEPTH: usize = 15;
-const VOCAB: i64 = 151_936;
-struct Rng(u64);
-impl Rng {
-    fn next_f64(&mut self) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-fn drafter_output(requests: usize, width: usize, rng: &mut Rng) -> (Vec<f32>, Vec<i64>) {
-    let mut log_probs = Vec::new();
-    let mut ids = Vec::new();
-    for _ in 0..requests * DEPTH {
-        let mut weights: Vec<f64> = (0..width).map(|_| rng.next_f64().powi(6)).collect();
-        weights.sort_by(|a, b| b.partial_cmp(a).unwrap());
-        let total: f64 = weights.iter().sum::<f64>() / 0.9;
-        log_probs.extend(weights.iter().map(|w| ((w / total).max(1e-30)).ln() as f32));
-        let base = (rng.next_f64() * VOCAB as f64) as i64;
-        ids.extend((0..width as i64).map(|k| (base + 7919 * k) % VOCAB));
-    }
-    (log_probs, ids)
-}
+#[path = "../synthetic.rs"]
+mod synthetic;
+use synthetic::{tool_input, DEPTH};
+
 fn main() {
     let args: Vec<usize> = std::env::args()
         .skip(1)
@@ -36,25 +16,7 @@ fn main() {
     let batch = *args.get(1).unwrap_or(&1);
     let iters = *args.get(2).unwrap_or(&1000);
     let width = args.get(3).copied().unwrap_or(budget.min(1024));
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let (mut lp, mut ids) = drafter_output(batch, width, &mut rng);
-    // DDTREE_DATA=prefix: raw f32 log-probs and i64 ids from prefix.lp / prefix.ids
-    // ([batch, 15, width] row-major, e.g. dumped from Python) instead of the generator.
-    if let Some(prefix) = std::env::var_os("DDTREE_DATA") {
-        let prefix = prefix.into_string().unwrap();
-        let raw = std::fs::read(format!("{prefix}.lp")).unwrap();
-        lp = raw
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        let raw = std::fs::read(format!("{prefix}.ids")).unwrap();
-        ids = raw
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        lp.truncate(batch * DEPTH * width);
-        ids.truncate(batch * DEPTH * width);
-    }
+    let (lp, ids) = tool_input(batch, width);
     let mut checksum = 0i64;
     if batch == 1 {
         let dist = DraftDistribution::new(&lp, &ids, DEPTH, width).unwrap();

@@ -3,18 +3,9 @@
 use ddtree::{build_trees, BatchDistribution, DraftDistribution, Executor, TreeBuilder};
 use std::hash::{Hash, Hasher};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+#[path = "../synthetic.rs"]
+mod synthetic;
+use synthetic::Rng;
 
 fn main() {
     let cases: u64 = std::env::args()
