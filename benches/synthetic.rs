@@ -61,3 +61,30 @@ pub fn tool_input(batch: usize, width: usize) -> (Vec<f32>, Vec<i64>) {
     ids.truncate(batch * DEPTH * width);
     (lp, ids)
 }
+
+/// A `[batch, DEPTH, width]` batch view over flat buffers.
+pub fn batch_view<'a>(
+    log_probs: &'a [f32],
+    token_ids: &'a [i64],
+    batch: usize,
+    width: usize,
+) -> ddtree::BatchDistribution<'a, i64> {
+    ddtree::BatchDistribution {
+        log_probs,
+        token_ids,
+        requests: batch,
+        depth: DEPTH,
+        width,
+    }
+}
+
+/// The tools' positional arguments `[budget] [batch] [third] [fourth]` as integers (defaults 64 and 1).
+pub fn tool_args() -> (usize, usize, Vec<usize>) {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("arguments are integers"))
+        .collect();
+    let budget = *args.first().unwrap_or(&64);
+    let batch = *args.get(1).unwrap_or(&1);
+    (budget, batch, args.into_iter().skip(2).collect())
+}

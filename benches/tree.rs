@@ -6,14 +6,14 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ddtree::{accept_trees, build_trees, compile_trees, BatchDistribution, Executor};
+use ddtree::{accept_trees, build_trees, compile_trees, Executor};
 
 const BUDGETS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1024];
 const BATCHES: [usize; 3] = [1, 8, 64];
 
 #[path = "synthetic.rs"]
 mod synthetic;
-use synthetic::{drafter_output, Rng, DEPTH, VOCAB};
+use synthetic::{batch_view, drafter_output, Rng, VOCAB};
 
 fn bench_step(c: &mut Criterion) {
     let serial = Executor::new(1).unwrap();
@@ -28,13 +28,7 @@ fn bench_step(c: &mut Criterion) {
             for &budget in &BUDGETS {
                 let width = budget.min(VOCAB as usize);
                 let (lp, ids) = drafter_output(batch, width, &mut rng);
-                let dist = BatchDistribution {
-                    log_probs: &lp,
-                    token_ids: &ids,
-                    requests: batch,
-                    depth: DEPTH,
-                    width,
-                };
+                let dist = batch_view(&lp, &ids, batch, width);
                 let budgets = vec![budget; batch];
                 let starts = vec![1000i64; batch];
                 let trees = build_trees(&dist, &budgets, &serial).unwrap();

@@ -1,21 +1,16 @@
 //! Instruction-count harness for one build (or one batch of `batch` builds):
 //! `valgrind --tool=callgrind target/release/examples/count_build [budget] [batch] [iters] [width]`;
 //! the difference between two `iters` values divided by their difference is the cost per call.
-use ddtree::{build_trees, BatchDistribution, DraftDistribution, Executor, TreeBuilder};
+use ddtree::{build_trees, DraftDistribution, Executor, TreeBuilder};
 
 #[path = "../synthetic.rs"]
 mod synthetic;
-use synthetic::{tool_input, DEPTH};
+use synthetic::{batch_view, tool_args, tool_input, DEPTH};
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().unwrap())
-        .collect();
-    let budget = *args.first().unwrap_or(&64);
-    let batch = *args.get(1).unwrap_or(&1);
-    let iters = *args.get(2).unwrap_or(&1000);
-    let width = args.get(3).copied().unwrap_or(budget.min(1024));
+    let (budget, batch, rest) = tool_args();
+    let iters = *rest.first().unwrap_or(&1000);
+    let width = rest.get(1).copied().unwrap_or(budget.min(1024));
     let (lp, ids) = tool_input(batch, width);
     let mut checksum = 0i64;
     if batch == 1 {
@@ -26,13 +21,7 @@ fn main() {
             checksum += t.tokens.last().copied().unwrap_or(0);
         }
     } else {
-        let dist = BatchDistribution {
-            log_probs: &lp,
-            token_ids: &ids,
-            requests: batch,
-            depth: DEPTH,
-            width,
-        };
+        let dist = batch_view(&lp, &ids, batch, width);
         let budgets = vec![budget; batch];
         let ex = Executor::new(1).unwrap();
         for _ in 0..iters {

@@ -1,21 +1,16 @@
 //! Wall-clock harness: best per-call time of `build` (batch 1) or `build_trees`.
 //! `time_build [budget] [batch] [width]`; prints ns per call (min of 200 samples).
-use ddtree::{build_trees, BatchDistribution, DraftDistribution, Executor, TreeBuilder};
+use ddtree::{build_trees, DraftDistribution, Executor, TreeBuilder};
 use std::time::Instant;
 
 #[path = "../synthetic.rs"]
 mod synthetic;
-use synthetic::{tool_input, DEPTH};
+use synthetic::{batch_view, tool_args, tool_input, DEPTH};
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().unwrap())
-        .collect();
-    let budget = *args.first().unwrap_or(&64);
-    let batch = *args.get(1).unwrap_or(&1);
-    let width = args.get(2).copied().unwrap_or(budget.min(1024));
-    let threads = args.get(3).copied().unwrap_or(1);
+    let (budget, batch, rest) = tool_args();
+    let width = rest.first().copied().unwrap_or(budget.min(1024));
+    let threads = rest.get(1).copied().unwrap_or(1);
     let (lp, ids) = tool_input(batch, width);
     let inner = (20_000 / batch).max(1);
     let mut best = f64::INFINITY;
@@ -32,13 +27,7 @@ fn main() {
             best = best.min(t0.elapsed().as_secs_f64() / inner as f64);
         }
     } else {
-        let dist = BatchDistribution {
-            log_probs: &lp,
-            token_ids: &ids,
-            requests: batch,
-            depth: DEPTH,
-            width,
-        };
+        let dist = batch_view(&lp, &ids, batch, width);
         let budgets = vec![budget; batch];
         let ex = Executor::new(threads).unwrap();
         for _ in 0..200 {
