@@ -54,15 +54,7 @@ def child(args):
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     rnd = random.Random(0)
 
-    def counters():
-        out = {"drafts": 0.0, "accepted": 0.0}
-        for m in llm.get_metrics():
-            name = m.name.replace("_total", "")
-            if name == "vllm:spec_decode_num_drafts":
-                out["drafts"] = float(m.value)
-            elif name == "vllm:spec_decode_num_accepted_tokens":
-                out["accepted"] = float(m.value)
-        return out
+    from ddtree.vllm.tiny_models import spec_metrics
 
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
@@ -74,11 +66,11 @@ def child(args):
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False),
                      use_tqdm=False)  # warm-up
-        before = counters()
+        before = spec_metrics(llm)
         t = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.time() - t
-        after = counters()
+        after = spec_metrics(llm)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         drafts = after["drafts"] - before["drafts"]
         mal = 1.0 + (after["accepted"] - before["accepted"]) / drafts if drafts else None

@@ -89,24 +89,6 @@ ENGINES = {
 
 # ---------------------------------------------------------------------------------------------
 # Child: one engine, all scenarios, JSON on stdout (last line).
-def spec_metrics(llm):
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
-    try:
-        for m in llm.get_metrics():
-            name = m.name.replace("_total", "")
-            if name == "vllm:spec_decode_num_drafts":
-                out["drafts"] = float(m.value)
-            elif name == "vllm:spec_decode_num_draft_tokens":
-                out["draft_tokens"] = float(m.value)
-            elif name == "vllm:spec_decode_num_accepted_tokens":
-                out["accepted"] = float(m.value)
-            elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                out["per_pos"] = [float(v) for v in getattr(m, "values", [])]
-    except Exception as err:  # metrics are informative, never fatal
-        out["error"] = repr(err)
-    return out
-
-
 def diff_metrics(after, before):
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
     d["mean_acceptance_length"] = 1.0 + d["accepted"] / d["drafts"] if d["drafts"] else None
@@ -122,6 +104,8 @@ def run_child(name, target, drafter, only_scenarios=()):
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from ddtree.vllm.tiny_models import spec_metrics
 
     conf = ENGINES[name]
     spec = dict(conf["spec"], model=drafter) if conf["spec"] else None

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints for GPU tests and benchmarks: Qwen3 and Qwen3-Next targets, a DFlash drafter.
+"""GPU test and benchmark helpers: tiny random checkpoints (Qwen3 and Qwen3-Next targets, a DFlash drafter),
+the engine arguments a target needs, vLLM's spec-decode counters.
 
 Written in the formats vLLM 0.25.1 reads (see the project's GPU notes): the
 target is a ``Qwen3ForCausalLM`` with real (random, seeded) safetensors
@@ -125,3 +126,21 @@ def engine_kwargs_for(target: str) -> Dict:
         kw["language_model_only"] = True
     return kw
 
+
+def spec_metrics(llm) -> Dict:
+    """vLLM's cumulative spec-decode counters (drafts, draft tokens, accepted, accepted per position)."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
+    try:
+        for m in llm.get_metrics():
+            name = m.name.replace("_total", "")
+            if name == "vllm:spec_decode_num_drafts":
+                out["drafts"] = float(m.value)
+            elif name == "vllm:spec_decode_num_draft_tokens":
+                out["draft_tokens"] = float(m.value)
+            elif name == "vllm:spec_decode_num_accepted_tokens":
+                out["accepted"] = float(m.value)
+            elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                out["per_pos"] = [float(v) for v in getattr(m, "values", [])]
+    except Exception as err:  # metrics are informative, never fatal
+        out["error"] = repr(err)
+    return out
