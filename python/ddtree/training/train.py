@@ -148,16 +148,24 @@ class StepLoop:
 # --------------------------------------------------------------------------- target
 
 
+def _start_loop(name: str, model, settings: PhaseSettings, device: torch.device, seed: int, work_dir: str, log,
+                deadline: float, resume: bool) -> StepLoop:
+    """Puts ``model`` in training mode with a fresh optimizer and seeded generator (or the saved state)."""
+    model.to(device).train()
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = make_optimizer(list(model.parameters()), settings, device)
+    loop = StepLoop(name, settings, model, optimizer, generator, os.path.join(work_dir, f"{name}_state.pt"), log,
+                    deadline)
+    if resume:
+        loop.resume()
+    return loop
+
+
 def train_target(model, dataset: Dataset, settings: PhaseSettings, device: torch.device, seed: int, work_dir: str,
                  log, deadline: float, resume: bool = False) -> StepLoop:
     """Next-token training of the target on random windows of the train stream."""
-    model.to(device).train()
-    generator = torch.Generator().manual_seed(seed + 1)
-    optimizer = make_optimizer(list(model.parameters()), settings, device)
-    loop = StepLoop("target", settings, model, optimizer, generator, os.path.join(work_dir, "target_state.pt"),
-                    log, deadline)
-    if resume:
-        loop.resume()
+    loop = _start_loop("target", model, settings, device, seed + 1, work_dir, log, deadline, resume)
+    generator = loop.generator
 
     def step() -> Dict:
         batch = sample_windows(dataset.train, settings.batch_size, settings.seq_len + 1, generator).to(device)
@@ -269,13 +277,8 @@ def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.T
     target.to(device).eval()
     for parameter in target.parameters():
         parameter.requires_grad_(False)
-    drafter.to(device).train()
-    generator = torch.Generator().manual_seed(seed + 2)
-    optimizer = make_optimizer(list(drafter.parameters()), settings, device)
-    loop = StepLoop("drafter", settings, drafter, optimizer, generator, os.path.join(work_dir, "drafter_state.pt"),
-                    log, deadline)
-    if resume:
-        loop.resume()
+    loop = _start_loop("drafter", drafter, settings, device, seed + 2, work_dir, log, deadline, resume)
+    generator = loop.generator
     features_hook = dflash.TargetFeatures(target, drafter.target_layer_ids)
     weights = dflash.position_weights(drafter.block_size, gamma).to(device)
     if labels not in ("text", "target"):
