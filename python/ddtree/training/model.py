@@ -57,7 +57,9 @@ class DrafterShape:
 
     num_layers: int = 2
     block_size: int = 16
-    target_layer_ids: List[int] = field(default_factory=lambda: [1, 3, 5])
+    # Spread up to the second-to-last layer, as the released drafters do ([1, 16, 31, 46, 61] of 64 layers):
+    # the deepest features carry most of the next-token information.
+    target_layer_ids: List[int] = field(default_factory=lambda: [1, 4, 6])
     rope_theta: float = 1e7
 
 
