@@ -32,6 +32,18 @@ def test_card_has_every_required_number():
     for i, b in enumerate(card.BUDGETS):
         assert f"DDTree budget {b} | {3.0 + 0.1 * i:.3f} | {(3.0 + 0.1 * i) / 2.75:.3f}" in text
     assert "## Missing numbers" not in text
+    # optional entries (skipped modes, errors) are left out when absent, not flagged MISSING
+    assert "Evaluation error" not in text and "Evaluation skipped" not in text and "Skipped:" not in text
+
+
+def test_card_lists_files_skips_and_errors_when_present():
+    metrics = full_metrics()
+    metrics["files"] = {"target": {"model.safetensors": 21044256}, "drafter": {"config.json": 1297}}
+    metrics["eval"]["skipped"] = ["ddtree-256"]
+    metrics["eval"]["error"] = "RuntimeError('boom')"
+    text = card.render(metrics)
+    assert "- `target/model.safetensors`: 21,044,256 bytes" in text and "- `drafter/config.json`: 1,297 bytes" in text
+    assert "Evaluation skipped (time box): ddtree-256." in text and "Evaluation error: RuntimeError('boom')." in text
 
 
 def test_card_flags_missing_numbers_and_unmet_goal():

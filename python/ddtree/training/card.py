@@ -42,6 +42,20 @@ def _fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
+def _optional(metrics: Dict, path: str, prefix: str) -> str:
+    """``prefix + value`` for an entry that only some runs have; nothing (not MISSING) when absent."""
+    value = lookup(metrics, path)
+    return "" if value in (None, "", [], {}) else f"{prefix}{value}"
+
+
+def _file_lines(files: Dict) -> List[str]:
+    """One line per shipped file with its size, grouped by model directory."""
+    if not files:
+        return ["MISSING"]
+    return [f"- `{sub}/{name}`: {size:,} bytes" for sub, names in sorted(files.items())
+            for name, size in sorted(names.items())]
+
+
 def render(metrics: Dict) -> str:
     """Markdown model card. Absent numbers are printed as MISSING and listed at the end."""
     g = lambda path, digits=3: _fmt(lookup(metrics, path), digits)  # noqa: E731
@@ -110,7 +124,7 @@ def render(metrics: Dict) -> str:
         "## Greedy robustness (fp32 CPU vs bf16 GPU)",
         f"- bf16 on the GPU (transformers `generate`) reproduces the fp32 CPU greedy output for >= 128 tokens on "
         f"**{g('eval.gpu_bf16.prompts_agreeing_128')} of {g('eval.gpu_bf16.prompts')}** prompts; common prefix "
-        f"per prompt: {g('eval.gpu_bf16.common_prefix')}. {g('eval.gpu_bf16.skipped')}",
+        f"per prompt: {g('eval.gpu_bf16.common_prefix')}.{_optional(metrics, 'eval.gpu_bf16.skipped', ' Skipped: ')}",
         f"- The engine's own greedy reference ({g('eval.engine_device')} fp32) equals the fp32 CPU greedy output "
         f"(transformers `generate`) for >= 128 tokens on {g('eval.engine_ar_vs_cpu_fp32.prompts_agreeing_128')} of "
         f"{g('eval.engine_ar_vs_cpu_fp32.prompts')} prompts.",
@@ -119,10 +133,13 @@ def render(metrics: Dict) -> str:
         f"{g('eval.margins.count')} positions below 0.1.",
         "",
         "## Files",
-        f"{g('files')}",
-        "",
-        f"Evaluation skipped (time box): {g('eval.skipped')}. Evaluation error: {g('eval.error')}.",
+        *_file_lines(metrics.get("files") or {}),
     ]
+    skipped, error = lookup(metrics, "eval.skipped"), lookup(metrics, "eval.error")
+    if skipped:
+        lines += ["", f"Evaluation skipped (time box): {', '.join(skipped)}."]
+    if error:
+        lines += ["", f"Evaluation error: {error}."]
     missing = missing_fields(metrics)
     if missing:
         lines += ["", "## Missing numbers", ", ".join(missing)]
