@@ -1,5 +1,5 @@
 # One-command set-up on a fresh machine (Rust, Python 3.9+, a C compiler):
-#   make demo   install into .venv and run the command-line demo
+#   make demo   install into .venv (with torch, transformers) and run the demo: one tree, then real decoding
 #   make test   install into .venv (with torch, transformers, vLLM) and run every test
 # .ci/run runs `make test`.
 
@@ -22,8 +22,10 @@ install: $(PY)
 install-test: $(PY)
 	$(PIP) install -q -e ".[test,torch,vllm]"
 
-demo: install
-	$(VENV)/bin/ddtree demo
+# The tree demo, then real decoding with the committed trained pair (needs torch and transformers).
+demo: $(PY)
+	$(PIP) install -q -e ".[torch]"
+	$(VENV)/bin/ddtree demo --pair tests/fixtures/models
 
 lint:
 	cargo fmt --check

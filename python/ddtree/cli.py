@@ -7,6 +7,12 @@ and `token_ids` arrays of shape [L, K], or a synthetic drafter's), compiles it,
 walks a simulated target through it, and prints the tree, the timings and the
 expected acceptance length.
 
+    ddtree demo --pair tests/fixtures/models [--prompts 1] [--new-tokens 64] [--budgets 16,64]
+
+then decodes held-out prompts with the trained test pair (needs torch and
+transformers): greedy autoregressive, the DFlash chain and DDTree, with each
+mode's tokens per step and whether its output equals autoregressive decoding.
+
     ddtree generate --target DIR [--drafter DIR] --prompt TEXT|--prompt-file F|--prompt-ids 1,2,3
                     [--mode ar|chain|ddtree] [--budget 64] [--max-new-tokens N]
                     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--device cpu|cuda]
@@ -115,7 +121,27 @@ def demo(args: argparse.Namespace) -> int:
           f"{tree.expected_acceptance():.3f}; a chain of the same depth: {chain_expected(log_probs):.3f}")
     print("timings (mean of 200 calls, Python call overhead included): "
           + ", ".join(f"{name} {us:.1f} us" for name, us in timings.items()))
-    return 0
+    return pair_demo(args) if args.pair else 0
+
+
+def pair_demo(args: argparse.Namespace) -> int:
+    try:
+        budgets = [int(b) for b in args.budgets.split(",") if b]
+    except ValueError:
+        print(f"ddtree demo: --budgets must be comma-separated integers, got {args.budgets!r}", file=sys.stderr)
+        return 2
+    if args.prompts < 1 or args.new_tokens < 1 or any(b < 1 for b in budgets):
+        print("ddtree demo: --prompts, --new-tokens and every budget must be >= 1", file=sys.stderr)
+        return 2
+    from ddtree.engine.pair_demo import run_pair_demo
+    from ddtree.engine.validation import EngineInputError
+
+    print()
+    try:
+        return run_pair_demo(args.pair, args.prompts, args.new_tokens, budgets, args.device)
+    except EngineInputError as error:
+        print(f"ddtree demo: {error}", file=sys.stderr)
+        return 2
 
 
 def mean_microseconds(fn, calls: int = 200) -> float:
@@ -146,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=3, help="conv window of a hybrid target (width - 1; default 3)")
     p.add_argument("--show", type=int, default=24, help="tree nodes to print (default 24)")
     p.add_argument("--seed", type=int, default=0)
+    pair = p.add_argument_group("real decoding with a trained pair (torch, transformers)")
+    pair.add_argument("--pair", help="directory with target/, drafter/ and prompts.json (tests/fixtures/models)")
+    pair.add_argument("--prompts", type=int, default=1, help="held-out prompts to decode (default 1)")
+    pair.add_argument("--new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    pair.add_argument("--budgets", default="16,64", help="DDTree budgets to compare with the chain (default 16,64)")
+    pair.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(run=demo)
     add_generate_parser(commands)
     return parser
