@@ -1,6 +1,7 @@
 """GPU end-to-end check of the DDTree vLLM adapter (not collected by pytest: run it directly).
 
-    python tests/gpu/vllm_ddtree_e2e.py [--out DIR] [--model tiny-qwen3|tiny-qwen3-next|DIR] [--engines ...]
+    python tests/gpu/vllm_ddtree_e2e.py [--out DIR] [--model tiny-qwen3|tiny-qwen3-next|tiny-qwen3-next-all-experts|DIR]
+                                        [--engines ...]
 
 Builds a tiny random target (attention-only Qwen3, or hybrid Qwen3-Next with
 Gated-DeltaNet and MoE layers) and a random DFlash drafter -- or takes a model
@@ -281,7 +282,9 @@ def main():
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
     ap.add_argument("--engines", default="plain,dflash,ddtree16,ddtree256,ddtree64-preempt")
     ap.add_argument("--scenarios", default="", help="comma-separated subset of the scenarios (default: all)")
-    ap.add_argument("--model", default="tiny-qwen3", help="tiny-qwen3, tiny-qwen3-next, or a directory with a pair")
+    ap.add_argument("--model", default="tiny-qwen3",
+                    help="tiny-qwen3, tiny-qwen3-next (2 of 4 experts per token), tiny-qwen3-next-all-experts "
+                         "(4 of 4: no routing flips), or a directory with a pair")
     args = ap.parse_args()
     root = args.model if os.path.isdir(args.model) else os.path.join(WORK, args.model)
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
@@ -305,8 +308,10 @@ def main():
     from ddtree.vllm.tiny_models import write_drafter, write_qwen3_next_target, write_target
 
     t = time.time()
-    if args.model in ("tiny-qwen3", "tiny-qwen3-next"):
-        spec = (write_target if args.model == "tiny-qwen3" else write_qwen3_next_target)(target)
+    writers = {"tiny-qwen3": write_target, "tiny-qwen3-next": write_qwen3_next_target,
+               "tiny-qwen3-next-all-experts": lambda path: write_qwen3_next_target(path, experts_per_token=4)}
+    if args.model in writers:
+        spec = writers[args.model](target)
         write_drafter(drafter, spec)
         log(f"wrote {args.model} target {spec} and drafter in {time.time() - t:.1f}s", fh)
     log(f"model {args.model}: target {model_info(target)}", fh)

@@ -37,3 +37,14 @@ def test_spec_metrics_reads_vllm_counters_and_never_raises():
 def test_engine_arguments_follow_the_target_architecture(tmp_path, architecture, expected):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
     assert engine_kwargs_for(str(tmp_path)) == expected
+
+
+def test_tiny_qwen3_next_routes_every_token_to_the_chosen_number_of_experts(tmp_path):
+    from ddtree.vllm.tiny_models import write_qwen3_next_target
+
+    write_qwen3_next_target(str(tmp_path / "all"), experts_per_token=4)
+    with open(tmp_path / "all" / "config.json") as handle:
+        config = json.load(handle)
+    assert config["num_experts_per_tok"] == 4 and config["num_experts"] == 4
+    with pytest.raises(ValueError, match="experts_per_token must be 1..4"):
+        write_qwen3_next_target(str(tmp_path / "bad"), experts_per_token=5)

@@ -54,12 +54,17 @@ def _save_sharpened(model, path: str, logit_scale: float) -> None:
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
-def write_qwen3_next_target(path: str, seed: int = 0, logit_scale: float = 4.0) -> Dict:
+def write_qwen3_next_target(path: str, seed: int = 0, logit_scale: float = 4.0, experts_per_token: int = 2) -> Dict:
     """A random hybrid ``Qwen3NextForCausalLM``: 3 Gated-DeltaNet layers + 1 gated attention layer, MoE MLPs.
 
-    vLLM 0.25.1 builds Qwen3-Next only with MoE layers (4 experts, 2 per token here). Returns the
-    fields :func:`write_drafter` needs.
+    vLLM 0.25.1 builds Qwen3-Next only with MoE layers (4 experts, ``experts_per_token`` per token). With 2,
+    random router logits are near-tied, and bf16 noise that differs between batch shapes flips which experts
+    a token uses: plain vLLM and any speculative engine then diverge well above a logit tolerance. With all 4
+    the expert set cannot flip (only the continuous gate weights move), so greedy comparisons test the
+    engine, not the router. Returns the fields :func:`write_drafter` needs.
     """
+    if not 1 <= experts_per_token <= 4:
+        raise ValueError(f"experts_per_token must be 1..4 (4 experts), got {experts_per_token}")
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     spec = dict(TARGET)
@@ -71,7 +76,7 @@ def write_qwen3_next_target(path: str, seed: int = 0, logit_scale: float = 4.0) 
         max_position_embeddings=spec["max_position_embeddings"],
         layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
         linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+        num_experts=4, num_experts_per_tok=experts_per_token, moe_intermediate_size=256, shared_expert_intermediate_size=256,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
         tie_word_embeddings=False, hidden_act="silu", bos_token_id=0, eos_token_id=1,
