@@ -4,12 +4,15 @@ from __future__ import annotations
 
 
 def patch_triton_interpreter_for_numpy2() -> None:
-    """Two interpreter-only fixes for Triton 3.6 (no effect on compiled kernels):
+    """Interpreter-only fixes for Triton 3.6 to 3.9 (no effect on compiled kernels):
 
     * scalar tensors (1-element arrays) become Python ints via ``int(array)``, which NumPy 2.4
       rejects for 1-D arrays, so data-dependent loop bounds (``range(0, num_nodes)``) fail;
     * ``tl.dot`` on bf16 operands multiplies their raw uint16 bit patterns (NumPy has no bf16);
-      widen them to fp32 first, which is exact and what the tensor cores compute.
+      widen them to fp32 first, which is exact and what the tensor cores compute;
+    * (Triton 3.9) ``block & scalar`` of int1 operands (``mask & is_tree``, ``is_tree`` a loaded scalar
+      compared to 0) is computed on int32 0/1 data, which masked loads and stores reject ("mask has
+      unsupported dtype"); hand them boolean masks.
     """
     import numpy as np
     import triton.language as tl
@@ -39,3 +42,19 @@ def patch_triton_interpreter_for_numpy2() -> None:
         return original_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot
+
+    def boolean(mask):
+        if mask.data.dtype != np.bool_:
+            return interpreter.TensorHandle(mask.data != 0, tl.int1)
+        return mask
+
+    original_load, original_store = builder.create_masked_load, builder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, *rest):  # the cache/eviction arguments differ across versions
+        return original_load(self, ptrs, boolean(mask), *rest)
+
+    def create_masked_store(self, ptrs, value, mask, *rest):
+        return original_store(self, ptrs, value, boolean(mask), *rest)
+
+    builder.create_masked_load = create_masked_load
+    builder.create_masked_store = create_masked_store

@@ -149,12 +149,17 @@ def test_vllm_layout_assumptions():
     """Signatures and layouts the adapter depends on (catches silent drift within 0.25.x)."""
     import inspect
 
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    import dataclasses
+
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionMetadata
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert TritonAttentionBackend.get_kv_cache_shape(4, 16, 2, 64) == (4, 2, 16, 2, 64)
+    # The host-side int the tree-attention backend hands to the split-KV heuristic (no device sync).
+    max_seq_len = {f.name: f for f in dataclasses.fields(TritonAttentionMetadata)}["max_seq_len"]
+    assert max_seq_len.type in (int, "int")
     params = list(inspect.signature(SpecDecodeBaseProposer.propose).parameters)
     assert params[:8] == ["self", "num_speculative_tokens", "target_token_ids", "target_positions",
                           "target_hidden_states", "next_token_ids", "token_indices_to_sample",

@@ -128,6 +128,8 @@ class DDTreeAttentionImpl(TritonAttentionImpl):
             self.scale,
             attn_metadata.max_query_len,
             out=out,
+            # Host-side int: steers the split-KV count without a device sync.
+            max_seq_len=attn_metadata.max_seq_len,
         )
         return output
 
