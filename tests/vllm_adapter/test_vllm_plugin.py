@@ -157,7 +157,7 @@ def test_vllm_layout_assumptions():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert TritonAttentionBackend.get_kv_cache_shape(4, 16, 2, 64) == (4, 2, 16, 2, 64)
-    # The host-side int the tree-attention backend hands to the split-KV heuristic (no device sync).
+    # The host-side int the split-KV heuristic takes (no device sync) once the backend enables it.
     max_seq_len = {f.name: f for f in dataclasses.fields(TritonAttentionMetadata)}["max_seq_len"]
     assert max_seq_len.type in (int, "int")
     params = list(inspect.signature(SpecDecodeBaseProposer.propose).parameters)
