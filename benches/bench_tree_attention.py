@@ -26,10 +26,10 @@ import json
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_kernels import import_kernels
+
 DEVICE = "cuda"
 LOG: list = []
 
@@ -38,22 +38,6 @@ def log(*parts) -> None:
     line = " ".join(str(p) for p in parts)
     print(line, flush=True)
     LOG.append(line)
-
-
-def import_kernel():
-    """The repository's kernel module (not an installed copy); ``ddtree/__init__`` needs the Rust extension,
-    so fall back to a bare package object when ``ddtree._core`` is not built in this checkout."""
-    sys.path.insert(0, str(REPO / "python"))
-    try:
-        import ddtree  # noqa: F401
-    except ImportError as error:
-        log(f"note: `import ddtree` failed ({error}); loading ddtree.kernels without the Rust extension")
-        package = types.ModuleType("ddtree")
-        package.__path__ = [str(REPO / "python" / "ddtree")]
-        sys.modules["ddtree"] = package
-    from ddtree.kernels import paged_tree_attention as pta
-
-    return pta
 
 
 def random_parents(n, rng):
@@ -155,7 +139,7 @@ def main() -> int:
     import numpy as np
     import triton
 
-    pta = import_kernel()
+    (pta,) = import_kernels("paged_tree_attention", log=log)
     start = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
     log(f"# paged tree attention: single pass vs split-KV ({props.name}, {props.multi_processor_count} SMs)")

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 import traceback
-import types
 from pathlib import Path
+
+from repo_kernels import import_kernels
 
 START = time.perf_counter()
 DEADLINE_S = 270.0
-REPO = Path(__file__).resolve().parents[1]
 LOG: list = []
 
 
@@ -42,26 +41,10 @@ def elapsed() -> float:
     return time.perf_counter() - START
 
 
-def import_ddtree_kernels():
-    """``ddtree.kernels`` does not need the Rust extension, but ``ddtree/__init__`` imports it: fall back
-    to a bare package object when ``ddtree._core`` is not built in this checkout."""
-    sys.path.insert(0, str(REPO / "python"))
-    try:
-        import ddtree  # noqa: F401
-    except ImportError as error:
-        log(f"note: `import ddtree` failed ({error}); loading ddtree.kernels without the Rust extension")
-        package = types.ModuleType("ddtree")
-        package.__path__ = [str(REPO / "python" / "ddtree")]
-        sys.modules["ddtree"] = package
-    from ddtree.kernels import gdn_tree, gdn_tree_triton, tree_topology
-
-    return gdn_tree, gdn_tree_triton, tree_topology
-
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-gdn_tree, gdn_tree_triton, tree_topology = import_ddtree_kernels()
+gdn_tree, gdn_tree_triton, tree_topology = import_kernels("gdn_tree", "gdn_tree_triton", "tree_topology", log=log)
 import triton  # noqa: E402
 
 HK, HV, DK, DV = 16, 48, 128, 128

@@ -22,6 +22,8 @@ from ddtree.kernels.tree_attention import tree_attention
 from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
 from ddtree.kernels.paged_tree_attention import paged_tree_attention_reference
 
+from _paged_cache import random_paged_cache
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,12 +45,7 @@ def make_batch(seed=0, dtype=torch.float32, device="cpu", num_heads=4, num_kv_he
             trees.append(None)
             q_lens.append(9 if kind == "prefill" else 1)
     seq_lens = [ctx + q for (ctx, _, _), q in zip(seqs, q_lens)]
-    max_blocks = max((s + page - 1) // page for s in seq_lens)
-    num_blocks = len(seqs) * max_blocks + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    block_table = perm[: len(seqs) * max_blocks].view(len(seqs), max_blocks).to(torch.int32)
-    key_cache = torch.randn(num_blocks, page, num_kv_heads, head_size, generator=gen).to(dtype)
-    value_cache = torch.randn(num_blocks, page, num_kv_heads, head_size, generator=gen).to(dtype)
+    block_table, key_cache, value_cache = random_paged_cache(seq_lens, page, num_kv_heads, head_size, dtype, gen)
     total = sum(q_lens)
     query = torch.randn(total, num_heads, head_size, generator=gen).to(dtype)
     query_start = torch.tensor([0] + np.cumsum(q_lens).tolist(), dtype=torch.int32)

@@ -25,6 +25,8 @@ from ddtree.kernels.paged_tree_attention import (  # noqa: E402
     paged_tree_attention_reference,
 )
 
+from _paged_cache import random_paged_cache  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
@@ -79,12 +81,7 @@ def build_batch(specs, *, num_heads=4, num_kv_heads=2, head_size=32, page=16, dt
         bits[r : r + len(t), : t.shape[1]] = t
         r += len(t)
     seq_lens = [ctx + q for (ctx, _), q in zip(specs, q_lens)]
-    max_blocks = max((s + page - 1) // page for s in seq_lens)
-    num_blocks = len(specs) * max_blocks + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    block_table = perm[: len(specs) * max_blocks].view(len(specs), max_blocks).to(torch.int32)
-    key_cache = torch.randn(num_blocks, page, num_kv_heads, head_size, generator=gen).to(dtype)
-    value_cache = torch.randn(num_blocks, page, num_kv_heads, head_size, generator=gen).to(dtype)
+    block_table, key_cache, value_cache = random_paged_cache(seq_lens, page, num_kv_heads, head_size, dtype, gen)
     total = sum(q_lens)
     query = (q_scale * torch.randn(total + extra_tokens, num_heads, head_size, generator=gen)).to(dtype)
     return dict(
