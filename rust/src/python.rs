@@ -92,16 +92,18 @@ fn ndarray<'a, 'py>(
     Ok(array)
 }
 
-/// The array's elements in C order: borrowed when contiguous, else copied.
+/// The array's elements in C order: borrowed when C-contiguous, else copied.
+/// (rust-numpy's `as_slice` also accepts Fortran-contiguous arrays, whose
+/// memory order is not C order.)
 fn slice_of<'a, T: Element + Copy>(array: &'a Bound<'_, PyArrayDyn<T>>) -> Cow<'a, [T]> {
     // SAFETY: the slice is only read, and only during this call, while the
     // caller holds a reference to the array. rust-numpy's borrow registry
     // (`readonly()`) would cost more than building a small tree, and guards
     // only against Rust-side mutable borrows, of which ddtree makes none; a
     // Python thread writing the array during the call is a caller bug either way.
-    match unsafe { array.as_slice() } {
-        Ok(slice) => Cow::Borrowed(slice),
-        Err(_) => Cow::Owned(array.to_owned_array().iter().copied().collect()),
+    match array.is_c_contiguous().then(|| unsafe { array.as_slice() }) {
+        Some(Ok(slice)) => Cow::Borrowed(slice),
+        _ => Cow::Owned(array.to_owned_array().iter().copied().collect()),
     }
 }
 
