@@ -183,8 +183,51 @@ type DistributionArrays<'a, 'py> = (
     [usize; 3],
 );
 
-/// Reads `log_probs` and `token_ids`, both of the `expected` shape.
+/// Reads `log_probs` and `token_ids`, both of the `expected` shape (`dims`
+/// dimensions). The usual, valid case takes one type check per array; any
+/// other input takes the checks that name what is wrong.
 fn read_distribution<'a, 'py>(
+    log_probs: &'a Bound<'py, PyAny>,
+    token_ids: &'a Bound<'py, PyAny>,
+    expected: &'static str,
+    dims: usize,
+) -> PyResult<DistributionArrays<'a, 'py>> {
+    match typed_distribution(log_probs, token_ids, dims) {
+        Some(arrays) => Ok(arrays),
+        None => checked_distribution(log_probs, token_ids, expected),
+    }
+}
+
+/// `log_probs` and `token_ids` when both are arrays of element types the
+/// core takes, with `dims` dimensions and the same shape.
+fn typed_distribution<'a, 'py>(
+    log_probs: &'a Bound<'py, PyAny>,
+    token_ids: &'a Bound<'py, PyAny>,
+    dims: usize,
+) -> Option<DistributionArrays<'a, 'py>> {
+    let values = log_probs.cast::<PyArrayDyn<f32>>().ok()?;
+    let (ids, ids_shape) = match token_ids.cast::<PyArrayDyn<i64>>() {
+        Ok(a) => (TokenIds::I64(a), a.shape()),
+        Err(_) => {
+            let a = token_ids.cast::<PyArrayDyn<i32>>().ok()?;
+            (TokenIds::I32(a), a.shape())
+        }
+    };
+    let shape = padded_shape(values.shape())?;
+    (values.ndim() == dims && padded_shape(ids_shape)? == shape).then_some((values, ids, shape))
+}
+
+/// A shape of at most 3 dimensions as a fixed-size array (unused ones 0).
+fn padded_shape(shape: &[usize]) -> Option<[usize; 3]> {
+    let mut out = [0; 3];
+    out.get_mut(..shape.len())?.copy_from_slice(shape);
+    Some(out)
+}
+
+/// Reads `log_probs` and `token_ids` check by check, so that the error names
+/// the argument and what is wrong with it.
+#[cold]
+fn checked_distribution<'a, 'py>(
     log_probs: &'a Bound<'py, PyAny>,
     token_ids: &'a Bound<'py, PyAny>,
     expected: &'static str,
@@ -238,7 +281,7 @@ fn build_tree(
     budget: &Bound<'_, PyAny>,
 ) -> PyResult<PyTree> {
     let budget = count(budget, "budget")?;
-    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[L, K]")?;
+    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[L, K]", 2)?;
     let lp = slice_of(lp);
     let tree = match &ids {
         TokenIds::I32(ids) => {
@@ -267,7 +310,7 @@ fn build_trees(
     budgets: &Bound<'_, PyAny>,
     executor: Option<&PyExecutor>,
 ) -> PyResult<PyTreeBatch> {
-    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[R, L, K]")?;
+    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[R, L, K]", 3)?;
     let requests = shape[0];
     let budgets = per_request_ints(budgets, "budgets", requests)?
         .into_iter()
