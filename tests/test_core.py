@@ -67,6 +67,17 @@ def test_non_contiguous_input_is_read_in_order():
     assert_same_tree(tree, reference.build_tree(np.ascontiguousarray(strided_lp), strided_ids, 20))
 
 
+def test_fortran_ordered_input_is_read_in_order():
+    """Fortran order is contiguous too, but not in C order: it must not be read as flat C memory."""
+    rng = np.random.default_rng(1)
+    lp = np.sort(np.log(rng.dirichlet(np.ones(5), size=4)).astype(np.float32), axis=1)[:, ::-1]
+    ids = rng.permuted(np.tile(np.arange(5), (4, 1)), axis=1)
+    ref = reference.build_tree(lp, ids, 30)
+    assert_same_tree(ddtree.build_tree(np.asfortranarray(lp), np.asfortranarray(ids), 30), ref)
+    batch = ddtree.build_trees(np.asfortranarray(np.stack([lp, lp])), np.asfortranarray(np.stack([ids, ids])), 30)
+    assert_same_tree(batch[1], ref)
+
+
 @given(distributions(), st.integers(0, 60), st.integers(0, 10_000), st.integers(0, 4))
 def test_compile_matches_reference(dist, budget, start, window):
     log_probs, token_ids = dist

@@ -92,16 +92,18 @@ fn ndarray<'a, 'py>(
     Ok(array)
 }
 
-/// The array's elements in C order: borrowed when contiguous, else copied.
+/// The array's elements in C order: borrowed when C-contiguous, else copied.
+/// (rust-numpy's `as_slice` also accepts Fortran-contiguous arrays, whose
+/// memory order is not C order.)
 fn slice_of<'a, T: Element + Copy>(array: &'a Bound<'_, PyArrayDyn<T>>) -> Cow<'a, [T]> {
     // SAFETY: the slice is only read, and only during this call, while the
     // caller holds a reference to the array. rust-numpy's borrow registry
     // (`readonly()`) would cost more than building a small tree, and guards
     // only against Rust-side mutable borrows, of which ddtree makes none; a
     // Python thread writing the array during the call is a caller bug either way.
-    match unsafe { array.as_slice() } {
-        Ok(slice) => Cow::Borrowed(slice),
-        Err(_) => Cow::Owned(array.to_owned_array().iter().copied().collect()),
+    match array.is_c_contiguous().then(|| unsafe { array.as_slice() }) {
+        Some(Ok(slice)) => Cow::Borrowed(slice),
+        _ => Cow::Owned(array.to_owned_array().iter().copied().collect()),
     }
 }
 
@@ -181,8 +183,51 @@ type DistributionArrays<'a, 'py> = (
     [usize; 3],
 );
 
-/// Reads `log_probs` and `token_ids`, both of the `expected` shape.
+/// Reads `log_probs` and `token_ids`, both of the `expected` shape (`dims`
+/// dimensions). The usual, valid case takes one type check per array; any
+/// other input takes the checks that name what is wrong.
 fn read_distribution<'a, 'py>(
+    log_probs: &'a Bound<'py, PyAny>,
+    token_ids: &'a Bound<'py, PyAny>,
+    expected: &'static str,
+    dims: usize,
+) -> PyResult<DistributionArrays<'a, 'py>> {
+    match typed_distribution(log_probs, token_ids, dims) {
+        Some(arrays) => Ok(arrays),
+        None => checked_distribution(log_probs, token_ids, expected),
+    }
+}
+
+/// `log_probs` and `token_ids` when both are arrays of element types the
+/// core takes, with `dims` dimensions and the same shape.
+fn typed_distribution<'a, 'py>(
+    log_probs: &'a Bound<'py, PyAny>,
+    token_ids: &'a Bound<'py, PyAny>,
+    dims: usize,
+) -> Option<DistributionArrays<'a, 'py>> {
+    let values = log_probs.cast::<PyArrayDyn<f32>>().ok()?;
+    let (ids, ids_shape) = match token_ids.cast::<PyArrayDyn<i64>>() {
+        Ok(a) => (TokenIds::I64(a), a.shape()),
+        Err(_) => {
+            let a = token_ids.cast::<PyArrayDyn<i32>>().ok()?;
+            (TokenIds::I32(a), a.shape())
+        }
+    };
+    let shape = padded_shape(values.shape())?;
+    (values.ndim() == dims && padded_shape(ids_shape)? == shape).then_some((values, ids, shape))
+}
+
+/// A shape of at most 3 dimensions as a fixed-size array (unused ones 0).
+fn padded_shape(shape: &[usize]) -> Option<[usize; 3]> {
+    let mut out = [0; 3];
+    out.get_mut(..shape.len())?.copy_from_slice(shape);
+    Some(out)
+}
+
+/// Reads `log_probs` and `token_ids` check by check, so that the error names
+/// the argument and what is wrong with it.
+#[cold]
+fn checked_distribution<'a, 'py>(
     log_probs: &'a Bound<'py, PyAny>,
     token_ids: &'a Bound<'py, PyAny>,
     expected: &'static str,
@@ -236,7 +281,7 @@ fn build_tree(
     budget: &Bound<'_, PyAny>,
 ) -> PyResult<PyTree> {
     let budget = count(budget, "budget")?;
-    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[L, K]")?;
+    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[L, K]", 2)?;
     let lp = slice_of(lp);
     let tree = match &ids {
         TokenIds::I32(ids) => {
@@ -265,7 +310,7 @@ fn build_trees(
     budgets: &Bound<'_, PyAny>,
     executor: Option<&PyExecutor>,
 ) -> PyResult<PyTreeBatch> {
-    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[R, L, K]")?;
+    let (lp, ids, shape) = read_distribution(log_probs, token_ids, "[R, L, K]", 3)?;
     let requests = shape[0];
     let budgets = per_request_ints(budgets, "budgets", requests)?
         .into_iter()
