@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ddtree
 from ddtree import reference
 
-from core_strategies import distributions
+from core_strategies import awkward_distributions, distributions
 
 
 def assert_same_tree(tree, ref) -> None:
@@ -30,6 +30,15 @@ def test_build_tree_matches_reference(dist, budget):
     assert tree.depths.dtype == np.int32 and tree.scores.dtype == np.float32
     assert len(tree) == tree.num_draft_nodes + 1
     assert tree.expected_acceptance() == pytest.approx(reference.expected_acceptance(ref), rel=1e-6)
+
+
+@settings(max_examples=300)
+@given(awkward_distributions(), st.integers(0, 80))
+def test_build_tree_matches_reference_when_pop_order_is_not_score_order(dist, budget):
+    """Positive log-probs (within the tolerance) and rounding ties: the core's
+    first-child queues must still reproduce the reference heap's pop order."""
+    log_probs, token_ids = dist
+    assert_same_tree(ddtree.build_tree(log_probs, token_ids, budget), reference.build_tree(log_probs, token_ids, budget))
 
 
 @given(distributions(max_depth=4, max_width=4), st.integers(0, 40))

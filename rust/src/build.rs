@@ -8,7 +8,10 @@
 //! prefix, so pops come out in non-increasing score and the first `budget` pops
 //! are exactly the `budget` best prefixes, prefix-closed. Equal scores are broken
 //! by the lexicographically smallest rank tuple, as a heap of
-//! `(-score, rank_tuple)` tuples would.
+//! `(-score, rank_tuple)` tuples would. (With log-probs up to the tolerance
+//! above zero a child can outscore its parent; the pop order is still that of
+//! such a heap, which `ddtree.reference` is.) First children wait in per-depth
+//! queues (`FirstChildren`) rather than in the heap; the pop order is the same.
 
 use std::cmp::Ordering;
 
