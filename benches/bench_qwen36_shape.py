@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from gpu_profile import profile_generate
+
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
 PROMPT_LEN = 512
@@ -98,7 +100,7 @@ def state_memory(worker) -> dict:
             "state_bytes": exact}
 
 
-def run_engine(name: str, batches, tp: int = 1) -> dict:
+def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=()) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
@@ -141,6 +143,10 @@ def run_engine(name: str, batches, tp: int = 1) -> dict:
             row["host_ms_per_verify_step"] = after["host_ms_per_verify_step"]
         res["steps"][bs] = row
         print(f"{name} bs={bs}: {row}", flush=True)
+        if bs in profile_batches:
+            # 16 more steps under the profiler: per-kernel GPU time of one step's parts (drafter, GDN, attention).
+            profile_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                             os.path.join(profile_dir, f"profile_{name}_tp{tp}_b{bs}.txt"))
     return res
 
 
@@ -152,10 +158,15 @@ def main() -> None:
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--profile-batches", default="",
+                    help="batch sizes to run 16 more steps of under torch.profiler (profile_<engine>_tp<tp>_b<B>.txt "
+                         "in --out; rank 0 only)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
-        print("RESULT-JSON " + json.dumps(run_engine(args.child, batches, args.tp)), flush=True)
+        profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
+        result = run_engine(args.child, batches, args.tp, args.out, profile_batches)
+        print("RESULT-JSON " + json.dumps(result), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
     write_models(ROOT)
@@ -166,7 +177,8 @@ def main() -> None:
         try:
             with open(log_path, "w") as log:
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--batch",
-                                       args.batch, "--tp", str(args.tp)], stdout=subprocess.PIPE, stderr=log, text=True,
+                                       args.batch, "--tp", str(args.tp), "--out", args.out,
+                                       "--profile-batches", args.profile_batches], stdout=subprocess.PIPE, stderr=log, text=True,
                                       timeout=args.timeout)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:

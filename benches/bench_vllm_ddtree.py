@@ -30,19 +30,7 @@ import sys
 import time
 import traceback
 
-
-def profile_generate(llm, prompts, params, path: str) -> None:
-    """One more timed ``generate`` under torch.profiler; the top ops by GPU and by CPU time go to ``path``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-    averages = prof.key_averages()
-    with open(path, "w") as handle:
-        handle.write(averages.table(sort_by="cuda_time_total", row_limit=40) + "\n")
-        handle.write(averages.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+from gpu_profile import profile_generate
 
 
 def child(args):

@@ -15,8 +15,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
 
-Scenarios per engine: batch 1 (3 prompts one at a time), batch 32 (mixed prompt
-lengths and max_tokens), a prompt near max_model_len, stop tokens that end
+Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
+prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
 requests mid-tree, requests aborted mid-tree (survivors and a later batch must be
 unaffected), temperature 1 with per-request seeds (run twice: must repeat).
 
@@ -175,6 +175,11 @@ def run_child(name, target, drafter, only_scenarios=()):
             rows += collect(llm.generate([TokensPrompt(prompt_token_ids=p)], greedy(MAX_TOKENS), use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
+    def b16():
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"][:16]], greedy(MAX_TOKENS),
+                                    use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     def b32():
         params = [greedy(m) for m in P["max_tokens"]]
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"]], params, use_tqdm=False))
@@ -221,7 +226,7 @@ def run_child(name, target, drafter, only_scenarios=()):
                                      use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
-    scenarios = (("batch1", b1), ("batch32", b32), ("near_max", near_max), ("stop", stop), ("abort", abort), ("t1", t1))
+    scenarios = (("batch1", b1), ("batch16", b16), ("batch32", b32), ("near_max", near_max), ("stop", stop), ("abort", abort), ("t1", t1))
     for sname, fn in scenarios:
         scenario(sname, fn)
     try:
@@ -282,6 +287,9 @@ def main():
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
     ap.add_argument("--engines", default="plain,dflash,ddtree16,ddtree256,ddtree64-preempt")
     ap.add_argument("--scenarios", default="", help="comma-separated subset of the scenarios (default: all)")
+    ap.add_argument("--reuse", default=None,
+                    help="vllm_ddtree_e2e.json of an earlier run on the same model: its engines' results join this "
+                         "run's (e.g. plain and ddtree64 at TP 1, reused by a later ddtree64-tp2 run)")
     ap.add_argument("--model", default="tiny-qwen3",
                     help="tiny-qwen3, tiny-qwen3-next (2 of 4 experts per token), tiny-qwen3-next-all-experts "
                          "(4 of 4: no routing flips), or a directory with a pair")
@@ -317,6 +325,11 @@ def main():
     log(f"model {args.model}: target {model_info(target)}", fh)
 
     results = {}
+    if args.reuse:
+        with open(args.reuse) as f:
+            earlier = json.load(f)["results"]
+        results.update({k: v for k, v in earlier.items() if k not in args.engines.split(",")})
+        log(f"reused from {args.reuse}: {sorted(results)}", fh)
     started = time.time()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
     for name in args.engines.split(","):
