@@ -276,3 +276,56 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
     with pytest.raises(RuntimeError, match="sees 2 spec-decode tokens in a step that verifies 3"):
         patches._gdn_forward_core_with_trees(layer, fake_original, step, x, torch.zeros(6, 2), torch.zeros(6, 2),
                                              out)
+
+
+def test_drafting_reservation_follows_the_drafters_depth():
+    """Patch 6: vLLM keeps (num_speculative_tokens - 1) * max_num_seqs tokens free for a parallel drafter's
+    mask slots; a ddtree engine's drafter drafts L positions, not the budget's."""
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    patches.apply()
+    assert getattr(VllmConfig._set_max_num_scheduled_tokens, "__ddtree_wrapped__", False)
+    slots_property = SpeculativeConfig.max_num_new_slots_for_drafting
+
+    class FakeSpec:  # what vLLM's property reads of a DFlash config
+        parallel_drafting = True
+
+        def __init__(self, budget, block_size=16):
+            self.num_speculative_tokens = budget
+            self.draft_model_config = SimpleNamespace(hf_config=SimpleNamespace(block_size=block_size))
+
+        def uses_draft_model(self):
+            return False
+
+        max_num_new_slots_for_drafting = slots_property
+
+    def engine(budget, max_num_seqs, batched, ddtree=None):
+        return SimpleNamespace(
+            speculative_config=FakeSpec(budget),
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
+                                             max_num_scheduled_tokens=None),
+            additional_config={} if ddtree is None else {"ddtree": ddtree},
+        )
+
+    # vLLM's own chain of depth 256 keeps 255 slots per sequence: 8352 - 255 * 32 = 192 tokens a step.
+    chain = engine(256, 32, 8352)
+    VllmConfig._set_max_num_scheduled_tokens(chain)
+    assert chain.scheduler_config.max_num_scheduled_tokens == 192
+    # ddtree at budget 256 keeps what a depth-15 chain keeps (14 per sequence), whether the depth was given
+    # or comes from the drafter's block_size; vLLM's view of the budget is restored.
+    for settings in ({"budget": 256, "draft_len": 15}, {"budget": 256, "draft_len": None}):
+        tree = engine(256, 32, 8352, settings)
+        VllmConfig._set_max_num_scheduled_tokens(tree)
+        assert tree.scheduler_config.max_num_scheduled_tokens == 8352 - 14 * 32
+        assert tree.speculative_config.num_speculative_tokens == 256
+    # With vLLM's default 256 sequences and 8192 batched tokens a budget-64 chain cannot start; ddtree can.
+    with pytest.raises(ValueError, match="does not allow any tokens to be scheduled"):
+        VllmConfig._set_max_num_scheduled_tokens(engine(64, 256, 8192))
+    tree = engine(64, 256, 8192, {"budget": 64, "draft_len": None})
+    VllmConfig._set_max_num_scheduled_tokens(tree)
+    assert tree.scheduler_config.max_num_scheduled_tokens == 8192 - 14 * 256
+    # No depth to go by: vLLM's rule stands (validate_vllm_config refuses such an engine with the reason).
+    unknown = engine(64, 32, 8192, {"budget": 64, "draft_len": None})
+    unknown.speculative_config.draft_model_config = SimpleNamespace(hf_config=SimpleNamespace())
+    VllmConfig._set_max_num_scheduled_tokens(unknown)
+    assert unknown.scheduler_config.max_num_scheduled_tokens == 8192 - 63 * 32

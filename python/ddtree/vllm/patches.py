@@ -52,6 +52,16 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
       metadata restricted to them; steps without trees are vLLM's code
       untouched.
 
+6. ``VllmConfig._set_max_num_scheduled_tokens`` (wrapped): vLLM keeps
+   ``(num_speculative_tokens - 1) * max_num_seqs`` of ``max_num_batched_tokens``
+   free for a parallel drafter's mask slots. For a ddtree engine
+   ``num_speculative_tokens`` is the budget, but the drafter drafts only its
+   depth L (``proposer.py``), so vLLM kept far too much: budget 256 with
+   ``max_num_seqs=32`` and 8352 batched tokens left 192 tokens a step, one tree
+   at a time (measured: ddtree 256 ran 145 ms steps at batch 8, 721 ms at 32),
+   and budget 64 with vLLM's default ``max_num_seqs`` refused to start. The
+   reservation is computed with L, what vLLM's own DFlash chain of depth L keeps.
+
 Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
 backends are used through subclasses (``runner.py``, ``proposer.py``,
 ``sampler.py``, ``attention.py``).
@@ -391,8 +401,35 @@ def apply_worker_patches(vllm_config: Any) -> None:
     _wrap_once(QwenGatedDeltaNetAttention, "_forward_core", _tree_aware_forward_core)
 
 
+# ---- 6. scheduled-token reservation for drafting -----------------------------------------------
+def drafter_depth(vllm_config: Any) -> Optional[int]:
+    """L of a ddtree engine: the user's ``num_speculative_tokens``, else the drafter's block_size - 1."""
+    settings = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]
+    if settings.get("draft_len") is not None:
+        return int(settings["draft_len"])
+    draft_model = getattr(vllm_config.speculative_config, "draft_model_config", None)
+    block = _drafter_block_size(draft_model.hf_config) if draft_model is not None else None
+    return block - 1 if isinstance(block, int) and block >= 2 else None
+
+
+def _reservation_by_depth(original):
+    def _set_max_num_scheduled_tokens(self):
+        spec = self.speculative_config
+        depth = drafter_depth(self) if spec is not None and is_ddtree_config(self) else None
+        if depth is None:  # not ddtree, or no depth to go by (validate_vllm_config then names the problem)
+            return original(self)
+        budget = spec.num_speculative_tokens
+        spec.num_speculative_tokens = depth
+        try:
+            return original(self)
+        finally:
+            spec.num_speculative_tokens = budget
+
+    return _set_max_num_scheduled_tokens
+
+
 def apply() -> None:
-    """Applies patches 1-3 and 5a-c (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
+    """Applies patches 1-3, 5a-c and 6 (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
     global _APPLIED
     import vllm
 
@@ -406,6 +443,7 @@ def apply() -> None:
     from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.platforms.interface import Platform
+    from vllm.config import VllmConfig
 
     _wrap_create_engine_config(EngineArgs)
     _wrap_validate_params(InputProcessor)
@@ -414,4 +452,5 @@ def apply() -> None:
     _wrap_once(GatedDeltaNetAttention, "__init__", _single_slot_gdn_init)
     _wrap_once(Platform, "_align_hybrid_block_size", _single_slot_alignment)
     _wrap_once(MambaStateShapeCalculator, "gated_delta_net_state_shape", _single_slot_shape)
+    _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
     _APPLIED = True
