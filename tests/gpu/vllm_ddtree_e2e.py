@@ -353,6 +353,9 @@ def main():
                 continue
             res = json.loads(line[len("RESULT-JSON "):])
             results[name] = res
+            # Kept as each engine finishes: a run killed from outside (a device call's time limit) keeps them.
+            with open(os.path.join(args.out, "vllm_ddtree_e2e.json"), "w") as partial:
+                json.dump({"results": results, "verdict": None, "partial": True}, partial)
             log(f"{name}: init {res['init_s']}s, total {time.time() - t:.0f}s, errors {list(res['errors'])}", fh)
             for sname, err in res["errors"].items():
                 log(f"  {name}/{sname} FAILED:\n{err}", fh)
