@@ -126,6 +126,49 @@ def check_bf16_raw_gating_pool_and_commit(device: str) -> None:
         assert torch.equal(pool[int(slots[request])].cpu(), pool_before[int(slots[request])].transpose(-1, -2))
 
 
+def check_tree_conv_qkv_against_torch_form(device: str) -> None:
+    """The fused conv (gather along root paths + conv + bias + SiLU, split into q, k, v) equals the torch form,
+    for both conv-state layouts, strided rows, no bias or activation, bf16 and fp32."""
+    from ddtree.kernels.gdn_tree_triton import tree_conv_qkv
+    from ddtree.vllm.gdn import tree_conv
+
+    gen = torch.Generator().manual_seed(3)
+    width, key_width, value_width, slots_count = 4, 24, 40, 5
+    channels = 2 * key_width + value_width
+    sizes = [7, 1, 12]  # node counts per request (a root-only tree too)
+    num_nodes, num_requests = sum(sizes), len(sizes)
+    # conv_index rows: history rows r * (W - 1) + j, then node rows R * (W - 1) + t; last column is the node.
+    index = []
+    for r, size in enumerate(sizes):
+        first = sum(sizes[:r])
+        for node in range(size):
+            earlier = [r * (width - 1) + j for j in range(width - 1)] + [num_requests * (width - 1) + first + i
+                                                                          for i in range(node)]
+            picks = sorted(torch.randperm(len(earlier), generator=gen)[: width - 1].tolist())
+            index.append([earlier[i] for i in picks] + [num_requests * (width - 1) + first + node])
+    conv_index = torch.tensor(index, dtype=torch.int64, device=device)
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32, device=device)
+    for dtype, sd_layout, with_bias, activation in [(torch.float32, False, True, "silu"),
+                                                   (torch.bfloat16, True, True, "silu"),
+                                                   (torch.float32, True, False, None)]:
+        wide = torch.randn(num_nodes, channels + 8, generator=gen).to(device=device, dtype=dtype)
+        x = wide[:, 3 : 3 + channels]  # rows with a stride larger than C
+        if sd_layout:
+            conv_state = torch.randn(slots_count, width - 1, channels, generator=gen).to(device, dtype).transpose(1, 2)
+        else:
+            conv_state = torch.randn(slots_count, channels, width - 1, generator=gen).to(device, dtype)
+        weight = (torch.randn(channels, width, generator=gen) * 0.5).to(device, dtype)
+        bias = (torch.randn(channels, generator=gen) * 0.1).to(device, dtype) if with_bias else None
+        q, k, v = tree_conv_qkv(x, conv_state, slots, conv_index, weight, bias, activation, key_width)
+        expected = tree_conv(x, conv_state, slots, conv_index, weight, bias, activation)
+        got = torch.cat([q, k, v], dim=1)
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert _relative_error(got, expected) <= tol, (dtype, sd_layout, _relative_error(got, expected))
+    with pytest.raises(ValueError, match="conv_index must have shape"):
+        tree_conv_qkv(x, conv_state, slots, conv_index[:, :2], weight, bias, activation, key_width)
+
+
 def run_all_checks(device: str) -> None:
     import time
 
@@ -136,6 +179,7 @@ def run_all_checks(device: str) -> None:
         ("fp32 small tiles", lambda: check_fp32_trees_against_reference(
             device, shapes=(("random", 70), ("chain", 40), ("star", 5)), block_t=32, block_c=16, block_v=8, block_kc=8, precision="ieee")),
         ("bf16 raw gates, pool, commit", lambda: check_bf16_raw_gating_pool_and_commit(device)),
+        ("tree conv into q, k, v", lambda: check_tree_conv_qkv_against_torch_form(device)),
     ]:
         start = time.perf_counter()
         check()

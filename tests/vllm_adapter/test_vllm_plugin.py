@@ -249,9 +249,11 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
                            num_requests=1, num_tree_tokens=3)
     seen = {}
 
-    def fake_verify(step_, name, x, a, b, conv_state, ssm_state, slots, *rest):
+    def fake_verify(step_, name, x, a, b, conv_state, ssm_state, slots, *rest, out=None):
         seen["verify"] = (x[:, 0].tolist(), slots.tolist())
-        return torch.full((x.shape[0], 2, 2), 100.0) + x[:, :1, None]
+        seen["views"] = (x.data_ptr(), out)
+        result = torch.full((x.shape[0], 2, 2), 100.0) + x[:, :1, None]
+        return result if out is None else out.copy_(result)
 
     def fake_original(layer, x, b, a, out):
         md_now = metadata[layer.prefix]
@@ -270,6 +272,19 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
     assert seen["original"] == ([0.0, 1.0, 5.0], None, 3)
     assert metadata["layer.0"] is md  # restored
     assert out[:, 0, 0].tolist() == [0.0, -1.0, 102.0, 103.0, 104.0, -5.0]
+
+    # A step of decodes only: the tree rows are the leading rows, passed as views and written in place.
+    decodes = dataclasses.replace(md, num_prefills=0, num_prefill_tokens=0, num_actual_tokens=3,
+                                  spec_sequence_masks=torch.tensor([True]))
+    metadata["layer.0"] = decodes
+    only_trees = dataclasses.replace(step, token_index=torch.arange(3), other_index=None)
+    seen.clear()
+    out = torch.zeros(3, 2, 2)
+    patches._gdn_forward_core_with_trees(layer, fake_original, only_trees, x[:3], torch.zeros(3, 2),
+                                         torch.zeros(3, 2), out)
+    assert seen["verify"] == ([0.0, 1.0, 2.0], [7]) and "original" not in seen
+    assert seen["views"][0] == x.data_ptr() and seen["views"][1].data_ptr() == out.data_ptr()
+    assert out[:, 0, 0].tolist() == [100.0, 101.0, 102.0]
 
     bad = dataclasses.replace(md, num_spec_decode_tokens=2)
     metadata["layer.0"] = bad

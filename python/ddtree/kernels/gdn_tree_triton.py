@@ -83,8 +83,11 @@ Limits
 * Register pressure: ptxas for sm_90 reports ~255 registers per thread at
   BT = 16 / 4 warps with a few bytes of spill; tiles are small because
   ``BT = 16`` row blocks make every MMA an ``m16`` (mma.sync, not wgmma).
-* No conv kernel: the tree conv is :func:`ddtree.kernels.gdn_tree.tree_causal_conv1d_batched`
-  (a torch gather of each node's ``W`` window along its root path).
+* The tree conv (:func:`tree_conv_qkv`) is one kernel per layer: gather of each node's ``W``-row window
+  along its root path from the committed history and the step's inputs, the depthwise conv, bias and
+  SiLU, written straight into contiguous q, k and v (the torch form,
+  :func:`ddtree.kernels.gdn_tree.tree_causal_conv1d_batched` or ``ddtree.vllm.gdn.tree_conv``, takes
+  about ten launches).
 
 Import this module only where Triton is available; it is not imported by
 ``ddtree.kernels``. Set ``TRITON_INTERPRET=1`` before importing triton to run
@@ -461,6 +464,7 @@ def tree_gdn_verify(
     use_qk_l2norm: bool = True,
     precision: str = "tf32x3",
     out_dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
     block_t: int = 16,
     block_c: int = 64,
     block_v: Optional[int] = None,
@@ -485,6 +489,8 @@ def tree_gdn_verify(
             vLLM's ``[S, Hv, Dv, Dk]`` pool as ``pool.transpose(-1, -2)``); read only.
         state_indices: int ``[R]`` slot of each request in ``state_pool``.
         precision: fp32 ``tl.dot`` mode, see the module docstring.
+        out: optional contiguous ``[T, Hv, Dv]`` tensor the outputs are written into (e.g. rows of the
+            layer's own output buffer), in place of a new one; its dtype wins over ``out_dtype``.
         block_t: row-block size of the substitution (16 or 32); block_c: column
             tile of earlier nodes (16..128); block_v: value columns per program;
             block_kc: head-dim chunk of the q/k products.
@@ -518,7 +524,11 @@ def tree_gdn_verify(
     if block_v is None:
         block_v = _default_block_v(num_requests * num_v_heads, head_v_dim)
     block_k = _next_power_of_two(head_k_dim)
-    out = torch.empty(num_nodes, num_v_heads, head_v_dim, dtype=out_dtype or q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num_nodes, num_v_heads, head_v_dim, dtype=out_dtype or q.dtype, device=q.device)
+    elif list(out.shape) != [num_nodes, num_v_heads, head_v_dim] or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [T, Hv, Dv] = [{num_nodes}, {num_v_heads}, {head_v_dim}] "
+                         f"tensor, got shape {list(out.shape)} strides {out.stride()}")
     deltas = torch.empty(num_nodes, num_v_heads, head_v_dim, dtype=torch.float32, device=q.device)
     cum_log_decay = torch.empty(num_nodes, num_v_heads, dtype=torch.float32, device=q.device)
     dummy = cum_log_decay  # unused pointer arguments when gates are precomputed
@@ -536,6 +546,182 @@ def tree_gdn_verify(
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, deltas, cum_log_decay
+
+
+@triton.jit
+def _tree_conv_qkv_kernel(
+    x_ptr, stride_x,
+    history_ptr, stride_hs, stride_hc, stride_hw,
+    slots_ptr, index_ptr, weight_ptr, bias_ptr,
+    q_ptr, k_ptr, v_ptr,
+    num_history_rows, num_channels, key_width, value_width,
+    WIDTH: tl.constexpr, HISTORY: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """One node, ``BLOCK_C`` channels: ``sum_w source[index[t, w], c] * weight[c, w]`` (+ bias, SiLU).
+
+    ``source`` is ``cat(history rows, x)`` without materialising it: row ``i < num_history_rows`` is
+    column ``i % HISTORY`` of request ``i // HISTORY``'s history slot, later rows are rows of ``x``.
+    """
+    node = tl.program_id(0)
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = channels < num_channels
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for w in tl.static_range(WIDTH):
+        row = tl.load(index_ptr + node * WIDTH + w)
+        from_history = row < num_history_rows
+        if HISTORY > 0:
+            slot = tl.load(slots_ptr + row // HISTORY, mask=from_history, other=0).to(tl.int64)
+            past = tl.load(history_ptr + slot * stride_hs + channels * stride_hc + (row % HISTORY) * stride_hw,
+                           mask=ok & from_history, other=0.0)
+            # The torch form casts the history to x's dtype before the fp32 conv: same rounding here.
+            past = past.to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            past = tl.zeros([BLOCK_C], dtype=tl.float32)
+        current = tl.load(x_ptr + (row - num_history_rows) * stride_x + channels,
+                          mask=ok & (row >= num_history_rows), other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + channels * WIDTH + w, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.where(from_history, past, current) * weight
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + channels, mask=ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    out = acc.to(q_ptr.dtype.element_ty)
+    # Channels are [q | k | v]: each lands in its own contiguous tensor.
+    in_q = channels < key_width
+    in_k = (channels >= key_width) & (channels < 2 * key_width)
+    in_v = ok & (channels >= 2 * key_width)
+    tl.store(q_ptr + node * key_width + channels, out, mask=in_q)
+    tl.store(k_ptr + node * key_width + (channels - key_width), out, mask=in_k)
+    tl.store(v_ptr + node * value_width + (channels - 2 * key_width), out, mask=in_v)
+
+
+def tree_conv_qkv(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    conv_index: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: Optional[str],
+    key_width: int,
+    *,
+    block_c: int = 256,
+    num_warps: int = 4,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv of every tree node along its own root path, split into contiguous q, k, v.
+
+    Args:
+        x: ``[T, C]`` conv inputs of the tree nodes (rows contiguous), ``C = 2 * key_width + value_width``.
+        conv_state: ``[S, C, W - 1]`` committed histories, oldest first, any strides (vLLM's "SD" layout
+            is a transposed view).
+        slots: int ``[R]`` history slot of each request.
+        conv_index: int64 ``[T, W]`` rows of ``cat(history rows, x)`` (request ``r``'s history is rows
+            ``r * (W - 1) .. r * (W - 1) + W - 2``); the last column is the node itself.
+        weight: ``[C, W]``; bias: ``[C]`` or None; activation: ``"silu"``/``"swish"`` or None.
+
+    Returns ``q [T, key_width]``, ``k [T, key_width]``, ``v [T, C - 2 key_width]`` in ``x.dtype``; fp32 math.
+    """
+    num_nodes, channels = x.shape
+    width = weight.shape[-1]
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported GDN conv activation {activation!r}")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, C] with contiguous rows, got shape {list(x.shape)} strides {x.stride()}")
+    _require_shape("weight", weight, [channels, width], "[C, W]")
+    _require_shape("conv_index", conv_index, [num_nodes, width], "[T, W]")
+    if conv_state.dim() != 3 or conv_state.shape[1] != channels or conv_state.shape[2] != width - 1:
+        raise ValueError(f"conv_state must have shape [S, C = {channels}, W - 1 = {width - 1}], "
+                         f"got {list(conv_state.shape)}")
+    if bias is not None:
+        _require_shape("bias", bias, [channels], "[C]")
+    value_width = channels - 2 * key_width
+    if key_width <= 0 or value_width <= 0:
+        raise ValueError(f"key_width={key_width} leaves no value channels of C={channels}")
+    q = torch.empty(num_nodes, key_width, dtype=x.dtype, device=x.device)
+    k = torch.empty(num_nodes, key_width, dtype=x.dtype, device=x.device)
+    v = torch.empty(num_nodes, value_width, dtype=x.dtype, device=x.device)
+    if num_nodes == 0:
+        return q, k, v
+    weight = weight.contiguous()
+    grid = (num_nodes, triton.cdiv(channels, block_c))
+    _tree_conv_qkv_kernel[grid](
+        x, x.stride(0), conv_state, *conv_state.stride(), slots, conv_index.contiguous(), weight,
+        bias if bias is not None else weight, q, k, v,
+        slots.shape[0] * (width - 1), channels, key_width, value_width,
+        WIDTH=width, HISTORY=width - 1, BLOCK_C=block_c, HAS_BIAS=bias is not None,
+        SILU=activation is not None, num_warps=num_warps,
+    )
+    return q, k, v
+
+
+@triton.jit
+def _tree_conv_commit_kernel(
+    x_ptr, stride_x,
+    history_ptr, stride_hs, stride_hc, stride_hw,
+    slots_ptr, index_ptr,
+    num_history_rows, num_channels,
+    HISTORY: tl.constexpr, HISTORY_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One request, ``BLOCK_C`` channels: its history slot becomes rows ``index[r, :]`` of ``cat(history, x)``."""
+    request = tl.program_id(0)
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    column = tl.arange(0, HISTORY_PAD)
+    ok = (column < HISTORY)[:, None] & (channels < num_channels)[None, :]
+    rows = tl.load(index_ptr + request * HISTORY + column, mask=column < HISTORY, other=0)
+    from_history = (rows < num_history_rows)[:, None]
+    source_slot = tl.load(slots_ptr + rows // HISTORY, mask=(column < HISTORY) & (rows < num_history_rows),
+                          other=0).to(tl.int64)
+    past = tl.load(history_ptr + source_slot[:, None] * stride_hs + channels[None, :] * stride_hc
+                   + (rows % HISTORY)[:, None] * stride_hw, mask=ok & from_history, other=0.0)
+    current = tl.load(x_ptr + (rows - num_history_rows)[:, None] * stride_x + channels[None, :],
+                      mask=ok & (rows >= num_history_rows)[:, None], other=0.0)
+    value = tl.where(from_history, past, current.to(history_ptr.dtype.element_ty))
+    # The new history may be the old one shifted: every thread has read before any writes.
+    tl.debug_barrier()
+    slot = tl.load(slots_ptr + request).to(tl.int64)
+    tl.store(history_ptr + slot * stride_hs + channels[None, :] * stride_hc + column[:, None] * stride_hw, value,
+             mask=ok)
+
+
+def tree_conv_commit(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    conv_index: torch.Tensor,
+    *,
+    block_c: int = 256,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Writes each request's new conv history into its slot, in place; one launch.
+
+    Args:
+        x: ``[T, C]`` conv inputs of the verified tree nodes (channels contiguous).
+        conv_state: ``[S, C, W - 1]`` histories, oldest first, any strides; slot ``slots[r]`` of request ``r``
+            is read and overwritten.
+        slots: int ``[R]``.
+        conv_index: int64 ``[R, W - 1]`` rows of ``cat(history rows, x)`` (``ddtree.vllm.step.conv_commit_index``:
+            the last ``W - 1`` entries of the old history followed by the accepted path).
+
+    Returns ``conv_state``.
+    """
+    num_requests = slots.shape[0]
+    history = conv_state.shape[-1]
+    if conv_state.dim() != 3 or conv_state.shape[1] != x.shape[1]:
+        raise ValueError(f"conv_state must have shape [S, C = {x.shape[1]}, W - 1], got {list(conv_state.shape)}")
+    _require_shape("conv_index", conv_index, [num_requests, history], "[R, W - 1]")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, C] with contiguous channels, got shape {list(x.shape)} strides {x.stride()}")
+    if history == 0 or num_requests == 0:
+        return conv_state
+    channels = x.shape[1]
+    grid = (num_requests, triton.cdiv(channels, block_c))
+    _tree_conv_commit_kernel[grid](
+        x, x.stride(0), conv_state, *conv_state.stride(), slots, conv_index.contiguous(),
+        num_requests * history, channels,
+        HISTORY=history, HISTORY_PAD=_next_power_of_two(history, minimum=1), BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return conv_state
 
 
 def pad_accepted_paths(paths: Sequence[IndexLike], device=None) -> Tuple[torch.Tensor, torch.Tensor]:

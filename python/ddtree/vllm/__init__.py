@@ -1,4 +1,4 @@
-"""DDTree for vLLM 0.25.x (attention-only targets, V1 model runner).
+"""DDTree for vLLM 0.25.x (attention-only and hybrid Gated-DeltaNet targets, V1 model runner).
 
 Usage, once ``ddtree`` is installed (its ``vllm.general_plugins`` entry point
 loads :mod:`ddtree.vllm.plugin` in every vLLM process)::

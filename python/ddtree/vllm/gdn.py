@@ -31,7 +31,7 @@ tensors in, which keeps this module testable on CPU (Triton interpreter).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,16 @@ class GdnTreeStep:
     num_requests: int
     num_tree_tokens: int
     pending: Dict[str, "PendingCommit"] = dataclasses.field(default_factory=dict)
+    # The layers' state slots as int32, converted once per step: every GDN layer of a step reads the same
+    # slot tensor (one KV-cache group), as a new view each time.
+    _slots: Optional[Tuple[Tuple[int, int, int], torch.Tensor]] = None
+
+    def state_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` as int32, converted once per step and source tensor."""
+        key = (slots.data_ptr(), slots.stride(0), slots.shape[0])
+        if self._slots is None or self._slots[0] != key:
+            self._slots = (key, slots.to(torch.int32))
+        return self._slots[1]
 
 
 @dataclasses.dataclass
@@ -85,6 +95,9 @@ class GdnCommitPlan:
 def tree_conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, conv_index: torch.Tensor,
               weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> torch.Tensor:
     """Causal depthwise conv of every tree node along its own root path; fp32 math, ``x.dtype`` out.
+
+    The torch form of :func:`ddtree.kernels.gdn_tree_triton.tree_conv_qkv` (one launch instead of about
+    ten), kept as its test reference.
 
     Args:
         x: ``[T, C]`` conv inputs of the tree nodes.
@@ -123,14 +136,17 @@ def verify_tree_tokens(
     head_k_dim: int,
     head_v_dim: int,
     out_dtype: torch.dtype,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Outputs ``[T, Hv, Dv]`` of one GDN layer for the step's tree tokens; records the layer's commit.
 
     ``x``, ``a``, ``b`` are the tree tokens' rows only (``[T, C]``, ``[T, Hv]``);
     ``conv_state`` is ``[S, C, W - 1]`` and ``ssm_state`` vLLM's ``[S, Hv, Dv, Dk]``.
-    The caches are only read here.
+    The caches are only read here. ``out`` (contiguous ``[T, Hv, Dv]``, e.g. the layer's output rows)
+    receives the outputs instead of a new tensor. Three launches: conv (:func:`tree_conv_qkv`), the int32
+    slots (once per step) and the tree kernel; the torch form of the conv is :func:`tree_conv`.
     """
-    from ddtree.kernels.gdn_tree_triton import tree_gdn_verify
+    from ddtree.kernels.gdn_tree_triton import tree_conv_qkv, tree_gdn_verify
 
     num_tokens = x.shape[0]
     if num_tokens != step.num_tree_tokens or slots.shape[0] != step.num_requests:
@@ -138,17 +154,17 @@ def verify_tree_tokens(
             f"DDTree GDN layer {layer_name}: {num_tokens} tree tokens / {slots.shape[0]} requests in the layer, "
             f"{step.num_tree_tokens} / {step.num_requests} in the step's plan"
         )
-    conv_out = tree_conv(x, conv_state, slots, step.conv_index, conv_weight, conv_bias, activation)
     num_v_heads = a.shape[1]
-    key_width = (conv_out.shape[1] - num_v_heads * head_v_dim) // 2
-    q, k, v = conv_out.split([key_width, key_width, num_v_heads * head_v_dim], dim=-1)
-    q = q.reshape(num_tokens, -1, head_k_dim)
-    k = k.reshape(num_tokens, -1, head_k_dim).contiguous()
-    v = v.reshape(num_tokens, num_v_heads, head_v_dim)
+    key_width = (x.shape[1] - num_v_heads * head_v_dim) // 2
+    slots = step.state_slots(slots)
+    q, k, v = tree_conv_qkv(x, conv_state, slots, step.conv_index, conv_weight, conv_bias, activation, key_width)
+    q = q.view(num_tokens, -1, head_k_dim)
+    k = k.view(num_tokens, -1, head_k_dim)
+    v = v.view(num_tokens, num_v_heads, head_v_dim)
     pool = ssm_state.transpose(-1, -2)  # [S, Hv, Dk, Dv] view
     out, deltas, cum_log_decay = tree_gdn_verify(
-        q, k, v, a, b, step.node_offsets, step.ancestor_bits, pool, slots.to(torch.int32),
-        a_log=a_log, dt_bias=dt_bias, out_dtype=out_dtype,
+        q, k, v, a, b, step.node_offsets, step.ancestor_bits, pool, slots,
+        a_log=a_log, dt_bias=dt_bias, out_dtype=out_dtype, out=out,
     )
     step.pending[layer_name] = PendingCommit(conv_state, pool, slots, x, k, deltas, cum_log_decay)
     return out
@@ -156,17 +172,12 @@ def verify_tree_tokens(
 
 def commit_layer(pending: PendingCommit, plan: GdnCommitPlan) -> None:
     """Writes the accepted paths' conv history and recurrent state into the layer's slots (in place)."""
-    from ddtree.kernels.gdn_tree_triton import tree_gdn_commit
+    from ddtree.kernels.gdn_tree_triton import tree_conv_commit, tree_gdn_commit
 
-    conv_state, slots = pending.conv_state, pending.slots.long()
-    channels = pending.x.shape[1]
-    if conv_state.shape[-1] > 0:
-        history = conv_state[slots].transpose(1, 2).reshape(-1, channels)
-        source = torch.cat([history, pending.x.to(history.dtype)])
-        conv_state[slots] = source[plan.conv_index].transpose(1, 2)
+    tree_conv_commit(pending.x, pending.conv_state, pending.slots, plan.conv_index)
     tree_gdn_commit(
         pending.k, pending.deltas, pending.cum_log_decay, plan.node_offsets, plan.paths, plan.path_lengths,
-        pending.ssm_state, pending.slots.to(torch.int32),
+        pending.ssm_state, pending.slots,
     )
 
 

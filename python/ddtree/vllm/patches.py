@@ -360,16 +360,23 @@ def _gdn_forward_core_with_trees(layer, original, step, mixed_qkv, b, a, core_at
             f"tokens in a step that verifies {step.num_tree_tokens} tree tokens"
         )
     conv_state = layer.kv_cache[0] if is_conv_state_dim_first() else layer.kv_cache[0].transpose(-1, -2)
-    tree = step.token_index
-    core_attn_out[tree] = verify_tree_tokens(
-        step, layer.prefix, mixed_qkv[tree], a[tree], b[tree], conv_state, layer.kv_cache[1],
-        md.spec_state_indices_tensor[:, 0],
-        layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2)), layer.conv1d.bias,
-        layer.activation, layer.A_log, layer.dt_bias, layer.head_k_dim, layer.head_v_dim, core_attn_out.dtype,
-    ).to(core_attn_out.dtype)
+    weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2))
     other = step.other_index
+
+    def verify(rows, out=None):
+        return verify_tree_tokens(
+            step, layer.prefix, mixed_qkv[rows], a[rows], b[rows], conv_state, layer.kv_cache[1],
+            md.spec_state_indices_tensor[:, 0], weight, layer.conv1d.bias, layer.activation, layer.A_log,
+            layer.dt_bias, layer.head_k_dim, layer.head_v_dim, core_attn_out.dtype, out=out,
+        )
+
     if other is None:
+        # Every token is a tree token, in batch order (a step of decodes only): the tree rows are the
+        # leading rows, read as views and written in place rather than gathered and scattered.
+        rows = slice(0, step.num_tree_tokens)
+        verify(rows, out=core_attn_out[rows])
         return
+    core_attn_out[step.token_index] = verify(step.token_index)
     # vLLM's builder already computed the non-spec half (prefills, and decodes
     # reclassified as prefills) on its own; hide the spec half from its code.
     rest = dataclasses.replace(
