@@ -23,6 +23,7 @@ Life of a tree:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -154,35 +155,32 @@ def plan_verify(
     logit_start = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(num_drafts + 1, out=logit_start[1:])
 
-    rows, budgets, lps, ids = [], [], [], []
+    rows, records = [], []
     for i, req_id in enumerate(req_ids):
         b = int(num_drafts[i])
         if b == 0:
             continue
-        drafts = np.asarray(scheduled_spec_tokens[req_id], dtype=np.int64)
         record = store.take(req_id)
         if record is None:
             raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
-        built = record.tokens
-        if built is not None and (b > built.shape[0] or not np.array_equal(drafts, built[:b])):
-            raise DraftMismatchError(
-                f"request {req_id}: scheduled drafts {drafts[:8].tolist()}... are not a prefix of its tree "
-                f"{built[:8].tolist()}... ({b} vs {built.shape[0]} tokens)"
-            )
         if num_scheduled_tokens[i] != b + 1:
             raise DraftMismatchError(
                 f"request {req_id}: {num_scheduled_tokens[i]} tokens scheduled with {b} drafts (expected {b + 1})"
             )
         rows.append(i)
-        budgets.append(b)
-        lps.append(record.log_probs)
-        ids.append(record.token_ids)
+        records.append(record)
     if not rows:
         return None
 
-    trees = ddtree.build_trees(np.stack(lps), np.stack(ids), np.asarray(budgets, dtype=np.int64), store.executor)
-    if trees.tokens.shape[0] != sum(budgets):
-        raise DraftMismatchError("rebuilt trees do not have the scheduled number of nodes")
+    budgets = num_drafts[rows]
+    trees = ddtree.build_trees(np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records]),
+                               budgets, store.executor)
+    # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
+    # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
+    drafts = np.fromiter(itertools.chain.from_iterable(scheduled_spec_tokens[req_ids[i]] for i in rows),
+                         dtype=np.int64, count=int(budgets.sum()))
+    if not np.array_equal(trees.tokens, drafts):
+        raise _draft_mismatch([req_ids[i] for i in rows], records, scheduled_spec_tokens, trees)
     batch_index = np.asarray(rows, dtype=np.int64)
     starts = num_computed_tokens[batch_index]
     compiled = ddtree.compile_trees(trees, starts, window=conv_window if conv_window > 0 else None)
@@ -193,12 +191,6 @@ def plan_verify(
     logit_rows = np.repeat(logit_start[batch_index], sizes) + local
     row_start = np.full(num_reqs, -1, dtype=np.int32)
     row_start[batch_index] = node_offsets[:-1]
-    # Rebuilding a smaller budget must reproduce the proposal's prefix.
-    for j, i in enumerate(rows):
-        got = trees.tokens[trees.token_offsets[j] : trees.token_offsets[j + 1]]
-        want = np.asarray(scheduled_spec_tokens[req_ids[i]], dtype=np.int64)
-        if not np.array_equal(got, want):
-            raise DraftMismatchError(f"request {req_ids[i]}: rebuilt tree differs from the scheduled drafts")
     return VerifyPlan(
         batch_index=batch_index,
         trees=trees,
@@ -210,6 +202,23 @@ def plan_verify(
         num_nodes=sizes.astype(np.int64),
         conv_index=conv_gather_index(compiled.windows, node_offsets) if conv_window > 0 else None,
     )
+
+
+def _draft_mismatch(req_ids, records, scheduled_spec_tokens, trees) -> DraftMismatchError:
+    """The first request whose scheduled drafts are not its rebuilt tree, and why."""
+    if trees.tokens.shape[0] != sum(len(scheduled_spec_tokens[r]) for r in req_ids):
+        return DraftMismatchError("rebuilt trees do not have the scheduled number of nodes")
+    for j, (req_id, record) in enumerate(zip(req_ids, records)):
+        drafts = np.asarray(scheduled_spec_tokens[req_id], dtype=np.int64)
+        built, b = record.tokens, drafts.shape[0]
+        if built is not None and (b > built.shape[0] or not np.array_equal(drafts, built[:b])):
+            return DraftMismatchError(
+                f"request {req_id}: scheduled drafts {drafts[:8].tolist()}... are not a prefix of its tree "
+                f"{built[:8].tolist()}... ({b} vs {built.shape[0]} tokens)"
+            )
+        if not np.array_equal(trees.tokens[trees.token_offsets[j] : trees.token_offsets[j + 1]], drafts):
+            return DraftMismatchError(f"request {req_id}: rebuilt tree differs from the scheduled drafts")
+    return DraftMismatchError("rebuilt trees differ from the scheduled drafts")
 
 
 def conv_gather_index(windows: np.ndarray, node_offsets: np.ndarray) -> np.ndarray:
