@@ -236,3 +236,38 @@ proptest! {
         }
     }
 }
+
+/// A batch past the parallel threshold (64 trees of 64 nodes), with request
+/// `bad` (if any) given a repeated token; depth 2, width 64.
+fn large_batch(bad: &[usize]) -> (Vec<f32>, Vec<i64>) {
+    let (requests, depth, width) = (64, 2, 64);
+    let mut lp = Vec::new();
+    let mut ids = Vec::new();
+    for r in 0..requests {
+        for row in 0..depth {
+            lp.extend((0..width).map(|k| -0.01 * (k + r + row) as f32));
+            ids.extend((0..width as i64).map(|k| if bad.contains(&r) && k == 1 { 0 } else { k }));
+        }
+    }
+    (lp, ids)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Threads split a large batch between them yet report what a serial
+    /// loop does: the trees, or the first failing request's error.
+    #[test]
+    fn threaded_batch_equals_serial(
+        bad in prop::collection::vec(0usize..64, 0..4),
+        threads in 2usize..5,
+    ) {
+        let (lp, ids) = large_batch(&bad);
+        let dist = BatchDistribution { log_probs: &lp, token_ids: &ids, requests: 64, depth: 2, width: 64 };
+        let budgets = vec![64; 64];
+        let serial = build_trees(&dist, &budgets, &Executor::new(1).unwrap());
+        let threaded = build_trees(&dist, &budgets, &Executor::new(threads).unwrap());
+        prop_assert_eq!(serial.is_ok(), bad.is_empty());
+        prop_assert_eq!(threaded, serial);
+    }
+}
