@@ -271,3 +271,39 @@ proptest! {
         prop_assert_eq!(threaded, serial);
     }
 }
+
+proptest! {
+    /// The value check (vectorized for rows wider than eight) accepts
+    /// exactly the rows that start at most at the tolerance and never
+    /// increase, NaN nowhere.
+    #[test]
+    fn value_check_equals_naive(
+        depth in 0usize..4,
+        width in 0usize..40,
+        seed in prop::collection::vec((0u8..8, 0u8..16), 160),
+        sort in any::<bool>(),
+        nan_at in prop::option::of(0usize..160),
+    ) {
+        let pick = |(kind, k): (u8, u8)| match kind {
+            0 => 0.5,
+            1 => f32::NEG_INFINITY,
+            2 => 0.0,
+            _ => -0.25 * k as f32,
+        };
+        let mut lp: Vec<f32> = seed.into_iter().cycle().take(depth * width).map(pick).collect();
+        if sort {
+            for row in lp.chunks_mut(width.max(1)) {
+                row.sort_by(|a, b| b.total_cmp(a));
+            }
+        }
+        if let Some(at) = nan_at.filter(|&at| at < lp.len()) {
+            lp[at] = f32::NAN;
+        }
+        let ids: Vec<i64> = (0..(depth * width) as i64).collect();
+        let dist = DraftDistribution::new(&lp, &ids, depth, width).unwrap();
+        let naive = lp.chunks(width.max(1)).all(|row| {
+            row[0] <= 1e-3 && row.windows(2).all(|w| w[1] <= w[0])
+        });
+        prop_assert_eq!(ddtree::build::check_values(&dist).is_ok(), naive);
+    }
+}
