@@ -6,9 +6,8 @@
 //! `token_offsets[r]..token_offsets[r + 1]` of `tokens`. This is the layout
 //! vLLM uses for a batch's flattened query tokens.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-
-use rayon::prelude::*;
 
 use crate::accept::{AcceptSlots, TreeWalker};
 use crate::build::TreeBuilder;
@@ -78,11 +77,14 @@ impl TreeBatch {
     }
 }
 
-/// Owns a thread pool created on first use, never at import. vLLM forks its
-/// workers; a pool inherited through `fork` has no threads, so a pool made in
-/// another process is abandoned and a new one made in this process.
+/// Runs a batch's work on the calling thread and, for large batches, on
+/// helper threads from a pool created on first use, never at import. vLLM
+/// forks its workers; a pool inherited through `fork` has no threads, so a
+/// pool made in another process is abandoned and a new one made in this
+/// process.
 pub struct Executor {
     num_threads: usize,
+    /// `num_threads - 1` helpers: the calling thread is the last one.
     pool: Mutex<Option<(u32, Arc<rayon::ThreadPool>)>>,
 }
 
@@ -114,7 +116,7 @@ impl Executor {
             std::mem::forget(stale);
         }
         let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(self.num_threads)
+            .num_threads(self.num_threads - 1)
             .thread_name(|i| format!("ddtree-{i}"))
             .build()
             .map_err(|e| DdtreeError::Internal(format!("cannot start the thread pool: {e}")))?;
@@ -123,7 +125,13 @@ impl Executor {
         Ok(pool)
     }
 
-    /// Runs `work` for each item, in the pool when the batch is big enough.
+    /// Runs `work` for each item; with helpers when the batch is big enough.
+    /// Returns the error of the first failing item, as a serial loop would.
+    ///
+    /// The calling thread works rather than waiting for the pool, and items
+    /// go out in chunks that threads claim in order from a shared counter:
+    /// a helper asleep since the last call takes microseconds to wake, and
+    /// one that starts late just claims fewer chunks.
     fn for_each<I: Send, F>(&self, items: Vec<I>, total_nodes: usize, work: F) -> Result<()>
     where
         F: Fn(I) -> Result<()> + Sync + Send,
@@ -131,8 +139,92 @@ impl Executor {
         if self.num_threads == 1 || total_nodes < PARALLEL_MIN_NODES {
             return items.into_iter().try_for_each(work);
         }
-        self.pool()?
-            .install(|| items.into_par_iter().try_for_each(work))
+        let min_len = (items.len() * MIN_CHUNK_NODES).div_ceil(total_nodes);
+        let mut items: Vec<Option<I>> = items.into_iter().map(Some).collect();
+        let claims = Claims::new(&mut items, self.num_threads, min_len);
+        let pool = self.pool()?;
+        pool.in_place_scope(|scope| {
+            for _ in 0..pool.current_num_threads() {
+                scope.spawn(|_| claims.run(&work));
+            }
+            claims.run(&work);
+        });
+        claims.into_result()
+    }
+}
+
+/// The fewest nodes a thread claims at a time (a few trees at budget 64):
+/// every claim passes the shared counter's cache line between cores.
+const MIN_CHUNK_NODES: usize = 128;
+
+/// A batch's items in chunks that threads claim in order (see
+/// [`Executor::for_each`]), and the first error met.
+struct Claims<'a, I> {
+    chunks: Vec<Padded<Mutex<&'a mut [Option<I>]>>>,
+    /// The next chunk to claim; moved past the last one on an error, as
+    /// the chunks after a failed one need not run.
+    next: Padded<AtomicUsize>,
+    /// The failing chunk with the lowest index and its error.
+    first_error: Mutex<Option<(usize, DdtreeError)>>,
+}
+
+/// Keeps a value alone in its cache line, so that threads using neighbours
+/// do not pass the line back and forth.
+#[repr(align(64))]
+struct Padded<T>(T);
+
+impl<'a, I> Claims<'a, I> {
+    /// Chunks that shrink as the batch does ("guided" scheduling): each is
+    /// a share of what is left, so the first claims are large (few trips
+    /// through the counter) and the last small (threads finish together).
+    fn new(mut items: &'a mut [Option<I>], threads: usize, min_len: usize) -> Self {
+        let mut chunks = Vec::new();
+        while !items.is_empty() {
+            let len = (items.len() / threads).max(min_len).min(items.len());
+            let (chunk, rest) = std::mem::take(&mut items).split_at_mut(len);
+            chunks.push(Padded(Mutex::new(chunk)));
+            items = rest;
+        }
+        Claims {
+            chunks,
+            next: Padded(AtomicUsize::new(0)),
+            first_error: Mutex::new(None),
+        }
+    }
+
+    /// Claims and runs chunks until none is left or one has failed. Chunks
+    /// are claimed in index order, so when chunk i fails every chunk before
+    /// it has been claimed and runs to its end: the lowest failing chunk,
+    /// the first error of a serial loop, is always recorded.
+    fn run(&self, work: &(impl Fn(I) -> Result<()> + Sync)) {
+        loop {
+            let index = self.next.0.fetch_add(1, Ordering::Relaxed);
+            let Some(chunk) = self.chunks.get(index) else {
+                return;
+            };
+            let mut chunk = chunk.0.lock().unwrap_or_else(|e| e.into_inner());
+            let result = chunk.iter_mut().filter_map(Option::take).try_for_each(work);
+            if let Err(err) = result {
+                self.record(index, err);
+            }
+        }
+    }
+
+    #[cold]
+    fn record(&self, index: usize, err: DdtreeError) {
+        self.next.0.store(self.chunks.len(), Ordering::Relaxed);
+        let mut first = self.first_error.lock().unwrap_or_else(|e| e.into_inner());
+        if first.as_ref().is_none_or(|(i, _)| index < *i) {
+            *first = Some((index, err));
+        }
+    }
+
+    fn into_result(self) -> Result<()> {
+        let first = self.first_error.into_inner();
+        match first.unwrap_or_else(|e| e.into_inner()) {
+            Some((_, err)) => Err(err),
+            None => Ok(()),
+        }
     }
 }
 

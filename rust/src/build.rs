@@ -471,21 +471,56 @@ pub fn check_values<T: TokenId>(dist: &DraftDistribution<'_, T>) -> Result<()> {
 
 /// Whether each row is non-increasing and starts at most at the tolerance
 /// (false on NaN). With AVX2, where the CPU has it: the check reads every
-/// value of every row, and twice the lanes halve its cost.
+/// value of every row, and eight lanes cut its cost.
 fn values_ok(log_probs: &[f32], width: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if width > avx2::LANES && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, as just checked.
-        return unsafe { values_ok_avx2(log_probs, width) };
+        return unsafe { avx2::values_ok(log_probs, width) };
     }
     values_ok_any_cpu(log_probs, width)
 }
 
-/// [`values_ok_any_cpu`] compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn values_ok_avx2(log_probs: &[f32], width: usize) -> bool {
-    values_ok_any_cpu(log_probs, width)
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    pub const LANES: usize = 8;
+
+    /// [`super::values_ok_any_cpu`] for rows longer than [`LANES`]: each
+    /// step compares eight pairs `(row[i], row[i + 1])`, the row's last step
+    /// overlapping the one before rather than leaving a scalar tail.
+    #[target_feature(enable = "avx2")]
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+    pub unsafe fn values_ok(log_probs: &[f32], width: usize) -> bool {
+        assert!(width > LANES);
+        let steps = (width - 1) / LANES;
+        let last = width - 1 - LANES;
+        let mut unsorted = _mm256_setzero_ps();
+        let mut bad_start = false;
+        for row in log_probs.chunks_exact(width) {
+            bad_start |= !(row[0] <= super::LOG_PROB_TOLERANCE);
+            let row = row.as_ptr();
+            // SAFETY: every step reads LANES + 1 values from `row[i]` with
+            // i <= last = width - 1 - LANES.
+            unsafe {
+                for step in 0..steps {
+                    unsorted = _mm256_or_ps(unsorted, unsorted_pairs(row.add(step * LANES)));
+                }
+                unsorted = _mm256_or_ps(unsorted, unsorted_pairs(row.add(last)));
+            }
+        }
+        _mm256_movemask_ps(unsorted) == 0 && !bad_start
+    }
+
+    /// Lanes where `!(at[i + 1] <= at[i])` (not-less-or-equal: true on NaN,
+    /// like the scalar check), for i < LANES.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn unsorted_pairs(at: *const f32) -> __m256 {
+        // SAFETY: the caller provides LANES + 1 readable values at `at`.
+        unsafe { _mm256_cmp_ps::<_CMP_NLE_UQ>(_mm256_loadu_ps(at.add(1)), _mm256_loadu_ps(at)) }
+    }
 }
 
 // `!(b <= a)` rather than `b > a`: the negation is what makes NaN fail.

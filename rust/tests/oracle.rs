@@ -236,3 +236,74 @@ proptest! {
         }
     }
 }
+
+/// A batch past the parallel threshold (64 trees of 64 nodes), with request
+/// `bad` (if any) given a repeated token; depth 2, width 64.
+fn large_batch(bad: &[usize]) -> (Vec<f32>, Vec<i64>) {
+    let (requests, depth, width) = (64, 2, 64);
+    let mut lp = Vec::new();
+    let mut ids = Vec::new();
+    for r in 0..requests {
+        for row in 0..depth {
+            lp.extend((0..width).map(|k| -0.01 * (k + r + row) as f32));
+            ids.extend((0..width as i64).map(|k| if bad.contains(&r) && k == 1 { 0 } else { k }));
+        }
+    }
+    (lp, ids)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Threads split a large batch between them yet report what a serial
+    /// loop does: the trees, or the first failing request's error.
+    #[test]
+    fn threaded_batch_equals_serial(
+        bad in prop::collection::vec(0usize..64, 0..4),
+        threads in 2usize..5,
+    ) {
+        let (lp, ids) = large_batch(&bad);
+        let dist = BatchDistribution { log_probs: &lp, token_ids: &ids, requests: 64, depth: 2, width: 64 };
+        let budgets = vec![64; 64];
+        let serial = build_trees(&dist, &budgets, &Executor::new(1).unwrap());
+        let threaded = build_trees(&dist, &budgets, &Executor::new(threads).unwrap());
+        prop_assert_eq!(serial.is_ok(), bad.is_empty());
+        prop_assert_eq!(threaded, serial);
+    }
+}
+
+proptest! {
+    /// The value check (vectorized for rows wider than eight) accepts
+    /// exactly the rows that start at most at the tolerance and never
+    /// increase, NaN nowhere.
+    #[test]
+    fn value_check_equals_naive(
+        depth in 0usize..4,
+        width in 0usize..40,
+        seed in prop::collection::vec((0u8..8, 0u8..16), 160),
+        sort in any::<bool>(),
+        nan_at in prop::option::of(0usize..160),
+    ) {
+        let pick = |(kind, k): (u8, u8)| match kind {
+            0 => 0.5,
+            1 => f32::NEG_INFINITY,
+            2 => 0.0,
+            _ => -0.25 * k as f32,
+        };
+        let mut lp: Vec<f32> = seed.into_iter().cycle().take(depth * width).map(pick).collect();
+        if sort {
+            for row in lp.chunks_mut(width.max(1)) {
+                row.sort_by(|a, b| b.total_cmp(a));
+            }
+        }
+        if let Some(at) = nan_at.filter(|&at| at < lp.len()) {
+            lp[at] = f32::NAN;
+        }
+        let ids: Vec<i64> = (0..(depth * width) as i64).collect();
+        let dist = DraftDistribution::new(&lp, &ids, depth, width).unwrap();
+        let naive = lp.chunks(width.max(1)).all(|row| {
+            row[0] <= 1e-3 && row.windows(2).all(|w| w[1] <= w[0])
+        });
+        prop_assert_eq!(ddtree::build::check_values(&dist).is_ok(), naive);
+    }
+}
