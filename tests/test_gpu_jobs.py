@@ -1,0 +1,39 @@
+"""benches/gpu_jobs.py: jobs on shared GPUs wait for each other, others run side by side, a job past its time
+is killed, and the archive holds everything even then."""
+
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benches" / "gpu_jobs.py"
+
+
+def test_jobs_order_limits_and_archive(tmp_path):
+    archive = tmp_path / "run.tgz"
+    start = time.time()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--archive", str(archive), "--deadline", "20",
+         "--job", "0|10|first|sleep 1; echo $CUDA_VISIBLE_DEVICES > {dir}/gpus.txt",
+         "--job", "1|1|stuck|echo started; sleep 30",
+         "--job", "0,1|10|after|cat {work}/first/gpus.txt > {dir}/seen.txt; echo done"],
+        capture_output=True, text=True, timeout=60,
+    )
+    elapsed = time.time() - start
+    assert result.returncode == 0, result.stderr
+    assert "== first (GPUs 0): finished, rc 0" in result.stdout
+    assert "== stuck (GPUs 1): KILLED after 1 s" in result.stdout and "started" in result.stdout
+    assert "== after (GPUs 0,1): finished, rc 0" in result.stdout
+    assert elapsed < 15  # the stuck job was killed, not waited for
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        assert {"./first.log", "./stuck.log", "./after.log", "./commit.txt", "./after/seen.txt"} <= names
+        # "after" ran once both GPUs were free, so it saw the first job's file.
+        assert tar.extractfile("./after/seen.txt").read().decode().strip() == "0"
+
+
+def test_bad_job_is_refused_with_the_format(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--archive", str(tmp_path / "x.tgz"), "--deadline", "5",
+                             "--job", "gpu0|10|x|true"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "GPUS must be GPU numbers" in result.stderr
