@@ -21,7 +21,8 @@ requests mid-tree, requests aborted mid-tree (survivors and a later batch must b
 unaffected), temperature 1 with per-request seeds (run twice: must repeat).
 
 Checks: greedy outputs equal plain's, a divergence allowed only where plain's
-top-2 logprob gap is below --gap-tol (counted and reported); ddtree's mean
+top-2 logprob gap is below --gap-tol (counted and reported); ddtree's logprobs
+of its emitted tokens within --logprob-tol of plain's; ddtree's mean
 acceptance length >= dflash's; seeded temperature-1 outputs reproducible.
 Everything goes to DIR/vllm_ddtree_e2e.log and DIR/vllm_ddtree_e2e.json.
 """
@@ -134,7 +135,8 @@ def run_child(name, target, drafter, only_scenarios=()):
         with open(prompt_file) as f:
             given = json.load(f)
     P = prompts(vocab, given)
-    want_logprobs = name == "plain"
+    # plain's top-2 gaps judge divergences; ddtree's own logprobs are checked against plain's.
+    want_logprobs = name == "plain" or name.startswith("ddtree")
 
     def greedy(max_tokens, stop=None):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
@@ -144,13 +146,14 @@ def run_child(name, target, drafter, only_scenarios=()):
         rows = []
         for o in outs:
             c = o.outputs[0]
-            gaps = None
+            gaps = chosen = None
             if c.logprobs:
-                gaps = []
-                for step in c.logprobs:
+                gaps, chosen = [], []
+                for token, step in zip(c.token_ids, c.logprobs):
                     vals = sorted((lp.logprob for lp in step.values()), reverse=True)
                     gaps.append(vals[0] - vals[1] if len(vals) > 1 else 99.0)
-            rows.append({"tokens": list(c.token_ids), "gaps": gaps, "finish": c.finish_reason})
+                    chosen.append(step[token].logprob if token in step else None)
+            rows.append({"tokens": list(c.token_ids), "gaps": gaps, "logprobs": chosen, "finish": c.finish_reason})
         return rows
 
     def scenario(sname, fn):
@@ -264,6 +267,22 @@ def compare(ref_rows, rows, gap_tol):
     return same, tie, real, details
 
 
+def logprob_difference(ref_rows, rows):
+    """Largest |logprob of the emitted token| difference where both emitted the same tokens so far (None: no
+    logprobs to compare)."""
+    worst = None
+    for r, x in zip(ref_rows, rows):
+        a, b = r.get("logprobs"), x.get("logprobs")
+        if not a or not b:
+            continue
+        for ta, tb, la, lb in zip(r["tokens"], x["tokens"], a, b):
+            if ta != tb:
+                break
+            if la is not None and lb is not None:
+                worst = max(worst or 0.0, abs(la - lb))
+    return worst
+
+
 def with_plain_gaps(rows, plain_scenario):
     """``rows`` with plain's top-2 gaps, kept only up to where the row first departs from plain's output."""
     out = []
@@ -282,6 +301,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_e2e_out"))
     ap.add_argument("--gap-tol", type=float, default=0.05)
+    ap.add_argument("--logprob-tol", type=float, default=0.15,
+                    help="largest |logprob| difference of ddtree's emitted tokens from plain's (bf16 logits of "
+                         "magnitude 8-16 are 0.0625 apart)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=150, help="per engine")
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
@@ -379,6 +401,10 @@ def main():
             if plain and name != "plain" and sname in plain["scenarios"] and sname != "t1":
                 same, tie, real, details = compare(plain["scenarios"][sname]["rows"], sc["rows"], args.gap_tol)
                 verdict[f"{name}/{sname}"] = real == 0
+                diff = logprob_difference(plain["scenarios"][sname]["rows"], sc["rows"])
+                if diff is not None:
+                    notes += f"logprob diff vs plain {diff:.4f}; "
+                    verdict[f"{name}/{sname}/logprobs"] = diff <= args.logprob_tol
                 for d in details:
                     log(f"    {name}/{sname}: {d}", fh)
             base = results.get(name[: -len("-tp2")]) if name.endswith("-tp2") else None

@@ -132,6 +132,7 @@ def _target(**kw):
         ({"use_v2_model_runner": True}, "V1"),
         ({"has_logits_processors": True}, "logits processors"),
         ({"cfg": DDTreeConfig(budget=64, draft_len=15, top_k=5000)}, "exceeds the vocabulary"),
+        ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode='processed_logprobs' is not supported"),
     ],
 )
 def test_targets_the_adapter_cannot_verify_are_refused(kw, match):
@@ -171,7 +172,6 @@ def _params(**kw):
         ({"min_p": 0.1}, "min_p"),
         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ({"min_tokens": 3}, "min_tokens"),
-        ({"logprobs": 0}, "logprobs"),
     ],
 )
 def test_unservable_requests_are_named(kw, word):
@@ -181,3 +181,5 @@ def test_unservable_requests_are_named(kw, word):
 
 def test_plain_sampling_is_served():
     assert unsupported_sampling_reasons(_params()) == []
+    assert unsupported_sampling_reasons(_params(logprobs=5)) == []  # the sampler returns them
+    check_target(**_target(logprobs_mode="raw_logits"))

@@ -77,8 +77,9 @@ def test_admission_refuses_unservable_requests():
     h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
     with pytest.raises(ValueError, match="repetition_penalty"):
         h._validate_params(SamplingParams(repetition_penalty=1.2))
-    with pytest.raises(ValueError, match="logprobs"):
-        h._validate_params(SamplingParams(logprobs=2))
+    with pytest.raises(ValueError, match="min_tokens"):
+        h._validate_params(SamplingParams(min_tokens=2))
+    h._validate_params(SamplingParams(logprobs=2))  # served: logprobs at each emitted token's node
     h.vllm_config = SimpleNamespace(additional_config={})
     h._validate_params(SamplingParams(repetition_penalty=1.2))  # not a ddtree engine: untouched
 
@@ -143,6 +144,40 @@ def test_rejection_sampler_emits_vllm_chain_rows():
         assert out[row, : len(want)].tolist() == want
         assert (out[row, len(want):] == -1).all()
     assert runner._ddtree_accept is not None
+
+    # Logprobs: each emitted token's, from the raw logits row of the node it was sampled at, in the layout
+    # vLLM's own rejection sampler returns (vLLM's parse_output then keeps the emitted entries only).
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    runner.sampler = Sampler(logprobs_mode="raw_logprobs")
+    logits += torch.linspace(0.0, 1.0, vocab)  # distinct values, so every rank is well defined
+    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    runner._ddtree_plan = plan
+    result = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "max_num_logprobs": 2}))
+    tokens, lists = RejectionSampler.parse_output(result.sampled_token_ids, vocab,
+                                                  logprobs_tensors=result.logprobs_tensors)
+    log_softmax = logits.log_softmax(dim=-1)
+    paths = runner._ddtree_accept.accepted.paths
+    expected_rows = [[0]]  # request "p": its only row
+    for j in range(2):
+        path = [int(p) for p in paths[j] if p >= 0]
+        expected_rows.append([int(plan.logit_rows[plan.trees.node_offsets[j] + p]) for p in path])
+    position = 0
+    for r, (emitted, rows) in enumerate(zip(tokens, expected_rows)):
+        assert len(emitted) == len(rows)
+        for token, row in zip(emitted, rows):
+            ids_row = lists.logprob_token_ids[position]
+            values = lists.logprobs[position]
+            assert ids_row[0] == token and values[0] == pytest.approx(float(log_softmax[row, token]), abs=1e-5)
+            top2 = log_softmax[row].topk(2)
+            assert list(ids_row[1:]) == top2.indices.tolist()
+            assert lists.sampled_token_ranks[position] == int((log_softmax[row] > log_softmax[row, token]).sum()) + 1
+            position += 1
+    assert position == len(lists.logprobs)
 
 
 def test_vllm_layout_assumptions():

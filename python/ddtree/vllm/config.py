@@ -251,6 +251,7 @@ def check_target(
     has_logits_processors: bool = False,
     architecture: str = "",
     mamba_cache_mode: str = "none",
+    logprobs_mode: str = "raw_logprobs",
 ) -> None:
     """Refuses targets this adapter cannot verify exactly.
 
@@ -274,6 +275,11 @@ def check_target(
         raise DDTreeConfigError(f"method 'ddtree' needs an unquantized KV cache, got kv_cache_dtype={kv_cache_dtype!r}")
     if use_v2_model_runner:
         raise DDTreeConfigError(f"method 'ddtree' runs on vLLM's V1 model runner; set {V2_RUNNER_ENV}=0")
+    if logprobs_mode not in ("raw_logprobs", "raw_logits"):
+        raise DDTreeConfigError(
+            f"method 'ddtree' returns logprobs of the target's raw distribution at each tree node; "
+            f"logprobs_mode={logprobs_mode!r} is not supported (use raw_logprobs or raw_logits)"
+        )
     if has_logits_processors:
         raise DDTreeConfigError("method 'ddtree' does not support custom logits processors")
     if cfg.top_k is not None and cfg.top_k > vocab_size:
@@ -311,8 +317,6 @@ def unsupported_sampling_reasons(params: Any) -> list:
         reasons.append("allowed_token_ids")
     if (get("min_tokens") or 0) > 0:
         reasons.append("min_tokens (stop tokens would have to be masked per tree depth)")
-    if get("logprobs") is not None:
-        reasons.append("logprobs of sampled tokens")
     if get("logits_processors"):
         reasons.append("per-request logits processors")
     if get("thinking_token_budget") is not None:

@@ -19,7 +19,7 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    same process is untouched.
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
    (wrapped): requests whose sampling the tree cannot serve exactly
-   (structured outputs, penalties, bad words, logprobs, min_tokens, ...) are
+   (structured outputs, penalties, bad words, min_tokens, ...) are
    rejected at admission with the reason, only for ddtree engines.
 3. ``register_backend(AttentionBackendEnum.CUSTOM, ...)``: the CUSTOM
    attention backend is DDTree's tree-attention backend (vLLM's own
@@ -197,6 +197,7 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
         cfg=cfg,
         use_v2_model_runner=bool(vllm_config.use_v2_model_runner),
         has_logits_processors=bool(getattr(model, "logits_processors", None)),
+        logprobs_mode=str(getattr(model, "logprobs_mode", "raw_logprobs")),
     )
     if spec.num_speculative_tokens != cfg.budget:
         raise DDTreeConfigError("internal: vLLM's num_speculative_tokens must equal the ddtree budget")

@@ -11,7 +11,10 @@ drafter's next input) reads only that.
 This sampler draws one target token per row (:func:`ddtree.vllm.node_sampling.sample_rows`),
 copies the tree rows' tokens to the host once, walks every tree in one Rust
 call and writes the chain rows. Rows of requests without a tree keep their
-single sampled token.
+single sampled token. Requested logprobs are those of the target's raw
+distribution at the node each emitted token was sampled from (vLLM's default
+``raw_logprobs`` mode, or ``raw_logits``), in the layout vLLM's own rejection
+sampler returns.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ import torch.nn as nn
 from vllm.v1.outputs import SamplerOutput
 
 from ddtree.vllm.node_sampling import sample_rows
-from ddtree.vllm.step import accept
+from ddtree.vllm.step import accept, emitted_logit_rows
+
+#: vLLM's logprobs modes this sampler serves: the target's own distribution at each node. The processed
+#: modes (after temperature, top-k, top-p) are refused at start-up (``ddtree.vllm.config.check_target``).
+RAW_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
 
 def check_sampling_metadata(md) -> None:
@@ -36,8 +43,6 @@ def check_sampling_metadata(md) -> None:
         problems.append("bad_words")
     if md.allowed_token_ids_mask is not None:
         problems.append("allowed_token_ids")
-    if md.max_num_logprobs is not None:
-        problems.append("logprobs")
     if problems:
         raise RuntimeError(
             "DDTree cannot verify trees for requests using " + ", ".join(problems)
@@ -78,10 +83,30 @@ class DDTreeRejectionSampler(nn.Module):
         out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
         # Requests without a tree (no drafts, or the dummy run) emit their last row's token.
         out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
+        result = None
         if plan is not None:
             node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
             with runner.ddtree_stats.timed("accept"):
                 result = accept(plan, node_tokens, width)
             out[plan.batch_index_gpu] = torch.from_numpy(result.output_tokens).to(logits.device, torch.int32)
             runner._ddtree_accept = result
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(runner, plan, result, metadata, logits, out, sampling_metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+    @staticmethod
+    def _logprobs(runner, plan, result, metadata, logits, out, max_num_logprobs):
+        """vLLM's ``LogprobsTensors`` for ``out`` (``[num_reqs * width]`` entries, rejected ones discarded by
+        vLLM's ``parse_output``), from the raw logits row each token was sampled from."""
+        num_reqs, width = out.shape
+        last_rows = metadata.bonus_logits_indices.cpu().numpy()[:num_reqs]
+        rows = emitted_logit_rows(plan, result.accepted if result is not None else None, last_rows, width)
+        chosen = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)].to(torch.float32)
+        sampler = runner.sampler
+        if sampler.logprobs_mode not in RAW_LOGPROBS_MODES:
+            raise RuntimeError(f"DDTree serves logprobs modes {RAW_LOGPROBS_MODES}, got {sampler.logprobs_mode!r} "
+                               "(refused at start-up; this is a bug)")
+        values = chosen if sampler.logprobs_mode == "raw_logits" else sampler.compute_logprobs(chosen)
+        tokens = out.reshape(-1).to(torch.int64).clamp(min=0)  # -1 (discarded later) gathers token 0
+        return sampler.gather_logprobs(values, max_num_logprobs, tokens)

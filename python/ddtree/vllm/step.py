@@ -299,6 +299,26 @@ def accept(plan: VerifyPlan, node_target_tokens: np.ndarray, width: int) -> Acce
     )
 
 
+def emitted_logit_rows(plan: Optional[VerifyPlan], accepted: Optional["ddtree.AcceptedBatch"],
+                       last_rows: np.ndarray, width: int) -> np.ndarray:
+    """The logits row each emitted token was sampled from, in vLLM's ``[num_reqs, width]`` output layout.
+
+    Token ``j`` of a tree request comes from node ``paths[j]`` of its accepted path (the root's row for the
+    first, the bonus from the last path node's); every other entry -- requests without a tree, and columns
+    past a request's emitted tokens, which vLLM discards -- gets the request's last row (``last_rows [R]``,
+    vLLM's ``bonus_logits_indices``).
+    """
+    rows = np.repeat(np.asarray(last_rows, dtype=np.int64)[:, None], width, axis=1)
+    if plan is None or accepted is None:
+        return rows
+    paths = accepted.paths
+    offsets = plan.trees.node_offsets
+    for j, r in enumerate(plan.batch_index):
+        path = paths[j][paths[j] >= 0].astype(np.int64)[:width]
+        rows[r, : path.shape[0]] = plan.logit_rows[offsets[j] + path]
+    return rows
+
+
 def drafter_context_order(plan: VerifyPlan, accepted: "ddtree.AcceptedBatch", num_tokens: int) -> np.ndarray:
     """Row order of the target's hidden states for the next drafter pass: ``[num_tokens]``.
 
