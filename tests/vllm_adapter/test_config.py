@@ -170,7 +170,6 @@ def _params(**kw):
         ({"bad_words": ["x"]}, "bad_words"),
         ({"logit_bias": {1: 2.0}}, "logit_bias"),
         ({"min_p": 0.1}, "min_p"),
-        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ({"min_tokens": 3}, "min_tokens"),
     ],
 )
@@ -182,4 +181,5 @@ def test_unservable_requests_are_named(kw, word):
 def test_plain_sampling_is_served():
     assert unsupported_sampling_reasons(_params()) == []
     assert unsupported_sampling_reasons(_params(logprobs=5)) == []  # the sampler returns them
+    assert unsupported_sampling_reasons(_params(allowed_token_ids=[1, 2])) == []  # a per-node mask
     check_target(**_target(logprobs_mode="raw_logits"))

@@ -145,6 +145,21 @@ def test_rejection_sampler_emits_vllm_chain_rows():
         assert (out[row, len(want):] == -1).all()
     assert runner._ddtree_accept is not None
 
+    # allowed_token_ids: a per-request mask (True = excluded), the same at every node, so exact for trees.
+    unmasked = out.clone()
+    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    runner._ddtree_plan = plan
+    mask = torch.zeros(4, vocab, dtype=torch.bool)  # vLLM's [max_num_reqs, V]
+    mask[1] = True
+    mask[1, 13] = False  # request "a" may only emit token 13
+    masked = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "allowed_token_ids_mask": mask}))
+    a_tokens = [t for t in masked.sampled_token_ids[1].tolist() if t >= 0]
+    assert a_tokens and set(a_tokens) == {13}
+    assert torch.equal(masked.sampled_token_ids[[0, 2]], unmasked[[0, 2]])
+
     # Logprobs: each emitted token's, from the raw logits row of the node it was sampled at, in the layout
     # vLLM's own rejection sampler returns (vLLM's parse_output then keeps the emitted entries only).
     from vllm.v1.sample.rejection_sampler import RejectionSampler

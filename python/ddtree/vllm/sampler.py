@@ -41,8 +41,6 @@ def check_sampling_metadata(md) -> None:
         problems.append("penalties")
     if md.bad_words_token_ids:
         problems.append("bad_words")
-    if md.allowed_token_ids_mask is not None:
-        problems.append("allowed_token_ids")
     if problems:
         raise RuntimeError(
             "DDTree cannot verify trees for requests using " + ", ".join(problems)
@@ -69,10 +67,14 @@ class DDTreeRejectionSampler(nn.Module):
         def per_row(t):
             if t is None:
                 return None
-            return t[:num_reqs].repeat_interleave(rows_per_req)
+            return t[:num_reqs].repeat_interleave(rows_per_req, dim=0)
 
+        allowed_only = sampling_metadata.allowed_token_ids_mask
+        # A request's allowed tokens do not depend on the path, so masking every node's row is exact; the raw
+        # rows stay for logprobs (vLLM's raw modes).
+        sample_logits = logits if allowed_only is None else logits.masked_fill(per_row(allowed_only), float("-inf"))
         tokens = sample_rows(
-            logits,
+            sample_logits,
             per_row(sampling_metadata.temperature),
             per_row(sampling_metadata.top_k),
             per_row(sampling_metadata.top_p),
