@@ -14,6 +14,7 @@ from ddtree.vllm.step import (
     chain_as_tree_check,
     drafter_context_order,
     plan_verify,
+    stop_token_rows,
 )
 
 
@@ -200,3 +201,21 @@ def test_ranks_that_do_not_build_at_proposal_verify_the_same_trees():
     wrong[0] = (wrong[0] + 1) % 1000
     with pytest.raises(DraftMismatchError, match="rebuilt tree differs"):
         plan_verify(follower, ["a"], np.array([7]), np.array([13]), {"a": wrong})
+
+
+def test_min_tokens_masks_stop_tokens_by_node_depth():
+    """A node at depth d samples the output token d places after the next one: its row masks the stop
+    tokens while d is below the tokens the request still needs, whatever its branch."""
+    rng = np.random.default_rng(5)
+    store = TreeStore(budget=9)
+    lists, _, _ = propose(store, rng, ["a", "b"])
+    req_ids = ["p", "a", "b"]
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 10, 10]), {"a": lists[0], "b": lists[1]})
+    starts = np.array([0, 1, 11])
+    rows, tokens = stop_token_rows(plan, starts, [(0, 1, [7]), (1, 2, [5, 6]), (2, 0, [5])])
+    a_rows = plan.logit_rows[plan.trees.node_offsets[0]:plan.trees.node_offsets[1]]
+    a_depths = plan.trees.depths[plan.trees.node_offsets[0]:plan.trees.node_offsets[1]]
+    expected = {(0, 7)} | {(int(row), t) for row, d in zip(a_rows, a_depths) if d < 2 for t in (5, 6)}
+    assert set(zip(rows.tolist(), tokens.tolist())) == expected  # "b" has nothing left to wait for
+    assert {int(d) for row, d in zip(a_rows, a_depths) if (int(row), 5) in expected} == {0, 1}
+    assert stop_token_rows(None, starts, [])[0].shape == (0,)

@@ -77,8 +77,8 @@ def test_admission_refuses_unservable_requests():
     h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
     with pytest.raises(ValueError, match="repetition_penalty"):
         h._validate_params(SamplingParams(repetition_penalty=1.2))
-    with pytest.raises(ValueError, match="min_tokens"):
-        h._validate_params(SamplingParams(min_tokens=2))
+    with pytest.raises(ValueError, match="bad_words"):
+        h._validate_params(SamplingParams(bad_words=["x"]))
     h._validate_params(SamplingParams(logprobs=2))  # served: logprobs at each emitted token's node
     h.vllm_config = SimpleNamespace(additional_config={})
     h._validate_params(SamplingParams(repetition_penalty=1.2))  # not a ddtree engine: untouched
@@ -159,6 +159,22 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     a_tokens = [t for t in masked.sampled_token_ids[1].tolist() if t >= 0]
     assert a_tokens and set(a_tokens) == {13}
     assert torch.equal(masked.sampled_token_ids[[0, 2]], unmasked[[0, 2]])
+
+    # min_tokens: request "a" needs 3 more tokens before a stop token (19, what every leaf prefers) may end it.
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    runner._ddtree_plan = plan
+    min_tokens = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
+    min_tokens.min_toks = {1: (5, [101, 102], {19})}  # 2 generated of 5: positions 0-2 may not stop
+    procs = SimpleNamespace(non_argmax_invariant=[min_tokens], argmax_invariant=[])
+    held = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "logitsprocs": procs})).sampled_token_ids
+    a_tokens = [t for t in held[1].tolist() if t >= 0]
+    assert 19 not in a_tokens[:3] and 19 in unmasked[1].tolist()[:3]
+    assert torch.equal(held[[0, 2]], unmasked[[0, 2]])
 
     # Logprobs: each emitted token's, from the raw logits row of the node it was sampled at, in the layout
     # vLLM's own rejection sampler returns (vLLM's parse_output then keeps the emitted entries only).

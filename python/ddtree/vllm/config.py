@@ -313,8 +313,6 @@ def unsupported_sampling_reasons(params: Any) -> list:
         reasons.append("logit_bias")
     if (get("min_p") or 0.0) > 1e-5:
         reasons.append("min_p")
-    if (get("min_tokens") or 0) > 0:
-        reasons.append("min_tokens (stop tokens would have to be masked per tree depth)")
     if get("logits_processors"):
         reasons.append("per-request logits processors")
     if get("thinking_token_budget") is not None:

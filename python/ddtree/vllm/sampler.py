@@ -25,9 +25,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
 from ddtree.vllm.node_sampling import sample_rows
-from ddtree.vllm.step import accept, emitted_logit_rows
+from ddtree.vllm.step import accept, emitted_logit_rows, stop_token_rows
 
 #: vLLM's logprobs modes this sampler serves: the target's own distribution at each node. The processed
 #: modes (after temperature, top-k, top-p) are refused at start-up (``ddtree.vllm.config.check_target``).
@@ -69,10 +70,7 @@ class DDTreeRejectionSampler(nn.Module):
                 return None
             return t[:num_reqs].repeat_interleave(rows_per_req, dim=0)
 
-        allowed_only = sampling_metadata.allowed_token_ids_mask
-        # A request's allowed tokens do not depend on the path, so masking every node's row is exact; the raw
-        # rows stay for logprobs (vLLM's raw modes).
-        sample_logits = logits if allowed_only is None else logits.masked_fill(per_row(allowed_only), float("-inf"))
+        sample_logits = self._constrained(logits, plan, sampling_metadata, per_row, starts, num_reqs)
         tokens = sample_rows(
             sample_logits,
             per_row(sampling_metadata.temperature),
@@ -96,6 +94,26 @@ class DDTreeRejectionSampler(nn.Module):
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(runner, plan, result, metadata, logits, out, sampling_metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+    @staticmethod
+    def _constrained(logits, plan, sampling_metadata, per_row, starts, num_reqs):
+        """``logits`` with the constraints that hold at every node: allowed_token_ids (a per-request mask) and
+        min_tokens (stop tokens masked at nodes whose depth is below what the request still needs). The raw
+        rows stay for logprobs (vLLM's raw modes)."""
+        allowed_only = sampling_metadata.allowed_token_ids_mask
+        constrained = logits if allowed_only is None else logits.masked_fill(per_row(allowed_only), float("-inf"))
+        pending = []
+        for processor in getattr(getattr(sampling_metadata, "logitsprocs", None), "non_argmax_invariant", ()):
+            if isinstance(processor, MinTokensLogitsProcessor):
+                pending += [(index, min_tokens - len(output), stops)
+                            for index, (min_tokens, output, stops) in processor.min_toks.items() if index < num_reqs]
+        rows, stop_tokens = stop_token_rows(plan, starts, pending)
+        if rows.shape[0]:
+            if constrained is logits:
+                constrained = logits.clone()
+            constrained[torch.from_numpy(rows).to(logits.device), torch.from_numpy(stop_tokens).to(logits.device)] = (
+                float("-inf"))
+        return constrained
 
     @staticmethod
     def _logprobs(runner, plan, result, metadata, logits, out, max_num_logprobs):

@@ -319,6 +319,33 @@ def emitted_logit_rows(plan: Optional[VerifyPlan], accepted: Optional["ddtree.Ac
     return rows
 
 
+def stop_token_rows(plan: Optional[VerifyPlan], row_starts: np.ndarray,
+                    pending: Sequence[Tuple[int, int, Sequence[int]]]) -> Tuple[np.ndarray, np.ndarray]:
+    """Logits entries to set to -inf for ``min_tokens``: ``(rows, tokens)``, int64.
+
+    ``pending`` holds ``(request index, tokens still to generate before a stop token may end it, stop
+    tokens)``. A node at depth ``d`` samples the request's output token ``d`` positions after the next one, so
+    its row masks the stop tokens while ``d`` is below that count: exact per node, whatever the branch.
+    Requests without a tree have one row (``row_starts[r]``), at depth 0.
+    """
+    tree_of = {} if plan is None else {int(r): j for j, r in enumerate(plan.batch_index)}
+    rows, tokens = [], []
+    for r, remaining, stops in pending:
+        if remaining <= 0 or not stops:
+            continue
+        j = tree_of.get(r)
+        if j is None:
+            masked = np.array([row_starts[r]], dtype=np.int64)
+        else:
+            lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
+            masked = plan.logit_rows[lo:hi][plan.trees.depths[lo:hi] < remaining]
+        rows.append(np.repeat(masked, len(stops)))
+        tokens.append(np.tile(np.asarray(list(stops), dtype=np.int64), masked.shape[0]))
+    if not rows:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(rows), np.concatenate(tokens)
+
+
 def drafter_context_order(plan: VerifyPlan, accepted: "ddtree.AcceptedBatch", num_tokens: int) -> np.ndarray:
     """Row order of the target's hidden states for the next drafter pass: ``[num_tokens]``.
 
