@@ -168,8 +168,6 @@ def _params(**kw):
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"repetition_penalty": 1.1}, "repetition_penalty"),
         ({"bad_words": ["x"]}, "bad_words"),
-        ({"logit_bias": {1: 2.0}}, "logit_bias"),
-        ({"min_p": 0.1}, "min_p"),
     ],
 )
 def test_unservable_requests_are_named(kw, word):
@@ -182,4 +180,5 @@ def test_plain_sampling_is_served():
     assert unsupported_sampling_reasons(_params(logprobs=5)) == []  # the sampler returns them
     assert unsupported_sampling_reasons(_params(allowed_token_ids=[1, 2])) == []  # a per-node mask
     assert unsupported_sampling_reasons(_params(min_tokens=3)) == []  # stop tokens masked by node depth
+    assert unsupported_sampling_reasons(_params(min_p=0.1, logit_bias={1: 2.0})) == []  # the same at every node
     check_target(**_target(logprobs_mode="raw_logits"))

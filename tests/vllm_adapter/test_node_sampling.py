@@ -78,3 +78,22 @@ def test_tree_verification_at_temperature_one_is_lossless():
     joint = (p1[:, None] * table.softmax(-1)).numpy()
     assert np.abs(counts / n - joint).max() < 0.015, (counts / n, joint)
     del parents
+
+
+def test_min_p_follows_vllm_order_temperature_then_min_p_then_top_p():
+    """min-p keeps tokens whose probability (after temperature) is at least min_p times the row's largest; rows
+    with min_p 0 are untouched; the kept tokens are then sampled in proportion."""
+    torch.manual_seed(1)
+    logits = torch.tensor([[2.0, 1.5, 0.0, -1.0]]).repeat(20000, 1)
+    temp = torch.full((20000,), 0.8)
+    min_p = torch.full((20000,), 0.3)
+    min_p[10000:] = 0.0
+    out = sample_rows(logits, temp, None, None, min_p=min_p)
+    probs = (logits[0] / 0.8).softmax(-1)
+    kept = probs >= 0.3 * probs.max()
+    assert kept.tolist() == [True, True, False, False]
+    assert set(out[:10000].tolist()) <= {0, 1}
+    freq = torch.bincount(out[:10000], minlength=4).float() / 10000
+    assert torch.allclose(freq, torch.where(kept, probs, 0.0) / probs[kept].sum(), atol=0.015)
+    assert set(out[10000:].tolist()) == {0, 1, 2, 3}
+    assert torch.equal(sample_rows(logits[:3], torch.zeros(3), None, None, min_p=min_p[:3]), logits[:3].argmax(-1))

@@ -176,6 +176,21 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     assert 19 not in a_tokens[:3] and 19 in unmasked[1].tolist()[:3]
     assert torch.equal(held[[0, 2]], unmasked[[0, 2]])
 
+    # logit_bias: request "a" biased +100 towards token 13 at every node; the others unchanged.
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    runner._ddtree_plan = plan
+    bias = LogitBiasLogitsProcessor.__new__(LogitBiasLogitsProcessor)
+    bias.biases = {1: {13: 100.0}}
+    procs = SimpleNamespace(non_argmax_invariant=[bias], argmax_invariant=[])
+    biased = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "logitsprocs": procs})).sampled_token_ids
+    assert set(t for t in biased[1].tolist() if t >= 0) == {13}
+    assert torch.equal(biased[[0, 2]], unmasked[[0, 2]])
+
     # Logprobs: each emitted token's, from the raw logits row of the node it was sampled at, in the layout
     # vLLM's own rejection sampler returns (vLLM's parse_output then keeps the emitted entries only).
     from vllm.v1.sample.rejection_sampler import RejectionSampler

@@ -309,10 +309,6 @@ def unsupported_sampling_reasons(params: Any) -> list:
         reasons.append("repetition_penalty")
     if get("bad_words"):
         reasons.append("bad_words")
-    if get("logit_bias"):
-        reasons.append("logit_bias")
-    if (get("min_p") or 0.0) > 1e-5:
-        reasons.append("min_p")
     if get("logits_processors"):
         reasons.append("per-request logits processors")
     if get("thinking_token_budget") is not None:

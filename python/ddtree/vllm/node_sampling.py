@@ -1,8 +1,9 @@
 """Per-node target tokens: the "sample" half of DDTree's sample-then-match acceptance.
 
 Every verified node gets one token drawn from the target's distribution at
-that node (its logits row), with the request's own temperature, top-k, top-p
-and seed: argmax at temperature 0, an independent sample per node otherwise.
+that node (its logits row), with the request's own temperature, min-p, top-k,
+top-p and seed, in vLLM's order: argmax at temperature 0, an independent
+sample per node otherwise.
 Walking the tree with these tokens (the Rust core's ``accept_trees``) is then
 exactly lossless: the accepted path plus bonus is distributed as if the target
 had sampled it token by token, because along any root path each depth uses
@@ -48,6 +49,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p
     return logits.scatter_(-1, order, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Masks ``logits [N, V]`` in place where a token's probability is below ``min_p`` times the row's largest
+    (vLLM's min-p, applied after temperature); ``min_p`` 0 leaves a row as it is. Returns it."""
+    if min_p is None:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype)[:, None]
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: Optional[torch.Tensor],
@@ -56,12 +67,13 @@ def sample_rows(
     generators: Optional[Dict[int, torch.Generator]] = None,
     row_ranges: Optional[Sequence[tuple]] = None,
     all_greedy: bool = False,
+    min_p: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` (int64 ``[N]``).
 
     Args:
-        temperature, top_k, top_p: per row ``[N]`` (None: not used). Rows
-            with temperature < 1e-5 are greedy.
+        temperature, top_k, top_p, min_p: per row ``[N]`` (None: not used).
+            Rows with temperature < 1e-5 are greedy (min-p never changes an argmax).
         generators: request index -> seeded generator; ``row_ranges[i]`` is
             ``(first_row, num_rows)`` of request ``i``. A seeded request's
             noise comes from its own generator, in row order, so its samples
@@ -76,7 +88,7 @@ def sample_rows(
     scaled = logits.to(torch.float32) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None].to(
         torch.float32
     )
-    scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    scaled = apply_top_k_top_p(apply_min_p(scaled, min_p), top_k, top_p)
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
     if generators:

@@ -25,7 +25,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 from vllm.v1.outputs import SamplerOutput
-from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
 from ddtree.vllm.node_sampling import sample_rows
 from ddtree.vllm.step import accept, emitted_logit_rows, stop_token_rows
@@ -49,6 +53,11 @@ def check_sampling_metadata(md) -> None:
         )
 
 
+def _processors(sampling_metadata, kind: str):
+    """vLLM's built-in logits processors of one kind (``argmax_invariant`` / ``non_argmax_invariant``)."""
+    return getattr(getattr(sampling_metadata, "logitsprocs", None), kind, ())
+
+
 class DDTreeRejectionSampler(nn.Module):
     def __init__(self, runner):
         super().__init__()
@@ -70,7 +79,11 @@ class DDTreeRejectionSampler(nn.Module):
                 return None
             return t[:num_reqs].repeat_interleave(rows_per_req, dim=0)
 
-        sample_logits = self._constrained(logits, plan, sampling_metadata, per_row, starts, num_reqs)
+        sample_logits = self._constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs)
+        min_p = None
+        for processor in _processors(sampling_metadata, "argmax_invariant"):
+            if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
+                min_p = per_row(torch.from_numpy(processor.min_p_cpu[:num_reqs].copy()).to(logits.device))
         tokens = sample_rows(
             sample_logits,
             per_row(sampling_metadata.temperature),
@@ -79,6 +92,7 @@ class DDTreeRejectionSampler(nn.Module):
             generators=sampling_metadata.generators,
             row_ranges=[(int(s), int(c)) for s, c in zip(starts, counts)],
             all_greedy=sampling_metadata.all_greedy,
+            min_p=min_p,
         )
         out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
         # Requests without a tree (no drafts, or the dummy run) emit their last row's token.
@@ -96,21 +110,33 @@ class DDTreeRejectionSampler(nn.Module):
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
     @staticmethod
-    def _constrained(logits, plan, sampling_metadata, per_row, starts, num_reqs):
-        """``logits`` with the constraints that hold at every node: allowed_token_ids (a per-request mask) and
-        min_tokens (stop tokens masked at nodes whose depth is below what the request still needs). The raw
-        rows stay for logprobs (vLLM's raw modes)."""
+    def _constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs):
+        """``logits`` with what holds at every node, in vLLM's order: allowed_token_ids (a per-request mask),
+        logit_bias (per-request additive), min_tokens (stop tokens masked at nodes whose depth is below what
+        the request still needs). The raw rows stay for logprobs (vLLM's raw modes)."""
         allowed_only = sampling_metadata.allowed_token_ids_mask
         constrained = logits if allowed_only is None else logits.masked_fill(per_row(allowed_only), float("-inf"))
-        pending = []
-        for processor in getattr(getattr(sampling_metadata, "logitsprocs", None), "non_argmax_invariant", ()):
-            if isinstance(processor, MinTokensLogitsProcessor):
+        pending, bias_rows, bias_tokens, bias_values = [], [], [], []
+        for processor in _processors(sampling_metadata, "non_argmax_invariant"):
+            if isinstance(processor, LogitBiasLogitsProcessor):
+                for index, biases in processor.biases.items():
+                    if index < num_reqs and biases:
+                        rows = np.arange(starts[index], starts[index] + counts[index], dtype=np.int64)
+                        bias_rows.append(np.repeat(rows, len(biases)))
+                        bias_tokens.append(np.tile(np.fromiter(biases.keys(), np.int64, len(biases)), rows.shape[0]))
+                        bias_values.append(np.tile(np.fromiter(biases.values(), np.float32, len(biases)), rows.shape[0]))
+            elif isinstance(processor, MinTokensLogitsProcessor):
                 pending += [(index, min_tokens - len(output), stops)
                             for index, (min_tokens, output, stops) in processor.min_toks.items() if index < num_reqs]
+        if bias_rows:
+            constrained = constrained.clone() if constrained is logits else constrained
+            index = (torch.from_numpy(np.concatenate(bias_rows)).to(logits.device),
+                     torch.from_numpy(np.concatenate(bias_tokens)).to(logits.device))
+            constrained.index_put_(index, torch.from_numpy(np.concatenate(bias_values)).to(logits.device, logits.dtype),
+                                   accumulate=True)
         rows, stop_tokens = stop_token_rows(plan, starts, pending)
         if rows.shape[0]:
-            if constrained is logits:
-                constrained = logits.clone()
+            constrained = constrained.clone() if constrained is logits else constrained
             constrained[torch.from_numpy(rows).to(logits.device), torch.from_numpy(stop_tokens).to(logits.device)] = (
                 float("-inf"))
         return constrained
