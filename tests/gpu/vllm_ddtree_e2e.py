@@ -17,7 +17,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
-requests mid-tree, the same stop tokens held back by min_tokens, greedy under a logit_bias, requests aborted
+requests mid-tree, the same stop tokens held back by min_tokens, greedy under a logit_bias and under penalties, requests aborted
 mid-tree (survivors and a later batch must be
 unaffected), temperature 1 with per-request seeds (run twice: must repeat).
 
@@ -139,10 +139,9 @@ def run_child(name, target, drafter, only_scenarios=()):
     # plain's top-2 gaps judge divergences; ddtree's own logprobs are checked against plain's.
     want_logprobs = name == "plain" or name.startswith("ddtree")
 
-    def greedy(max_tokens, stop=None, min_tokens=0, logit_bias=None):
+    def greedy(max_tokens, stop=None, **extra):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                              logprobs=2 if want_logprobs else None, stop_token_ids=stop, min_tokens=min_tokens,
-                              logit_bias=logit_bias)
+                              logprobs=2 if want_logprobs else None, stop_token_ids=stop, **extra)
 
     def collect(outs):
         rows = []
@@ -212,6 +211,12 @@ def run_child(name, target, drafter, only_scenarios=()):
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
+    def penalties():
+        # Greedy under penalties that count each token's own history: every node has a different one.
+        params = greedy(MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     def t1():
         params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=100 + i, max_tokens=32, ignore_eos=True,
                                  detokenize=False) for i in range(len(P["t1"]))]
@@ -244,7 +249,8 @@ def run_child(name, target, drafter, only_scenarios=()):
         return rows, sum(len(r["tokens"]) for r in rows)
 
     scenarios = (("batch1", b1), ("batch16", b16), ("batch32", b32), ("near_max", near_max), ("stop", stop),
-                 ("min_tokens", min_tokens), ("logit_bias", logit_bias), ("abort", abort), ("t1", t1))
+                 ("min_tokens", min_tokens), ("logit_bias", logit_bias),
+                 ("penalties", penalties), ("abort", abort), ("t1", t1))
     for sname, fn in scenarios:
         scenario(sname, fn)
     try:

@@ -75,13 +75,11 @@ def test_admission_refuses_unservable_requests():
     h = holder()
     h.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
     h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        h._validate_params(SamplingParams(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="bad_words"):
         h._validate_params(SamplingParams(bad_words=["x"]))
-    h._validate_params(SamplingParams(logprobs=2))  # served: logprobs at each emitted token's node
+    h._validate_params(SamplingParams(logprobs=2, repetition_penalty=1.2))  # served
     h.vllm_config = SimpleNamespace(additional_config={})
-    h._validate_params(SamplingParams(repetition_penalty=1.2))  # not a ddtree engine: untouched
+    h._validate_params(SamplingParams(bad_words=["x"]))  # not a ddtree engine: untouched
 
 
 def test_rejection_sampler_emits_vllm_chain_rows():
@@ -425,3 +423,59 @@ def test_drafting_reservation_follows_the_drafters_depth():
     unknown.speculative_config.draft_model_config = SimpleNamespace(hf_config=SimpleNamespace())
     VllmConfig._set_max_num_scheduled_tokens(unknown)
     assert unknown.scheduler_config.max_num_scheduled_tokens == 8192 - 63 * 32
+
+
+def test_penalties_follow_each_nodes_own_history(monkeypatch):
+    """Presence/frequency/repetition penalties at a node count the committed output plus the tokens on the
+    node's root path, exactly as vLLM's own penalty code does for that history, row by row."""
+    import vllm.v1.sample.ops.penalties as penalties
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    monkeypatch.setattr(penalties, "PIN_MEMORY", False)  # a CUDA build of torch on a machine without a GPU
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(7)
+    vocab = 12
+    store = TreeStore(budget=8)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
+    ids = np.stack([np.stack([rng.permutation(vocab)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    req_ids = ["p", "a", "b"]
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 9, 6]), {"a": lists[0], "b": lists[1][:5]})
+    counts = np.array([1, 9, 6])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    num_rows = int(counts.sum())
+    logits = torch.from_numpy(rng.normal(size=(num_rows, vocab)).astype(np.float32)) * 3
+    outputs = [[1, 1, 4], [2, 3, 3, 5], [7]]
+    prompts = torch.tensor([[0, 9, vocab], [6, 6, 2], [3, vocab, vocab]])  # padded with the vocabulary size
+    sampling = SimpleNamespace(
+        allowed_token_ids_mask=None, no_penalties=False, output_token_ids=outputs, prompt_token_ids=prompts,
+        presence_penalties=torch.tensor([0.5, 0.0, 1.5]), frequency_penalties=torch.tensor([0.2, 0.7, 0.0]),
+        repetition_penalties=torch.tensor([1.0, 1.3, 2.0]),
+    )
+    rows_per_req = torch.from_numpy(counts)
+
+    def per_row(t):
+        return None if t is None else t[:3].repeat_interleave(rows_per_req, dim=0)
+
+    got = DDTreeRejectionSampler._constrained(logits, plan, sampling, per_row, starts, counts, 3)
+    assert not torch.equal(got, logits)
+    for r in range(3):
+        j = {1: 0, 2: 1}.get(r)
+        for k in range(counts[r]):
+            history = list(outputs[r])
+            if j is not None:  # walk node k up to the root, collecting its path's tokens
+                first = plan.trees.node_offsets[j]
+                tokens = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+                path, node = [], k
+                while node > 0:
+                    path.append(int(tokens[node - 1]))
+                    node = int(plan.trees.parents[first + node])
+                history += path[::-1]
+            row = starts[r] + k
+            want = apply_all_penalties(logits[row:row + 1].clone(), prompts[r:r + 1], sampling.presence_penalties[r:r + 1],
+                                       sampling.frequency_penalties[r:r + 1], sampling.repetition_penalties[r:r + 1],
+                                       [history])
+            assert torch.allclose(got[row], want[0], atol=1e-6), (r, k, history)

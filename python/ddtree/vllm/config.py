@@ -301,12 +301,6 @@ def unsupported_sampling_reasons(params: Any) -> list:
 
     if get("structured_outputs") is not None or get("guided_decoding") is not None:
         reasons.append("structured outputs (grammars would have to follow every tree branch)")
-    if (get("presence_penalty") or 0.0) != 0.0:
-        reasons.append("presence_penalty")
-    if (get("frequency_penalty") or 0.0) != 0.0:
-        reasons.append("frequency_penalty")
-    if (get("repetition_penalty") or 1.0) != 1.0:
-        reasons.append("repetition_penalty")
     if get("bad_words"):
         reasons.append("bad_words")
     if get("logits_processors"):

@@ -32,7 +32,11 @@ from vllm.v1.sample.logits_processor.builtin import (
 )
 
 from ddtree.vllm.node_sampling import sample_rows
-from ddtree.vllm.step import accept, emitted_logit_rows, stop_token_rows
+from ddtree.vllm.step import accept, emitted_logit_rows, row_output_tokens, stop_token_rows
+
+#: Logits elements per chunk of rows when applying penalties (vLLM counts every row's tokens over the whole
+#: vocabulary in int64): ~512 MB at a time.
+PENALTY_CHUNK_ELEMENTS = 1 << 26
 
 #: vLLM's logprobs modes this sampler serves: the target's own distribution at each node. The processed
 #: modes (after temperature, top-k, top-p) are refused at start-up (``ddtree.vllm.config.check_target``).
@@ -42,8 +46,6 @@ RAW_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 def check_sampling_metadata(md) -> None:
     """Refuses batches whose sampling the per-node sampler does not model (admission should have)."""
     problems = []
-    if not md.no_penalties:
-        problems.append("penalties")
     if md.bad_words_token_ids:
         problems.append("bad_words")
     if problems:
@@ -56,6 +58,23 @@ def check_sampling_metadata(md) -> None:
 def _processors(sampling_metadata, kind: str):
     """vLLM's built-in logits processors of one kind (``argmax_invariant`` / ``non_argmax_invariant``)."""
     return getattr(getattr(sampling_metadata, "logitsprocs", None), kind, ())
+
+
+def _apply_penalties(logits, plan, sampling_metadata, per_row, counts) -> None:
+    """vLLM's presence/frequency/repetition penalties, in place, each row over its own history
+    (:func:`ddtree.vllm.step.row_output_tokens`), in chunks of rows to bound vLLM's per-row token counts."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    outputs = row_output_tokens(plan, sampling_metadata.output_token_ids, counts)
+    prompts = per_row(sampling_metadata.prompt_token_ids)
+    presence = per_row(sampling_metadata.presence_penalties)
+    frequency = per_row(sampling_metadata.frequency_penalties)
+    repetition = per_row(sampling_metadata.repetition_penalties)
+    step = max(1, PENALTY_CHUNK_ELEMENTS // (logits.shape[1] + 1))
+    for lo in range(0, logits.shape[0], step):
+        hi = min(lo + step, logits.shape[0])
+        logits[lo:hi] = apply_all_penalties(logits[lo:hi], prompts[lo:hi], presence[lo:hi], frequency[lo:hi],
+                                            repetition[lo:hi], outputs[lo:hi])
 
 
 class DDTreeRejectionSampler(nn.Module):
@@ -111,9 +130,10 @@ class DDTreeRejectionSampler(nn.Module):
 
     @staticmethod
     def _constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs):
-        """``logits`` with what holds at every node, in vLLM's order: allowed_token_ids (a per-request mask),
-        logit_bias (per-request additive), min_tokens (stop tokens masked at nodes whose depth is below what
-        the request still needs). The raw rows stay for logprobs (vLLM's raw modes)."""
+        """``logits`` with the request's constraints at every node, in vLLM's order: allowed_token_ids (a
+        per-request mask), logit_bias (per-request additive), min_tokens (stop tokens masked at nodes whose
+        depth is below what the request still needs), then penalties over each node's own history (committed
+        output plus its root path). The raw rows stay for logprobs (vLLM's raw modes)."""
         allowed_only = sampling_metadata.allowed_token_ids_mask
         constrained = logits if allowed_only is None else logits.masked_fill(per_row(allowed_only), float("-inf"))
         pending, bias_rows, bias_tokens, bias_values = [], [], [], []
@@ -139,6 +159,9 @@ class DDTreeRejectionSampler(nn.Module):
             constrained = constrained.clone() if constrained is logits else constrained
             constrained[torch.from_numpy(rows).to(logits.device), torch.from_numpy(stop_tokens).to(logits.device)] = (
                 float("-inf"))
+        if not sampling_metadata.no_penalties:
+            constrained = constrained.clone() if constrained is logits else constrained
+            _apply_penalties(constrained, plan, sampling_metadata, per_row, counts)
         return constrained
 
     @staticmethod

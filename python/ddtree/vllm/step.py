@@ -346,6 +346,32 @@ def stop_token_rows(plan: Optional[VerifyPlan], row_starts: np.ndarray,
     return np.concatenate(rows), np.concatenate(tokens)
 
 
+def row_output_tokens(plan: Optional[VerifyPlan], outputs: Sequence[Sequence[int]], counts: np.ndarray
+                      ) -> List[List[int]]:
+    """The output tokens each logits row is conditioned on, for history-dependent penalties.
+
+    A tree node's row follows the request's committed output and then the tokens on its root path (its own
+    included); a request without a tree has one row, after its committed output. ``counts[r]`` is request
+    ``r``'s number of rows (its tree's nodes).
+    """
+    tree_of = {} if plan is None else {int(r): j for j, r in enumerate(plan.batch_index)}
+    rows: List[List[int]] = []
+    for r, count in enumerate(counts):
+        committed = list(outputs[r])
+        j = tree_of.get(r)
+        if j is None:
+            rows.extend([committed] * int(count))
+            continue
+        first, last = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
+        parents = plan.trees.parents[first:last]
+        tokens = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
+        paths: List[List[int]] = [[]]
+        for node in range(1, last - first):  # parents come first (pop order)
+            paths.append(paths[parents[node]] + [int(tokens[node - 1])])
+        rows.extend(committed + path for path in paths)
+    return rows
+
+
 def drafter_context_order(plan: VerifyPlan, accepted: "ddtree.AcceptedBatch", num_tokens: int) -> np.ndarray:
     """Row order of the target's hidden states for the next drafter pass: ``[num_tokens]``.
 
