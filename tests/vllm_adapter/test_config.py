@@ -164,7 +164,6 @@ def _params(**kw):
     "kw, word",
     [
         ({"structured_outputs": object()}, "structured outputs"),
-        ({"bad_words": ["x"]}, "bad_words"),
     ],
 )
 def test_unservable_requests_are_named(kw, word):
@@ -179,5 +178,5 @@ def test_plain_sampling_is_served():
     assert unsupported_sampling_reasons(_params(min_tokens=3)) == []  # stop tokens masked by node depth
     assert unsupported_sampling_reasons(_params(min_p=0.1, logit_bias={1: 2.0})) == []  # the same at every node
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
-    assert unsupported_sampling_reasons(_params(**penalties)) == []  # over each node's own history
+    assert unsupported_sampling_reasons(_params(**penalties, bad_words=["x"])) == []  # each node's own history
     check_target(**_target(logprobs_mode="raw_logits"))

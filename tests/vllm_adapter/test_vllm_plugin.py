@@ -68,18 +68,19 @@ def test_engine_args_translation(tmp_path, monkeypatch):
 
 
 def test_admission_refuses_unservable_requests():
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: None})
     patches._wrap_validate_params(holder)  # the wrapper vLLM's InputProcessor gets, around a stub
     h = holder()
     h.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
     h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
-    with pytest.raises(ValueError, match="bad_words"):
-        h._validate_params(SamplingParams(bad_words=["x"]))
-    h._validate_params(SamplingParams(logprobs=2, repetition_penalty=1.2))  # served
+    json_only = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(ValueError, match="structured outputs"):
+        h._validate_params(json_only)
+    h._validate_params(SamplingParams(logprobs=2, repetition_penalty=1.2, bad_words=["x"]))  # served
     h.vllm_config = SimpleNamespace(additional_config={})
-    h._validate_params(SamplingParams(bad_words=["x"]))  # not a ddtree engine: untouched
+    h._validate_params(json_only)  # not a ddtree engine: untouched
 
 
 def test_rejection_sampler_emits_vllm_chain_rows():
@@ -425,9 +426,9 @@ def test_drafting_reservation_follows_the_drafters_depth():
     assert unknown.scheduler_config.max_num_scheduled_tokens == 8192 - 63 * 32
 
 
-def test_penalties_follow_each_nodes_own_history(monkeypatch):
-    """Presence/frequency/repetition penalties at a node count the committed output plus the tokens on the
-    node's root path, exactly as vLLM's own penalty code does for that history, row by row."""
+def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch):
+    """Bad words and presence/frequency/repetition penalties at a node see the committed output plus the tokens
+    on the node's root path, exactly as vLLM's own code does for that history, row by row."""
     import vllm.v1.sample.ops.penalties as penalties
     from vllm.v1.sample.ops.penalties import apply_all_penalties
 
@@ -452,6 +453,7 @@ def test_penalties_follow_each_nodes_own_history(monkeypatch):
     prompts = torch.tensor([[0, 9, vocab], [6, 6, 2], [3, vocab, vocab]])  # padded with the vocabulary size
     sampling = SimpleNamespace(
         allowed_token_ids_mask=None, no_penalties=False, output_token_ids=outputs, prompt_token_ids=prompts,
+        bad_words_token_ids={},
         presence_penalties=torch.tensor([0.5, 0.0, 1.5]), frequency_penalties=torch.tensor([0.2, 0.7, 0.0]),
         repetition_penalties=torch.tensor([1.0, 1.3, 2.0]),
     )
@@ -460,6 +462,8 @@ def test_penalties_follow_each_nodes_own_history(monkeypatch):
     def per_row(t):
         return None if t is None else t[:3].repeat_interleave(rows_per_req, dim=0)
 
+    # Bad words over each node's own history too: [4, x] bans x after a 4, [y] bans y everywhere.
+    sampling.bad_words_token_ids = {0: [[4, 8]], 1: [[5, 2], [11]], 2: [[7, 3]]}
     got = DDTreeRejectionSampler._constrained(logits, plan, sampling, per_row, starts, counts, 3)
     assert not torch.equal(got, logits)
     for r in range(3):
@@ -475,7 +479,11 @@ def test_penalties_follow_each_nodes_own_history(monkeypatch):
                     node = int(plan.trees.parents[first + node])
                 history += path[::-1]
             row = starts[r] + k
-            want = apply_all_penalties(logits[row:row + 1].clone(), prompts[r:r + 1], sampling.presence_penalties[r:r + 1],
+            want = logits[row:row + 1].clone()
+            for word in sampling.bad_words_token_ids[r]:
+                if history[len(history) - len(word) + 1:] == word[:-1] or len(word) == 1:
+                    want[0, word[-1]] = float("-inf")
+            want = apply_all_penalties(want, prompts[r:r + 1], sampling.presence_penalties[r:r + 1],
                                        sampling.frequency_penalties[r:r + 1], sampling.repetition_penalties[r:r + 1],
                                        [history])
             assert torch.allclose(got[row], want[0], atol=1e-6), (r, k, history)

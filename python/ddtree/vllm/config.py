@@ -301,8 +301,6 @@ def unsupported_sampling_reasons(params: Any) -> list:
 
     if get("structured_outputs") is not None or get("guided_decoding") is not None:
         reasons.append("structured outputs (grammars would have to follow every tree branch)")
-    if get("bad_words"):
-        reasons.append("bad_words")
     if get("logits_processors"):
         reasons.append("per-request logits processors")
     if get("thinking_token_budget") is not None:

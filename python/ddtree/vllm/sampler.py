@@ -43,29 +43,16 @@ PENALTY_CHUNK_ELEMENTS = 1 << 26
 RAW_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
 
-def check_sampling_metadata(md) -> None:
-    """Refuses batches whose sampling the per-node sampler does not model (admission should have)."""
-    problems = []
-    if md.bad_words_token_ids:
-        problems.append("bad_words")
-    if problems:
-        raise RuntimeError(
-            "DDTree cannot verify trees for requests using " + ", ".join(problems)
-            + " (such requests must be refused at admission; this is a bug)"
-        )
-
-
 def _processors(sampling_metadata, kind: str):
     """vLLM's built-in logits processors of one kind (``argmax_invariant`` / ``non_argmax_invariant``)."""
     return getattr(getattr(sampling_metadata, "logitsprocs", None), kind, ())
 
 
-def _apply_penalties(logits, plan, sampling_metadata, per_row, counts) -> None:
-    """vLLM's presence/frequency/repetition penalties, in place, each row over its own history
+def _apply_penalties(logits, sampling_metadata, per_row, outputs) -> None:
+    """vLLM's presence/frequency/repetition penalties, in place, each row over its own history ``outputs``
     (:func:`ddtree.vllm.step.row_output_tokens`), in chunks of rows to bound vLLM's per-row token counts."""
     from vllm.v1.sample.ops.penalties import apply_all_penalties
 
-    outputs = row_output_tokens(plan, sampling_metadata.output_token_ids, counts)
     prompts = per_row(sampling_metadata.prompt_token_ids)
     presence = per_row(sampling_metadata.presence_penalties)
     frequency = per_row(sampling_metadata.frequency_penalties)
@@ -88,8 +75,6 @@ class DDTreeRejectionSampler(nn.Module):
         num_reqs = len(metadata.num_draft_tokens)
         width = metadata.max_spec_len + 1
         counts = np.asarray(metadata.num_draft_tokens, dtype=np.int64) + 1
-        if plan is not None:
-            check_sampling_metadata(sampling_metadata)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         rows_per_req = torch.from_numpy(counts).to(logits.device)
 
@@ -131,11 +116,22 @@ class DDTreeRejectionSampler(nn.Module):
     @staticmethod
     def _constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs):
         """``logits`` with the request's constraints at every node, in vLLM's order: allowed_token_ids (a
-        per-request mask), logit_bias (per-request additive), min_tokens (stop tokens masked at nodes whose
-        depth is below what the request still needs), then penalties over each node's own history (committed
-        output plus its root path). The raw rows stay for logprobs (vLLM's raw modes)."""
+        per-request mask), bad words (over each node's own history: committed output plus its root path),
+        logit_bias (per-request additive), min_tokens (stop tokens masked at nodes whose depth is below what
+        the request still needs), then penalties over each node's own history. The raw rows stay for logprobs
+        (vLLM's raw modes)."""
         allowed_only = sampling_metadata.allowed_token_ids_mask
         constrained = logits if allowed_only is None else logits.masked_fill(per_row(allowed_only), float("-inf"))
+        bad_words = {r: words for r, words in (sampling_metadata.bad_words_token_ids or {}).items() if r < num_reqs}
+        outputs = None
+        if bad_words or not sampling_metadata.no_penalties:
+            outputs = row_output_tokens(plan, sampling_metadata.output_token_ids, counts)
+        if bad_words:
+            from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+            constrained = constrained.clone() if constrained is logits else constrained
+            by_row = {int(starts[r]) + k: words for r, words in bad_words.items() for k in range(int(counts[r]))}
+            apply_bad_words(constrained, by_row, outputs)
         pending, bias_rows, bias_tokens, bias_values = [], [], [], []
         for processor in _processors(sampling_metadata, "non_argmax_invariant"):
             if isinstance(processor, LogitBiasLogitsProcessor):
@@ -161,7 +157,7 @@ class DDTreeRejectionSampler(nn.Module):
                 float("-inf"))
         if not sampling_metadata.no_penalties:
             constrained = constrained.clone() if constrained is logits else constrained
-            _apply_penalties(constrained, plan, sampling_metadata, per_row, counts)
+            _apply_penalties(constrained, sampling_metadata, per_row, outputs)
         return constrained
 
     @staticmethod
