@@ -290,9 +290,11 @@ def unsupported_sampling_reasons(params: Any) -> list:
     """Why a request's ``SamplingParams`` cannot be served by the tree (empty: it can).
 
     Per-node verification samples each node from the target's own
-    distribution with the request's temperature/top-p/top-k and seed; anything
-    that makes a token's distribution depend on the *draft* path in ways the
-    per-node sampler does not model is refused rather than served wrongly.
+    distribution under the request's settings, each node with its own history
+    (committed output plus its root path: penalties, bad words, min_tokens);
+    what the per-node sampler does not model (a grammar that would have to
+    follow every branch, arbitrary per-request logits processors, a thinking
+    budget) is refused rather than served wrongly.
     """
     reasons = []
 

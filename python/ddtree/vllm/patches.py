@@ -19,7 +19,7 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    same process is untouched.
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
    (wrapped): requests whose sampling the tree cannot serve exactly
-   (structured outputs, penalties, bad words, min_tokens, ...) are
+   (structured outputs, per-request logits processors) are
    rejected at admission with the reason, only for ddtree engines.
 3. ``register_backend(AttentionBackendEnum.CUSTOM, ...)``: the CUSTOM
    attention backend is DDTree's tree-attention backend (vLLM's own
