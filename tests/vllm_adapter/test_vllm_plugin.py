@@ -144,13 +144,19 @@ def test_rejection_sampler_emits_vllm_chain_rows():
         assert (out[row, len(want):] == -1).all()
     assert runner._ddtree_accept is not None
 
+    def replan():
+        """The same trees again (plan_verify consumed the proposal), installed in the runner."""
+        store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+        fresh = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]),
+                            {"a": drafts[1], "b": drafts[2]})
+        fresh.logit_rows_gpu = torch.from_numpy(fresh.logit_rows)
+        fresh.batch_index_gpu = torch.from_numpy(fresh.batch_index)
+        runner._ddtree_plan = fresh
+        return fresh
+
     # allowed_token_ids: a per-request mask (True = excluded), the same at every node, so exact for trees.
     unmasked = out.clone()
-    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
-    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
-    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
-    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
-    runner._ddtree_plan = plan
+    plan = replan()
     mask = torch.zeros(4, vocab, dtype=torch.bool)  # vLLM's [max_num_reqs, V]
     mask[1] = True
     mask[1, 13] = False  # request "a" may only emit token 13
@@ -162,11 +168,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     # min_tokens: request "a" needs 3 more tokens before a stop token (19, what every leaf prefers) may end it.
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
-    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
-    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
-    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
-    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
-    runner._ddtree_plan = plan
+    plan = replan()
     min_tokens = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
     min_tokens.min_toks = {1: (5, [101, 102], {19})}  # 2 generated of 5: positions 0-2 may not stop
     procs = SimpleNamespace(non_argmax_invariant=[min_tokens], argmax_invariant=[])
@@ -178,11 +180,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     # logit_bias: request "a" biased +100 towards token 13 at every node; the others unchanged.
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
 
-    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
-    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
-    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
-    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
-    runner._ddtree_plan = plan
+    plan = replan()
     bias = LogitBiasLogitsProcessor.__new__(LogitBiasLogitsProcessor)
     bias.biases = {1: {13: 100.0}}
     procs = SimpleNamespace(non_argmax_invariant=[bias], argmax_invariant=[])
@@ -197,11 +195,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
 
     runner.sampler = Sampler(logprobs_mode="raw_logprobs")
     logits += torch.linspace(0.0, 1.0, vocab)  # distinct values, so every rank is well defined
-    store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
-    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
-    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
-    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
-    runner._ddtree_plan = plan
+    plan = replan()
     result = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "max_num_logprobs": 2}))
     tokens, lists = RejectionSampler.parse_output(result.sampled_token_ids, vocab,
                                                   logprobs_tensors=result.logprobs_tensors)
