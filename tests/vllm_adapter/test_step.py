@@ -210,7 +210,8 @@ def test_min_tokens_masks_stop_tokens_by_node_depth():
     store = TreeStore(budget=9)
     lists, _, _ = propose(store, rng, ["a", "b"])
     req_ids = ["p", "a", "b"]
-    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 10, 10]), {"a": lists[0], "b": lists[1]})
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 10, 10]),
+                       {"a": lists[0], "b": lists[1]})
     starts = np.array([0, 1, 11])
     rows, tokens = stop_token_rows(plan, starts, [(0, 1, [7]), (1, 2, [5, 6]), (2, 0, [5])])
     a_rows = plan.logit_rows[plan.trees.node_offsets[0]:plan.trees.node_offsets[1]]

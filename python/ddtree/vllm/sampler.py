@@ -64,6 +64,36 @@ def _apply_penalties(logits, sampling_metadata, per_row, outputs) -> None:
                                             repetition[lo:hi], outputs[lo:hi])
 
 
+def _logit_bias_entries(sampling_metadata, starts, counts, num_reqs):
+    """``(rows, tokens, biases)`` of vLLM's logit_bias processor over every row of each biased request (None:
+    no bias)."""
+    rows, tokens, values = [], [], []
+    for processor in _processors(sampling_metadata, "non_argmax_invariant"):
+        if not isinstance(processor, LogitBiasLogitsProcessor):
+            continue
+        for index, biases in processor.biases.items():
+            if index >= num_reqs or not biases:
+                continue
+            own = np.arange(starts[index], starts[index] + counts[index], dtype=np.int64)
+            rows.append(np.repeat(own, len(biases)))
+            tokens.append(np.tile(np.fromiter(biases.keys(), np.int64, len(biases)), own.shape[0]))
+            values.append(np.tile(np.fromiter(biases.values(), np.float32, len(biases)), own.shape[0]))
+    if not rows:
+        return None
+    return np.concatenate(rows), np.concatenate(tokens), np.concatenate(values)
+
+
+def _min_tokens_pending(sampling_metadata, num_reqs):
+    """``(request index, tokens still needed before a stop token, stop tokens)`` from vLLM's min_tokens
+    processor."""
+    pending = []
+    for processor in _processors(sampling_metadata, "non_argmax_invariant"):
+        if isinstance(processor, MinTokensLogitsProcessor):
+            pending += [(index, min_tokens - len(output), stops)
+                        for index, (min_tokens, output, stops) in processor.min_toks.items() if index < num_reqs]
+    return pending
+
+
 class DDTreeRejectionSampler(nn.Module):
     def __init__(self, runner):
         super().__init__()
@@ -118,45 +148,34 @@ class DDTreeRejectionSampler(nn.Module):
         """``logits`` with the request's constraints at every node, in vLLM's order: allowed_token_ids (a
         per-request mask), bad words (over each node's own history: committed output plus its root path),
         logit_bias (per-request additive), min_tokens (stop tokens masked at nodes whose depth is below what
-        the request still needs), then penalties over each node's own history. The raw rows stay for logprobs
-        (vLLM's raw modes)."""
+        the request still needs), then penalties over each node's own history. A copy when any applies: the
+        raw rows stay for logprobs (vLLM's raw modes)."""
         allowed_only = sampling_metadata.allowed_token_ids_mask
-        constrained = logits if allowed_only is None else logits.masked_fill(per_row(allowed_only), float("-inf"))
         bad_words = {r: words for r, words in (sampling_metadata.bad_words_token_ids or {}).items() if r < num_reqs}
+        bias = _logit_bias_entries(sampling_metadata, starts, counts, num_reqs)
+        stop_rows, stop_tokens = stop_token_rows(plan, starts, _min_tokens_pending(sampling_metadata, num_reqs))
+        penalties = not sampling_metadata.no_penalties
+        if allowed_only is None and not bad_words and bias is None and not stop_rows.shape[0] and not penalties:
+            return logits
+        constrained = logits.clone()
+        device = logits.device
+        if allowed_only is not None:
+            constrained.masked_fill_(per_row(allowed_only), float("-inf"))
         outputs = None
-        if bad_words or not sampling_metadata.no_penalties:
+        if bad_words or penalties:
             outputs = row_output_tokens(plan, sampling_metadata.output_token_ids, counts)
         if bad_words:
             from vllm.v1.sample.ops.bad_words import apply_bad_words
 
-            constrained = constrained.clone() if constrained is logits else constrained
             by_row = {int(starts[r]) + k: words for r, words in bad_words.items() for k in range(int(counts[r]))}
             apply_bad_words(constrained, by_row, outputs)
-        pending, bias_rows, bias_tokens, bias_values = [], [], [], []
-        for processor in _processors(sampling_metadata, "non_argmax_invariant"):
-            if isinstance(processor, LogitBiasLogitsProcessor):
-                for index, biases in processor.biases.items():
-                    if index < num_reqs and biases:
-                        rows = np.arange(starts[index], starts[index] + counts[index], dtype=np.int64)
-                        bias_rows.append(np.repeat(rows, len(biases)))
-                        bias_tokens.append(np.tile(np.fromiter(biases.keys(), np.int64, len(biases)), rows.shape[0]))
-                        bias_values.append(np.tile(np.fromiter(biases.values(), np.float32, len(biases)), rows.shape[0]))
-            elif isinstance(processor, MinTokensLogitsProcessor):
-                pending += [(index, min_tokens - len(output), stops)
-                            for index, (min_tokens, output, stops) in processor.min_toks.items() if index < num_reqs]
-        if bias_rows:
-            constrained = constrained.clone() if constrained is logits else constrained
-            index = (torch.from_numpy(np.concatenate(bias_rows)).to(logits.device),
-                     torch.from_numpy(np.concatenate(bias_tokens)).to(logits.device))
-            constrained.index_put_(index, torch.from_numpy(np.concatenate(bias_values)).to(logits.device, logits.dtype),
-                                   accumulate=True)
-        rows, stop_tokens = stop_token_rows(plan, starts, pending)
-        if rows.shape[0]:
-            constrained = constrained.clone() if constrained is logits else constrained
-            constrained[torch.from_numpy(rows).to(logits.device), torch.from_numpy(stop_tokens).to(logits.device)] = (
+        if bias is not None:
+            rows, tokens, values = (torch.from_numpy(a).to(device) for a in bias)
+            constrained.index_put_((rows, tokens), values.to(logits.dtype), accumulate=True)
+        if stop_rows.shape[0]:
+            constrained[torch.from_numpy(stop_rows).to(device), torch.from_numpy(stop_tokens).to(device)] = (
                 float("-inf"))
-        if not sampling_metadata.no_penalties:
-            constrained = constrained.clone() if constrained is logits else constrained
+        if penalties:
             _apply_penalties(constrained, sampling_metadata, per_row, outputs)
         return constrained
 
