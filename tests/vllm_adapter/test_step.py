@@ -220,3 +220,25 @@ def test_min_tokens_masks_stop_tokens_by_node_depth():
     assert set(zip(rows.tolist(), tokens.tolist())) == expected  # "b" has nothing left to wait for
     assert {int(d) for row, d in zip(a_rows, a_depths) if (int(row), 5) in expected} == {0, 1}
     assert stop_token_rows(None, starts, [])[0].shape == (0,)
+
+
+def test_whole_trees_reuse_the_proposal_and_plan_the_same():
+    """A step that verifies exactly the last proposal's trees, whole and in order, reuses them; the plan is
+    the one a rank that builds at verification makes. Anything else builds again."""
+    rng = np.random.default_rng(11)
+    driver, follower = TreeStore(budget=7), TreeStore(budget=7)
+    lists, lp, ids = propose(driver, rng, ["a", "b"])
+    proposed = driver.last_batch[1]
+    follower.propose(["a", "b"], lp, ids, build=False)
+    scheduled = {"a": lists[0], "b": lists[1]}
+    args = (["a", "b"], np.array([4, 9]), np.array([8, 8]), scheduled)
+    mine, theirs = plan_verify(driver, *args, conv_window=2), plan_verify(follower, *args, conv_window=2)
+    assert mine.trees is proposed and theirs.trees is not proposed and driver.last_batch is None
+    for field in ("token_index", "logit_rows", "positions", "ancestor_bits", "row_start", "conv_index"):
+        assert np.array_equal(getattr(mine, field), getattr(theirs, field)), field
+    # A truncated tree is built again (the proposal's batch has more nodes).
+    propose(driver, rng, ["a", "b"])
+    again = driver.last_batch[1]
+    lists = [driver.records["a"].tokens.tolist(), driver.records["b"].tokens.tolist()]
+    plan = plan_verify(driver, ["a", "b"], np.array([4, 9]), np.array([8, 4]), {"a": lists[0], "b": lists[1][:3]})
+    assert plan.trees is not again and plan.num_nodes.tolist() == [8, 4]

@@ -54,6 +54,9 @@ class TreeStore:
         self.budget = budget
         self.executor = ddtree.Executor(num_threads) if num_threads > 1 else None
         self.records: Dict[str, DraftRecord] = {}
+        # The last proposal's trees and their requests, in order: a verification of exactly those trees
+        # (every request scheduled whole, none added) reuses them instead of building them again.
+        self.last_batch: Optional[Tuple[Tuple[str, ...], "ddtree.TreeBatch"]] = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -71,11 +74,13 @@ class TreeStore:
             raise ValueError(f"{len(req_ids)} request ids for {log_probs.shape[0]} distributions")
         if len(req_ids) == 0:
             return []
+        self.last_batch = None
         if not build:
             for r, req_id in enumerate(req_ids):
                 self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], None)
             return [[] for _ in req_ids]
         batch = ddtree.build_trees(log_probs, token_ids, self.budget, self.executor)
+        self.last_batch = (tuple(req_ids), batch)
         tokens = batch.tokens
         offsets = batch.token_offsets
         lists = []
@@ -173,8 +178,10 @@ def plan_verify(
         return None
 
     budgets = num_drafts[rows]
-    trees = ddtree.build_trees(np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records]),
-                               budgets, store.executor)
+    trees = _proposed_trees(store, [req_ids[i] for i in rows], records, budgets)
+    if trees is None:
+        trees = ddtree.build_trees(np.stack([r.log_probs for r in records]),
+                                   np.stack([r.token_ids for r in records]), budgets, store.executor)
     # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
     # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
     drafts = np.fromiter(itertools.chain.from_iterable(scheduled_spec_tokens[req_ids[i]] for i in rows),
@@ -202,6 +209,17 @@ def plan_verify(
         num_nodes=sizes.astype(np.int64),
         conv_index=conv_gather_index(compiled.windows, node_offsets) if conv_window > 0 else None,
     )
+
+
+def _proposed_trees(store: TreeStore, req_ids: Sequence[str], records: Sequence[DraftRecord],
+                    budgets: np.ndarray) -> Optional["ddtree.TreeBatch"]:
+    """The last proposal's batch when this step verifies exactly its trees, whole and in order (None: build)."""
+    last = store.last_batch
+    store.last_batch = None  # one verification per proposal
+    if last is None or last[0] != tuple(req_ids):
+        return None
+    whole = all(r.tokens is not None and r.tokens.shape[0] == b for r, b in zip(records, budgets))
+    return last[1] if whole else None
 
 
 def _draft_mismatch(req_ids, records, scheduled_spec_tokens, trees) -> DraftMismatchError:
