@@ -337,6 +337,11 @@ def emitted_logit_rows(plan: Optional[VerifyPlan], accepted: Optional["ddtree.Ac
     return rows
 
 
+def tree_of_request(plan: Optional[VerifyPlan]) -> Dict[int, int]:
+    """Batch row of each request that verifies a tree -> that tree's index in ``plan.trees``."""
+    return {} if plan is None else {int(r): j for j, r in enumerate(plan.batch_index)}
+
+
 def stop_token_rows(plan: Optional[VerifyPlan], row_starts: np.ndarray,
                     pending: Sequence[Tuple[int, int, Sequence[int]]]) -> Tuple[np.ndarray, np.ndarray]:
     """Logits entries to set to -inf for ``min_tokens``: ``(rows, tokens)``, int64.
@@ -346,7 +351,7 @@ def stop_token_rows(plan: Optional[VerifyPlan], row_starts: np.ndarray,
     its row masks the stop tokens while ``d`` is below that count: exact per node, whatever the branch.
     Requests without a tree have one row (``row_starts[r]``), at depth 0.
     """
-    tree_of = {} if plan is None else {int(r): j for j, r in enumerate(plan.batch_index)}
+    tree_of = tree_of_request(plan)
     rows, tokens = [], []
     for r, remaining, stops in pending:
         if remaining <= 0 or not stops:
@@ -372,7 +377,7 @@ def row_output_tokens(plan: Optional[VerifyPlan], outputs: Sequence[Sequence[int
     included); a request without a tree has one row, after its committed output. ``counts[r]`` is request
     ``r``'s number of rows (its tree's nodes).
     """
-    tree_of = {} if plan is None else {int(r): j for j, r in enumerate(plan.batch_index)}
+    tree_of = tree_of_request(plan)
     rows: List[List[int]] = []
     for r, count in enumerate(counts):
         committed = list(outputs[r])
