@@ -137,7 +137,7 @@ def run_child(name, target, drafter, only_scenarios=()):
             given = json.load(f)
     P = prompts(vocab, given)
     # plain's top-2 gaps judge divergences; ddtree's own logprobs are checked against plain's.
-    want_logprobs = name == "plain" or name.startswith("ddtree")
+    want_logprobs = name.startswith(("plain", "ddtree"))
 
     def greedy(max_tokens, stop=None, **extra):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
@@ -436,6 +436,14 @@ def main():
                 for d in b_details:
                     log(f"    {name}/{sname} vs TP1: {d}", fh)
                 verdict[f"{name}/{sname}=tp1"] = b_real == 0
+            same_tp = results.get("plain-tp2") if name.endswith("-tp2") and name != "plain-tp2" else None
+            if same_tp and sname in same_tp["scenarios"] and sname != "t1":
+                # Against plain vLLM at the same TP: the same all-reduce order, so only ddtree's own differences.
+                t_same, t_tie, t_real, t_details = compare(same_tp["scenarios"][sname]["rows"], sc["rows"], args.gap_tol)
+                notes += f"vs plain-tp2: same {t_same} tie {t_tie} real {t_real}; "
+                for d in t_details:
+                    log(f"    {name}/{sname} vs plain-tp2: {d}", fh)
+                verdict[f"{name}/{sname}=plain-tp2"] = t_real == 0
             if sname == "t1":
                 ok = all(r.get("repeat_equal") for r in sc["rows"])
                 notes += f"seeded repeat equal: {ok}"

@@ -58,3 +58,28 @@ def patch_triton_interpreter_for_numpy2() -> None:
 
     builder.create_masked_load = create_masked_load
     builder.create_masked_store = create_masked_store
+
+
+def child_env(*module_dirs, interpret: bool) -> dict:
+    """Environment for a kernel check run in a child process (``TRITON_INTERPRET`` is read once, at import).
+
+    The child must import the ddtree this process imported: the source tree during development, but an
+    installed wheel on a GPU host, where ``python/ddtree`` lacks the compiled ``_core``. So that package's
+    folder comes first, then ``module_dirs`` (the test helpers), then whatever ``PYTHONPATH`` already held
+    (vLLM's packages on the GPU host).
+    """
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("ddtree")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("ddtree is not importable here: install it (pip install -e .) before the kernel tests")
+    package_root = Path(list(spec.submodule_search_locations)[0]).resolve().parent
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package_root), *map(str, module_dirs), *inherited]))
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env

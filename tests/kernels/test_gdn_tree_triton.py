@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from _triton_interpreter import child_env  # noqa: E402
 from _gdn_testing import chain_parents, random_gdn_inputs, random_parents, root_path_outputs_by_state_walk, star_parents  # noqa: E402
 
 TESTS_DIR = Path(__file__).resolve().parent
-PYTHON_DIR = TESTS_DIR.parent.parent / "python"
 GDN_ARGS = ("q", "k", "v", "g", "beta")
 
 
@@ -40,7 +40,8 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_fp32_trees_against_reference(
-    device: str, shapes=(("random", 130), ("chain", 1), ("chain", 17), ("star", 64), ("random", 33)), **kernel_options
+    device: str, shapes=(("random", 130), ("chain", 1), ("chain", 17), ("star", 64), ("random", 33)), head_k_dim=16,
+    **kernel_options,
 ) -> None:
     """Random, single-node, chain, star and random trees (sizes cross the block boundaries) in one
     batch, GQA ratio 3."""
@@ -51,7 +52,7 @@ def check_fp32_trees_against_reference(
     makers = {"random": lambda n: random_parents(n, gen), "chain": chain_parents, "star": star_parents}
     trees = [makers[kind](n) for kind, n in shapes]
     # Dv = 24 is not a power of two: exercises the padded value-column blocks.
-    requests, stacked, states, offsets, parents = _batch(trees, 1, 3, 16, 24)
+    requests, stacked, states, offsets, parents = _batch(trees, 1, 3, head_k_dim, 24)
     fp32 = {name: value.float().to(device) for name, value in stacked.items()}
     out, deltas, cum_log_decay = tree_gated_delta_rule_triton(
         *(fp32[name] for name in GDN_ARGS), parents.to(device), offsets.to(device), states.float().to(device),
@@ -175,9 +176,11 @@ def run_all_checks(device: str) -> None:
     for name, check in [
         # defaults: 16-node row blocks, 64-node column tiles, tf32x3 (fp32 in the interpreter)
         ("fp32 defaults", lambda: check_fp32_trees_against_reference(device)),
-        # 32-node row blocks, 16-node column tiles, 3 value-column programs, 2 head-dim chunks
+        # 32-node row blocks, 16-node column tiles, 3 value-column programs, 2 head-dim chunks (the
+        # smallest chunk: tl.dot needs K >= 16 when compiled)
         ("fp32 small tiles", lambda: check_fp32_trees_against_reference(
-            device, shapes=(("random", 70), ("chain", 40), ("star", 5)), block_t=32, block_c=16, block_v=8, block_kc=8, precision="ieee")),
+            device, shapes=(("random", 70), ("chain", 40), ("star", 5)), head_k_dim=32, block_t=32, block_c=16,
+            block_v=8, block_kc=16, precision="ieee")),
         ("bf16 raw gates, pool, commit", lambda: check_bf16_raw_gating_pool_and_commit(device)),
         ("tree conv into q, k, v", lambda: check_tree_conv_qkv_against_torch_form(device)),
     ]:
@@ -187,7 +190,7 @@ def run_all_checks(device: str) -> None:
 
 
 def test_triton_kernels_in_interpreter_mode_match_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), str(TESTS_DIR)]))
+    env = child_env(TESTS_DIR, interpret=True)
     script = (
         "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); import test_gdn_tree_triton as t; "
         "import torch; torch.set_num_threads(1); t.run_all_checks('cpu')"
@@ -222,3 +225,21 @@ def test_ancestor_bits_match_the_dense_mask():
         expected = torch.zeros(len(tree), 96, dtype=torch.bool)
         expected[:, : len(tree)] = ancestor_or_self_mask(torch.tensor(tree))
         assert torch.equal(decoded, expected)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(block_kc=8), "block_kc must be a power of two >= 16"),
+    (dict(block_kc=24), "block_kc must be a power of two >= 16"),
+    (dict(block_t=64), "block_t must be 16 or 32"),
+    (dict(precision="fp16"), "precision must be one of"),
+])
+def test_verify_refuses_block_settings_a_compiled_kernel_cannot_take(options, message):
+    """The interpreter runs a tl.dot with K < 16 that the GPU compiler rejects: the wrapper must refuse it
+    first, on any device, with the setting's name."""
+    from ddtree.kernels.gdn_tree_triton import ancestor_bits_from_parents, tree_gdn_verify
+
+    _, stacked, states, offsets, parents = _batch([chain_parents(3)], 1, 1, 16, 16)
+    bits = ancestor_bits_from_parents(parents, offsets)
+    with pytest.raises(ValueError, match=message):
+        tree_gdn_verify(*(stacked[name].float() for name in GDN_ARGS), offsets.int(), bits, states.float(),
+                        torch.zeros(1, dtype=torch.int32), **options)

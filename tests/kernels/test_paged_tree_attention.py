@@ -23,8 +23,8 @@ from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
 from ddtree.kernels.paged_tree_attention import paged_tree_attention_reference
 
 from _paged_cache import random_paged_cache
+from _triton_interpreter import child_env
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_batch(seed=0, dtype=torch.float32, device="cpu", num_heads=4, num_kv_heads=2, head_size=32, page=16):
@@ -157,7 +157,7 @@ print("KERNEL-OK")
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(Path(__file__).parent)]))
+    env = child_env(Path(__file__).parent, interpret=True)
     res = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(Path(__file__).parent), "cpu"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert "KERNEL-OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
@@ -165,8 +165,7 @@ def test_triton_kernel_under_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernel_on_gpu():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(Path(__file__).parent)]))
-    env.pop("TRITON_INTERPRET", None)
+    env = child_env(Path(__file__).parent, interpret=False)
     res = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(Path(__file__).parent), "cuda"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert "KERNEL-OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

@@ -26,8 +26,8 @@ from ddtree.kernels.paged_tree_attention import (  # noqa: E402
 )
 
 from _paged_cache import random_paged_cache  # noqa: E402
+from _triton_interpreter import child_env  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
@@ -323,7 +323,7 @@ CHECKS = [
 def split_results():
     """Runs every check once, in two interpreter processes side by side (about a minute of CPU each)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(HERE)]))
+    env = child_env(HERE, interpret=True)
     groups = [CHECKS[0::2], CHECKS[1::2]]
     procs = [subprocess.Popen([sys.executable, "-c", SPLIT_CHECKS, str(HERE), ",".join(g)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for g in groups]

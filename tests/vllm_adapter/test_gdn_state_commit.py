@@ -24,7 +24,9 @@ pytest.importorskip("triton")
 
 TESTS_DIR = Path(__file__).resolve().parent
 KERNEL_TESTS_DIR = TESTS_DIR.parent / "kernels"
-PYTHON_DIR = TESTS_DIR.parent.parent / "python"
+if str(KERNEL_TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(KERNEL_TESTS_DIR))
+from _triton_interpreter import child_env  # noqa: E402
 
 NUM_K_HEADS, NUM_V_HEADS, HEAD_K, HEAD_V, WIDTH = 2, 4, 16, 16, 4
 CHANNELS = 2 * NUM_K_HEADS * HEAD_K + NUM_V_HEADS * HEAD_V
@@ -151,8 +153,7 @@ def run_all_checks(device: str) -> None:
 
 
 def test_gdn_verify_and_commit_in_vllm_layout_match_the_sequential_rule():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), str(TESTS_DIR), str(KERNEL_TESTS_DIR)]))
+    env = child_env(TESTS_DIR, KERNEL_TESTS_DIR, interpret=True)
     script = (
         "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); "
         "import torch; torch.set_num_threads(1); import test_gdn_state_commit as t; t.run_all_checks('cpu')"

@@ -83,6 +83,32 @@ def test_admission_refuses_unservable_requests():
     h._validate_params(json_only)  # not a ddtree engine: untouched
 
 
+def test_admission_through_vllms_own_checks_serves_min_p_and_logit_bias_only_for_ddtree():
+    """vLLM's own ``SamplingParams.verify`` refuses min_p and logit_bias under any speculative config; a
+    ddtree engine serves them (per-node sampling), a dflash engine still refuses them."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    patches.apply()
+    model_config = SimpleNamespace(max_logprobs=20, get_vocab_size=lambda: 100, logits_processors=None,
+                                   is_diffusion=False)
+
+    def processor(additional_config):
+        p = object.__new__(InputProcessor)  # vLLM's checks only read these attributes
+        p.__dict__.update(model_config=model_config, speculative_config=SimpleNamespace(method="dflash"),
+                          structured_outputs_config=None, renderer=SimpleNamespace(tokenizer=None),
+                          vllm_config=SimpleNamespace(additional_config=additional_config, reasoning_config=None))
+        return p
+
+    ddtree_engine, dflash_engine = processor({"ddtree": {"budget": 8}}), processor({})
+    for params in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={3: 5.0})):
+        ddtree_engine._validate_params(params, ("generate",))
+        with pytest.raises(ValueError, match="min_p and logit_bias"):
+            dflash_engine._validate_params(params, ("generate",))
+    with pytest.raises(ValueError, match="out of vocabulary|out-of-vocab|vocab"):
+        ddtree_engine._validate_params(SamplingParams(logit_bias={1000: 5.0}), ("generate",))  # vLLM's check kept
+
+
 def test_rejection_sampler_emits_vllm_chain_rows():
     """The sampler on CPU tensors with a fake runner: tree walk, chain format, plain rows."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -420,13 +446,24 @@ def test_drafting_reservation_follows_the_drafters_depth():
     assert unknown.scheduler_config.max_num_scheduled_tokens == 8192 - 63 * 32
 
 
-def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch):
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch, logits_dtype):
     """Bad words and presence/frequency/repetition penalties at a node see the committed output plus the tokens
-    on the node's root path, exactly as vLLM's own code does for that history, row by row."""
+    on the node's root path, exactly as vLLM's own code does for that history, row by row. bf16 target logits
+    are constrained in fp32, like vLLM's sampler: its CUDA repetition-penalty op needs the logits in the
+    penalties' dtype (fp32), which the check below stands in for on CPU."""
+    import vllm._custom_ops as custom_ops
     import vllm.v1.sample.ops.penalties as penalties
     from vllm.v1.sample.ops.penalties import apply_all_penalties
 
     monkeypatch.setattr(penalties, "PIN_MEMORY", False)  # a CUDA build of torch on a machine without a GPU
+    cpu_op = custom_ops.apply_repetition_penalties
+
+    def dtype_checked(logits, prompt_mask, output_mask, repetition_penalties):
+        assert logits.dtype == repetition_penalties.dtype, "the CUDA op refuses mixed dtypes"
+        return cpu_op(logits, prompt_mask, output_mask, repetition_penalties)
+
+    monkeypatch.setattr(custom_ops, "apply_repetition_penalties", dtype_checked)
 
     from ddtree.vllm.sampler import DDTreeRejectionSampler
     from ddtree.vllm.step import TreeStore, plan_verify
@@ -442,7 +479,7 @@ def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch):
     counts = np.array([1, 9, 6])
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     num_rows = int(counts.sum())
-    logits = torch.from_numpy(rng.normal(size=(num_rows, vocab)).astype(np.float32)) * 3
+    logits = (torch.from_numpy(rng.normal(size=(num_rows, vocab)).astype(np.float32)) * 3).to(logits_dtype)
     outputs = [[1, 1, 4], [2, 3, 3, 5], [7]]
     prompts = torch.tensor([[0, 9, vocab], [6, 6, 2], [3, vocab, vocab]])  # padded with the vocabulary size
     sampling = SimpleNamespace(
@@ -459,7 +496,7 @@ def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch):
     # Bad words over each node's own history too: [4, x] bans x after a 4, [y] bans y everywhere.
     sampling.bad_words_token_ids = {0: [[4, 8]], 1: [[5, 2], [11]], 2: [[7, 3]]}
     got = DDTreeRejectionSampler._constrained(logits, plan, sampling, per_row, starts, counts, 3)
-    assert not torch.equal(got, logits)
+    assert got.dtype == torch.float32 and not torch.equal(got, logits.float())
     for r in range(3):
         j = {1: 0, 2: 1}.get(r)
         for k in range(counts[r]):
@@ -473,7 +510,7 @@ def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch):
                     node = int(plan.trees.parents[first + node])
                 history += path[::-1]
             row = starts[r] + k
-            want = logits[row:row + 1].clone()
+            want = logits[row:row + 1].float()
             for word in sampling.bad_words_token_ids[r]:
                 if history[len(history) - len(word) + 1:] == word[:-1] or len(word) == 1:
                     want[0, word[-1]] = float("-inf")

@@ -504,6 +504,9 @@ def tree_gdn_verify(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if block_t not in (16, 32) or block_c not in (16, 32, 64, 128):
         raise ValueError(f"block_t must be 16 or 32 and block_c 16..128, got {block_t}, {block_c}")
+    if block_kc < 16 or block_kc & (block_kc - 1):
+        # Compiled tl.dot needs K >= 16; the interpreter would accept less and hide it.
+        raise ValueError(f"block_kc must be a power of two >= 16 (tl.dot's smallest K), got {block_kc}")
     num_nodes = q.shape[0]
     num_k_heads, head_k_dim, num_v_heads, head_v_dim = _check_gdn_inputs(q, k, v, g, beta, num_nodes)
     if ancestor_bits.dtype != torch.int32 or ancestor_bits.dim() != 2 or ancestor_bits.shape[0] != num_nodes:

@@ -20,7 +20,11 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
    (wrapped): requests whose sampling the tree cannot serve exactly
    (structured outputs, per-request logits processors) are
-   rejected at admission with the reason, only for ddtree engines.
+   rejected at admission with the reason, only for ddtree engines; and
+   ``SamplingParams._validate_spec_decode`` (wrapped) no longer refuses
+   ``min_p`` and ``logit_bias`` while a ddtree engine admits a request
+   (vLLM's chain sampler ignores them at draft positions; DDTree's per-node
+   sampler applies them).
 3. ``register_backend(AttentionBackendEnum.CUSTOM, ...)``: the CUSTOM
    attention backend is DDTree's tree-attention backend (vLLM's own
    registration API; only selected when the engine asks for CUSTOM).
@@ -229,16 +233,27 @@ def _create_engine_config_wrapper(original):
 
 
 # ---- 2. admission ----------------------------------------------------------------------------------
+# True while a ddtree engine's InputProcessor validates a request (2b reads it).
+_ADMITTING_FOR_DDTREE = contextvars.ContextVar("ddtree_admitting", default=False)
+
+
 def _wrap_validate_params(processor_cls) -> None:
+    from vllm.sampling_params import SamplingParams
+
     _wrap_once(processor_cls, "_validate_params", _validate_params_wrapper)
+    _wrap_once(SamplingParams, "_validate_spec_decode", _spec_decode_check_for_chains_only)
 
 
 def _validate_params_wrapper(original):
     def _validate_params(self, params, *args, **kwargs):
-        original(self, params, *args, **kwargs)
         extra = getattr(self.vllm_config, "additional_config", None) or {}
         if ADDITIONAL_CONFIG_KEY not in extra:
-            return
+            return original(self, params, *args, **kwargs)
+        admitting = _ADMITTING_FOR_DDTREE.set(True)
+        try:
+            original(self, params, *args, **kwargs)
+        finally:
+            _ADMITTING_FOR_DDTREE.reset(admitting)
         from vllm.sampling_params import SamplingParams
 
         if isinstance(params, SamplingParams):
@@ -250,6 +265,20 @@ def _validate_params_wrapper(original):
                 )
 
     return _validate_params
+
+
+def _spec_decode_check_for_chains_only(original):
+    """vLLM refuses ``min_p`` and ``logit_bias`` under any speculative decoding because its rejection
+    sampler does not apply them to draft positions. DDTree's sampler applies both at every node
+    (``ddtree.vllm.node_sampling``), so a ddtree engine's admission skips that refusal; every other engine
+    (and vLLM's chain under ddtree's worker, which never runs) keeps it."""
+
+    def _validate_spec_decode(self, speculative_config, *args, **kwargs):
+        if _ADMITTING_FOR_DDTREE.get():
+            return None
+        return original(self, speculative_config, *args, **kwargs)
+
+    return _validate_spec_decode
 
 
 # ---- 3. attention backend ------------------------------------------------------------------------

@@ -157,7 +157,8 @@ class DDTreeRejectionSampler(nn.Module):
         penalties = not sampling_metadata.no_penalties
         if allowed_only is None and not bad_words and bias is None and not stop_rows.shape[0] and not penalties:
             return logits
-        constrained = logits.clone()
+        # fp32 like vLLM's sampler: its CUDA penalty op needs the logits in the penalties' dtype.
+        constrained = logits.to(torch.float32, copy=True)
         device = logits.device
         if allowed_only is not None:
             constrained.masked_fill_(per_row(allowed_only), float("-inf"))
@@ -171,7 +172,7 @@ class DDTreeRejectionSampler(nn.Module):
             apply_bad_words(constrained, by_row, outputs)
         if bias is not None:
             rows, tokens, values = (torch.from_numpy(a).to(device) for a in bias)
-            constrained.index_put_((rows, tokens), values.to(logits.dtype), accumulate=True)
+            constrained.index_put_((rows, tokens), values.to(constrained.dtype), accumulate=True)
         if stop_rows.shape[0]:
             constrained[torch.from_numpy(stop_rows).to(device), torch.from_numpy(stop_tokens).to(device)] = (
                 float("-inf"))
