@@ -31,6 +31,7 @@ Everything goes to DIR/vllm_ddtree_e2e.log and DIR/vllm_ddtree_e2e.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -41,6 +42,17 @@ import traceback
 WORK = "/tmp/ddtree_e2e"
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 48
+STOP_TOKENS = list(range(2, 12))
+#: Greedy scenarios whose sampling settings change the argmax (``fp32_reference.py`` replays them): the stop
+#: scenario's ten stop tokens (~4% of a 256-token vocabulary each step) end most requests inside an accepted
+#: path; min_tokens holds them back for 24 tokens (tree nodes mask them by depth); a bias that flips some
+#: argmaxes and penalties that count each node's own history must reach every node.
+CONSTRAINED_SCENARIOS = {
+    "stop": dict(stop=STOP_TOKENS),
+    "min_tokens": dict(stop=STOP_TOKENS, min_tokens=24),
+    "logit_bias": dict(logit_bias={5: 4.0, 7: 2.5, 9: -6.0}),
+    "penalties": dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3),
+}
 
 
 def log(msg, fh=None):
@@ -193,27 +205,8 @@ def run_child(name, target, drafter, only_scenarios=()):
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=P["near_max"])], greedy(19), use_tqdm=False))
         return rows, len(rows[0]["tokens"])
 
-    def stop():
-        # Ten stop tokens (~4% of a 256-token vocabulary each step): most requests end inside an accepted path.
-        params = greedy(MAX_TOKENS, stop=list(range(2, 12)))
-        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
-        return rows, sum(len(r["tokens"]) for r in rows)
-
-    def min_tokens():
-        # The stop scenario's stop tokens, held back for the first 24 tokens: tree nodes mask them by depth.
-        params = greedy(MAX_TOKENS, stop=list(range(2, 12)), min_tokens=24)
-        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
-        return rows, sum(len(r["tokens"]) for r in rows)
-
-    def logit_bias():
-        # Greedy under a bias that flips some argmaxes: every tree node must see it.
-        params = greedy(MAX_TOKENS, logit_bias={5: 4.0, 7: 2.5, 9: -6.0})
-        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
-        return rows, sum(len(r["tokens"]) for r in rows)
-
-    def penalties():
-        # Greedy under penalties that count each token's own history: every node has a different one.
-        params = greedy(MAX_TOKENS, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    def constrained(sname):
+        params = greedy(MAX_TOKENS, **CONSTRAINED_SCENARIOS[sname])
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
@@ -248,9 +241,9 @@ def run_child(name, target, drafter, only_scenarios=()):
                                      use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
-    scenarios = (("batch1", b1), ("batch16", b16), ("batch32", b32), ("near_max", near_max), ("stop", stop),
-                 ("min_tokens", min_tokens), ("logit_bias", logit_bias),
-                 ("penalties", penalties), ("abort", abort), ("t1", t1))
+    scenarios = (("batch1", b1), ("batch16", b16), ("batch32", b32), ("near_max", near_max),
+                 *((sname, functools.partial(constrained, sname)) for sname in CONSTRAINED_SCENARIOS),
+                 ("abort", abort), ("t1", t1))
     for sname, fn in scenarios:
         scenario(sname, fn)
     try:

@@ -48,3 +48,52 @@ def test_tiny_qwen3_next_routes_every_token_to_the_chosen_number_of_experts(tmp_
     assert config["num_experts_per_tok"] == 4 and config["num_experts"] == 4
     with pytest.raises(ValueError, match="experts_per_token must be 1..4"):
         write_qwen3_next_target(str(tmp_path / "bad"), experts_per_token=5)
+
+
+def _fp32_reference():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import fp32_reference
+
+    return fp32_reference
+
+
+def test_fp32_reference_constrains_logits_like_vllms_sampler(monkeypatch):
+    """The oracle that judges GPU outputs applies each scenario's settings as vLLM does: its penalties equal
+    vLLM's ``apply_all_penalties``, its bias and min_tokens mask equal the processors' arithmetic."""
+    import torch
+    import vllm.v1.sample.ops.penalties as penalties
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    monkeypatch.setattr(penalties, "PIN_MEMORY", False)  # a CUDA build of torch on a machine without a GPU
+    ref = _fp32_reference()
+    vocab = 16
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 4
+    prompt, output = [1, 4, 4, 9], [4, 7, 7, 7, 2]
+    settings = ref.CONSTRAINED_SCENARIOS["penalties"]
+    want = apply_all_penalties(
+        logits[None].clone(), torch.tensor([prompt]), torch.tensor([settings["presence_penalty"]]),
+        torch.tensor([settings["frequency_penalty"]]), torch.tensor([settings["repetition_penalty"]]), [output])[0]
+    assert torch.allclose(ref.constrain(logits, prompt, output, settings), want, atol=1e-6)
+
+    bias = ref.constrain(logits, prompt, output, {"logit_bias": {5: 4.0, 9: -6.0}})
+    assert bias[5] == logits[5] + 4.0 and bias[9] == logits[9] - 6.0 and torch.equal(bias[:5], logits[:5])
+    held = ref.constrain(logits, prompt, output, {"stop": [2, 3], "min_tokens": 6})  # 5 outputs < 6
+    assert torch.isinf(held[[2, 3]]).all() and torch.equal(held[4:], logits[4:])
+    free = ref.constrain(logits, prompt, output, {"stop": [2, 3], "min_tokens": 5})
+    assert torch.equal(free, logits)
+
+
+def test_fp32_reference_classifies_divergences_by_the_references_gap():
+    ref = _fp32_reference()
+    reference, gaps = [5, 6, 7, 8], [1.0, 0.01, 2.0, 0.5]
+    assert ref.classify([5, 6, 7, 8], reference, gaps, 0.05) == ("equal", None, None)
+    assert ref.classify([5, 6], reference, gaps, 0.05) == ("equal", None, None)  # shorter: max_tokens
+    assert ref.classify([5, 9, 1], reference, gaps, 0.05) == ("near-tie", 1, 0.01)
+    assert ref.classify([5, 6, 3], reference, gaps, 0.05) == ("real", 2, 2.0)
+    assert ref.classify([5, 6, 7, 8, 2], reference, gaps, 0.05) == ("real", 4, None)  # ran past a stop
+    lines, counts = ref.judge({"e": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 9]}, {"tokens": [5]}]}}}},
+                              {("batch1", 0): (reference, gaps), ("batch1", 1): (reference, gaps)}, 0.05)
+    assert counts == {"e": {"batch1": (1, 1, 0)}} and "req 0" in lines[0]

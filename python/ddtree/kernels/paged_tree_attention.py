@@ -78,14 +78,14 @@ def paged_tree_attention_reference(
             continue
         seq_len = int(seq_lens[s])
         ctx = seq_len - q_len
-        kpos = torch.arange(seq_len)
+        kpos = torch.arange(seq_len, device=query.device)
         blocks = block_table[s, kpos // block_size].long()
         offs = kpos % block_size
         keys = key_cache[blocks, offs].float().repeat_interleave(group, dim=1)  # [S, H, D]
         values = value_cache[blocks, offs].float().repeat_interleave(group, dim=1)
         q = query[q0:q1].float()
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        visible = kpos[None, :] <= (ctx + torch.arange(q_len))[:, None]
+        visible = kpos[None, :] <= (ctx + torch.arange(q_len, device=query.device))[:, None]
         start = int(row_start[s])
         if start >= 0:
             assert ancestor_bits is not None

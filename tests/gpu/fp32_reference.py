@@ -1,0 +1,178 @@
+"""Judge GPU greedy outputs against an fp32 reference of the same model, on CPU.
+
+    python tests/gpu/fp32_reference.py --model tests/fixtures/models --results RUN/vllm_ddtree_e2e.json \
+        [--results MORE.json ...] [--scenarios batch16,penalties] [--gap-tol 0.05] [--out report.md]
+
+``vllm_ddtree_e2e.py`` judges a divergence from plain vLLM by plain's own top-2 gap there. That gap is the
+raw bf16 one: under penalties or a logit bias the choice is made on other logits, and plain vLLM is itself
+one bf16 computation among several. This replays every greedy scenario of the harness with the pair's
+target in fp32 (transformers, CPU), applies the scenario's sampling settings exactly as vLLM's sampler does
+(logit bias and min_tokens, then repetition/presence/frequency penalties), and records the top-2 gap of
+the logits each token was chosen from. An engine's output (plain vLLM's included) then counts as
+
+* equal: the reference's tokens, for as long as the engine's output runs;
+* near-tie: it first leaves the reference where the reference's own top-2 gap is below ``--gap-tol``;
+* real: it leaves it anywhere else.
+
+A correct engine in bf16 has no real divergence; where it has one, plain vLLM's behaviour there says
+whether the engine or the bf16 arithmetic is to blame.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_ddtree_e2e import CONSTRAINED_SCENARIOS, prompts  # noqa: E402
+
+#: Scenarios replayed (the harness's greedy ones); each maps to its prompt set.
+PROMPT_SETS = {"batch1": "batch1", "batch16": "batch32", "batch32": "batch32", "near_max": None,
+               **{name: "stop" for name in CONSTRAINED_SCENARIOS}}
+
+
+def constrain(logits, prompt: Sequence[int], output: Sequence[int], settings: dict):
+    """The logits vLLM's sampler chooses from after ``output``, for a request with ``settings`` (the
+    harness's keyword arguments): logit bias and min_tokens (its logits processors), then penalties."""
+    import torch
+
+    logits = logits.clone()
+    for token, bias in (settings.get("logit_bias") or {}).items():
+        logits[int(token)] += bias
+    if len(output) < settings.get("min_tokens", 0):
+        logits[list(settings.get("stop") or [])] = float("-inf")
+    repetition = settings.get("repetition_penalty", 1.0)
+    if repetition != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / repetition, picked * repetition)
+    if output:
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[0]).to(logits.dtype)
+        logits -= settings.get("frequency_penalty", 0.0) * counts
+        logits -= settings.get("presence_penalty", 0.0) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def greedy_reference(model, prompt: Sequence[int], length: int, settings: dict) -> Tuple[List[int], List[float]]:
+    """fp32 greedy tokens under ``settings`` and the top-2 gap each was chosen with; stops after a stop token."""
+    import torch
+
+    tokens: List[int] = []
+    gaps: List[float] = []
+    stops = set(settings.get("stop") or [])
+    with torch.no_grad():
+        while len(tokens) < length:
+            logits = model(torch.tensor([list(prompt) + tokens])).logits[0, -1].float()
+            logits = constrain(logits, prompt, tokens, settings)
+            top = torch.topk(logits, 2)
+            tokens.append(int(top.indices[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            if tokens[-1] in stops:
+                break
+    return tokens, gaps
+
+
+def classify(output: Sequence[int], reference: Sequence[int], gaps: Sequence[float], tol: float
+             ) -> Tuple[str, Optional[int], Optional[float]]:
+    """``(verdict, first differing position, reference gap there)``; verdict is equal / near-tie / real."""
+    for i, (got, want) in enumerate(zip(output, reference)):
+        if got != want:
+            return ("near-tie" if gaps[i] < tol else "real"), i, gaps[i]
+    if len(output) > len(reference):
+        # The reference stopped on a stop token the engine did not produce at that position.
+        return "real", len(reference), None
+    return "equal", None, None
+
+
+def judge(results: Dict[str, dict], reference: Dict[Tuple[str, int], Tuple[List[int], List[float]]], tol: float
+          ) -> Tuple[List[str], Dict[str, Dict[str, Tuple[int, int, int]]]]:
+    """Report lines and ``{engine: {scenario: (equal, near-tie, real)}}``."""
+    lines, counts = [], {}
+    for engine, res in results.items():
+        for sname, sc in res.get("scenarios", {}).items():
+            if sname not in PROMPT_SETS or not sc.get("rows"):
+                continue
+            tally = {"equal": 0, "near-tie": 0, "real": 0}
+            for r, row in enumerate(sc["rows"]):
+                if (sname, r) not in reference:
+                    continue
+                verdict, pos, gap = classify(row["tokens"], *reference[(sname, r)], tol)
+                tally[verdict] += 1
+                if verdict != "equal":
+                    gap_text = "the reference stops there" if gap is None else f"reference gap {gap:.4f}"
+                    lines.append(f"    {engine}/{sname}: req {r}: leaves the reference at {pos} ({gap_text}): {verdict}")
+            counts.setdefault(engine, {})[sname] = (tally["equal"], tally["near-tie"], tally["real"])
+    return lines, counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a pair directory (target/, prompts.json), as given to the harness")
+    ap.add_argument("--results", action="append", required=True, help="vllm_ddtree_e2e.json (repeatable)")
+    ap.add_argument("--scenarios", default=",".join(PROMPT_SETS))
+    ap.add_argument("--gap-tol", type=float, default=0.05)
+    ap.add_argument("--out", help="also write the report here")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    with open(os.path.join(args.model, "prompts.json")) as f:
+        given = json.load(f)
+    target = os.path.join(args.model, "target")
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    vocab = int(config.get("text_config", config)["vocab_size"])
+    P = prompts(vocab, given)
+    results: Dict[str, dict] = {}
+    for path in args.results:  # a later file's scenarios replace an earlier one's, engine by engine
+        with open(path) as f:
+            for engine, res in json.load(f)["results"].items():
+                merged = results.setdefault(engine, {"scenarios": {}})
+                merged["scenarios"].update(res.get("scenarios", {}))
+    wanted = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in wanted if s not in PROMPT_SETS]
+    if unknown:
+        ap.error(f"unknown scenarios {unknown}; known: {sorted(PROMPT_SETS)}")
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    reference = {}
+    cache: Dict[Tuple[str, int], Tuple[List[int], List[float]]] = {}
+    for sname in wanted:
+        settings = CONSTRAINED_SCENARIOS.get(sname, {})
+        key = json.dumps(settings, sort_keys=True)
+        prompt_set = P[PROMPT_SETS[sname]] if PROMPT_SETS[sname] else [P["near_max"]]
+        for r, prompt in enumerate(prompt_set):
+            rows = [res["scenarios"][sname]["rows"] for res in results.values()
+                    if sname in res.get("scenarios", {}) and len(res["scenarios"][sname].get("rows") or []) > r]
+            if not rows:
+                continue
+            length = max(len(row[r]["tokens"]) for row in rows)
+            prompt_key = (key, tuple(prompt))
+            if prompt_key not in cache or len(cache[prompt_key][0]) < length:
+                cache[prompt_key] = greedy_reference(model, prompt, length, settings)
+            tokens, gaps = cache[prompt_key]
+            reference[(sname, r)] = (tokens[:length], gaps[:length])
+
+    lines, counts = judge(results, reference, args.gap_tol)
+    report = [f"fp32 reference of {target}; gap tolerance {args.gap_tol}; results {args.results}", *lines,
+              "", f"{'engine':<16}{'scenario':<12}{'equal':>6}{'tie':>5}{'real':>6}"]
+    for engine, per in counts.items():
+        for sname, (eq, tie, real) in per.items():
+            report.append(f"{engine:<16}{sname:<12}{eq:>6}{tie:>5}{real:>6}")
+    real_total = {e: sum(c[2] for c in per.values()) for e, per in counts.items()}
+    report.append(f"real divergences by engine: {real_total}")
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
