@@ -43,6 +43,7 @@ WORK = "/tmp/ddtree_e2e"
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 48
 STOP_TOKENS = list(range(2, 12))
+MIN_P = 0.3
 #: Greedy scenarios whose sampling settings change the argmax (``fp32_reference.py`` replays them): the stop
 #: scenario's ten stop tokens (~4% of a 256-token vocabulary each step) end most requests inside an accepted
 #: path; min_tokens holds them back for 24 tokens (tree nodes mask them by depth); a bias that flips some
@@ -50,9 +51,22 @@ STOP_TOKENS = list(range(2, 12))
 CONSTRAINED_SCENARIOS = {
     "stop": dict(stop=STOP_TOKENS),
     "min_tokens": dict(stop=STOP_TOKENS, min_tokens=24),
-    "logit_bias": dict(logit_bias={5: 4.0, 7: 2.5, 9: -6.0}),
+    # Small biases that flip an argmax now and then, and bans of 22 common tokens that every node must see.
+    "logit_bias": dict(logit_bias={5: 4.0, 7: 2.5, 9: -6.0, **{t: -100.0 for t in range(10, 32)}}),
     "penalties": dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3),
 }
+
+
+SAMPLED_SCENARIOS = ("t1", "min_p")  # not compared token by token with plain
+
+
+def min_p_respected(rows, slack: float = 1e-3) -> bool:
+    """Every emitted token's raw logprob is at most ``-log(MIN_P)`` below its row's top (False without logprobs)."""
+    import math
+
+    pairs = [(c, t) for r in rows if r.get("top") for c, t in zip(r["logprobs"], r["top"])]
+    floor = math.log(MIN_P) - slack
+    return bool(pairs) and all(c is not None and c - t >= floor for c, t in pairs)
 
 
 def log(msg, fh=None):
@@ -159,14 +173,16 @@ def run_child(name, target, drafter, only_scenarios=()):
         rows = []
         for o in outs:
             c = o.outputs[0]
-            gaps = chosen = None
+            gaps = chosen = top = None
             if c.logprobs:
-                gaps, chosen = [], []
+                gaps, chosen, top = [], [], []
                 for token, step in zip(c.token_ids, c.logprobs):
                     vals = sorted((lp.logprob for lp in step.values()), reverse=True)
                     gaps.append(vals[0] - vals[1] if len(vals) > 1 else 99.0)
                     chosen.append(step[token].logprob if token in step else None)
-            rows.append({"tokens": list(c.token_ids), "gaps": gaps, "logprobs": chosen, "finish": c.finish_reason})
+                    top.append(vals[0])
+            rows.append({"tokens": list(c.token_ids), "gaps": gaps, "logprobs": chosen, "top": top,
+                         "finish": c.finish_reason})
         return rows
 
     def scenario(sname, fn):
@@ -210,6 +226,14 @@ def run_child(name, target, drafter, only_scenarios=()):
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
+    def min_p():
+        # Sampled, so not comparable token by token: every emitted token must keep min_p of its row's top
+        # probability (the raw logprobs are the row's, temperature 1 leaves them as they are).
+        params = [SamplingParams(temperature=1.0, min_p=MIN_P, seed=200 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                 detokenize=False, logprobs=2) for i in range(len(P["stop"]))]
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     def t1():
         params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=100 + i, max_tokens=32, ignore_eos=True,
                                  detokenize=False) for i in range(len(P["t1"]))]
@@ -243,7 +267,7 @@ def run_child(name, target, drafter, only_scenarios=()):
 
     scenarios = (("batch1", b1), ("batch16", b16), ("batch32", b32), ("near_max", near_max),
                  *((sname, functools.partial(constrained, sname)) for sname in CONSTRAINED_SCENARIOS),
-                 ("abort", abort), ("t1", t1))
+                 ("min_p", min_p), ("abort", abort), ("t1", t1))
     for sname, fn in scenarios:
         scenario(sname, fn)
     try:
@@ -329,6 +353,9 @@ def main():
     ap.add_argument("--model", default="tiny-qwen3",
                     help="tiny-qwen3, tiny-qwen3-next (2 of 4 experts per token), tiny-qwen3-next-all-experts "
                          "(4 of 4: no routing flips), or a directory with a pair")
+    ap.add_argument("--fp32-reference", action="store_true",
+                    help="afterwards judge every greedy output against the pair's target in fp32 on CPU "
+                         "(fp32_reference.py; pair directories only)")
     args = ap.parse_args()
     root = args.model if os.path.isdir(args.model) else os.path.join(WORK, args.model)
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
@@ -412,7 +439,7 @@ def main():
             mal = spec_m.get("mean_acceptance_length")
             same = tie = real = "-"
             notes = ""
-            if plain and name != "plain" and sname in plain["scenarios"] and sname != "t1":
+            if plain and name != "plain" and sname in plain["scenarios"] and sname not in SAMPLED_SCENARIOS:
                 same, tie, real, details = compare(plain["scenarios"][sname]["rows"], sc["rows"], args.gap_tol)
                 verdict[f"{name}/{sname}"] = real == 0
                 diff = logprob_difference(plain["scenarios"][sname]["rows"], sc["rows"])
@@ -422,7 +449,7 @@ def main():
                 for d in details:
                     log(f"    {name}/{sname}: {d}", fh)
             base = results.get(name[: -len("-tp2")]) if name.endswith("-tp2") else None
-            if base and sname in base["scenarios"] and sname != "t1":
+            if base and sname in base["scenarios"] and sname not in SAMPLED_SCENARIOS:
                 ref = with_plain_gaps(base["scenarios"][sname]["rows"], (plain or {}).get("scenarios", {}).get(sname))
                 b_same, b_tie, b_real, b_details = compare(ref, sc["rows"], args.gap_tol)
                 notes += f"vs TP1 {name[:-4]}: same {b_same} tie {b_tie} real {b_real}; "
@@ -430,13 +457,17 @@ def main():
                     log(f"    {name}/{sname} vs TP1: {d}", fh)
                 verdict[f"{name}/{sname}=tp1"] = b_real == 0
             same_tp = results.get("plain-tp2") if name.endswith("-tp2") and name != "plain-tp2" else None
-            if same_tp and sname in same_tp["scenarios"] and sname != "t1":
+            if same_tp and sname in same_tp["scenarios"] and sname not in SAMPLED_SCENARIOS:
                 # Against plain vLLM at the same TP: the same all-reduce order, so only ddtree's own differences.
                 t_same, t_tie, t_real, t_details = compare(same_tp["scenarios"][sname]["rows"], sc["rows"], args.gap_tol)
                 notes += f"vs plain-tp2: same {t_same} tie {t_tie} real {t_real}; "
                 for d in t_details:
                     log(f"    {name}/{sname} vs plain-tp2: {d}", fh)
                 verdict[f"{name}/{sname}=plain-tp2"] = t_real == 0
+            if sname == "min_p":
+                ok = min_p_respected(sc["rows"])
+                notes += f"every token within min_p of its row's top: {ok}; "
+                verdict[f"{name}/min_p"] = ok
             if sname == "t1":
                 ok = all(r.get("repeat_equal") for r in sc["rows"])
                 notes += f"seeded repeat equal: {ok}"
@@ -463,7 +494,30 @@ def main():
     log("VERDICT: " + json.dumps(verdict), fh)
     log("ALL-PASS" if verdict and all(verdict.values()) and not missing else "NOT-ALL-PASS", fh)
     json.dump({"results": results, "verdict": verdict}, open(os.path.join(args.out, "vllm_ddtree_e2e.json"), "w"))
+    if args.fp32_reference:
+        judge_against_fp32(args, started, fh)
     fh.close()
+
+
+def judge_against_fp32(args, started: float, fh) -> None:
+    """Runs ``fp32_reference.py`` on this run's JSON (CPU), within what is left of ``--deadline``."""
+    if not os.path.isdir(args.model):
+        log("fp32 reference: needs a pair directory (--model DIR), skipped", fh)
+        return
+    left = args.deadline - (time.time() - started)
+    if left < 30:
+        log(f"fp32 reference: skipped, {left:.0f}s left of the deadline", fh)
+        return
+    out = os.path.join(args.out, "fp32_reference.txt")
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp32_reference.py"),
+           "--model", args.model, "--results", os.path.join(args.out, "vllm_ddtree_e2e.json"),
+           "--gap-tol", str(args.gap_tol), "--out", out]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        tail = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else proc.stderr[-2000:].splitlines()
+        log(f"fp32 reference (rc {proc.returncode}, {out}): " + " ".join(tail), fh)
+    except subprocess.TimeoutExpired:
+        log(f"fp32 reference: not finished within {left:.0f}s", fh)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,18 @@ def test_fp32_reference_classifies_divergences_by_the_references_gap():
     lines, counts = ref.judge({"e": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 9]}, {"tokens": [5]}]}}}},
                               {("batch1", 0): (reference, gaps), ("batch1", 1): (reference, gaps)}, 0.05)
     assert counts == {"e": {"batch1": (1, 1, 0)}} and "req 0" in lines[0]
+
+
+def test_min_p_check_needs_logprobs_and_flags_a_token_below_the_floor():
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import MIN_P, min_p_respected
+
+    at_floor = math.log(MIN_P)
+    assert min_p_respected([{"top": [-1.0, -0.5], "logprobs": [-1.0, -0.5 + at_floor]}])
+    assert not min_p_respected([{"top": [-1.0, -0.5], "logprobs": [-1.0, -0.6 + at_floor]}])
+    assert not min_p_respected([{"top": None, "logprobs": None}])  # nothing to judge is not a pass
+    assert not min_p_respected([{"top": [-1.0], "logprobs": [None]}])

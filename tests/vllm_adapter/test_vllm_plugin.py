@@ -518,3 +518,83 @@ def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch, logi
                                        sampling.frequency_penalties[r:r + 1], sampling.repetition_penalties[r:r + 1],
                                        [history])
             assert torch.allclose(got[row], want[0], atol=1e-6), (r, k, history)
+
+
+def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
+    """Under a speculative config vLLM builds only the min_tokens logits processor (it refuses min_p and
+    logit_bias there), so a ddtree engine, which admits both, would serve neither: its sampler finds no
+    ``LogitBiasLogitsProcessor`` / ``MinPLogitsProcessor`` in the batch. The ddtree runner gives its persistent
+    batch every built-in processor; through vLLM's own batch updates (add, finish, condense) the sampler then
+    biases every row of each biased request."""
+    import vllm.utils.torch_utils as torch_utils
+    import vllm.v1.worker.gpu_input_batch as input_batch_module
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.sample.logits_processor import build_logitsprocs
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import ddtree.vllm.proposer as proposer_module
+    from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+
+    for module in (torch_utils, input_batch_module):  # no CUDA driver here
+        monkeypatch.setattr(module, "PIN_MEMORY", False)
+    cpu, vocab = torch.device("cpu"), 32
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(method="dflash"),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={ADDITIONAL_CONFIG_KEY: DDTreeConfig(budget=8, draft_len=4, top_k=None).to_dict()},
+    )
+
+    def vllm_init(self, vllm_config, device):  # what GPUModelRunner.__init__ sets up that the subclass uses
+        self.vllm_config, self.device, self.speculative_config = vllm_config, device, vllm_config.speculative_config
+        self.model_config = SimpleNamespace(is_hybrid=False)
+        self.drafter = object()
+        self.input_batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=device,
+                                      vocab_size=vocab, block_sizes=[16], kernel_block_sizes=[16],
+                                      logitsprocs=build_logitsprocs(vllm_config, device, False, False))
+
+    monkeypatch.setattr(GPUModelRunner, "__init__", vllm_init)
+    monkeypatch.setattr(proposer_module, "DDTreeProposer", lambda *args: SimpleNamespace())
+    assert [type(p) for p in build_logitsprocs(config, cpu, False, False).all] == [MinTokensLogitsProcessor]
+    runner = DDTreeGPUModelRunner(config, cpu)
+    assert {LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor} <= {
+        type(p) for p in runner.input_batch.logitsprocs.all}
+
+    batch, bias = runner.input_batch, {5: 4.0, 9: -6.0}
+
+    def request(req_id, temperature=0.0, **params):
+        return CachedRequestState(req_id=req_id, prompt_token_ids=[1, 2, 3], mm_features=[],
+                                  sampling_params=SamplingParams(temperature=temperature, **params), generator=None,
+                                  block_ids=([],), num_computed_tokens=3, output_token_ids=[])
+
+    for req_id, params in (("x", {}), ("a", {"logit_bias": bias}), ("b", {"logit_bias": bias, "min_p": 0.1, "temperature": 1.0}),
+                           ("c", {"logit_bias": bias})):
+        batch.add_request(request(req_id, **params))
+    batch.condense()
+    batch.refresh_metadata()
+    batch.remove_request("x")  # finished: "c" moves into its slot
+    batch.condense()
+    batch.refresh_metadata()
+    assert batch.req_ids == ["c", "a", "b"]
+    metadata = batch.sampling_metadata
+    min_p = next(p for p in metadata.logitsprocs.all if isinstance(p, MinPLogitsProcessor))
+    assert min_p.min_p_count == 1 and min_p.min_p_cpu[2] == pytest.approx(0.1)
+
+    # No trees this step (plan None): one row per request, its sampled token emitted.
+    runner._ddtree_plan, runner._ddtree_accept = None, None
+    md = SpecDecodeMetadata.make_dummy([[], [], []], cpu)
+    md.bonus_logits_indices = torch.arange(3)
+    logits = torch.zeros(3, vocab)
+    logits[:, 9] = 3.0  # the raw argmax; the bias (+4 on 5, -6 on 9) makes token 5 the biased one
+    # "b" samples at temperature 1: after the bias token 5 has p ~0.64, every other token ~0.012, below min_p's
+    # 0.1 * 0.64, so min_p leaves token 5 alone.
+    out = DDTreeRejectionSampler(runner)(md, None, logits, metadata).sampled_token_ids
+    assert out[:, 0].tolist() == [5, 5, 5]

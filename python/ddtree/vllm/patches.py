@@ -24,7 +24,9 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    ``SamplingParams._validate_spec_decode`` (wrapped) no longer refuses
    ``min_p`` and ``logit_bias`` while a ddtree engine admits a request
    (vLLM's chain sampler ignores them at draft positions; DDTree's per-node
-   sampler applies them).
+   sampler applies them). Under a speculative config vLLM also builds no
+   logits processor for either; the ddtree runner adds them to its batch
+   (``runner.serve_builtin_logitsprocs``, not a patch: its own subclass).
 3. ``register_backend(AttentionBackendEnum.CUSTOM, ...)``: the CUSTOM
    attention backend is DDTree's tree-attention backend (vLLM's own
    registration API; only selected when the engine asks for CUSTOM).

@@ -93,6 +93,25 @@ class DDTreeStats:
         }
 
 
+def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool) -> None:
+    """Gives the persistent batch every vLLM built-in logits processor (instances it already has are kept).
+
+    Under any speculative config vLLM's ``build_logitsprocs`` builds the min_tokens processor only: it refuses
+    ``min_p`` and ``logit_bias`` there. A ddtree engine admits both (``patches`` 2b) and its sampler reads
+    their state (``LogitBiasLogitsProcessor.biases``, ``MinPLogitsProcessor.min_p_cpu``) from the batch's
+    processors; without them both settings would be silently ignored. Call before any request is added.
+    """
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+    current = list(input_batch.logitsprocs.all)
+    have = {type(p) for p in current}
+    missing = [cls(vllm_config, device, pin_memory) for cls in BUILTIN_LOGITS_PROCESSORS if cls not in have]
+    if not missing:
+        return
+    input_batch.logitsprocs = LogitsProcessors(current + missing)
+    input_batch.sampling_metadata = input_batch._make_sampling_metadata()
+
+
 def gdn_conv_window(model_config) -> int:
     """``W - 1`` of a hybrid target's GDN conv, from its HF config."""
     text = model_config.hf_text_config
@@ -124,6 +143,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter = DDTreeProposer(vllm_config, device, self, self.ddtree_cfg)
             self.drafter.runner = self
             self.rejection_sampler = DDTreeRejectionSampler(self)
+            from vllm.utils.torch_utils import PIN_MEMORY
+
+            serve_builtin_logitsprocs(self.input_batch, vllm_config, self.device, PIN_MEMORY)
         logger.info(
             "DDTree: budget %d, drafter depth %s, top-K %s", self.ddtree_cfg.budget, self.ddtree_cfg.draft_len,
             getattr(getattr(self, "drafter", None), "top_k", None),
