@@ -56,6 +56,22 @@ def constrain(logits, prompt: Sequence[int], output: Sequence[int], settings: di
     return logits
 
 
+def scenario_settings(sname: str, results: Dict[str, dict], overrides: dict) -> dict:
+    """The sampling settings a scenario ran with: ``overrides`` first, else what the harness kept with the
+    outputs (every engine must agree), else none (the unconstrained scenarios)."""
+    if sname in overrides:
+        return overrides[sname]
+    kept = {json.dumps(res["scenarios"][sname]["settings"], sort_keys=True)
+            for res in results.values() if "settings" in res.get("scenarios", {}).get(sname, {})}
+    if len(kept) > 1:
+        raise SystemExit(f"{sname}: the results ran with different settings {sorted(kept)}; judge them apart")
+    if kept:
+        return json.loads(kept.pop())
+    if sname in CONSTRAINED_SCENARIOS:
+        raise SystemExit(f"{sname}: the results do not say which settings they ran with; pass --scenario-settings")
+    return {}
+
+
 def greedy_reference(model, prompt: Sequence[int], length: int, settings: dict) -> Tuple[List[int], List[float]]:
     """fp32 greedy tokens under ``settings`` and the top-2 gap each was chosen with; stops after a stop token."""
     import torch
@@ -88,9 +104,10 @@ def classify(output: Sequence[int], reference: Sequence[int], gaps: Sequence[flo
 
 
 def judge(results: Dict[str, dict], reference: Dict[Tuple[str, int], Tuple[List[int], List[float]]], tol: float
-          ) -> Tuple[List[str], Dict[str, Dict[str, Tuple[int, int, int]]]]:
-    """Report lines and ``{engine: {scenario: (equal, near-tie, real)}}``."""
-    lines, counts = [], {}
+          ) -> Tuple[List[str], Dict[str, Dict[str, Tuple[int, int, int]]], Dict[str, float]]:
+    """Report lines, ``{engine: {scenario: (equal, near-tie, real)}}`` and each engine's widest reference gap
+    at a divergence (``inf`` where it ran past a reference stop)."""
+    lines, counts, widest = [], {}, {}
     for engine, res in results.items():
         for sname, sc in res.get("scenarios", {}).items():
             if sname not in PROMPT_SETS or not sc.get("rows"):
@@ -102,10 +119,24 @@ def judge(results: Dict[str, dict], reference: Dict[Tuple[str, int], Tuple[List[
                 verdict, pos, gap = classify(row["tokens"], *reference[(sname, r)], tol)
                 tally[verdict] += 1
                 if verdict != "equal":
+                    widest[engine] = max(widest.get(engine, 0.0), float("inf") if gap is None else gap)
                     gap_text = "the reference stops there" if gap is None else f"reference gap {gap:.4f}"
                     lines.append(f"    {engine}/{sname}: req {r}: leaves the reference at {pos} ({gap_text}): {verdict}")
             counts.setdefault(engine, {})[sname] = (tally["equal"], tally["near-tie"], tally["real"])
-    return lines, counts
+    return lines, counts, widest
+
+
+def noise_verdict(widest: Dict[str, float]) -> List[str]:
+    """Engines judged against plain vLLM's own bf16 noise: the widest reference gap at which a plain engine
+    (``plain``, ``plain-tp2``) leaves the reference in the same results. An engine whose divergences are all
+    at most that wide differs from the fp32 reference no more than vLLM without speculation does."""
+    plain = [gap for engine, gap in widest.items() if engine.startswith("plain")]
+    if not plain:
+        return ["no plain engine in the results: no noise level to judge against"]
+    noise = max(plain)
+    verdict = {engine: widest.get(engine, 0.0) <= noise for engine in sorted(widest) if not engine.startswith("plain")}
+    return [f"plain vLLM leaves the fp32 reference at reference gaps up to {noise:.4f}",
+            "within that (divergences no wider than plain vLLM's own): " + json.dumps(verdict)]
 
 
 def main() -> int:
@@ -114,6 +145,8 @@ def main() -> int:
     ap.add_argument("--results", action="append", required=True, help="vllm_ddtree_e2e.json (repeatable)")
     ap.add_argument("--scenarios", default=",".join(PROMPT_SETS))
     ap.add_argument("--gap-tol", type=float, default=0.05)
+    ap.add_argument("--scenario-settings",
+                    help="JSON {scenario: settings} for results the harness wrote before it kept its settings")
     ap.add_argument("--out", help="also write the report here")
     args = ap.parse_args()
 
@@ -134,6 +167,10 @@ def main() -> int:
             for engine, res in json.load(f)["results"].items():
                 merged = results.setdefault(engine, {"scenarios": {}})
                 merged["scenarios"].update(res.get("scenarios", {}))
+    overrides = {}
+    if args.scenario_settings:
+        with open(args.scenario_settings) as f:
+            overrides = json.load(f)
     wanted = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in wanted if s not in PROMPT_SETS]
     if unknown:
@@ -143,7 +180,7 @@ def main() -> int:
     reference = {}
     cache: Dict[Tuple[str, int], Tuple[List[int], List[float]]] = {}
     for sname in wanted:
-        settings = CONSTRAINED_SCENARIOS.get(sname, {})
+        settings = scenario_settings(sname, results, overrides)
         key = json.dumps(settings, sort_keys=True)
         prompt_set = P[PROMPT_SETS[sname]] if PROMPT_SETS[sname] else [P["near_max"]]
         for r, prompt in enumerate(prompt_set):
@@ -158,7 +195,7 @@ def main() -> int:
             tokens, gaps = cache[prompt_key]
             reference[(sname, r)] = (tokens[:length], gaps[:length])
 
-    lines, counts = judge(results, reference, args.gap_tol)
+    lines, counts, widest = judge(results, reference, args.gap_tol)
     report = [f"fp32 reference of {target}; gap tolerance {args.gap_tol}; results {args.results}", *lines,
               "", f"{'engine':<16}{'scenario':<12}{'equal':>6}{'tie':>5}{'real':>6}"]
     for engine, per in counts.items():
@@ -166,6 +203,7 @@ def main() -> int:
             report.append(f"{engine:<16}{sname:<12}{eq:>6}{tie:>5}{real:>6}")
     real_total = {e: sum(c[2] for c in per.values()) for e, per in counts.items()}
     report.append(f"real divergences by engine: {real_total}")
+    report += noise_verdict(widest)
     text = "\n".join(report)
     print(text)
     if args.out:

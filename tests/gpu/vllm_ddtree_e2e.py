@@ -198,6 +198,8 @@ def run_child(name, target, drafter, only_scenarios=()):
             res["scenarios"][sname] = {"rows": rows, "seconds": round(dt, 3), "tokens": ntok,
                                        "tokens_per_s": round(ntok / dt, 1) if dt else None,
                                        "spec": diff_metrics(spec_metrics(llm), before)}
+            if sname in CONSTRAINED_SCENARIOS:  # what fp32_reference.py replays, kept with the outputs
+                res["scenarios"][sname]["settings"] = CONSTRAINED_SCENARIOS[sname]
         except Exception:
             res["errors"][sname] = traceback.format_exc()[-4000:]
 

@@ -94,9 +94,15 @@ def test_fp32_reference_classifies_divergences_by_the_references_gap():
     assert ref.classify([5, 9, 1], reference, gaps, 0.05) == ("near-tie", 1, 0.01)
     assert ref.classify([5, 6, 3], reference, gaps, 0.05) == ("real", 2, 2.0)
     assert ref.classify([5, 6, 7, 8, 2], reference, gaps, 0.05) == ("real", 4, None)  # ran past a stop
-    lines, counts = ref.judge({"e": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 9]}, {"tokens": [5]}]}}}},
-                              {("batch1", 0): (reference, gaps), ("batch1", 1): (reference, gaps)}, 0.05)
-    assert counts == {"e": {"batch1": (1, 1, 0)}} and "req 0" in lines[0]
+    lines, counts, widest = ref.judge(
+        {"e": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 9]}, {"tokens": [5]}]}}},
+         "plain": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 6, 3]}, {"tokens": [5, 6, 7, 8]}]}}}},
+        {("batch1", 0): (reference, gaps), ("batch1", 1): (reference, gaps)}, 0.05)
+    assert counts == {"e": {"batch1": (1, 1, 0)}, "plain": {"batch1": (1, 0, 1)}} and "req 0" in lines[0]
+    assert widest == {"e": 0.01, "plain": 2.0}
+    assert '{"e": true}' in ref.noise_verdict(widest)[1]
+    assert '{"e": false}' in ref.noise_verdict({"e": 2.5, "plain-tp2": 2.0})[1]
+    assert "no plain engine" in ref.noise_verdict({"e": 0.01})[0]
 
 
 def test_min_p_check_needs_logprobs_and_flags_a_token_below_the_floor():
@@ -112,3 +118,17 @@ def test_min_p_check_needs_logprobs_and_flags_a_token_below_the_floor():
     assert not min_p_respected([{"top": [-1.0, -0.5], "logprobs": [-1.0, -0.6 + at_floor]}])
     assert not min_p_respected([{"top": None, "logprobs": None}])  # nothing to judge is not a pass
     assert not min_p_respected([{"top": [-1.0], "logprobs": [None]}])
+
+
+def test_fp32_reference_replays_the_settings_a_run_kept():
+    ref = _fp32_reference()
+    ran = {"a": {"scenarios": {"logit_bias": {"settings": {"logit_bias": {"5": 1.0}}}}},
+           "b": {"scenarios": {"logit_bias": {"settings": {"logit_bias": {"5": 1.0}}}, "batch1": {}}}}
+    assert ref.scenario_settings("logit_bias", ran, {}) == {"logit_bias": {"5": 1.0}}
+    assert ref.scenario_settings("logit_bias", ran, {"logit_bias": {"x": 1}}) == {"x": 1}  # an override wins
+    assert ref.scenario_settings("batch1", ran, {}) == {}
+    with pytest.raises(SystemExit, match="pass --scenario-settings"):
+        ref.scenario_settings("penalties", ran, {})  # a constrained scenario that kept nothing
+    ran["b"]["scenarios"]["logit_bias"]["settings"] = {"logit_bias": {"5": 2.0}}
+    with pytest.raises(SystemExit, match="different settings"):
+        ref.scenario_settings("logit_bias", ran, {})
