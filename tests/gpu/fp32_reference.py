@@ -126,15 +126,16 @@ def judge(results: Dict[str, dict], reference: Dict[Tuple[str, int], Tuple[List[
     return lines, counts, widest
 
 
-def noise_verdict(widest: Dict[str, float]) -> List[str]:
+def noise_verdict(widest: Dict[str, float], engines: Sequence[str]) -> List[str]:
     """Engines judged against plain vLLM's own bf16 noise: the widest reference gap at which a plain engine
     (``plain``, ``plain-tp2``) leaves the reference in the same results. An engine whose divergences are all
-    at most that wide differs from the fp32 reference no more than vLLM without speculation does."""
-    plain = [gap for engine, gap in widest.items() if engine.startswith("plain")]
+    at most that wide differs from the fp32 reference no more than vLLM without speculation does (``engines``:
+    every judged engine; one that never diverges has width 0)."""
+    plain = [widest.get(engine, 0.0) for engine in engines if engine.startswith("plain")]
     if not plain:
         return ["no plain engine in the results: no noise level to judge against"]
     noise = max(plain)
-    verdict = {engine: widest.get(engine, 0.0) <= noise for engine in sorted(widest) if not engine.startswith("plain")}
+    verdict = {engine: widest.get(engine, 0.0) <= noise for engine in sorted(engines) if not engine.startswith("plain")}
     return [f"plain vLLM leaves the fp32 reference at reference gaps up to {noise:.4f}",
             "within that (divergences no wider than plain vLLM's own): " + json.dumps(verdict)]
 
@@ -180,6 +181,8 @@ def main() -> int:
     reference = {}
     cache: Dict[Tuple[str, int], Tuple[List[int], List[float]]] = {}
     for sname in wanted:
+        if not any(sname in res.get("scenarios", {}) for res in results.values()):
+            continue
         settings = scenario_settings(sname, results, overrides)
         key = json.dumps(settings, sort_keys=True)
         prompt_set = P[PROMPT_SETS[sname]] if PROMPT_SETS[sname] else [P["near_max"]]
@@ -203,7 +206,7 @@ def main() -> int:
             report.append(f"{engine:<16}{sname:<12}{eq:>6}{tie:>5}{real:>6}")
     real_total = {e: sum(c[2] for c in per.values()) for e, per in counts.items()}
     report.append(f"real divergences by engine: {real_total}")
-    report += noise_verdict(widest)
+    report += noise_verdict(widest, list(counts))
     text = "\n".join(report)
     print(text)
     if args.out:

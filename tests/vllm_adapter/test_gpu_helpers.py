@@ -100,9 +100,10 @@ def test_fp32_reference_classifies_divergences_by_the_references_gap():
         {("batch1", 0): (reference, gaps), ("batch1", 1): (reference, gaps)}, 0.05)
     assert counts == {"e": {"batch1": (1, 1, 0)}, "plain": {"batch1": (1, 0, 1)}} and "req 0" in lines[0]
     assert widest == {"e": 0.01, "plain": 2.0}
-    assert '{"e": true}' in ref.noise_verdict(widest)[1]
-    assert '{"e": false}' in ref.noise_verdict({"e": 2.5, "plain-tp2": 2.0})[1]
-    assert "no plain engine" in ref.noise_verdict({"e": 0.01})[0]
+    assert '{"e": true}' in ref.noise_verdict(widest, ["e", "plain"])[1]
+    assert '{"e": false}' in ref.noise_verdict({"e": 2.5, "plain-tp2": 2.0}, ["e", "plain-tp2"])[1]
+    assert '{"e": false}' in ref.noise_verdict({"e": 0.01}, ["e", "plain"])[1]  # plain never diverged: noise 0
+    assert "no plain engine" in ref.noise_verdict({"e": 0.01}, ["e"])[0]
 
 
 def test_min_p_check_needs_logprobs_and_flags_a_token_below_the_floor():
@@ -132,3 +133,34 @@ def test_fp32_reference_replays_the_settings_a_run_kept():
     ran["b"]["scenarios"]["logit_bias"]["settings"] = {"logit_bias": {"5": 2.0}}
     with pytest.raises(SystemExit, match="different settings"):
         ref.scenario_settings("logit_bias", ran, {})
+
+
+def test_harness_runs_the_fp32_judge_on_its_own_results(tmp_path):
+    """``--fp32-reference``: after the engines, the harness judges its JSON on CPU and logs the verdict line."""
+    import io
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import fp32_reference
+    from vllm_ddtree_e2e import judge_against_fp32, prompts
+
+    pair = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+    given = json.loads((pair / "prompts.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).eval()
+    want, _ = fp32_reference.greedy_reference(model, prompts(4096, given)["batch1"][0], 3, {})
+    rows = {"plain": [want], "ddtree64": [want[:2] + [(want[2] + 1) % 4096]]}  # ddtree leaves it at position 2
+    results = {name: {"scenarios": {"batch1": {"rows": [{"tokens": r} for r in toks]}}} for name, toks in rows.items()}
+    (tmp_path / "vllm_ddtree_e2e.json").write_text(json.dumps({"results": results}))
+    args = SimpleNamespace(model=str(pair), out=str(tmp_path), gap_tol=0.05, deadline=600)
+    log = io.StringIO()
+    judge_against_fp32(args, time.time(), log)
+    report = (tmp_path / "fp32_reference.txt").read_text()
+    assert "ddtree64/batch1: req 0: leaves the reference at 2" in report
+    assert "rc 0" in log.getvalue() and '"ddtree64": false' in log.getvalue()
+    judge_against_fp32(SimpleNamespace(**{**vars(args), "model": "tiny-qwen3"}), time.time(), log)
+    assert "needs a pair directory" in log.getvalue()
