@@ -73,22 +73,25 @@ def scenario_settings(sname: str, results: Dict[str, dict], overrides: dict) -> 
 
 
 def greedy_reference(model, prompt: Sequence[int], length: int, settings: dict) -> Tuple[List[int], List[float]]:
-    """fp32 greedy tokens under ``settings`` and the top-2 gap each was chosen with; stops after a stop token."""
+    """fp32 greedy tokens under ``settings`` and the top-2 gap each was chosen with; stops after a stop token.
+    The prompt runs once; each later token is one cached step."""
     import torch
 
     tokens: List[int] = []
     gaps: List[float] = []
     stops = set(settings.get("stop") or [])
+    if length <= 0:
+        return tokens, gaps
     with torch.no_grad():
-        while len(tokens) < length:
-            logits = model(torch.tensor([list(prompt) + tokens])).logits[0, -1].float()
-            logits = constrain(logits, prompt, tokens, settings)
+        out = model(torch.tensor([list(prompt)]), use_cache=True)
+        while True:
+            logits = constrain(out.logits[0, -1].float(), prompt, tokens, settings)
             top = torch.topk(logits, 2)
             tokens.append(int(top.indices[0]))
             gaps.append(float(top.values[0] - top.values[1]))
-            if tokens[-1] in stops:
-                break
-    return tokens, gaps
+            if len(tokens) >= length or tokens[-1] in stops:
+                return tokens, gaps
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
 
 
 def classify(output: Sequence[int], reference: Sequence[int], gaps: Sequence[float], tol: float
