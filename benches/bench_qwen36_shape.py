@@ -7,8 +7,8 @@ Target: ``Qwen3_5ForConditionalGeneration`` with Qwen3.6-27B's text config (64 l
 rotary 0.25 with M-RoPE sections [11, 11, 10], vocab 248320, fp32 recurrent state); drafter: the released
 DFlash drafter's shape (5 layers, block 16, target layers [1, 16, 31, 46, 61]). ``load_format="dummy"``
 for both, so the drafter is never accepted and every step emits one token: steps/s = tokens/s per sequence.
-Every engine runs eagerly (DDTree has no CUDA-graph support yet), so the chain and the trees are compared
-under the same execution mode. Each engine runs in its own subprocess.
+Every engine runs under CUDA graphs as vLLM does by default (vLLM's chain: FULL decode graphs and PIECEWISE;
+ddtree: PIECEWISE); ``--eager`` runs every engine eagerly. Each engine runs in its own subprocess.
 
 Per engine it prints and writes (DIR/bench_qwen36_shape.json):
 * recurrent-state memory reserved per request (the engine's own KV-cache spec: GDN layers x state blocks
@@ -100,7 +100,7 @@ def state_memory(worker) -> dict:
             "state_bytes": exact}
 
 
-def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=()) -> dict:
+def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
@@ -110,13 +110,14 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
     spec = ENGINES[name]
     kw = dict(model=os.path.join(ROOT, "target"), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.85,
               max_model_len=4096, max_num_seqs=max(batches), seed=0, language_model_only=True,
-              enable_prefix_caching=False, enforce_eager=True, additional_config={"gdn_prefill_backend": "triton"},
+              enable_prefix_caching=False, enforce_eager=eager, additional_config={"gdn_prefill_backend": "triton"},
               tensor_parallel_size=tp)
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=os.path.join(ROOT, "drafter"))
     t0 = time.time()
     llm = LLM(**kw)
-    res = {"engine": name, "tensor_parallel_size": tp, "init_s": round(time.time() - t0, 1), "steps": {}}
+    res = {"engine": name, "tensor_parallel_size": tp, "init_s": round(time.time() - t0, 1), "steps": {},
+           "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     cache = llm.llm_engine.vllm_config.cache_config
     res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
     res["state_memory"] = llm.collective_rpc(state_memory)[0]
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--child", default=None)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
     ap.add_argument("--profile-batches", default="",
                     help="batch sizes to run 16 more steps of under torch.profiler (profile_<engine>_tp<tp>_b<B>.txt "
                          "in --out; rank 0 only)")
@@ -165,7 +167,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
         profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
-        result = run_engine(args.child, batches, args.tp, args.out, profile_batches)
+        result = run_engine(args.child, batches, args.tp, args.out, profile_batches, args.eager)
         print("RESULT-JSON " + json.dumps(result), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
@@ -178,7 +180,8 @@ def main() -> None:
             with open(log_path, "w") as log:
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--batch",
                                        args.batch, "--tp", str(args.tp), "--out", args.out,
-                                       "--profile-batches", args.profile_batches], stdout=subprocess.PIPE, stderr=log, text=True,
+                                       "--profile-batches", args.profile_batches] + (["--eager"] if args.eager else []),
+                                      stdout=subprocess.PIPE, stderr=log, text=True,
                                       timeout=args.timeout)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:

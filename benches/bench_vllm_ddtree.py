@@ -1,16 +1,18 @@
 """Throughput and acceptance of vLLM 0.25.x: no speculation vs vLLM's DFlash vs DDTree (GPU).
 
     python benches/bench_vllm_ddtree.py [--target DIR --drafter DIR [--prompts FILE]] [--budgets 16,32,64,128,256]
-                                        [--batches 1,8,32] [--max-tokens 128] [--out DIR] [--cuda-graphs]
+                                        [--batches 1,8,32] [--max-tokens 128] [--out DIR] [--eager]
 
 Without --target/--drafter it writes the tiny random Qwen3 target and DFlash
 drafter of ``ddtree.vllm.tiny_models`` (random drafter: acceptance near zero
 except where DDTree's top-K covers the tiny vocabulary). ``--prompts`` takes a
 JSON file ``{"batch32": [[token ids], ...]}`` (e.g. a trained pair's held-out
 prompts, cut or cycled to the batch size) instead of random token prompts. Each engine runs in
-its own subprocess; one table is printed at the end:
+its own subprocess, under CUDA graphs as vLLM runs by default (``--eager``: every engine eager); each
+engine's rows are written to ``bench_vllm_ddtree.json`` as soon as that engine finishes (a run cut short
+keeps them), and one table is printed at the end:
 
-    engine  batch  tokens/s  mean acceptance length  ms/step  (greedy, ignore_eos, token-id prompts)
+    engine  batch  tokens/s  mean acceptance length  ms/step  host ms/step  (greedy, ignore_eos, token-id prompts)
 
 Each row: a warm-up ``generate`` at that batch size, then ``--repeats`` timed runs, the fastest reported.
 ``--profile-batches 8`` adds a torch.profiler table per engine and batch (``profile_<engine>_b8.txt``).
@@ -42,10 +44,10 @@ def child(args):
     spec = json.loads(args.spec) if args.spec else None
     max_batch = max(int(b) for b in args.batches.split(","))
     budget = spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0)) if spec else 0
-    kw = dict(model=args.target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=not args.cuda_graphs,
+    kw = dict(model=args.target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=args.eager,
               max_model_len=args.max_model_len, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-              max_num_batched_tokens=max(8192, max_batch * (budget + 1) + args.prompt_len))
+              max_num_batched_tokens=max(8192, max_batch * (budget + args.draft_len) + args.prompt_len))
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=args.drafter)
     from ddtree.vllm.tiny_models import engine_kwargs_for
@@ -89,8 +91,14 @@ def child(args):
         mal = 1.0 + (after["accepted"] - before["accepted"]) / drafts if drafts else None
         # Steps of the slowest request: with equal max_tokens every request needs about tokens / b / mal steps.
         steps = tokens / b / (mal or 1.0)
-        rows.append({"batch": b, "tokens_per_s": tokens / dt, "mean_acceptance_length": mal, "seconds": dt,
-                     "ms_per_step": 1000.0 * dt / steps, "repeats": args.repeats})
+        row = {"batch": b, "tokens_per_s": tokens / dt, "mean_acceptance_length": mal, "seconds": dt,
+               "ms_per_step": 1000.0 * dt / steps, "repeats": args.repeats,
+               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+        if spec is not None and spec.get("method") == "ddtree":
+            # Host work over the whole engine's life so far (warm-ups and repeats included): per verify step.
+            summary = llm.collective_rpc("ddtree_summary")[0]
+            row["host_ms_per_verify_step"] = summary["host_ms_per_verify_step"]
+        rows.append(row)
         if b in profile_batches:
             profile_generate(llm, prompts, params, os.path.join(args.out, f"profile_{args.name}_b{b}.txt"))
     print("RESULT-JSON " + json.dumps(rows), flush=True)
@@ -108,7 +116,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--draft-len", type=int, default=15)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--cuda-graphs", action="store_true", help="plain/dflash only; ddtree always runs eager")
+    ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row; the fastest is reported")
     ap.add_argument("--profile-batches", default="",
@@ -145,14 +153,14 @@ def main():
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--target", args.target, "--drafter",
                str(args.drafter), "--batches", args.batches, "--max-tokens", str(args.max_tokens), "--prompt-len",
                str(args.prompt_len), "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization",
-               str(args.gpu_memory_utilization), "--repeats", str(args.repeats), "--profile-batches",
+               str(args.gpu_memory_utilization), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len), "--profile-batches",
                args.profile_batches, "--name", name, "--out", args.out]
         if args.prompts:
             cmd += ["--prompts", args.prompts]
         if spec:
             cmd += ["--spec", json.dumps(spec)]
-        if args.cuda_graphs and (spec is None or spec["method"] != "ddtree"):
-            cmd.append("--cuda-graphs")
+        if args.eager:
+            cmd.append("--eager")
         t = time.time()
         try:
             with open(os.path.join(args.out, f"bench_{name}.log"), "w") as log:
@@ -164,15 +172,22 @@ def main():
             for row in json.loads(line[len("RESULT-JSON "):]):
                 table.append(dict(row, engine=name))
             print(f"{name}: done in {time.time() - t:.0f}s", flush=True)
+            with open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w") as f:  # kept if a later engine dies
+                json.dump(table, f, indent=1)
         except subprocess.TimeoutExpired:
             print(f"{name}: TIMEOUT after {args.timeout}s", flush=True)
         except Exception:
             traceback.print_exc()
-    print(f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'mean acc len':>14}{'ms/step':>10}")
+    chain = {row["batch"]: row["tokens_per_s"] for row in table if row["engine"] == "dflash"}
+    print(f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'mean acc len':>14}{'ms/step':>10}"
+          f"{'host ms':>9}")
     for row in table:
         mal = row["mean_acceptance_length"]
-        print(f"{row['engine']:<14}{row['batch']:>6}{row['tokens_per_s']:>12.1f}{(f'{mal:.3f}' if mal else '-'):>14}"
-              f"{row['ms_per_step']:>10.1f}")
+        ratio = row["tokens_per_s"] / chain[row["batch"]] if row["batch"] in chain else None
+        host = sum(row.get("host_ms_per_verify_step", {}).values()) if "host_ms_per_verify_step" in row else None
+        print(f"{row['engine']:<14}{row['batch']:>6}{row['tokens_per_s']:>12.1f}"
+              f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{mal:.3f}' if mal else '-'):>14}"
+              f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}")
     json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
 
 

@@ -128,7 +128,7 @@ def diff_metrics(after, before):
     return d
 
 
-def run_child(name, target, drafter, only_scenarios=()):
+def run_child(name, target, drafter, only_scenarios=(), eager=False):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
@@ -138,7 +138,7 @@ def run_child(name, target, drafter, only_scenarios=()):
 
     conf = ENGINES[name]
     spec = dict(conf["spec"], model=drafter) if conf["spec"] else None
-    kw = dict(model=target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+    kw = dict(model=target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=32, max_num_batched_tokens=16384, gpu_memory_utilization=0.35, seed=0,
               disable_log_stats=False, enable_prefix_caching=False)
     from ddtree.vllm.tiny_models import engine_kwargs_for
@@ -155,7 +155,8 @@ def run_child(name, target, drafter, only_scenarios=()):
         kw["num_gpu_blocks_override"] = conf["num_gpu_blocks_override"]
     t0 = time.time()
     llm = LLM(**kw)
-    res = {"engine": name, "init_s": round(time.time() - t0, 1), "scenarios": {}, "errors": {}}
+    res = {"engine": name, "init_s": round(time.time() - t0, 1), "scenarios": {}, "errors": {},
+           "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     given = None
     prompt_file = os.path.join(os.path.dirname(target), "prompts.json")
     if os.path.exists(prompt_file):
@@ -355,6 +356,8 @@ def main():
     ap.add_argument("--model", default="tiny-qwen3",
                     help="tiny-qwen3, tiny-qwen3-next (2 of 4 experts per token), tiny-qwen3-next-all-experts "
                          "(4 of 4: no routing flips), or a directory with a pair")
+    ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs, "
+                    "vLLM's default; ddtree engines run PIECEWISE)")
     ap.add_argument("--fp32-reference", action="store_true",
                     help="afterwards judge every greedy output against the pair's target in fp32 on CPU "
                          "(fp32_reference.py; pair directories only)")
@@ -362,7 +365,7 @@ def main():
     root = args.model if os.path.isdir(args.model) else os.path.join(WORK, args.model)
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
     if args.child:
-        res = run_child(args.child, target, drafter, [x for x in args.scenarios.split(",") if x])
+        res = run_child(args.child, target, drafter, [x for x in args.scenarios.split(",") if x], args.eager)
         print("RESULT-JSON " + json.dumps(res), flush=True)
         return
 
@@ -409,7 +412,8 @@ def main():
         try:
             with open(child_log, "w") as clog:
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
-                                       "--model", args.model, "--scenarios", args.scenarios],
+                                       "--model", args.model, "--scenarios", args.scenarios]
+                                      + (["--eager"] if args.eager else []),
                                       env=env_c, stdout=subprocess.PIPE, stderr=clog, text=True, timeout=timeout)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:

@@ -11,10 +11,14 @@ from ddtree.vllm.config import (
     DDTreeConfig,
     DDTreeConfigError,
     check_target,
+    cudagraph_mode_choice,
     engine_overrides,
+    fit_batch_limits,
     parse_spec_config,
     resolve_draft_len,
+    tree_capture_sizes,
     unsupported_sampling_reasons,
+    vllm_default_capture_sizes,
 )
 
 BASE = {"method": "ddtree", "model": "/d", "num_speculative_tokens": 15, "ddtree_budget": 64}
@@ -85,7 +89,7 @@ def _args(**kw):
 
 def test_engine_overrides_fill_unset_settings():
     changes = engine_overrides(_args(), environ={})
-    assert changes == {"enforce_eager": True, "async_scheduling": False, "enable_prefix_caching": False,
+    assert changes == {"async_scheduling": False, "enable_prefix_caching": False,
                        "attention_backend": ATTENTION_BACKEND, "worker_cls": WORKER_CLS}
     assert engine_overrides(_args(**changes), environ={"VLLM_USE_V2_MODEL_RUNNER": "0"}) == {}
 
@@ -180,3 +184,76 @@ def test_plain_sampling_is_served():
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
     assert unsupported_sampling_reasons(_params(**penalties, bad_words=["x"])) == []  # each node's own history
     check_target(**_target(logprobs_mode="raw_logits"))
+
+
+def test_cudagraph_mode_is_piecewise_unless_the_user_chose_eager_or_a_served_mode():
+    assert cudagraph_mode_choice(None, enforce_eager=False) == "PIECEWISE"
+    assert cudagraph_mode_choice(None, enforce_eager=None) == "PIECEWISE"
+    assert cudagraph_mode_choice(None, enforce_eager=True) is None  # eager: vLLM turns graphs off itself
+    assert cudagraph_mode_choice("PIECEWISE", enforce_eager=False) is None
+    assert cudagraph_mode_choice("NONE", enforce_eager=False) is None
+    for full in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        with pytest.raises(DDTreeConfigError, match=f"cudagraph_mode={full}.*PIECEWISE"):
+            cudagraph_mode_choice(full, enforce_eager=False)
+
+
+def _fit(**kw):
+    base = dict(budget=64, reserve_per_request=14, max_num_seqs=1024, max_num_batched_tokens=8192,
+                seqs_from_user=False, tokens_from_user=False)
+    base.update(kw)
+    return fit_batch_limits(**base)
+
+
+def test_default_batch_limits_shrink_to_whole_trees():
+    # vllm serve on an H200: 1024 sequences, 8192 tokens. vLLM's own check would see 8192 - 14 * 1024 < 0.
+    limits = _fit()
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (8192 // 79, 8192)
+    assert limits.max_num_batched_tokens - 14 * limits.max_num_seqs >= limits.max_num_seqs * 65
+    assert "max_num_seqs 1024 -> 103" in limits.reason
+    # Limits that already hold whole trees are kept, user-set or not.
+    assert _fit(max_num_seqs=32, max_num_batched_tokens=8192).reason is None
+    assert _fit(max_num_seqs=32, seqs_from_user=True, tokens_from_user=True).max_num_seqs == 32
+
+
+def test_a_budget_larger_than_the_default_tokens_grows_them_when_the_user_set_neither():
+    limits = _fit(budget=1024, max_num_batched_tokens=512)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (1, 1024 + 1 + 14)
+    with pytest.raises(DDTreeConfigError, match="--max-num-batched-tokens >= 1039"):
+        _fit(budget=1024, max_num_batched_tokens=512, tokens_from_user=True)
+
+
+def test_user_set_sequences_grow_the_default_tokens():
+    limits = _fit(max_num_seqs=256, seqs_from_user=True)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (256, 256 * 79)
+    assert "max_num_batched_tokens 8192 -> 20224" in limits.reason
+
+
+def test_user_set_limits_are_kept_while_one_tree_fits_and_refused_with_working_values_otherwise():
+    crowded = _fit(max_num_seqs=256, max_num_batched_tokens=8192, seqs_from_user=True, tokens_from_user=True)
+    assert (crowded.max_num_seqs, crowded.max_num_batched_tokens, crowded.reason) == (256, 8192, None)
+    with pytest.raises(DDTreeConfigError) as err:
+        _fit(max_num_seqs=1024, max_num_batched_tokens=8192, seqs_from_user=True, tokens_from_user=True)
+    message = str(err.value)
+    assert "--max-num-batched-tokens >= 80896" in message and "--max-num-seqs <= 103" in message
+    # The values it names work.
+    assert _fit(max_num_seqs=1024, max_num_batched_tokens=80896, seqs_from_user=True, tokens_from_user=True)
+    assert _fit(max_num_seqs=103, max_num_batched_tokens=8192, seqs_from_user=True, tokens_from_user=True)
+
+
+def test_capture_sizes_hold_every_whole_number_of_trees():
+    sizes = tree_capture_sizes(64, max_num_seqs=32, max_num_batched_tokens=8192)
+    assert sizes == sorted(set(sizes))
+    assert set(vllm_default_capture_sizes(512)) <= set(sizes)
+    assert all(k * 65 in sizes for k in range(1, 33))
+    assert sizes[-1] == 32 * 65 and 33 * 65 not in sizes
+    # Bounded by the batched tokens and by the sequences.
+    assert max(tree_capture_sizes(64, max_num_seqs=1024, max_num_batched_tokens=4096)) <= 4096
+    assert max(tree_capture_sizes(16, max_num_seqs=2, max_num_batched_tokens=8192)) == 512
+    # Past 32 trees, every 8th count, up to 128 trees.
+    many = tree_capture_sizes(16, max_num_seqs=1024, max_num_batched_tokens=1 << 20)
+    assert 40 * 17 in many and 36 * 17 not in many and 128 * 17 in many and 136 * 17 not in many
+
+
+def test_vllm_default_capture_sizes_match_vllms_own_list():
+    assert vllm_default_capture_sizes(512) == [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+    assert vllm_default_capture_sizes(6) == [1, 2, 4]

@@ -52,7 +52,8 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     assert cfg.budget == 32 and cfg.draft_len == 15
     assert args.speculative_config == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 32}
     assert args.additional_config["ddtree"]["budget"] == 32
-    assert args.enforce_eager is True and args.async_scheduling is False and args.enable_prefix_caching is False
+    assert args.async_scheduling is False and args.enable_prefix_caching is False
+    assert args.enforce_eager is False and args.compilation_config.cudagraph_mode.name == "PIECEWISE"
     assert args.worker_cls == "ddtree.vllm.worker.DDTreeWorker"
     assert str(getattr(args.attention_backend, "name", args.attention_backend)) == "CUSTOM"
     import os
@@ -65,6 +66,14 @@ def test_engine_args_translation(tmp_path, monkeypatch):
                      speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
     with pytest.raises(DDTreeConfigError, match="async_scheduling"):
         patches._translate_engine_args(bad)
+    full = EngineArgs(model="/nonexistent", compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+                      speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    with pytest.raises(DDTreeConfigError, match="PIECEWISE"):
+        patches._translate_engine_args(full)
+    eager = EngineArgs(model="/nonexistent", enforce_eager=True,
+                       speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    patches._translate_engine_args(eager)
+    assert eager.enforce_eager is True and eager.compilation_config.cudagraph_mode is None
 
 
 def test_admission_refuses_unservable_requests():
@@ -141,11 +150,16 @@ def test_rejection_sampler_emits_vllm_chain_rows():
             tok = int(toks[kids[0] - 1]) if kids else 19
             logits[plan.logit_rows[lo + node], tok] = 5.0
     logits[0, 11] = 5.0
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.staging import StepStaging
 
-    runner = type("FakeRunner", (), {})()
+    # The runner's state the sampler touches, with the runner's own acceptance upload.
+    runner = type("FakeRunner", (), {"ddtree_upload_acceptance": DDTreeGPUModelRunner.ddtree_upload_acceptance})()
     runner._ddtree_plan, runner._ddtree_accept = plan, None
     runner.ddtree_stats = DDTreeStats(15)
+    runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
+    runner._ddtree_conv_window = 0
+    runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
     sampler = DDTreeRejectionSampler(runner)
     sampling = SimpleNamespace(temperature=None, all_greedy=True, top_k=None, top_p=None, generators={},
                                no_penalties=True, bad_words_token_ids={}, allowed_token_ids_mask=None,
@@ -169,6 +183,12 @@ def test_rejection_sampler_emits_vllm_chain_rows():
         assert out[row, : len(want)].tolist() == want
         assert (out[row, len(want):] == -1).all()
     assert runner._ddtree_accept is not None
+    # The acceptance's arrays reached the device side in one upload, in the runner's layout.
+    staged = runner._ddtree_accept_gpu
+    assert runner._ddtree_accept_staging.uploads == 1
+    assert torch.equal(staged["output_tokens"], out[1:])
+    assert staged["kv_src"].tolist() == runner._ddtree_accept.kv_src_token.tolist()
+    assert staged["context_order"].shape == (13,)
 
     def replan():
         """The same trees again (plan_verify consumed the proposal), installed in the runner."""
@@ -598,3 +618,70 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
     # 0.1 * 0.64, so min_p leaves token 5 alone.
     out = DDTreeRejectionSampler(runner)(md, None, logits, metadata).sampled_token_ids
     assert out[:, 0].tolist() == [5, 5, 5]
+
+
+PAIR = "tests/fixtures/models"
+
+
+@pytest.fixture
+def h200_platform(monkeypatch):
+    """vLLM's platform as an H200 host reports it, for config creation on this GPU-less machine (nothing runs)."""
+    import vllm.platforms
+
+    platform = vllm.platforms.current_platform
+    monkeypatch.setattr(platform, "device_type", "cuda", raising=False)
+    monkeypatch.setattr(platform, "get_device_total_memory", lambda device_id=0: 141 << 30, raising=False)
+    monkeypatch.setattr(platform, "get_device_name", lambda device_id=0: "NVIDIA H200", raising=False)
+    monkeypatch.setattr(platform, "support_static_graph_mode", lambda: True, raising=False)
+    return platform
+
+
+def _pair_args(budget, **kw):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(model=f"{PAIR}/target", language_model_only=True,
+                           additional_config={"gdn_prefill_backend": "triton"},
+                           speculative_config={"method": "ddtree", "model": f"{PAIR}/drafter", "ddtree_budget": budget},
+                           **kw)
+
+
+@pytest.mark.parametrize("usage", ["OPENAI_API_SERVER", "LLM_CLASS"])
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
+def test_vllms_own_config_validation_passes_with_its_defaults(h200_platform, usage, budget):
+    """What `vllm serve` runs in its API-server process before loading anything (issue: the README's command
+    died there with `max_num_scheduled_tokens is set to -6144`): vLLM's defaults, every budget."""
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply()
+    config = _pair_args(budget).create_engine_config(UsageContext[usage])
+    scheduler, compilation = config.scheduler_config, config.compilation_config
+    depth = config.additional_config["ddtree"]["draft_len"]
+    assert config.speculative_config.num_speculative_tokens == budget  # vLLM's view: the budget
+    # Every running request can verify its whole tree in one step.
+    assert scheduler.max_num_scheduled_tokens >= scheduler.max_num_seqs * (budget + 1)
+    assert scheduler.max_num_batched_tokens >= scheduler.max_num_seqs * (budget + depth)
+    assert compilation.cudagraph_mode.name == "PIECEWISE" and not config.model_config.enforce_eager
+    sizes = compilation.cudagraph_capture_sizes
+    trees = min(scheduler.max_num_seqs, 32)
+    assert all(k * (budget + 1) in sizes for k in range(1, trees + 1)
+               if k * (budget + 1) <= scheduler.max_num_batched_tokens)
+    assert compilation.max_cudagraph_capture_size == sizes[-1] <= scheduler.max_num_batched_tokens
+
+
+def test_user_limits_that_hold_no_tree_are_refused_before_loading(h200_platform):
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply()
+    with pytest.raises(DDTreeConfigError, match="--max-num-batched-tokens >= 80896 or --max-num-seqs <= 103"):
+        _pair_args(64, max_num_seqs=1024, max_num_batched_tokens=8192).create_engine_config(
+            UsageContext.OPENAI_API_SERVER)
+    # The user's sequences are kept, the default tokens grow to hold their trees.
+    config = _pair_args(64, max_num_seqs=300).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert config.scheduler_config.max_num_seqs == 300
+    assert config.scheduler_config.max_num_batched_tokens == 300 * (64 + 15)
+    # User-chosen capture sizes are left alone; eager mode captures nothing.
+    config = _pair_args(64, compilation_config={"cudagraph_capture_sizes": [1, 2, 65]}).create_engine_config(
+        UsageContext.LLM_CLASS)
+    assert config.compilation_config.cudagraph_capture_sizes == [1, 2, 65]
+    config = _pair_args(64, enforce_eager=True).create_engine_config(UsageContext.LLM_CLASS)
+    assert config.compilation_config.cudagraph_mode.name == "NONE"

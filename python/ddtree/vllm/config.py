@@ -21,10 +21,10 @@ request before vLLM sees it:
   ``additional_config["ddtree"]``, which vLLM ships to every process with the
   rest of ``VllmConfig``.
 
-Restrictions of this first adapter (each checked, each refused with the
+Restrictions of this adapter (each checked, each refused with the
 reason when the user asked for the opposite, see :data:`ENGINE_OVERRIDES`):
-eager mode (no CUDA graphs), V1 model runner, no async scheduling, no prefix
-caching, the adapter's own attention backend for the target (CUSTOM) and its
+PIECEWISE CUDA graphs or eager mode (:func:`cudagraph_mode_choice`), V1 model
+runner, no async scheduling, no prefix caching, the adapter's own attention backend for the target (CUSTOM) and its
 own worker class, attention-only or Gated-DeltaNet hybrid targets
 (:data:`GDN_ARCHITECTURES`) without sliding windows, unquantized KV cache,
 tensor parallelism only (pipeline/data parallel size 1).
@@ -151,7 +151,6 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
 #: Engine settings the adapter needs: (EngineArgs attribute, required value,
 #: values that count as "not set by the user", why).
 ENGINE_OVERRIDES = (
-    ("enforce_eager", True, (False, None), "CUDA graphs are not supported yet (tree metadata changes every step)"),
     ("async_scheduling", False, (None,), "the tree must be known on the CPU before the next step is scheduled"),
     ("enable_prefix_caching", False, (None,), "not validated with tree KV compaction yet"),
     ("attention_backend", ATTENTION_BACKEND, (None,), "the target's attention must run DDTree's tree backend"),
@@ -201,6 +200,119 @@ def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict
             f"method 'ddtree' runs on vLLM's V1 model runner; unset {V2_RUNNER_ENV} or set it to 0"
         )
     return changes
+
+
+#: vLLM's CUDA-graph modes a ddtree engine can run. Tree steps replay PIECEWISE graphs: everything but
+#: attention and the GDN core (vLLM's splitting ops, run eagerly between the captured pieces, where the
+#: per-step tree inputs are read) is captured. FULL graphs would bake one step's tree layout into the graph.
+SERVED_CUDAGRAPH_MODES = ("NONE", "PIECEWISE")
+
+
+def cudagraph_mode_choice(requested: Optional[str], enforce_eager: Optional[bool]) -> Optional[str]:
+    """The cudagraph_mode a ddtree engine needs: ``"PIECEWISE"`` to set, ``None`` to keep the user's.
+
+    ``requested`` is the name of the user's ``compilation_config.cudagraph_mode`` (None: unset).
+    Raises for the FULL modes, which would replay one step's tree layout for every step.
+    """
+    if enforce_eager or requested in SERVED_CUDAGRAPH_MODES:
+        return None
+    if requested is None:
+        return "PIECEWISE"
+    raise DDTreeConfigError(
+        f"method 'ddtree' runs CUDA graphs in PIECEWISE mode (tree attention and the GDN tree kernels run "
+        f"between the captured pieces); got compilation_config.cudagraph_mode={requested}. Use PIECEWISE, "
+        "NONE, or leave it unset"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLimits:
+    """vLLM's per-step limits as a ddtree engine runs them, and why they changed (None: unchanged)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    reason: Optional[str] = None
+
+
+def fit_batch_limits(
+    *, budget: int, reserve_per_request: int, max_num_seqs: int, max_num_batched_tokens: int,
+    seqs_from_user: bool, tokens_from_user: bool,
+) -> BatchLimits:
+    """Limits under which every running request can verify its whole tree in one step.
+
+    A step verifies ``budget + 1`` tokens per request, and vLLM keeps ``reserve_per_request`` more per
+    sequence free for the drafter (its depth L - 1 for DFlash), so full trees for ``max_num_seqs`` requests
+    need ``max_num_seqs * (budget + 1 + reserve_per_request)`` batched tokens. What the user left to vLLM's
+    defaults is fitted (fewer sequences, or more batched tokens when the user fixed the sequences); two
+    user-set values that leave no room for even one tree are refused, naming values that work. vLLM's own
+    check (``max_num_scheduled_tokens``) would otherwise stop the engine with a negative token count.
+    """
+    per_request = budget + 1 + reserve_per_request
+    if max_num_batched_tokens >= max_num_seqs * per_request:
+        return BatchLimits(max_num_seqs, max_num_batched_tokens)
+    if not seqs_from_user:
+        seqs = max(1, max_num_batched_tokens // per_request)
+        tokens = max_num_batched_tokens if seqs * per_request <= max_num_batched_tokens else per_request
+        if tokens_from_user and tokens != max_num_batched_tokens:
+            raise DDTreeConfigError(
+                f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one tree of budget {budget} "
+                f"({budget + 1} tokens plus {reserve_per_request} kept for the drafter); set "
+                f"--max-num-batched-tokens >= {per_request} or a smaller ddtree_budget"
+            )
+        return BatchLimits(seqs, tokens, (
+            f"max_num_seqs {max_num_seqs} -> {seqs}"
+            + (f", max_num_batched_tokens {max_num_batched_tokens} -> {tokens}" if tokens != max_num_batched_tokens
+               else "")
+            + f": each request verifies {budget + 1} tree tokens per step and keeps {reserve_per_request} for "
+            f"the drafter, and {max_num_batched_tokens} batched tokens hold {seqs} such requests"
+        ))
+    if not tokens_from_user:
+        tokens = max_num_seqs * per_request
+        return BatchLimits(max_num_seqs, tokens, (
+            f"max_num_batched_tokens {max_num_batched_tokens} -> {tokens}: max_num_seqs={max_num_seqs} requests "
+            f"verify {budget + 1} tree tokens each per step and keep {reserve_per_request} each for the drafter"
+        ))
+    if max_num_batched_tokens - reserve_per_request * max_num_seqs >= budget + 1:
+        return BatchLimits(max_num_seqs, max_num_batched_tokens)  # served; crowded steps verify partial trees
+    raise DDTreeConfigError(
+        f"max_num_batched_tokens={max_num_batched_tokens} with max_num_seqs={max_num_seqs} leaves "
+        f"{max_num_batched_tokens - reserve_per_request * max_num_seqs} tokens per step once vLLM keeps "
+        f"{reserve_per_request} per sequence for the drafter, less than one tree of budget {budget} "
+        f"({budget + 1} tokens); set --max-num-batched-tokens >= {max_num_seqs * per_request} or "
+        f"--max-num-seqs <= {max(1, max_num_batched_tokens // per_request)}"
+    )
+
+
+#: Whole trees per step that get a CUDA graph of their own size: every count up to this, then every
+#: :data:`TREE_GRAPH_STRIDE`-th up to :data:`MAX_GRAPHED_TREES`.
+ALL_TREE_GRAPHS_UP_TO = 32
+TREE_GRAPH_STRIDE = 8
+MAX_GRAPHED_TREES = 128
+#: vLLM's own default sizes stop here (``VllmConfig._set_cudagraph_sizes``).
+VLLM_DEFAULT_MAX_CAPTURE = 512
+
+
+def vllm_default_capture_sizes(max_size: int) -> list:
+    """vLLM 0.25's default capture sizes up to ``max_size``: 1, 2, 4, every 8th to 248, every 16th from 256."""
+    sizes = [s for s in (1, 2, 4) if s <= max_size]
+    sizes += list(range(8, min(max_size + 1, 256), 8))
+    sizes += list(range(256, max_size + 1, 16))
+    return sizes
+
+
+def tree_capture_sizes(budget: int, max_num_seqs: int, max_num_batched_tokens: int) -> list:
+    """CUDA-graph capture sizes (tokens per step) for a ddtree engine whose user set none.
+
+    vLLM's defaults stop at 512 tokens, which hold seven trees of budget 64; a step verifying more trees
+    would run without graphs. These sizes add every whole number of trees ``k * (budget + 1)`` (up to
+    ``max_num_seqs`` trees and ``max_num_batched_tokens`` tokens) to vLLM's defaults, so a step of ``k``
+    full trees replays a graph of exactly its size.
+    """
+    small = vllm_default_capture_sizes(min(VLLM_DEFAULT_MAX_CAPTURE, max_num_batched_tokens))
+    counts = list(range(1, ALL_TREE_GRAPHS_UP_TO + 1))
+    counts += list(range(ALL_TREE_GRAPHS_UP_TO + TREE_GRAPH_STRIDE, MAX_GRAPHED_TREES + 1, TREE_GRAPH_STRIDE))
+    trees = [k * (budget + 1) for k in counts if k <= max_num_seqs and k * (budget + 1) <= max_num_batched_tokens]
+    return sorted(set(small) | set(trees))
 
 
 def resolve_draft_len(cfg: DDTreeConfig, drafter_block_size: Optional[int]) -> DDTreeConfig:

@@ -62,10 +62,14 @@ class GdnTreeStep:
     _slots: Optional[Tuple[Tuple[int, int, int], torch.Tensor]] = None
 
     def state_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """``slots`` as int32, converted once per step and source tensor."""
+        """``slots`` as contiguous int32, converted once per step and source tensor.
+
+        The kernels index slots as a dense vector; vLLM's slot column is a strided view whenever its GDN
+        builder copies the spec-decode indices into its ``[max_bs, num_spec + 1]`` graph buffer.
+        """
         key = (slots.data_ptr(), slots.stride(0), slots.shape[0])
         if self._slots is None or self._slots[0] != key:
-            self._slots = (key, slots.to(torch.int32))
+            self._slots = (key, slots.to(torch.int32).contiguous())
         return self._slots[1]
 
 

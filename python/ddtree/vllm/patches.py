@@ -12,9 +12,10 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    translated before vLLM parses it (``ddtree.vllm.config.parse_spec_config``:
    method ``dflash`` with ``num_speculative_tokens`` = budget, DDTree settings
    in ``additional_config["ddtree"]``), the engine settings DDTree needs are
-   applied or refused (``engine_overrides``: eager, no async scheduling, no
-   prefix caching, CUSTOM attention backend, DDTree's worker class, V1 runner),
-   and the created ``VllmConfig`` is validated (attention-only target, drafter
+   applied or refused (``engine_overrides``: no async scheduling, no prefix
+   caching, CUSTOM attention backend, DDTree's worker class, V1 runner;
+   ``cudagraph_mode_choice``: PIECEWISE CUDA graphs unless the user chose
+   eager mode, FULL refused), and the created ``VllmConfig`` is validated (attention-only target, drafter
    depth resolved from its ``block_size``). A later non-ddtree engine in the
    same process is untouched.
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
@@ -67,6 +68,25 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    at a time (measured: ddtree 256 ran 145 ms steps at batch 8, 721 ms at 32),
    and budget 64 with vLLM's default ``max_num_seqs`` refused to start. The
    reservation is computed with L, what vLLM's own DFlash chain of depth L keeps.
+   Upstream fix: a per-method ``max_num_new_slots_for_drafting`` that knows
+   the drafter's depth differs from the verified tokens.
+
+7. Inside patch 6, the batch limits the user left to vLLM's defaults are
+   fitted to whole trees (``config.fit_batch_limits``): vLLM's default
+   ``max_num_seqs`` (1024 for ``vllm serve`` on an H200) with its 8192 batched
+   tokens makes vLLM's own check fail at start-up (``max_num_scheduled_tokens
+   is set to -6144``) -- as it does for vLLM's DFlash chain of depth 15 --, so
+   fewer sequences (or, when the user fixed them, more batched tokens) are
+   used, logged with the reason. User-set limits that hold no tree are refused
+   with values that work. Upstream fix: defaults derived from the speculative
+   config.
+
+8. ``VllmConfig._set_cudagraph_sizes`` (wrapped): when the user chose no
+   capture sizes, a ddtree engine captures vLLM's defaults plus every whole
+   number of trees ``k * (budget + 1)`` (``config.tree_capture_sizes``). vLLM's
+   default stops at 512 tokens, seven trees of budget 64; bigger tree steps
+   would run without graphs. Upstream fix: capture sizes per uniform query
+   length (vLLM's V2 runner captures one set per query length).
 
 Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
 backends are used through subclasses (``runner.py``, ``proposer.py``,
@@ -89,9 +109,12 @@ from ddtree.vllm.config import (
     DDTreeConfig,
     DDTreeConfigError,
     check_target,
+    cudagraph_mode_choice,
     engine_overrides,
+    fit_batch_limits,
     parse_spec_config,
     resolve_draft_len,
+    tree_capture_sizes,
     unsupported_sampling_reasons,
 )
 
@@ -158,6 +181,7 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
         setattr(args, attr, value)
     if changes:
         _log().info("DDTree: engine settings %s", changes)
+    _choose_cudagraph_mode(args)
     if os.environ.get(V2_RUNNER_ENV) is None:
         os.environ[V2_RUNNER_ENV] = "0"
     args.speculative_config = vllm_spec
@@ -165,6 +189,22 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
     extra[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     args.additional_config = extra
     return cfg
+
+
+def _choose_cudagraph_mode(args: Any) -> None:
+    """PIECEWISE CUDA graphs unless the user chose eager mode or a mode ddtree serves (FULL is refused)."""
+    compilation = getattr(args, "compilation_config", None)
+    if compilation is None or not hasattr(compilation, "cudagraph_mode"):
+        return
+    requested = compilation.cudagraph_mode
+    mode = cudagraph_mode_choice(getattr(requested, "name", requested), getattr(args, "enforce_eager", None))
+    if mode is None:
+        return
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation.cudagraph_mode = CUDAGraphMode[mode]
+    _log().info("DDTree: cudagraph_mode=%s (tree attention and the GDN tree kernels run between the captured "
+                "pieces; FULL graphs would replay one step's tree layout)", mode)
 
 
 def _drafter_block_size(draft_hf_config: Any) -> Optional[int]:
@@ -226,7 +266,21 @@ def _create_engine_config_wrapper(original):
                     "speculative_config={'method': 'ddtree', ...} instead"
                 )
             return original(self, *args, **kwargs)
-        vllm_config = original(self, *args, **kwargs)
+        # Which batch limits the user set (vLLM fills the others with its defaults inside original):
+        # patch 6 fits only those, so the defaults serve whole trees instead of failing vLLM's check.
+        token = _USER_BATCH_LIMITS.set((getattr(self, "max_num_seqs", None) is not None,
+                                        getattr(self, "max_num_batched_tokens", None) is not None))
+        try:
+            vllm_config = original(self, *args, **kwargs)
+        except ValueError as error:
+            # pydantic wraps an error raised inside VllmConfig.__post_init__ (patch 7) in its own
+            # ValidationError; the user gets ddtree's message as it was raised.
+            cause = _config_error_in(error)
+            if cause is None:
+                raise
+            raise cause from None
+        finally:
+            _USER_BATCH_LIMITS.reset(token)
         cfg = validate_vllm_config(vllm_config, cfg)
         _log().info("DDTree enabled: %s", cfg)
         return vllm_config
@@ -451,6 +505,28 @@ def drafter_depth(vllm_config: Any) -> Optional[int]:
     return block - 1 if isinstance(block, int) and block >= 2 else None
 
 
+# (max_num_seqs set by the user, max_num_batched_tokens set by the user) while a ddtree EngineArgs creates
+# its VllmConfig; None elsewhere (a VllmConfig built directly, or rebuilt by vLLM: nothing is fitted).
+_USER_BATCH_LIMITS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("ddtree_user_batch_limits",
+                                                                                     default=None)
+
+
+def _config_error_in(error: BaseException) -> Optional[DDTreeConfigError]:
+    """The DDTreeConfigError inside ``error`` (itself, its cause or context, or pydantic's wrapped error)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, DDTreeConfigError):
+            return error
+        details = error.errors() if callable(getattr(error, "errors", None)) else []  # pydantic's
+        for detail in details:
+            inner = (detail.get("ctx") or {}).get("error") if isinstance(detail, dict) else None
+            if isinstance(inner, DDTreeConfigError):
+                return inner
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _reservation_by_depth(original):
     def _set_max_num_scheduled_tokens(self):
         spec = self.speculative_config
@@ -460,6 +536,7 @@ def _reservation_by_depth(original):
         budget = spec.num_speculative_tokens
         spec.num_speculative_tokens = depth
         try:
+            _fit_batch_limits(self, budget, spec.max_num_new_slots_for_drafting)
             return original(self)
         finally:
             spec.num_speculative_tokens = budget
@@ -467,8 +544,56 @@ def _reservation_by_depth(original):
     return _set_max_num_scheduled_tokens
 
 
+def _fit_batch_limits(vllm_config: Any, budget: int, reserve_per_request: int) -> None:
+    """7: vLLM's default batch limits fitted to whole trees (see ``config.fit_batch_limits``)."""
+    user = _USER_BATCH_LIMITS.get()
+    scheduler = vllm_config.scheduler_config
+    if user is None or scheduler.max_num_scheduled_tokens is not None:
+        return
+    limits = fit_batch_limits(
+        budget=budget, reserve_per_request=reserve_per_request, max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens, seqs_from_user=user[0], tokens_from_user=user[1],
+    )
+    if limits.reason is None:
+        return
+    old_tokens = scheduler.max_num_batched_tokens
+    scheduler.max_num_seqs = limits.max_num_seqs
+    scheduler.max_num_batched_tokens = limits.max_num_batched_tokens
+    for derived in ("max_num_encoder_input_tokens", "encoder_cache_size"):  # SchedulerConfig copies these
+        if getattr(scheduler, derived, None) == old_tokens:
+            setattr(scheduler, derived, limits.max_num_batched_tokens)
+    _log().info("DDTree: %s", limits.reason)
+
+
+def _tree_capture_sizes(original):
+    """8: CUDA-graph sizes that hold whole trees, when the user chose none."""
+
+    def _set_cudagraph_sizes(self):
+        compilation = self.compilation_config
+        mode = getattr(compilation.cudagraph_mode, "name", compilation.cudagraph_mode)
+        if (
+            is_ddtree_config(self)
+            and self.speculative_config is not None
+            and compilation.cudagraph_capture_sizes is None
+            and compilation.max_cudagraph_capture_size is None
+            and self.model_config is not None
+            and not self.model_config.enforce_eager
+            and mode not in (None, "NONE")
+        ):
+            scheduler = self.scheduler_config
+            sizes = tree_capture_sizes(self.speculative_config.num_speculative_tokens, scheduler.max_num_seqs,
+                                       scheduler.max_num_batched_tokens)
+            compilation.cudagraph_capture_sizes = sizes
+            compilation.max_cudagraph_capture_size = sizes[-1]
+            _log().info("DDTree: %d CUDA-graph sizes up to %d tokens (whole trees of %d tokens)", len(sizes),
+                        sizes[-1], self.speculative_config.num_speculative_tokens + 1)
+        return original(self)
+
+    return _set_cudagraph_sizes
+
+
 def apply() -> None:
-    """Applies patches 1-3, 5a-c and 6 (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
+    """Applies patches 1-3, 5a-c and 6-8 (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
     global _APPLIED
     import vllm
 
@@ -492,4 +617,5 @@ def apply() -> None:
     _wrap_once(Platform, "_align_hybrid_block_size", _single_slot_alignment)
     _wrap_once(MambaStateShapeCalculator, "gated_delta_net_state_shape", _single_slot_shape)
     _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
+    _wrap_once(VllmConfig, "_set_cudagraph_sizes", _tree_capture_sizes)
     _APPLIED = True

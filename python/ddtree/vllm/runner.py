@@ -36,6 +36,7 @@ from ddtree.vllm.attention import DDTreeAttentionBackend, TreeAttentionInputs, s
 from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
 from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, get_gdn_step, set_gdn_step
+from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import (
     AcceptPlan,
     VerifyPlan,
@@ -130,10 +131,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self.ddtree_cfg = DDTreeConfig.from_dict(data)
         self._ddtree_plan: Optional[VerifyPlan] = None
         self._ddtree_accept: Optional[AcceptPlan] = None
+        self._ddtree_accept_gpu: Optional[Dict[str, torch.Tensor]] = None
         self._ddtree_flat_positions: Optional[torch.Tensor] = None
         self._ddtree_proposed = False
         self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0)
         self._ddtree_kv_layers: Optional[List[tuple]] = None
+        # One host-to-device copy per phase and step (the plan's arrays; the acceptance's).
+        self._ddtree_plan_staging = StepStaging(self.device)
+        self._ddtree_accept_staging = StepStaging(self.device)
         # Hybrid GDN targets: W - 1 of the conv (0: attention-only target).
         self._ddtree_conv_window = gdn_conv_window(self.model_config) if self.model_config.is_hybrid else 0
         if self.speculative_config is not None and hasattr(self, "drafter"):
@@ -186,45 +191,56 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if plan is None:
             return logits_indices, spec_decode_metadata
         total = scheduler_output.total_num_scheduled_tokens
-        # The drafter needs the flat positions; the target sees depth-based ones.
+        hybrid = self._ddtree_conv_window > 0
+        if hybrid:
+            self._ddtree_check_spec_rows(plan, num_reqs)
+        gpu = self._ddtree_upload_plan(plan, total, hybrid)
+        # The drafter needs the flat positions; the target sees depth-based ones (written in place: the
+        # model reads this persistent buffer).
         self._ddtree_flat_positions = self.positions[:total].clone()
-        index = torch.from_numpy(plan.token_index).to(self.device, non_blocking=True)
-        self.positions[index] = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
+        self.positions[gpu["token_index"]] = gpu["positions"]
         if self.uses_mrope:
-            self._ddtree_tree_mrope_positions(plan, index)
-        bits = torch.from_numpy(np.ascontiguousarray(plan.ancestor_bits).view(np.int32)).to(
-            self.device, non_blocking=True
-        )
-        set_tree_inputs(
-            TreeAttentionInputs(
-                row_start=torch.from_numpy(plan.row_start).to(self.device, non_blocking=True),
-                ancestor_bits=bits,
-                num_reqs=num_reqs,
-                num_tokens=total,
-            )
-        )
-        if self._ddtree_conv_window > 0:
-            set_gdn_step(self._ddtree_gdn_step(plan, index, bits, num_reqs, total))
-        plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows).to(self.device, non_blocking=True)
-        plan.batch_index_gpu = torch.from_numpy(plan.batch_index).to(self.device, non_blocking=True)
+            mrope = self.mrope_positions.gpu
+            mrope[:, gpu["token_index"]] = mrope[:, gpu["mrope_root_index"]] + gpu["depths"].to(mrope.dtype)
+        set_tree_inputs(TreeAttentionInputs(row_start=gpu["row_start"], ancestor_bits=gpu["ancestor_bits"],
+                                            num_reqs=num_reqs, num_tokens=total))
+        if hybrid:
+            set_gdn_step(GdnTreeStep(
+                token_index=gpu["token_index"], other_index=gpu.get("other_index"),
+                node_offsets=gpu["node_offsets"], ancestor_bits=gpu["ancestor_bits"],
+                conv_index=gpu["conv_index"], num_requests=int(plan.batch_index.shape[0]),
+                num_tree_tokens=plan.num_tree_tokens,
+            ))
+        plan.logit_rows_gpu = gpu["logit_rows"]
+        plan.batch_index_gpu = gpu["batch_index"]
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
 
-    def _ddtree_tree_mrope_positions(self, plan: VerifyPlan, index: torch.Tensor) -> None:
-        """M-RoPE targets: every section of a tree token is its root's plus the node's depth.
+    def _ddtree_upload_plan(self, plan: VerifyPlan, total: int, hybrid: bool) -> Dict[str, torch.Tensor]:
+        """The plan's arrays on the GPU, in one copy (:class:`ddtree.vllm.staging.StepStaging`)."""
+        arrays = {
+            "token_index": plan.token_index,
+            "positions": plan.positions,
+            "row_start": plan.row_start,
+            "ancestor_bits": plan.ancestor_bits,
+            "logit_rows": plan.logit_rows,
+            "batch_index": plan.batch_index,
+        }
+        if self.uses_mrope:
+            # Every M-RoPE section of a tree token is its root's plus the node's depth (for text the three
+            # sections of a decode position are equal; taking the root's keeps a multimodal offset).
+            arrays["mrope_root_index"] = np.repeat(plan.token_index[plan.trees.node_offsets[:-1]], plan.num_nodes)
+            arrays["depths"] = plan.trees.depths.astype(np.int64)
+        if hybrid:
+            arrays["node_offsets"] = plan.trees.node_offsets.astype(np.int32)
+            arrays["conv_index"] = plan.conv_index
+            if plan.num_tree_tokens < total:
+                keep = np.ones(total, dtype=bool)
+                keep[plan.token_index] = False
+                arrays["other_index"] = np.flatnonzero(keep)
+        return dict(zip(arrays, self._ddtree_plan_staging.upload(list(arrays.values()))))
 
-        (For text the three sections of a decode position are equal; taking the
-        root's keeps any multimodal offset of the request.)
-        """
-        sizes = plan.num_nodes
-        roots = np.repeat(plan.token_index[plan.trees.node_offsets[:-1]], sizes)
-        depth = torch.from_numpy(plan.trees.depths.astype(np.int64)).to(self.device, non_blocking=True)
-        root_index = torch.from_numpy(roots).to(self.device, non_blocking=True)
-        mrope = self.mrope_positions.gpu
-        mrope[:, index] = mrope[:, root_index] + depth.to(mrope.dtype)
-
-    def _ddtree_gdn_step(self, plan: VerifyPlan, index: torch.Tensor, bits: torch.Tensor, num_reqs: int,
-                         total: int) -> GdnTreeStep:
+    def _ddtree_check_spec_rows(self, plan: VerifyPlan, num_reqs: int) -> None:
         # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as
         # spec decodes, in batch order; they must be exactly the tree requests.
         spec_rows = np.flatnonzero(self.num_decode_draft_tokens.np[:num_reqs] >= 0)
@@ -233,20 +249,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 f"DDTree: vLLM's spec-decode rows {spec_rows.tolist()} differ from the tree rows "
                 f"{plan.batch_index.tolist()}"
             )
-        other = None
-        if plan.num_tree_tokens < total:
-            keep = np.ones(total, dtype=bool)
-            keep[plan.token_index] = False
-            other = torch.from_numpy(np.flatnonzero(keep)).to(self.device, non_blocking=True)
-        return GdnTreeStep(
-            token_index=index,
-            other_index=other,
-            node_offsets=torch.from_numpy(plan.trees.node_offsets.astype(np.int32)).to(self.device, non_blocking=True),
-            ancestor_bits=bits,
-            conv_index=torch.from_numpy(plan.conv_index).to(self.device, non_blocking=True),
-            num_requests=int(plan.batch_index.shape[0]),
-            num_tree_tokens=plan.num_tree_tokens,
-        )
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         try:
@@ -257,12 +259,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     # ---- acceptance ----------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
         out = super()._sample(logits, spec_decode_metadata)
-        plan, accept = self._ddtree_plan, self._ddtree_accept
+        plan, accept, gpu = self._ddtree_plan, self._ddtree_accept, self._ddtree_accept_gpu
+        self._ddtree_accept_gpu = None
         if plan is not None and accept is not None:
-            self._ddtree_move_kv(accept)
-            self._ddtree_commit_gdn(plan, accept)
-            order = drafter_context_order(plan, accept.accepted, int(self._ddtree_flat_positions.shape[0]))
-            self.drafter.context_order = torch.from_numpy(order).to(self.device, non_blocking=True)
+            self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
+            self._ddtree_commit_gdn(gpu)
+            self.drafter.context_order = gpu["context_order"]
             self.drafter.flat_positions = self._ddtree_flat_positions
             self.ddtree_stats.observe(plan, accept)
         else:
@@ -270,27 +272,37 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter.flat_positions = None
         return out
 
-    def _ddtree_commit_gdn(self, plan: VerifyPlan, accept: AcceptPlan) -> None:
+    def ddtree_upload_acceptance(self, plan: VerifyPlan, accept: AcceptPlan) -> Dict[str, torch.Tensor]:
+        """What follows an acceptance on the GPU, in one copy: the chain rows the sampler returns
+        (``output_tokens``), the KV moves, the drafter's row order and, for GDN targets, the commit plan.
+        Called by the rejection sampler right after the tree walk."""
+        arrays = {
+            "output_tokens": accept.output_tokens.astype(np.int32),
+            "kv_src": accept.kv_src_token,
+            "kv_dst": accept.kv_dst_token,
+            "context_order": drafter_context_order(plan, accept.accepted, int(self._ddtree_flat_positions.shape[0])),
+        }
+        if self._ddtree_conv_window > 0:
+            paths = accept.accepted.paths
+            with self.ddtree_stats.timed("commit_plan"):
+                padded, lengths = commit_paths(paths)
+                arrays["paths"], arrays["path_lengths"] = padded, lengths
+                arrays["commit_conv_index"] = conv_commit_index(paths, plan.trees.node_offsets,
+                                                                self._ddtree_conv_window)
+        gpu = dict(zip(arrays, self._ddtree_accept_staging.upload(list(arrays.values()))))
+        self._ddtree_accept_gpu = gpu
+        return gpu
+
+    def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> None:
         step = get_gdn_step()
         set_gdn_step(None)
         if self._ddtree_conv_window == 0:
             return
         if step is None or not step.pending:
             raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
-        paths = accept.accepted.paths
-        with self.ddtree_stats.timed("commit_plan"):
-            padded, lengths = commit_paths(paths)
-            conv_index = conv_commit_index(paths, plan.trees.node_offsets, self._ddtree_conv_window)
-        commit = GdnCommitPlan(
-            node_offsets=step.node_offsets,
-            paths=self._to_device(padded),
-            path_lengths=self._to_device(lengths),
-            conv_index=self._to_device(conv_index),
-        )
+        commit = GdnCommitPlan(node_offsets=step.node_offsets, paths=gpu["paths"], path_lengths=gpu["path_lengths"],
+                               conv_index=gpu["commit_conv_index"])
         commit_pending(step, commit)
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     def _target_kv_layers(self) -> List[tuple]:
         """(kv_cache_group_id, kv cache tensor) of each target attention layer, shared caches once."""
@@ -314,11 +326,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_kv_layers = layers
         return self._ddtree_kv_layers
 
-    def _ddtree_move_kv(self, accept: AcceptPlan) -> None:
-        if accept.kv_src_token.shape[0] == 0:
+    def _ddtree_move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Moves the accepted nodes' K/V (flat scheduled-token indices ``src`` -> ``dst``) in every layer."""
+        if src.shape[0] == 0:
             return
-        src = torch.from_numpy(accept.kv_src_token).to(self.device, non_blocking=True)
-        dst = torch.from_numpy(accept.kv_dst_token).to(self.device, non_blocking=True)
         slots = {}
         for gid, cache in self._target_kv_layers():
             if gid not in slots:

@@ -136,7 +136,7 @@ class DDTreeRejectionSampler(nn.Module):
             node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
             with runner.ddtree_stats.timed("accept"):
                 result = accept(plan, node_tokens, width)
-            out[plan.batch_index_gpu] = torch.from_numpy(result.output_tokens).to(logits.device, torch.int32)
+            out[plan.batch_index_gpu] = runner.ddtree_upload_acceptance(plan, result)["output_tokens"]
             runner._ddtree_accept = result
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:

@@ -1,0 +1,57 @@
+"""StepStaging: one upload of a step's small arrays, typed views back (CPU buffers here)."""
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree.vllm.staging import ALIGN, StepStaging
+
+
+def _arrays(rng, scale=1):
+    return [
+        rng.integers(-(2**40), 2**40, size=7 * scale, dtype=np.int64),
+        rng.integers(0, 2**32, size=(5 * scale, 3), dtype=np.uint64).astype(np.uint32),  # ancestor bits
+        rng.integers(-5, 5, size=(3, 4 * scale), dtype=np.int32),
+        np.zeros((0, 4), dtype=np.int64),
+        rng.random(3).astype(np.float32),
+        np.array([True, False, True]),
+    ]
+
+
+def test_every_array_comes_back_with_its_dtype_shape_and_bits():
+    rng = np.random.default_rng(0)
+    arrays = _arrays(rng)
+    staging = StepStaging(torch.device("cpu"), initial_bytes=64)  # too small: grows on the first upload
+    views = staging.upload(arrays)
+    assert staging.uploads == 1
+    for a, v in zip(arrays, views):
+        assert tuple(v.shape) == a.shape
+        assert v.is_contiguous()
+        expected = a.view(np.int32) if a.dtype == np.uint32 else a
+        assert np.array_equal(v.numpy(), expected)
+    offsets = [v.storage_offset() * v.element_size() for v in views]
+    assert all(offset % ALIGN == 0 for offset in offsets)
+
+
+def test_buffers_are_reused_and_grow_only_when_needed():
+    rng = np.random.default_rng(1)
+    staging = StepStaging(torch.device("cpu"), initial_bytes=1 << 12)
+    first = staging.upload(_arrays(rng))
+    address = first[0].untyped_storage().data_ptr()
+    second_arrays = _arrays(rng)
+    second = staging.upload(second_arrays)
+    assert second[0].untyped_storage().data_ptr() == address  # same device buffer, no allocation
+    assert np.array_equal(second[0].numpy(), second_arrays[0])
+    big = staging.upload(_arrays(rng, scale=200))
+    assert big[0].shape == (1400,) and staging.uploads == 3
+
+
+def test_non_contiguous_inputs_are_packed():
+    a = np.arange(24, dtype=np.int64).reshape(4, 6)[:, ::2]
+    (v,) = StepStaging(torch.device("cpu")).upload([a])
+    assert np.array_equal(v.numpy(), a)
+
+
+def test_unsupported_dtype_names_itself():
+    with pytest.raises(TypeError, match="float64"):
+        StepStaging(torch.device("cpu")).upload([np.zeros(3)])
