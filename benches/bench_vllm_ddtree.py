@@ -53,7 +53,9 @@ def child(args):
     from ddtree.vllm.tiny_models import engine_kwargs_for
 
     kw.update(engine_kwargs_for(args.target))
+    started = time.time()
     llm = LLM(**kw)
+    init_s = time.time() - started
     given = None
     if args.prompts:
         with open(args.prompts) as f:
@@ -93,12 +95,16 @@ def child(args):
         steps = tokens / b / (mal or 1.0)
         row = {"batch": b, "tokens_per_s": tokens / dt, "mean_acceptance_length": mal, "seconds": dt,
                "ms_per_step": 1000.0 * dt / steps, "repeats": args.repeats,
-               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+               "engine_start_s": round(init_s, 1)}
         if spec is not None and spec.get("method") == "ddtree":
             # Host work over the whole engine's life so far (warm-ups and repeats included): per verify step.
             summary = llm.collective_rpc("ddtree_summary")[0]
             row["host_ms_per_verify_step"] = summary["host_ms_per_verify_step"]
         rows.append(row)
+        # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
+        with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
+            json.dump([list(o.outputs[0].token_ids) for o in outs], f)
         if b in profile_batches:
             profile_generate(llm, prompts, params, os.path.join(args.out, f"profile_{args.name}_b{b}.txt"))
     print("RESULT-JSON " + json.dumps(rows), flush=True)
