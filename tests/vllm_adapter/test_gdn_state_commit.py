@@ -93,7 +93,9 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
     ssm_state = rand(slots_count, NUM_V_HEADS, HEAD_V, HEAD_K, scale=0.3)
     conv_before, ssm_before = conv_state.clone(), ssm_state.clone()
     slots = torch.tensor([4, 1, 2], device=device)
-    x, a, b = rand(num_nodes, CHANNELS), rand(num_nodes, NUM_V_HEADS), rand(num_nodes, NUM_V_HEADS)
+    # The tree rows are a view of the layer's input, as in vLLM.
+    layer_input, a, b = rand(num_nodes + 2, CHANNELS), rand(num_nodes, NUM_V_HEADS), rand(num_nodes, NUM_V_HEADS)
+    x = layer_input[:num_nodes]
     weight, bias = rand(CHANNELS, WIDTH, scale=0.5), rand(CHANNELS, scale=0.1)
     a_log, dt_bias = rand(NUM_V_HEADS, scale=0.5), rand(NUM_V_HEADS, scale=0.5)
 
@@ -107,6 +109,9 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
     out = verify_tree_tokens(step, "layer.0", x, a, b, conv_state, ssm_state, slots, weight, bias, "silu",
                              a_log, dt_bias, HEAD_K, HEAD_V, torch.float32)
     assert torch.equal(conv_state, conv_before) and torch.equal(ssm_state, ssm_before), "verify wrote the caches"
+    # Under CUDA graphs later pieces reuse the layer input's memory before the commit runs.
+    x = x.clone()
+    layer_input.fill_(1e4)
 
     paths = np.full((num_requests, 5), -1, dtype=np.int64)
     for r in range(num_requests):

@@ -170,7 +170,9 @@ def verify_tree_tokens(
         q, k, v, a, b, step.node_offsets, step.ancestor_bits, pool, slots,
         a_log=a_log, dt_bias=dt_bias, out_dtype=out_dtype, out=out,
     )
-    step.pending[layer_name] = PendingCommit(conv_state, pool, slots, x, k, deltas, cum_log_decay)
+    # x is usually a view of the layer's input, which under CUDA graphs lives in the graph's memory pool and
+    # is overwritten by later pieces before the commit runs: the commit keeps its own copy.
+    step.pending[layer_name] = PendingCommit(conv_state, pool, slots, x.clone(), k, deltas, cum_log_decay)
     return out
 
 
