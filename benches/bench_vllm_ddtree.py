@@ -44,12 +44,15 @@ def child(args):
     spec = json.loads(args.spec) if args.spec else None
     max_batch = max(int(b) for b in args.batches.split(","))
     budget = spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0)) if spec else 0
+    graph_mode = spec.pop("cudagraph_mode", None) if spec else None
     kw = dict(model=args.target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=args.eager,
               max_model_len=args.max_model_len, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
               max_num_batched_tokens=max(8192, max_batch * (budget + args.draft_len) + args.prompt_len))
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=args.drafter)
+    if graph_mode is not None and not args.eager:
+        kw["compilation_config"] = {"cudagraph_mode": graph_mode}
     from ddtree.vllm.tiny_models import engine_kwargs_for
 
     kw.update(engine_kwargs_for(args.target))
@@ -101,6 +104,7 @@ def child(args):
             # Host work over the whole engine's life so far (warm-ups and repeats included): per verify step.
             summary = llm.collective_rpc("ddtree_summary")[0]
             row["host_ms_per_verify_step"] = summary["host_ms_per_verify_step"]
+            row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
         rows.append(row)
         # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
@@ -127,7 +131,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row; the fastest is reported")
     ap.add_argument("--profile-batches", default="",
                     help="batch sizes to run once more under torch.profiler (tables in --out)")
-    ap.add_argument("--engines", default="", help="comma-separated subset of the engine names (default: all)")
+    ap.add_argument("--engines", default="", help="comma-separated engine names, run in that order (default: none, "
+                    "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only)")
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -144,15 +149,18 @@ def main():
         write_drafter(args.drafter, spec)
     os.makedirs(args.out, exist_ok=True)
     engines = [("none", None), ("dflash", {"method": "dflash", "num_speculative_tokens": args.draft_len})]
+    default_engines = ["none", "dflash"] + [f"ddtree-{b}" for b in args.budgets.split(",")]
     for b in (int(x) for x in args.budgets.split(",")):
-        engines.append((f"ddtree-{b}", {"method": "ddtree", "num_speculative_tokens": args.draft_len,
-                                        "ddtree_budget": b}))
-    if args.engines:
-        wanted = set(args.engines.split(","))
-        unknown = wanted - {name for name, _ in engines}
-        if unknown:
-            raise SystemExit(f"--engines: unknown {sorted(unknown)}; known: {[name for name, _ in engines]}")
-        engines = [(name, spec) for name, spec in engines if name in wanted]
+        tree = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": b}
+        engines.append((f"ddtree-{b}", tree))
+        # The same engine with PIECEWISE graphs only (tree steps' attention and GDN run eagerly between pieces).
+        engines.append((f"ddtree-{b}-piecewise", dict(tree, cudagraph_mode="PIECEWISE")))
+    wanted = args.engines.split(",") if args.engines else default_engines
+    known = dict(engines)
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise SystemExit(f"--engines: unknown {unknown}; known: {list(known)}")
+    engines = [(name, known[name]) for name in wanted]  # in the order given
     table = []
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
     for name, spec in engines:

@@ -186,15 +186,14 @@ def test_plain_sampling_is_served():
     check_target(**_target(logprobs_mode="raw_logits"))
 
 
-def test_cudagraph_mode_is_piecewise_unless_the_user_chose_eager_or_a_served_mode():
-    assert cudagraph_mode_choice(None, enforce_eager=False) == "PIECEWISE"
-    assert cudagraph_mode_choice(None, enforce_eager=None) == "PIECEWISE"
+def test_cudagraph_mode_is_vllms_default_unless_the_user_chose_eager_or_a_served_mode():
+    assert cudagraph_mode_choice(None, enforce_eager=False) == "FULL_AND_PIECEWISE"
+    assert cudagraph_mode_choice(None, enforce_eager=None) == "FULL_AND_PIECEWISE"
     assert cudagraph_mode_choice(None, enforce_eager=True) is None  # eager: vLLM turns graphs off itself
-    assert cudagraph_mode_choice("PIECEWISE", enforce_eager=False) is None
-    assert cudagraph_mode_choice("NONE", enforce_eager=False) is None
-    for full in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
-        with pytest.raises(DDTreeConfigError, match=f"cudagraph_mode={full}.*PIECEWISE"):
-            cudagraph_mode_choice(full, enforce_eager=False)
+    for served in ("PIECEWISE", "NONE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        assert cudagraph_mode_choice(served, enforce_eager=False) is None
+    with pytest.raises(DDTreeConfigError, match="cudagraph_mode=FULL .*FULL_AND_PIECEWISE"):
+        cudagraph_mode_choice("FULL", enforce_eager=False)
 
 
 def _fit(**kw):

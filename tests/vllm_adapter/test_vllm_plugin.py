@@ -53,7 +53,7 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     assert args.speculative_config == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 32}
     assert args.additional_config["ddtree"]["budget"] == 32
     assert args.async_scheduling is False and args.enable_prefix_caching is False
-    assert args.enforce_eager is False and args.compilation_config.cudagraph_mode.name == "PIECEWISE"
+    assert args.enforce_eager is False and args.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
     assert args.worker_cls == "ddtree.vllm.worker.DDTreeWorker"
     assert str(getattr(args.attention_backend, "name", args.attention_backend)) == "CUSTOM"
     import os
@@ -66,10 +66,14 @@ def test_engine_args_translation(tmp_path, monkeypatch):
                      speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
     with pytest.raises(DDTreeConfigError, match="async_scheduling"):
         patches._translate_engine_args(bad)
-    full = EngineArgs(model="/nonexistent", compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+    full = EngineArgs(model="/nonexistent", compilation_config={"cudagraph_mode": "FULL"},
                       speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
-    with pytest.raises(DDTreeConfigError, match="PIECEWISE"):
+    with pytest.raises(DDTreeConfigError, match="FULL_AND_PIECEWISE"):
         patches._translate_engine_args(full)
+    piecewise = EngineArgs(model="/nonexistent", compilation_config={"cudagraph_mode": "PIECEWISE"},
+                           speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    patches._translate_engine_args(piecewise)
+    assert piecewise.compilation_config.cudagraph_mode.name == "PIECEWISE"
     eager = EngineArgs(model="/nonexistent", enforce_eager=True,
                        speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
     patches._translate_engine_args(eager)
@@ -576,6 +580,7 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
     def vllm_init(self, vllm_config, device):  # what GPUModelRunner.__init__ sets up that the subclass uses
         self.vllm_config, self.device, self.speculative_config = vllm_config, device, vllm_config.speculative_config
         self.model_config = SimpleNamespace(is_hybrid=False)
+        self.max_num_reqs, self.max_num_tokens = 4, 64
         self.drafter = object()
         self.input_batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=device,
                                       vocab_size=vocab, block_sizes=[16], kernel_block_sizes=[16],
@@ -660,7 +665,7 @@ def test_vllms_own_config_validation_passes_with_its_defaults(h200_platform, usa
     # Every running request can verify its whole tree in one step.
     assert scheduler.max_num_scheduled_tokens >= scheduler.max_num_seqs * (budget + 1)
     assert scheduler.max_num_batched_tokens >= scheduler.max_num_seqs * (budget + depth)
-    assert compilation.cudagraph_mode.name == "PIECEWISE" and not config.model_config.enforce_eager
+    assert compilation.cudagraph_mode.name == "FULL_AND_PIECEWISE" and not config.model_config.enforce_eager
     sizes = compilation.cudagraph_capture_sizes
     trees = min(scheduler.max_num_seqs, 32)
     assert all(k * (budget + 1) in sizes for k in range(1, trees + 1)

@@ -6,7 +6,9 @@ batch). This backend is vLLM's Triton backend with one change: when the step
 verifies trees, ``forward`` runs :func:`ddtree.kernels.paged_tree_attention.paged_tree_attention`,
 which masks each tree request with its own ancestor bitmasks and keeps every
 other sequence (prefills, chunks, plain decodes) causal, all in one launch.
-Steps without trees take the stock Triton path unchanged.
+Steps without trees take the stock Triton path unchanged. Under CUDA graphs, steps in
+which every request verifies a whole tree replay FULL graphs (the builder declares
+UNIFORM_BATCH support); the runner keeps the tree inputs at fixed addresses.
 
 The per-step tree inputs are published by the model runner
 (:func:`set_tree_inputs`) after it builds the verification plan and before
@@ -59,8 +61,10 @@ class DDTreeAttentionMetadata(TritonAttentionMetadata):
 
 
 class DDTreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
-    # Tree inputs change every step and live outside vLLM's persistent buffers.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # FULL graphs of uniform batches: every request verifies a whole tree, whose layout the runner writes
+    # into persistent buffers (ddtree.vllm.graphs) before a replay; the launch grid depends only on the
+    # graph's request count and tree size. Mixed batches take PIECEWISE graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -132,6 +136,9 @@ class DDTreeAttentionImpl(TritonAttentionImpl):
             # over long contexts split their keys across programs, 1.2-1.7x faster at batch 1 and 512-16k
             # keys on an H200, single pass otherwise (benches/results/gpu-x2-5a1fbe7/c8/tree_attention.md).
             max_seq_len=attn_metadata.max_seq_len,
+            # A captured graph replays one split count for every context length, and its workspace would have
+            # to outlive the capture: graphs run the single pass.
+            num_kv_splits=1 if torch.cuda.is_current_stream_capturing() else None,
         )
         return output
 

@@ -23,8 +23,7 @@ request before vLLM sees it:
 
 Restrictions of this adapter (each checked, each refused with the
 reason when the user asked for the opposite, see :data:`ENGINE_OVERRIDES`):
-PIECEWISE CUDA graphs or eager mode (:func:`cudagraph_mode_choice`), V1 model
-runner, no async scheduling, no prefix caching, the adapter's own attention backend for the target (CUSTOM) and its
+CUDA graphs as :func:`cudagraph_mode_choice` allows, V1 model runner, no async scheduling, no prefix caching, the adapter's own attention backend for the target (CUSTOM) and its
 own worker class, attention-only or Gated-DeltaNet hybrid targets
 (:data:`GDN_ARCHITECTURES`) without sliding windows, unquantized KV cache,
 tensor parallelism only (pipeline/data parallel size 1).
@@ -202,26 +201,28 @@ def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict
     return changes
 
 
-#: vLLM's CUDA-graph modes a ddtree engine can run. Tree steps replay PIECEWISE graphs: everything but
-#: attention and the GDN core (vLLM's splitting ops, run eagerly between the captured pieces, where the
-#: per-step tree inputs are read) is captured. FULL graphs would bake one step's tree layout into the graph.
-SERVED_CUDAGRAPH_MODES = ("NONE", "PIECEWISE")
+#: vLLM's CUDA-graph modes a ddtree engine runs. A step in which every request verifies a whole tree of a
+#: captured size replays a FULL graph captured from trees of the engine's budget (the tree layout lives in
+#: persistent buffers, ``ddtree.vllm.graphs``); other steps (prefills, truncated trees) replay PIECEWISE
+#: graphs, in which attention and the GDN core run eagerly between the captured pieces. Mixed-batch FULL
+#: graphs ("FULL") would need a tree attention that captures any batch shape: refused.
+SERVED_CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+#: What an engine whose user chose no mode runs (vLLM's own default).
+DEFAULT_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"
 
 
 def cudagraph_mode_choice(requested: Optional[str], enforce_eager: Optional[bool]) -> Optional[str]:
-    """The cudagraph_mode a ddtree engine needs: ``"PIECEWISE"`` to set, ``None`` to keep the user's.
+    """The cudagraph_mode a ddtree engine needs: a mode to set, or ``None`` to keep the user's.
 
     ``requested`` is the name of the user's ``compilation_config.cudagraph_mode`` (None: unset).
-    Raises for the FULL modes, which would replay one step's tree layout for every step.
     """
     if enforce_eager or requested in SERVED_CUDAGRAPH_MODES:
         return None
     if requested is None:
-        return "PIECEWISE"
+        return DEFAULT_CUDAGRAPH_MODE
     raise DDTreeConfigError(
-        f"method 'ddtree' runs CUDA graphs in PIECEWISE mode (tree attention and the GDN tree kernels run "
-        f"between the captured pieces); got compilation_config.cudagraph_mode={requested}. Use PIECEWISE, "
-        "NONE, or leave it unset"
+        f"method 'ddtree' does not support compilation_config.cudagraph_mode={requested} (FULL graphs of mixed "
+        f"batches); use one of {', '.join(SERVED_CUDAGRAPH_MODES)}, or leave it unset ({DEFAULT_CUDAGRAPH_MODE})"
     )
 
 

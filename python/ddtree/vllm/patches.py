@@ -14,8 +14,8 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    in ``additional_config["ddtree"]``), the engine settings DDTree needs are
    applied or refused (``engine_overrides``: no async scheduling, no prefix
    caching, CUSTOM attention backend, DDTree's worker class, V1 runner;
-   ``cudagraph_mode_choice``: PIECEWISE CUDA graphs unless the user chose
-   eager mode, FULL refused), and the created ``VllmConfig`` is validated (attention-only target, drafter
+   ``cudagraph_mode_choice``: vLLM's FULL_AND_PIECEWISE unless the user chose
+   another served mode or eager mode), and the created ``VllmConfig`` is validated (attention-only target, drafter
    depth resolved from its ``block_size``). A later non-ddtree engine in the
    same process is untouched.
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
@@ -192,7 +192,8 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
 
 
 def _choose_cudagraph_mode(args: Any) -> None:
-    """PIECEWISE CUDA graphs unless the user chose eager mode or a mode ddtree serves (FULL is refused)."""
+    """vLLM's default CUDA-graph mode made explicit, unless the user chose eager mode or a mode ddtree serves
+    (mixed-batch FULL is refused)."""
     compilation = getattr(args, "compilation_config", None)
     if compilation is None or not hasattr(compilation, "cudagraph_mode"):
         return
@@ -203,8 +204,7 @@ def _choose_cudagraph_mode(args: Any) -> None:
     from vllm.config.compilation import CUDAGraphMode
 
     compilation.cudagraph_mode = CUDAGraphMode[mode]
-    _log().info("DDTree: cudagraph_mode=%s (tree attention and the GDN tree kernels run between the captured "
-                "pieces; FULL graphs would replay one step's tree layout)", mode)
+    _log().info("DDTree: cudagraph_mode=%s (whole-tree steps replay FULL graphs, other steps PIECEWISE)", mode)
 
 
 def _drafter_block_size(draft_hf_config: Any) -> Optional[int]:

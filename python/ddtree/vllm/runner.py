@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
+from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -35,7 +36,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from ddtree.vllm.attention import DDTreeAttentionBackend, TreeAttentionInputs, set_tree_inputs
 from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
 from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
-from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, get_gdn_step, set_gdn_step
+from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending, get_gdn_step, set_gdn_step
+from ddtree.vllm.graphs import CapturedCommits, TreeStepBuffers
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import (
     AcceptPlan,
@@ -54,6 +56,7 @@ class DDTreeStats:
 
     def __init__(self, depth: int):
         self.steps = 0
+        self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.trees = 0
         self.nodes = 0
         self.accepted = 0
@@ -84,6 +87,7 @@ class DDTreeStats:
         trees = max(self.trees, 1)
         return {
             "verify_steps": self.steps,
+            "full_graph_steps": self.full_graph_steps,
             "trees": self.trees,
             "mean_draft_nodes": self.nodes / trees,
             "mean_acceptance_length": 1.0 + self.accepted / trees,
@@ -141,6 +145,18 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_staging = StepStaging(self.device)
         # Hybrid GDN targets: W - 1 of the conv (0: attention-only target).
         self._ddtree_conv_window = gdn_conv_window(self.model_config) if self.model_config.is_hybrid else 0
+        # The tree layout at fixed addresses (CUDA graphs read them), and what FULL graphs' captures recorded.
+        tree_size = self.ddtree_cfg.budget + 1
+        self._ddtree_buffers = TreeStepBuffers(
+            self.device, self.max_num_reqs, self.max_num_tokens, tree_size,
+            self._ddtree_conv_window + 1 if self._ddtree_conv_window else 0,
+        )
+        self._ddtree_captured = CapturedCommits()
+        # This step: do all running requests verify whole trees (a FULL graph may replay it), and which
+        # FULL graph (its size in tokens) replayed it.
+        self._ddtree_whole_trees = False
+        self._ddtree_full_graph: Optional[int] = None
+        self._ddtree_in_dummy_run = False
         if self.speculative_config is not None and hasattr(self, "drafter"):
             from ddtree.vllm.proposer import DDTreeProposer
             from ddtree.vllm.sampler import DDTreeRejectionSampler
@@ -169,6 +185,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_plan = None
         self._ddtree_accept = None
         self._ddtree_flat_positions = None
+        self._ddtree_whole_trees = False
+        self._ddtree_full_graph = None
         set_tree_inputs(None)
         set_gdn_step(None)
         if spec_decode_metadata is None:
@@ -195,6 +213,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
         gpu = self._ddtree_upload_plan(plan, total, hybrid)
+        layout = self._ddtree_buffers.load(gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"),
+                                           gpu.get("conv_index"))
         # The drafter needs the flat positions; the target sees depth-based ones (written in place: the
         # model reads this persistent buffer).
         self._ddtree_flat_positions = self.positions[:total].clone()
@@ -202,15 +222,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if self.uses_mrope:
             mrope = self.mrope_positions.gpu
             mrope[:, gpu["token_index"]] = mrope[:, gpu["mrope_root_index"]] + gpu["depths"].to(mrope.dtype)
-        set_tree_inputs(TreeAttentionInputs(row_start=gpu["row_start"], ancestor_bits=gpu["ancestor_bits"],
+        set_tree_inputs(TreeAttentionInputs(row_start=layout["row_start"], ancestor_bits=layout["ancestor_bits"],
                                             num_reqs=num_reqs, num_tokens=total))
         if hybrid:
             set_gdn_step(GdnTreeStep(
                 token_index=gpu["token_index"], other_index=gpu.get("other_index"),
-                node_offsets=gpu["node_offsets"], ancestor_bits=gpu["ancestor_bits"],
-                conv_index=gpu["conv_index"], num_requests=int(plan.batch_index.shape[0]),
+                node_offsets=layout["node_offsets"], ancestor_bits=layout["ancestor_bits"],
+                conv_index=layout["conv_index"], num_requests=int(plan.batch_index.shape[0]),
                 num_tree_tokens=plan.num_tree_tokens,
             ))
+        tree_size = self.ddtree_cfg.budget + 1
+        self._ddtree_whole_trees = bool(
+            plan.batch_index.shape[0] == num_reqs and plan.num_tree_tokens == total
+            and (plan.num_nodes == tree_size).all()
+        )
         plan.logit_rows_gpu = gpu["logit_rows"]
         plan.batch_index_gpu = gpu["batch_index"]
         self._ddtree_plan = plan
@@ -250,6 +275,80 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 f"{plan.batch_index.tolist()}"
             )
 
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+    def _ddtree_full_graphs(self) -> bool:
+        """Whether uniform batches replay FULL graphs (vLLM's resolved mode, e.g. FULL_AND_PIECEWISE)."""
+        mode = self.compilation_config.cudagraph_mode
+        return mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
+
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        """vLLM's dispatch, told which steps a FULL tree graph may replay.
+
+        vLLM calls a batch uniform by its lengths alone (every request ``budget + 1`` tokens); for ddtree only
+        a step in which every request verifies a whole tree, of exactly a captured size (no padded requests),
+        is one. Everything else (prefill chunks of ``budget + 1`` tokens, truncated trees) goes to PIECEWISE.
+        """
+        real_step = not self._ddtree_in_dummy_run and self._ddtree_full_graphs()
+        if real_step:
+            num_tokens = kwargs.get("num_tokens", args[0] if args else None)
+            sizes = self.compilation_config.cudagraph_capture_sizes or ()
+            kwargs["force_uniform_decode"] = self._ddtree_whole_trees and num_tokens in sizes
+        result = super()._determine_batch_execution_and_padding(*args, **kwargs)
+        if real_step:
+            mode, descriptor = result[0], result[1]
+            whole = kwargs["force_uniform_decode"] and mode == CUDAGraphMode.FULL
+            self._ddtree_full_graph = descriptor.num_tokens if whole else None
+        return result
+
+    def _dummy_run(self, num_tokens, cudagraph_runtime_mode=None, force_attention=False, uniform_decode=False,
+                   *args, **kwargs):
+        """vLLM's warm-up, profile and capture runs; uniform ones (FULL graphs) run on dummy trees.
+
+        The warm-up before a FULL capture then compiles the tree kernels for the graph's shapes, and the capture
+        records them; a capture keeps the GDN layers' commit inputs (:class:`CapturedCommits`).
+        """
+        tree_size = self.ddtree_cfg.budget + 1
+        trees = (uniform_decode and self._ddtree_full_graphs() and hasattr(self, "drafter")
+                 and num_tokens % tree_size == 0
+                 and (force_attention or cudagraph_runtime_mode == CUDAGraphMode.FULL))
+        self._ddtree_in_dummy_run = True
+        step = saved_drafts = None
+        try:
+            if trees:
+                step, saved_drafts = self._ddtree_stage_dummy_step(num_tokens // tree_size)
+            out = super()._dummy_run(num_tokens, cudagraph_runtime_mode, force_attention, uniform_decode,
+                                     *args, **kwargs)
+            if step is not None and kwargs.get("is_graph_capturing") and cudagraph_runtime_mode == CUDAGraphMode.FULL:
+                from vllm.utils.torch_utils import weak_ref_tensor
+
+                self._ddtree_captured.record(num_tokens, step, weak_ref_tensor)
+            return out
+        finally:
+            self._ddtree_in_dummy_run = False
+            set_tree_inputs(None)
+            set_gdn_step(None)
+            if saved_drafts is not None:
+                self.num_decode_draft_tokens.cpu[: saved_drafts.shape[0]] = saved_drafts
+
+    def _ddtree_stage_dummy_step(self, num_trees: int):
+        """Dummy whole trees for a uniform dummy run of ``num_trees`` requests, published to the layers."""
+        layout = self._ddtree_buffers.stage_dummy_trees(num_trees, self.ddtree_cfg.draft_len)
+        num_tokens = num_trees * (self.ddtree_cfg.budget + 1)
+        set_tree_inputs(TreeAttentionInputs(row_start=layout["row_start"], ancestor_bits=layout["ancestor_bits"],
+                                            num_reqs=num_trees, num_tokens=num_tokens))
+        step = saved = None
+        if self._ddtree_conv_window > 0:
+            step = GdnTreeStep(
+                token_index=torch.arange(num_tokens, device=self.device), other_index=None,
+                node_offsets=layout["node_offsets"], ancestor_bits=layout["ancestor_bits"],
+                conv_index=layout["conv_index"], num_requests=num_trees, num_tree_tokens=num_tokens,
+            )
+            set_gdn_step(step)
+            # vLLM's GDN builder takes requests with drafts as spec decodes (a capture derives them itself).
+            saved = self.num_decode_draft_tokens.cpu[:num_trees].clone()
+            self.num_decode_draft_tokens.cpu[:num_trees] = self.ddtree_cfg.budget
+        return step, saved
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
@@ -267,6 +366,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter.context_order = gpu["context_order"]
             self.drafter.flat_positions = self._ddtree_flat_positions
             self.ddtree_stats.observe(plan, accept)
+            self.ddtree_stats.full_graph_steps += self._ddtree_full_graph is not None
         else:
             self.drafter.context_order = None
             self.drafter.flat_positions = None
@@ -298,10 +398,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         set_gdn_step(None)
         if self._ddtree_conv_window == 0:
             return
-        if step is None or not step.pending:
-            raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
+        if step is None:
+            raise RuntimeError("DDTree: a hybrid target verified trees without a GDN tree step")
         commit = GdnCommitPlan(node_offsets=step.node_offsets, paths=gpu["paths"], path_lengths=gpu["path_lengths"],
                                conv_index=gpu["commit_conv_index"])
+        if self._ddtree_full_graph is not None:
+            # A FULL graph replayed the layers: their commit inputs are where its capture recorded them.
+            for pending in self._ddtree_captured.replayed(self._ddtree_full_graph).values():
+                commit_layer(pending, commit)
+            return
+        if not step.pending:
+            raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
         commit_pending(step, commit)
 
     def _target_kv_layers(self) -> List[tuple]:

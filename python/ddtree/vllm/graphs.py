@@ -1,0 +1,140 @@
+"""Tree steps under CUDA graphs: persistent tree inputs, dummy trees for capture, commit records per graph.
+
+A CUDA graph replays the kernels it captured with the tensor addresses it captured, and none of the Python
+around them. Three things follow for DDTree (``vllm-0.25.1-cudagraphs.md`` in the design notes has the map):
+
+* the per-step tree layout (ancestor bits, each request's first bits row, the CSR node offsets, the GDN conv
+  gather index) lives in :class:`TreeStepBuffers`, allocated once and written in place every step, so eager,
+  PIECEWISE and FULL steps all read the same addresses;
+* a FULL graph of ``N`` whole trees is captured from dummy trees of the real budget staged in those buffers
+  (:meth:`TreeStepBuffers.stage_dummy_trees`): the capture records the tree kernels, with the graph's shapes
+  (``N`` requests, ``N * (budget + 1)`` tokens);
+* the GDN commit after acceptance needs what each layer's verification produced (its conv inputs, keys,
+  per-node deltas and log decays); in a replay no Python runs to hand them over, so the tensors recorded at
+  capture are kept per graph (:class:`CapturedCommits`), as references that do not own the graph pool's
+  memory (a replay rewrites them in place; the commit reads them before any other graph runs).
+
+Torch and the Rust core only (the runner passes vLLM's weak-reference helper in): CI tests it on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional
+
+import numpy as np
+import torch
+
+import ddtree
+from ddtree.vllm.gdn import GdnTreeStep, PendingCommit
+from ddtree.vllm.step import conv_gather_index
+
+
+def ancestor_words(tree_size: int) -> int:
+    """32-bit words of one ancestor bitmask row for trees of up to ``tree_size`` nodes."""
+    return (tree_size + 31) // 32
+
+
+class TreeStepBuffers:
+    """One step's tree layout on the device, at fixed addresses.
+
+    ``max_requests`` trees of up to ``tree_size`` nodes (budget + 1), ``max_tokens`` tree tokens in all;
+    ``conv_width`` is the GDN conv's ``W`` (0: no GDN layers).
+    """
+
+    def __init__(self, device, max_requests: int, max_tokens: int, tree_size: int, conv_width: int = 0):
+        self.device = torch.device(device)
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.tree_size = tree_size
+        self.words = ancestor_words(tree_size)
+        self.row_start = torch.full((max_requests,), -1, dtype=torch.int32, device=self.device)
+        self.ancestor_bits = torch.zeros((max_tokens, self.words), dtype=torch.int32, device=self.device)
+        self.node_offsets = torch.zeros((max_requests + 1,), dtype=torch.int32, device=self.device)
+        self.conv_index = (torch.zeros((max_tokens, conv_width), dtype=torch.int64, device=self.device)
+                           if conv_width else None)
+
+    def load(self, row_start: torch.Tensor, ancestor_bits: torch.Tensor, node_offsets: Optional[torch.Tensor] = None,
+             conv_index: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        """Copies one step's layout (device tensors) in; returns the buffers' views of it.
+
+        ``row_start`` ``[num_reqs]``; ``ancestor_bits`` ``[T, w]`` with ``w <= words`` (the rest of each row
+        is zeroed); ``node_offsets`` ``[R + 1]`` and ``conv_index`` ``[T, W]`` for GDN targets.
+        """
+        num_reqs, (num_tokens, words) = row_start.shape[0], ancestor_bits.shape
+        if num_reqs > self.max_requests or num_tokens > self.max_tokens or words > self.words:
+            raise ValueError(
+                f"DDTree: a step of {num_reqs} requests and {num_tokens} tree tokens ({words} bit words) exceeds "
+                f"the buffers' {self.max_requests} / {self.max_tokens} / {self.words}"
+            )
+        self.row_start[:num_reqs].copy_(row_start)
+        bits = self.ancestor_bits[:num_tokens]
+        bits[:, :words].copy_(ancestor_bits)
+        if words < self.words:
+            bits[:, words:].zero_()
+        views = {"row_start": self.row_start[:num_reqs], "ancestor_bits": bits}
+        if node_offsets is not None:
+            self.node_offsets[: node_offsets.shape[0]].copy_(node_offsets)
+            views["node_offsets"] = self.node_offsets[: node_offsets.shape[0]]
+        if conv_index is not None:
+            if self.conv_index is None:
+                raise ValueError("DDTree: conv_index given, but the buffers were made for a target without GDN")
+            self.conv_index[:num_tokens].copy_(conv_index)
+            views["conv_index"] = self.conv_index[:num_tokens]
+        return views
+
+    def stage_dummy_trees(self, num_trees: int, depth: int) -> Dict[str, torch.Tensor]:
+        """Whole trees of ``tree_size`` nodes and drafter depth ``depth``, for a capture of ``num_trees`` trees.
+
+        Built by the Rust core from a fixed draft distribution, so the captured kernels see valid trees of the
+        engine's own budget (the layout's values are rewritten by every real step before a replay).
+        """
+        budget = self.tree_size - 1
+        width = max(1, -(-budget // depth))  # candidates per position: enough for `budget` nodes
+        log_probs = np.broadcast_to(-np.arange(width, dtype=np.float32) - 1.0, (num_trees, depth, width)).copy()
+        token_ids = np.broadcast_to(np.arange(width, dtype=np.int64), (num_trees, depth, width)).copy()
+        trees = ddtree.build_trees(log_probs, token_ids, budget)
+        conv_window = self.conv_index.shape[1] - 1 if self.conv_index is not None else 0
+        compiled = ddtree.compile_trees(trees, np.zeros(num_trees, dtype=np.int64),
+                                        window=conv_window if conv_window else None)
+        offsets = trees.node_offsets
+        if int(offsets[-1]) != num_trees * self.tree_size:
+            raise RuntimeError(f"DDTree: dummy trees have {int(offsets[-1])} nodes, expected "
+                               f"{num_trees} x {self.tree_size}")
+        host = {
+            "row_start": offsets[:-1].astype(np.int32),
+            "ancestor_bits": np.ascontiguousarray(compiled.ancestor_bits).view(np.int32),
+            "node_offsets": offsets.astype(np.int32),
+        }
+        if conv_window:
+            host["conv_index"] = conv_gather_index(compiled.windows, offsets)
+        return self.load(**{k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in host.items()})
+
+
+@dataclasses.dataclass
+class CapturedCommits:
+    """The GDN commit inputs a FULL graph's replay rewrites, by graph size (tokens)."""
+
+    by_graph: Dict[int, Dict[str, PendingCommit]] = dataclasses.field(default_factory=dict)
+
+    def record(self, num_tokens: int, step: GdnTreeStep, weak: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Keeps the capture's per-layer commit inputs as references that do not own graph-pool memory.
+
+        Owning them would keep every graph's activations alive; a replay writes the same addresses, and the
+        commit reads them before any other graph replays.
+        """
+        self.by_graph[num_tokens] = {
+            name: dataclasses.replace(
+                pending, slots=weak(pending.slots), x=weak(pending.x), k=weak(pending.k),
+                deltas=weak(pending.deltas), cum_log_decay=weak(pending.cum_log_decay),
+            )
+            for name, pending in step.pending.items()
+        }
+        step.pending.clear()
+
+    def replayed(self, num_tokens: int) -> Dict[str, PendingCommit]:
+        commits = self.by_graph.get(num_tokens)
+        if not commits:
+            raise RuntimeError(f"DDTree: a FULL CUDA graph of {num_tokens} tokens replayed a tree step, but its "
+                               "capture recorded no GDN commit inputs")
+        return commits
