@@ -2,6 +2,10 @@
 
     python tests/gpu/fp32_reference.py --model tests/fixtures/models --results RUN/vllm_ddtree_e2e.json \
         [--results MORE.json ...] [--scenarios batch16,penalties] [--gap-tol 0.05] [--out report.md]
+    python tests/gpu/fp32_reference.py --model tests/fixtures/models --bench RUN1 [--bench RUN2 ...]
+
+``--bench`` judges the greedy outputs ``benches/bench_vllm_ddtree.py`` keeps (``outputs_<engine>_b<batch>.json``,
+the pair's ``batch32`` prompts cycled to the batch size, greedy, no stop) the same way.
 
 ``vllm_ddtree_e2e.py`` judges a divergence from plain vLLM by plain's own top-2 gap there. That gap is the
 raw bf16 one: under penalties or a logit bias the choice is made on other logits, and plain vLLM is itself
@@ -143,10 +147,49 @@ def noise_verdict(widest: Dict[str, float], engines: Sequence[str]) -> List[str]
             "within that (divergences no wider than plain vLLM's own): " + json.dumps(verdict)]
 
 
+def bench_outputs(folders: Sequence[str]) -> Dict[str, Dict[int, List[List[int]]]]:
+    """``{engine: {batch: outputs}}`` from the bench's ``outputs_<engine>_b<batch>.json`` files (later folders
+    win)."""
+    import glob
+    import re
+
+    found: Dict[str, Dict[int, List[List[int]]]] = {}
+    for folder in folders:
+        for path in sorted(glob.glob(os.path.join(folder, "outputs_*_b*.json"))):
+            match = re.fullmatch(r"outputs_(.+)_b(\d+)\.json", os.path.basename(path))
+            if match:
+                with open(path) as f:
+                    found.setdefault(match.group(1), {})[int(match.group(2))] = json.load(f)
+    return found
+
+
+def judge_bench(model, prompt_list: Sequence[Sequence[int]], found, tol: float) -> List[str]:
+    """One line per engine and batch: equal / near-tie / real against the fp32 greedy reference."""
+    cache: Dict[int, Tuple[List[int], List[float]]] = {}
+    lines = [f"{'engine':<22}{'batch':>6}{'equal':>7}{'tie':>5}{'real':>6}  first divergences (row, position, gap)"]
+    for engine, by_batch in sorted(found.items()):
+        for batch, outputs in sorted(by_batch.items()):
+            counts = {"equal": 0, "near-tie": 0, "real": 0}
+            where = []
+            for r, output in enumerate(outputs):
+                i = r % len(prompt_list)
+                if i not in cache or len(cache[i][0]) < len(output):
+                    cache[i] = greedy_reference(model, prompt_list[i], len(output), {})
+                verdict, position, gap = classify(output, *cache[i], tol)
+                counts[verdict] += 1
+                if position is not None:
+                    where.append(f"({r}, {position}, {gap:.3f})" if gap is not None else f"({r}, {position})")
+            lines.append(f"{engine:<22}{batch:>6}{counts['equal']:>7}{counts['near-tie']:>5}{counts['real']:>6}  "
+                         + " ".join(where))
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a pair directory (target/, prompts.json), as given to the harness")
-    ap.add_argument("--results", action="append", required=True, help="vllm_ddtree_e2e.json (repeatable)")
+    ap.add_argument("--results", action="append", default=[], help="vllm_ddtree_e2e.json (repeatable)")
+    ap.add_argument("--bench", action="append", default=[],
+                    help="a bench_vllm_ddtree.py output folder with outputs_<engine>_b<batch>.json (repeatable)")
     ap.add_argument("--scenarios", default=",".join(PROMPT_SETS))
     ap.add_argument("--gap-tol", type=float, default=0.05)
     ap.add_argument("--scenario-settings",
@@ -154,6 +197,8 @@ def main() -> int:
     ap.add_argument("--out", help="also write the report here")
     args = ap.parse_args()
 
+    if not args.results and not args.bench:
+        ap.error("give --results and/or --bench")
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -161,6 +206,17 @@ def main() -> int:
     with open(os.path.join(args.model, "prompts.json")) as f:
         given = json.load(f)
     target = os.path.join(args.model, "target")
+    if args.bench:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        lines = [f"fp32 reference of {target}; gap tolerance {args.gap_tol}; bench outputs {args.bench}",
+                 *judge_bench(model, given["batch32"], bench_outputs(args.bench), args.gap_tol)]
+        text = "\n".join(lines)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        if not args.results:
+            return 0
     with open(os.path.join(target, "config.json")) as f:
         config = json.load(f)
     vocab = int(config.get("text_config", config)["vocab_size"])

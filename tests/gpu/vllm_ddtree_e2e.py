@@ -186,12 +186,19 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False):
                          "finish": c.finish_reason})
         return rows
 
+    is_ddtree = spec is not None and spec["method"] == "ddtree"
+
+    def tree_counts(engine):
+        summary = engine.collective_rpc("ddtree_summary")[0]
+        return {k: summary[k] for k in ("trees", "partial_trees", "verify_steps", "full_graph_steps")}
+
     def scenario(sname, fn):
         if conf.get("only") and sname not in conf["only"]:
             return
         if only_scenarios and sname not in only_scenarios:
             return
         before = spec_metrics(llm)
+        trees_before = tree_counts(llm) if is_ddtree else None
         t = time.time()
         try:
             rows, ntok = fn()
@@ -199,6 +206,9 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False):
             res["scenarios"][sname] = {"rows": rows, "seconds": round(dt, 3), "tokens": ntok,
                                        "tokens_per_s": round(ntok / dt, 1) if dt else None,
                                        "spec": diff_metrics(spec_metrics(llm), before)}
+            if is_ddtree:  # what the scenario verified: trees, cut trees, steps that replayed FULL graphs
+                after = tree_counts(llm)
+                res["scenarios"][sname]["trees"] = {k: after[k] - trees_before[k] for k in after}
             if sname in CONSTRAINED_SCENARIOS:  # what fp32_reference.py replays, kept with the outputs
                 res["scenarios"][sname]["settings"] = CONSTRAINED_SCENARIOS[sname]
         except Exception:
@@ -283,6 +293,21 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False):
 
 # ---------------------------------------------------------------------------------------------
 # Parent: models, children, comparisons.
+def scenario_exercised(sname, trees):
+    """``(passed, note)`` for a ddtree engine's scenario: did it verify what it is named for? None: no counts.
+
+    Every scenario must verify trees; near_max must verify cut trees (requests near max_model_len get what
+    still fits) -- a run that decoded one token per step there tested plain decoding, not trees.
+    """
+    if not trees:
+        return None
+    note = (f"trees {trees['trees']} (cut {trees['partial_trees']}), FULL-graph steps "
+            f"{trees['full_graph_steps']}/{trees['verify_steps']}; ")
+    ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
+    return ok, note
+
+
+
 def compare(ref_rows, rows, gap_tol):
     """(identical, tie_divergences, real_divergences, details)"""
     same = tie = real = 0
@@ -479,6 +504,10 @@ def main():
                 notes += f"seeded repeat equal: {ok}"
                 if name.startswith("ddtree"):
                     verdict[f"{name}/t1-repeat"] = ok
+            exercised = scenario_exercised(sname, sc.get("trees"))
+            if exercised is not None:
+                verdict[f"{name}/{sname}/exercised"] = exercised[0]
+                notes += exercised[1]
             if spec_m.get("acceptance_per_depth"):
                 notes += f" per-depth {spec_m['acceptance_per_depth'][:6]}"
             mal_s = f"{mal:.3f}" if isinstance(mal, float) else "-"

@@ -164,3 +164,46 @@ def test_harness_runs_the_fp32_judge_on_its_own_results(tmp_path):
     assert "rc 0" in log.getvalue() and '"ddtree64": false' in log.getvalue()
     judge_against_fp32(SimpleNamespace(**{**vars(args), "model": "tiny-qwen3"}), time.time(), log)
     assert "needs a pair directory" in log.getvalue()
+
+
+def test_fp32_reference_judges_the_benchs_kept_outputs(tmp_path):
+    """--bench: each engine's outputs (the pair's prompts cycled to the batch size) against the fp32 greedy
+    reference; a token changed where the reference is sure is a real divergence."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ref = _fp32_reference()
+    with open("tests/fixtures/models/prompts.json") as f:
+        prompts = json.load(f)["batch32"][:2]
+    model = AutoModelForCausalLM.from_pretrained("tests/fixtures/models/target", dtype=torch.float32).eval()
+    greedy = [ref.greedy_reference(model, p, 6, {}) for p in prompts]
+    exact = [tokens for tokens, _ in greedy]
+    sure = max(range(6), key=lambda i: greedy[1][1][i])  # the reference's widest gap in row 1
+    wrong = [list(exact[0]), list(exact[1])]
+    wrong[1][sure] = (wrong[1][sure] + 1) % 1000
+    (tmp_path / "outputs_good_b2.json").write_text(json.dumps(exact))
+    (tmp_path / "outputs_bad_b2.json").write_text(json.dumps(wrong))
+    (tmp_path / "unrelated.json").write_text("{}")
+    found = ref.bench_outputs([str(tmp_path)])
+    assert set(found) == {"good", "bad"} and set(found["good"]) == {2}
+    lines = ref.judge_bench(model, prompts, found, 0.05)
+    good = next(line for line in lines if line.startswith("good"))
+    bad = next(line for line in lines if line.startswith("bad"))
+    assert good.split()[1:5] == ["2", "2", "0", "0"]
+    assert bad.split()[1:5] == ["2", "1", "0", "1"] and f"(1, {sure}," in bad
+
+
+def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import scenario_exercised
+
+    counts = dict(trees=12, partial_trees=0, verify_steps=12, full_graph_steps=9)
+    assert scenario_exercised("batch1", counts)[0] is True
+    assert "FULL-graph steps 9/12" in scenario_exercised("batch1", counts)[1]
+    assert scenario_exercised("near_max", counts)[0] is False  # no cut tree: plain decoding near the end
+    assert scenario_exercised("near_max", dict(counts, partial_trees=3))[0] is True
+    assert scenario_exercised("batch32", dict(counts, trees=0))[0] is False
+    assert scenario_exercised("batch32", None) is None

@@ -690,3 +690,20 @@ def test_user_limits_that_hold_no_tree_are_refused_before_loading(h200_platform)
     assert config.compilation_config.cudagraph_capture_sizes == [1, 2, 65]
     config = _pair_args(64, enforce_eager=True).create_engine_config(UsageContext.LLM_CLASS)
     assert config.compilation_config.cudagraph_mode.name == "NONE"
+
+
+def test_drafting_continues_near_max_model_len_while_the_drafters_depth_fits():
+    """vLLM skips the drafter for the whole batch when a request's ``seq_len + num_speculative_tokens + 1``
+    passes max_model_len; for ddtree that count is the budget, so requests within budget + 1 tokens of the end
+    verified no tree. The drafter queries depth + 1 positions: it drafts while those fit."""
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=None)
+    runner.effective_drafter_max_model_len = 1024
+    fits = runner._input_fits_in_drafter
+    assert fits(SimpleNamespace(max_seq_len=1024 - 16)) is True  # 16 queries end exactly at max_model_len
+    assert fits(SimpleNamespace(max_seq_len=1024 - 15)) is False
+    assert fits(SimpleNamespace(max_seq_len=1024 - 40)) is True  # vLLM's own rule (budget 64) said no here
+    assert fits(None) is False

@@ -54,10 +54,12 @@ logger = init_logger(__name__)
 class DDTreeStats:
     """Counters beyond vLLM's spec-decode metrics (which stay right on their own)."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, tree_size: int = 0):
+        self.tree_size = tree_size  # budget + 1
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.trees = 0
+        self.partial_trees = 0  # trees verified with fewer nodes than the budget (max_model_len, token budget)
         self.nodes = 0
         self.accepted = 0
         self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
@@ -77,6 +79,7 @@ class DDTreeStats:
         self.steps += 1
         self.trees += acc.shape[0]
         self.nodes += int(plan.num_nodes.sum() - plan.num_nodes.shape[0])
+        self.partial_trees += int((plan.num_nodes < self.tree_size).sum())
         self.accepted += int(acc.sum())
         counts = np.bincount(acc, minlength=self.accepted_per_depth.shape[0])
         # accepted_per_depth[d] = trees whose accepted path reached depth d
@@ -89,6 +92,7 @@ class DDTreeStats:
             "verify_steps": self.steps,
             "full_graph_steps": self.full_graph_steps,
             "trees": self.trees,
+            "partial_trees": self.partial_trees,
             "mean_draft_nodes": self.nodes / trees,
             "mean_acceptance_length": 1.0 + self.accepted / trees,
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
@@ -138,7 +142,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_gpu: Optional[Dict[str, torch.Tensor]] = None
         self._ddtree_flat_positions: Optional[torch.Tensor] = None
         self._ddtree_proposed = False
-        self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0)
+        self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0, self.ddtree_cfg.budget + 1)
         self._ddtree_kv_layers: Optional[List[tuple]] = None
         # One host-to-device copy per phase and step (the plan's arrays; the acceptance's).
         self._ddtree_plan_staging = StepStaging(self.device)
@@ -274,6 +278,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 f"DDTree: vLLM's spec-decode rows {spec_rows.tolist()} differ from the tree rows "
                 f"{plan.batch_index.tolist()}"
             )
+
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        """vLLM's check that the drafter's queries fit below max_model_len, with the drafter's depth L.
+
+        vLLM counts ``num_speculative_tokens`` queries, which for ddtree is the budget B: every request within
+        ``B + 1`` tokens of max_model_len stopped the whole batch's drafting, so such requests verified no tree
+        (budget 64 and 256 decoded one token per step there). The drafter queries ``L + 1`` positions; vLLM's
+        scheduler already cuts the scheduled trees to what fits, and a cut tree is the best tree of the
+        smaller budget (``plan_verify`` rebuilds it).
+        """
+        if common_attn_metadata is None or self.ddtree_cfg.draft_len is None:
+            return super()._input_fits_in_drafter(common_attn_metadata)
+        return (common_attn_metadata.max_seq_len + self.ddtree_cfg.draft_len + 1
+                <= self.effective_drafter_max_model_len)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _ddtree_full_graphs(self) -> bool:
