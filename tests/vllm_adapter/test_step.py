@@ -151,6 +151,7 @@ def test_accept_gives_vllm_chain_rows_moves_and_drafter_order(seed):
     total = int(num_sched.sum())
     order = drafter_context_order(plan, result.accepted, total)
     assert sorted(order.tolist()) == list(range(total))
+    assert order.tolist() == _context_order_oracle(plan, result.accepted, total)
     for j in range(len(req_ids)):
         lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
         parents = plan.trees.parents[lo:hi]
@@ -166,6 +167,34 @@ def test_accept_gives_vllm_chain_rows_moves_and_drafter_order(seed):
         # KV moves: accepted node path[i] -> position i
         moves = {int(s): int(d) for s, d in zip(result.kv_src_token, result.kv_dst_token) if base <= s < base + (hi - lo)}
         assert moves == {base + n: base + i for i, n in enumerate(path) if n != i}
+
+
+def _context_order_oracle(plan, accepted, num_tokens):
+    """drafter_context_order one request at a time: root and accepted path, then the other nodes in order."""
+    order = list(range(num_tokens))
+    for j in range(plan.batch_index.shape[0]):
+        lo, hi = int(plan.trees.node_offsets[j]), int(plan.trees.node_offsets[j + 1])
+        path = [int(p) for p in accepted.paths[j] if p >= 0]
+        rest = [n for n in range(hi - lo) if n not in path]
+        base = int(plan.token_index[lo])
+        order[base : base + hi - lo] = [base + n for n in path + rest]
+    return order
+
+
+@given(st.integers(0, 2**31 - 1))
+def test_drafter_order_with_requests_without_trees_between(seed):
+    rng = np.random.default_rng(seed)
+    store = TreeStore(budget=int(rng.integers(1, 12)))
+    lists, _, _ = propose(store, rng, ["a", "b"], depth=3, width=3)
+    scheduled = {"a": lists[0], "b": lists[1][: max(1, len(lists[1]) // 2)]}
+    req_ids = ["p", "a", "q", "b"]  # "p" and "q" decode or prefill without a tree
+    num_sched = np.array([int(rng.integers(1, 9)), len(scheduled["a"]) + 1, 1, len(scheduled["b"]) + 1])
+    plan = plan_verify(store, req_ids, np.array([5, 10, 20, 30]), num_sched, scheduled)
+    target = rng.integers(0, 4, size=plan.num_tree_tokens).astype(np.int64)
+    result = accept(plan, target, int(num_sched.max()))
+    total = int(num_sched.sum())
+    assert drafter_context_order(plan, result.accepted, total).tolist() == _context_order_oracle(
+        plan, result.accepted, total)
 
 
 def test_reference_oracle_agrees_on_acceptance():

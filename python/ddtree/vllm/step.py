@@ -401,20 +401,22 @@ def drafter_context_order(plan: VerifyPlan, accepted: "ddtree.AcceptedBatch", nu
     vLLM's DFlash proposer treats a request's verified rows as a chain: the
     first ``accepted + 1`` are the committed context, the rest are "rejected"
     padding it ignores. Putting each tree request's root and accepted path
-    first (in path order) and its other nodes after gives the drafter exactly
-    the accepted path's hidden states at consecutive positions.
+    first (in path order) and its other nodes after (in node order) gives the
+    drafter exactly the accepted path's hidden states at consecutive positions.
+    One sort for the whole batch (a tree's nodes are consecutive scheduled tokens).
     """
     order = np.arange(num_tokens, dtype=np.int64)
-    paths = accepted.paths
-    node_offsets = plan.trees.node_offsets
-    for j in range(plan.batch_index.shape[0]):
-        n = int(node_offsets[j + 1] - node_offsets[j])
-        path = paths[j][paths[j] >= 0].astype(np.int64)
-        if path.shape[0] <= 1 and n == 1:
-            continue
-        rest = np.setdiff1d(np.arange(n, dtype=np.int64), path, assume_unique=True)
-        base = plan.token_index[node_offsets[j]]  # flat index of the root
-        order[base : base + n] = base + np.concatenate([path, rest])
+    offsets = plan.trees.node_offsets.astype(np.int64)
+    sizes = np.diff(offsets)
+    tree = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
+    paths = np.asarray(accepted.paths, dtype=np.int64)
+    on_path = paths >= 0
+    # Sort key within a tree: a path node's place on the path, else the path length plus its node index.
+    key = on_path.sum(axis=1)[tree] + (np.arange(offsets[-1], dtype=np.int64) - offsets[tree])
+    rows, places = np.nonzero(on_path)
+    key[offsets[rows] + paths[rows, places]] = places
+    nodes = np.lexsort((key, tree))
+    order[plan.token_index] = plan.token_index[nodes]
     return order
 
 
