@@ -512,10 +512,20 @@ def apply_kv_moves_paged(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_sl
     """
     if src_slots.numel() == 0:
         return
-    block_size = kv_cache.shape[2]
+    apply_kv_moves_indexed(kv_cache, kv_move_index(src_slots, dst_slots, kv_cache.shape[2]))
+
+
+def kv_move_index(src_slots: torch.Tensor, dst_slots: torch.Tensor, block_size: int) -> tuple:
+    """``(src_block, src_offset, dst_block, dst_offset)`` of a move plan, computed once for every layer that
+    shares the slot mapping and block size (a step moves the same slots in each attention layer)."""
     src_slots = src_slots.to(torch.int64)
     dst_slots = dst_slots.to(torch.int64)
-    src_block, src_off = src_slots // block_size, src_slots % block_size
-    dst_block, dst_off = dst_slots // block_size, dst_slots % block_size
+    return src_slots // block_size, src_slots % block_size, dst_slots // block_size, dst_slots % block_size
+
+
+def apply_kv_moves_indexed(kv_cache: torch.Tensor, index: tuple) -> None:
+    """:func:`apply_kv_moves_paged` with the block/offset index of :func:`kv_move_index`: one gather and one
+    scatter."""
+    src_block, src_off, dst_block, dst_off = index
     # Advanced indexing on dims 0 and 2 gathers [M, 2, H, D] before the scatter.
     kv_cache[dst_block, :, dst_off] = kv_cache[src_block, :, src_off]

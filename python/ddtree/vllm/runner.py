@@ -34,7 +34,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ddtree.vllm.attention import DDTreeAttentionBackend, TreeAttentionInputs, set_tree_inputs
-from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
+from ddtree.kernels.paged_tree_attention import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending, get_gdn_step, set_gdn_step
 from ddtree.vllm.graphs import CapturedCommits, TreeStepBuffers
@@ -455,13 +455,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """Moves the accepted nodes' K/V (flat scheduled-token indices ``src`` -> ``dst``) in every layer."""
         if src.shape[0] == 0:
             return
-        slots = {}
+        index = {}  # one block/offset index per KV-cache group and block size, shared by its layers
         for gid, cache in self._target_kv_layers():
-            if gid not in slots:
+            key = (gid, cache.shape[2])
+            if key not in index:
                 mapping = self.input_batch.block_table[gid].slot_mapping.gpu
-                slots[gid] = (mapping[src], mapping[dst])
-            s, d = slots[gid]
-            apply_kv_moves_paged(cache, s, d)
+                index[key] = kv_move_index(mapping[src], mapping[dst], cache.shape[2])
+            apply_kv_moves_indexed(cache, index[key])
 
     # ---- drafts to the scheduler ------------------------------------------------------------
     def propose_draft_token_ids(self, *args, **kwargs):
