@@ -87,3 +87,63 @@ def test_compile_and_plan_arguments():
         ddtree.kv_move_plan(np.array([0, 2, 2], dtype=np.int32))
     with pytest.raises(ValueError, match="num_threads: must be at least 1"):
         ddtree.Executor(0)
+
+
+# ---- documented limits: absurd sizes are refused, never attempted (an allocation failure aborts the process)
+L15 = np.tile(-np.arange(1, 65, dtype=np.float32)[None, :], (15, 1))
+IDS15 = np.tile(np.arange(64, dtype=np.int64)[None, :], (15, 1))
+ABSURD_CALLS = {
+    "budget": ("ddtree.build_tree(L15, IDS15, 10**9)", ValueError, ["budget", f"at most {ddtree.MAX_BUDGET}", "1000000000"]),
+    "budgets": ("ddtree.build_trees(L15[None], IDS15[None], 10**9)", ValueError,
+                ["budgets", f"at most {ddtree.MAX_BUDGET}", "1000000000"]),
+    "budget 2**63": ("ddtree.build_tree(L15, IDS15, 2**63)", ValueError, ["budget", "9223372036854775808", "64-bit"]),
+    "budgets 2**63": ("ddtree.build_trees(L15[None], IDS15[None], 2**63)", ValueError, ["budgets", "64-bit"]),
+    "window": ("ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 8), 0, 10**9)", ValueError,
+               ["window", f"at most {ddtree.MAX_WINDOW}", "1000000000"]),
+    "batch window": ("ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 0, 10**9)", ValueError,
+                     ["window", f"at most {ddtree.MAX_WINDOW}"]),
+    "start overflow": ("ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 8), 2**63 - 1, 3)", ValueError,
+                       ["start", "overflows", "9223372036854775807"]),
+    "starts overflow": ("ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 2**63 - 1, 3)",
+                        ValueError, ["start", "overflows"]),
+    "starts 2**63": ("ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 2**63, 3)", ValueError,
+                     ["starts", "64-bit"]),
+    "threads": ("ddtree.Executor(100000)", ValueError, ["num_threads", f"at most {ddtree.MAX_THREADS}", "100000"]),
+    "batch nodes": ("ddtree.build_trees(np.repeat(L15[None], 300, 0), np.repeat(IDS15[None], 300, 0), 60000)",
+                    ValueError, ["tree nodes", f"at most {ddtree.MAX_BATCH_NODES}"]),
+    "dense mask": ("ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 9000)).dense_mask()", ValueError,
+                   ["dense mask", f"at most {ddtree.MAX_DENSE_NODES}", "9001"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ABSURD_CALLS))
+def test_absurd_sizes_raise_a_documented_limit(name):
+    call, error, words = ABSURD_CALLS[name]
+    with pytest.raises(error) as info:
+        eval(call)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_the_limits_are_reachable():
+    """At the limits themselves the calls succeed (the limits refuse only what is past them)."""
+    tree = ddtree.build_tree(L15, IDS15, 4096)
+    assert len(tree) == 4097 and ddtree.compile_tree(tree, 2**63 - 1 - 15, ddtree.MAX_WINDOW).positions.max() <= 2**63 - 1
+    assert ddtree.Executor(ddtree.MAX_THREADS).num_threads == ddtree.MAX_THREADS
+    small = ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 100))
+    assert small.dense_mask().shape == (101, 101)
+
+
+def test_no_absurd_size_kills_the_process():
+    """Every call above in a child process: it must exit normally (a signal such as SIGABRT fails this)."""
+    import subprocess
+    import sys
+
+    script = "\n".join(
+        ["import numpy as np, ddtree",
+         "L15 = np.tile(-np.arange(1, 65, dtype=np.float32)[None, :], (15, 1))",
+         "IDS15 = np.tile(np.arange(64, dtype=np.int64)[None, :], (15, 1))"]
+        + [f"try:\n    {call}\nexcept (ValueError, TypeError, MemoryError):\n    pass" for call, _, _ in ABSURD_CALLS.values()]
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])

@@ -14,6 +14,12 @@ same for every request of a step in one call each.
 """
 
 from ddtree._core import (
+    MAX_BATCH_NODES,
+    MAX_BIT_WORDS,
+    MAX_BUDGET,
+    MAX_DENSE_NODES,
+    MAX_THREADS,
+    MAX_WINDOW,
     AcceptedBatch,
     CompiledBatch,
     CompiledTree,
@@ -31,6 +37,12 @@ from ddtree._core import (
 )
 
 __all__ = [
+    "MAX_BATCH_NODES",
+    "MAX_BIT_WORDS",
+    "MAX_BUDGET",
+    "MAX_DENSE_NODES",
+    "MAX_THREADS",
+    "MAX_WINDOW",
     "AcceptedBatch",
     "CompiledBatch",
     "CompiledTree",

@@ -6,7 +6,29 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+
+# The documented limits of the inputs (rust/src/limits.rs): past them a call raises ValueError naming the
+# argument, the limit and the value, instead of attempting an allocation that cannot succeed.
+MAX_BUDGET: int
+"""Largest tree budget (draft nodes per tree, root excluded): 65536."""
+MAX_BATCH_NODES: int
+"""Largest number of nodes in one batch of trees, roots included: 2**24."""
+MAX_WINDOW: int
+"""Largest conv window of ``compile_tree``/``compile_trees``: 64."""
+MAX_THREADS: int
+"""Most threads of an ``Executor``: 1024."""
+MAX_BIT_WORDS: int
+"""Largest ancestor-bit matrix of one compile call, in 32-bit words: 2**28 (1 GiB)."""
+MAX_DENSE_NODES: int
+"""Largest tree given a dense mask or attention bias: 8192 nodes."""
+
 __all__ = [
+    "MAX_BUDGET",
+    "MAX_BATCH_NODES",
+    "MAX_WINDOW",
+    "MAX_THREADS",
+    "MAX_BIT_WORDS",
+    "MAX_DENSE_NODES",
     "Tree",
     "TreeBatch",
     "CompiledTree",

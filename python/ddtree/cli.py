@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import zipfile
+import zlib
 from typing import Sequence
 
 import numpy as np
@@ -43,12 +45,43 @@ def synthetic_distribution(rng, depth: int, width: int, vocab: int) -> tuple[np.
     return np.take_along_axis(log_probs, order, 1).astype(np.float32), order.astype(np.int64)
 
 
+class DemoInputError(ValueError):
+    """A demo input the demo cannot use; the message is the one line the user sees."""
+
+
 def load_distribution(path: str) -> tuple[np.ndarray, np.ndarray]:
-    with np.load(path) as data:
+    """``log_probs`` and ``token_ids`` from an ``.npz`` archive; any unreadable file is a DemoInputError."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise DemoInputError(f"{path}: cannot read it as an .npz archive ({error})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise DemoInputError(f"{path}: a single array, not an .npz archive with log_probs and token_ids [L, K]")
+    with data:
         missing = {"log_probs", "token_ids"} - set(data.files)
         if missing:
-            raise SystemExit(f"{path}: missing arrays {sorted(missing)}; expected log_probs and token_ids [L, K]")
-        return np.ascontiguousarray(data["log_probs"], np.float32), np.ascontiguousarray(data["token_ids"])
+            raise DemoInputError(f"{path}: missing arrays {sorted(missing)}; expected log_probs and token_ids [L, K]")
+        try:
+            log_probs, token_ids = data["log_probs"], data["token_ids"]
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+            raise DemoInputError(f"{path}: a damaged archive member ({error})") from None
+    if log_probs.dtype.kind != "f" or token_ids.dtype.kind not in "iu":
+        raise DemoInputError(f"{path}: log_probs must hold floats and token_ids integers, got {log_probs.dtype} "
+                             f"and {token_ids.dtype}")
+    return np.ascontiguousarray(log_probs, np.float32), np.ascontiguousarray(token_ids)
+
+
+#: Largest synthetic distribution the demo makes (depth x vocabulary values).
+MAX_SYNTHETIC_VALUES = 1 << 26
+
+
+def check_synthetic_sizes(args: argparse.Namespace) -> None:
+    for name in ("depth", "vocab", "width"):
+        if getattr(args, name) < 0:
+            raise DemoInputError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.depth * args.vocab > MAX_SYNTHETIC_VALUES:
+        raise DemoInputError(f"--depth x --vocab must be at most {MAX_SYNTHETIC_VALUES}, got "
+                             f"{args.depth} x {args.vocab}")
 
 
 def render_tree(tree: ddtree.Tree, limit: int) -> list[str]:
@@ -76,16 +109,27 @@ def simulate_target(tree: ddtree.Tree, log_probs: np.ndarray, token_ids: np.ndar
     out = np.empty(len(tree), dtype=np.int64)
     for node in range(len(tree)):
         depth = int(tree.depths[node])
-        if depth >= len(probs):
-            out[node] = -1
+        total = probs[depth].sum() if depth < len(probs) else 0.0
+        if not np.isfinite(total) or total <= 0.0:  # past the drafter's depth, no candidates, or all -inf
+            out[node] = -1  # a token no draft carries: the walk stops here
             continue
-        row = probs[depth] / probs[depth].sum()
+        row = probs[depth] / total
         out[node] = token_ids[depth, rng.choice(len(row), p=row)]
     return out
 
 
 def demo(args: argparse.Namespace) -> int:
+    try:
+        return run_demo(args)
+    except (DemoInputError, ValueError, TypeError) as error:  # the core's errors name the argument
+        print(f"ddtree demo: {error}", file=sys.stderr)
+        return 2
+
+
+def run_demo(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
+    if not args.input:
+        check_synthetic_sizes(args)
     if args.input:
         log_probs, token_ids = load_distribution(args.input)
         source = args.input
@@ -110,7 +154,7 @@ def demo(args: argparse.Namespace) -> int:
         print("  " + line)
     if tree.num_draft_nodes > args.show:
         print(f"  ... {tree.num_draft_nodes - args.show} more nodes (--show N to print more)")
-    print(f"compiled: positions {compiled.positions[0]}..{compiled.positions.max()}, "
+    print(f"compiled: positions {compiled.positions.min()}..{compiled.positions.max()}, "
           f"ancestor bits {list(compiled.ancestor_bits.shape)} uint32, conv windows {list(compiled.windows.shape)}")
     tokens = [int(tree.tokens[p - 1]) for p in path[1:]]
     print(f"simulated target (samples the drafter's own distribution): accepted {len(path) - 1} draft tokens "

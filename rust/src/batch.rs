@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::accept::{AcceptSlots, TreeWalker};
 use crate::build::TreeBuilder;
-use crate::compile::{compile_into, words_per_row, CompiledSlots};
+use crate::compile::{check_compile_sizes, compile_into, words_per_row, CompiledSlots};
 use crate::error::{DdtreeError, Result};
+use crate::limits::{at_most, MAX_BATCH_NODES, MAX_BUDGET, MAX_DENSE_NODES, MAX_THREADS};
 use crate::tree::{DraftDistribution, TokenId, TreeSlots, TreeView};
 
 /// Below this many nodes in a batch, threads cost more than they save.
@@ -93,6 +94,7 @@ impl Executor {
         if num_threads == 0 {
             return Err(DdtreeError::value("num_threads", "must be at least 1"));
         }
+        at_most("num_threads", num_threads, MAX_THREADS)?;
         Ok(Self {
             num_threads,
             pool: Mutex::new(None),
@@ -276,11 +278,20 @@ pub fn build_trees<T: TokenId>(
     let requests: Vec<_> = (0..dist.requests)
         .map(|r| dist.request(r))
         .collect::<Result<_>>()?;
+    for &budget in budgets {
+        at_most("budgets", budget, MAX_BUDGET)?;
+    }
     let counts: Vec<usize> = requests
         .iter()
         .zip(budgets)
         .map(|(d, &b)| d.node_count(b))
         .collect();
+    let nodes = counts.iter().sum::<usize>() + dist.requests; // each at most MAX_BUDGET: no overflow
+    at_most(
+        "the batch's tree nodes (budgets summed, roots included)",
+        nodes,
+        MAX_BATCH_NODES,
+    )?;
     let mut batch = TreeBatch {
         node_offsets: offsets(counts.iter().map(|c| c + 1)),
         token_offsets: offsets(counts.iter().copied()),
@@ -349,9 +360,14 @@ impl CompiledBatch {
     /// Dense visibility per request, `[R, N, N]` row-major with N the largest
     /// tree: `true` where node i of request r sees its node j; padding rows and
     /// columns are `false`.
-    pub fn dense_masks(&self) -> Vec<bool> {
+    pub fn dense_masks(&self) -> Result<Vec<bool>> {
         let n = self.max_nodes();
         let requests = self.node_offsets.len().saturating_sub(1);
+        at_most(
+            "requests x nodes^2 (for dense masks)",
+            requests.saturating_mul(n.saturating_mul(n)),
+            MAX_DENSE_NODES * MAX_DENSE_NODES,
+        )?;
         let mut masks = vec![false; requests * n * n];
         for r in 0..requests {
             let (first, last) = (
@@ -366,7 +382,7 @@ impl CompiledBatch {
                 }
             }
         }
-        masks
+        Ok(masks)
     }
 }
 
@@ -384,6 +400,7 @@ pub fn compile_trees(batch: &TreeBatch, starts: &[i64], window: usize) -> Result
     let sizes: Vec<usize> = (0..r_count).map(|r| batch.tree(r).len()).collect();
     let words = words_per_row(sizes.iter().copied().max().unwrap_or(0));
     let total = batch.total_nodes();
+    check_compile_sizes(total, words, window)?;
     let mut out = CompiledBatch {
         positions: vec![0; total],
         ancestor_bits: vec![0; total * words],

@@ -16,6 +16,7 @@
 use std::cmp::Ordering;
 
 use crate::error::{DdtreeError, Result};
+use crate::limits::{at_most, MAX_BUDGET};
 use crate::tree::{DraftDistribution, TokenId, Tree, TreeSlots};
 
 /// Largest positive log-probability accepted: rounding in a log-softmax can
@@ -70,6 +71,7 @@ impl TreeBuilder {
         dist: &DraftDistribution<'_, T>,
         budget: usize,
     ) -> Result<Tree> {
+        at_most("budget", budget, MAX_BUDGET)?;
         let mut tree = Tree::with_nodes(dist.node_count(budget));
         self.build_into(dist, budget, TreeSlots::from(&mut tree))?;
         Ok(tree)
@@ -83,6 +85,7 @@ impl TreeBuilder {
         budget: usize,
         out: TreeSlots<'_>,
     ) -> Result<()> {
+        at_most("budget", budget, MAX_BUDGET)?;
         check_values(dist)?;
         let n = dist.node_count(budget);
         check_slots(&out, n)?;

@@ -13,6 +13,7 @@
 //!   consecutive cache slots exactly as a chain would have left them.
 
 use crate::error::{DdtreeError, Result};
+use crate::limits::{at_most, position, MAX_BIT_WORDS, MAX_DENSE_NODES, MAX_WINDOW};
 use crate::tree::TreeView;
 
 /// Number of `u32` words in one visibility row of a tree of `nodes` nodes.
@@ -47,6 +48,7 @@ impl CompiledTree {
     pub fn new(tree: TreeView<'_>, start: i64, window: usize) -> Result<Self> {
         let n = tree.len();
         let words = words_per_row(n);
+        check_compile_sizes(n, words, window)?;
         let mut out = CompiledTree {
             positions: vec![0; n],
             ancestor_bits: vec![0; n * words],
@@ -68,9 +70,11 @@ impl CompiledTree {
         Ok(out)
     }
 
-    /// Dense `[N, N]` visibility (row-major): `true` where node i sees node j.
-    pub fn dense_mask(&self) -> Vec<bool> {
+    /// Dense `[N, N]` visibility (row-major): `true` where node i sees node j; trees of at most
+    /// [`MAX_DENSE_NODES`] nodes (the packed bits serve any size).
+    pub fn dense_mask(&self) -> Result<Vec<bool>> {
         let n = self.positions.len();
+        at_most("tree nodes (for a dense mask)", n, MAX_DENSE_NODES)?;
         let mut mask = vec![false; n * n];
         for (i, row) in mask.chunks_exact_mut(n.max(1)).enumerate().take(n) {
             let bits = &self.ancestor_bits[i * self.words..(i + 1) * self.words];
@@ -78,7 +82,7 @@ impl CompiledTree {
                 *seen = bits[j / 32] >> (j % 32) & 1 == 1;
             }
         }
-        mask
+        Ok(mask)
     }
 }
 
@@ -102,10 +106,21 @@ pub fn compile_into(tree: TreeView<'_>, start: i64, out: CompiledSlots<'_>) -> R
         )));
     }
     for (p, &d) in positions.iter_mut().zip(tree.depths) {
-        *p = start + d as i64;
+        *p = position(start, d)?;
     }
     fill_ancestor_bits(tree.parents, ancestor_bits, words);
     fill_conv_windows(tree.parents, windows, window);
+    Ok(())
+}
+
+/// The limits of one compile call: the window, and the ancestor bits of `nodes` rows of `words` words.
+pub(crate) fn check_compile_sizes(nodes: usize, words: usize, window: usize) -> Result<()> {
+    at_most("window", window, MAX_WINDOW)?;
+    at_most(
+        "tree nodes x ancestor-bit words",
+        nodes.saturating_mul(words),
+        MAX_BIT_WORDS,
+    )?;
     Ok(())
 }
 

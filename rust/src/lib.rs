@@ -14,6 +14,7 @@ pub mod batch;
 pub mod build;
 pub mod compile;
 pub mod error;
+pub mod limits;
 pub mod tree;
 
 #[cfg(feature = "python")]

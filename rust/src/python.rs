@@ -15,13 +15,14 @@ use numpy::{
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyInt, PyTuple};
 
 use crate::accept::TreeWalker;
 use crate::batch::{self, AcceptedBatch, BatchDistribution, CompiledBatch, Executor, TreeBatch};
 use crate::build::TreeBuilder;
 use crate::compile::{kv_moves, CompiledTree};
 use crate::error::DdtreeError;
+use crate::limits;
 use crate::tree::{DraftDistribution, TokenId, Tree};
 
 impl From<DdtreeError> for PyErr {
@@ -124,17 +125,26 @@ fn typed<'a, 'py, T: Element>(
 
 /// A non-negative integer (a Python int or numpy integer scalar).
 fn count(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<usize> {
-    let value: i64 = obj.extract().map_err(|_| {
-        PyTypeError::new_err(format!("{arg}: expected an int, got {}", type_name(obj)))
-    })?;
+    let value: i64 = obj.extract().map_err(|_| out_of_range_or_type(obj, arg))?;
     usize::try_from(value)
         .map_err(|_| DdtreeError::value(arg, format!("must be >= 0, got {value}")).into())
+}
+
+/// Why an int argument did not convert to i64: too large for 64 bits (ValueError), or not an int.
+fn out_of_range_or_type(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyErr {
+    if obj.is_instance_of::<PyInt>() {
+        return DdtreeError::value(arg, format!("{obj} does not fit in a 64-bit integer")).into();
+    }
+    PyTypeError::new_err(format!("{arg}: expected an int, got {}", type_name(obj)))
 }
 
 /// An int broadcast to `n` entries, or a sequence/array of exactly `n` ints.
 fn per_request_ints(obj: &Bound<'_, PyAny>, arg: &'static str, n: usize) -> PyResult<Vec<i64>> {
     if let Ok(value) = obj.extract::<i64>() {
         return Ok(vec![value; n]);
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return Err(out_of_range_or_type(obj, arg));
     }
     let values: Vec<i64> = obj.extract().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -572,7 +582,7 @@ impl PyCompiledTree {
     fn dense_mask<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<bool>>> {
         array_2d(
             py,
-            self.inner.dense_mask(),
+            self.inner.dense_mask()?,
             self.inner.positions.len(),
             self.inner.positions.len(),
         )
@@ -581,7 +591,7 @@ impl PyCompiledTree {
     fn attention_bias<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let bias = self
             .inner
-            .dense_mask()
+            .dense_mask()?
             .into_iter()
             .map(|seen| if seen { 0.0 } else { f32::NEG_INFINITY })
             .collect();
@@ -626,7 +636,7 @@ impl PyCompiledBatch {
     fn dense_masks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray3<bool>>> {
         let n = self.inner.max_nodes();
         let requests = self.inner.node_offsets.len() - 1;
-        PyArray1::from_vec(py, self.inner.dense_masks()).reshape([requests, n, n])
+        PyArray1::from_vec(py, self.inner.dense_masks()?).reshape([requests, n, n])
     }
     /// int32 `[T, window]`, tree-local indices; negative: committed history.
     #[getter]
@@ -705,9 +715,11 @@ fn compile_tree(
     window: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyCompiledTree> {
     let window = window.map(|w| count(w, "window")).transpose()?.unwrap_or(0);
-    let inner = run_core(py, tree.inner.len() * (window + 1), || {
-        CompiledTree::new(tree.inner.view(), start, window)
-    })?;
+    let inner = run_core(
+        py,
+        tree.inner.len().saturating_mul(window.saturating_add(1)),
+        || CompiledTree::new(tree.inner.view(), start, window),
+    )?;
     Ok(PyCompiledTree { inner })
 }
 
@@ -726,9 +738,14 @@ fn compile_trees(
         None => vec![0; requests],
     };
     let window = window.map(|w| count(w, "window")).transpose()?.unwrap_or(0);
-    let inner = run_core(py, batch.inner.total_nodes() * (window + 1), || {
-        batch::compile_trees(&batch.inner, &starts, window)
-    })?;
+    let inner = run_core(
+        py,
+        batch
+            .inner
+            .total_nodes()
+            .saturating_mul(window.saturating_add(1)),
+        || batch::compile_trees(&batch.inner, &starts, window),
+    )?;
     Ok(PyCompiledBatch { inner })
 }
 
@@ -823,5 +840,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(accept_trees, m)?)?;
     m.add_function(wrap_pyfunction!(kv_move_plan, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_BUDGET", limits::MAX_BUDGET)?;
+    m.add("MAX_BATCH_NODES", limits::MAX_BATCH_NODES)?;
+    m.add("MAX_WINDOW", limits::MAX_WINDOW)?;
+    m.add("MAX_THREADS", limits::MAX_THREADS)?;
+    m.add("MAX_BIT_WORDS", limits::MAX_BIT_WORDS)?;
+    m.add("MAX_DENSE_NODES", limits::MAX_DENSE_NODES)?;
     Ok(())
 }

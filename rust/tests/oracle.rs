@@ -117,7 +117,7 @@ proptest! {
         let tree = TreeBuilder::new().build(&dist, budget).unwrap();
         let compiled = CompiledTree::new(tree.view(), start, window).unwrap();
         let n = tree.len();
-        let mask = compiled.dense_mask();
+        let mask = compiled.dense_mask().unwrap();
         for i in 0..n {
             prop_assert_eq!(compiled.positions[i], start + tree.depths[i] as i64);
             for j in 0..n {
