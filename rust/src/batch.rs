@@ -31,14 +31,32 @@ pub struct BatchDistribution<'a, T: TokenId> {
 
 impl<'a, T: TokenId> BatchDistribution<'a, T> {
     fn request(&self, r: usize) -> Result<DraftDistribution<'a, T>> {
-        let size = self.depth * self.width;
-        let range = r * size..(r + 1) * size;
-        DraftDistribution::new(
-            &self.log_probs[range.clone()],
-            &self.token_ids[range],
-            self.depth,
-            self.width,
-        )
+        let expected = || {
+            format!(
+                "[{}, {}, {}] (requests x depth x width values)",
+                self.requests, self.depth, self.width
+            )
+        };
+        let size = self.depth.checked_mul(self.width);
+        let range = size.and_then(|size| Some(r.checked_mul(size)?..(r + 1).checked_mul(size)?));
+        let slices = range.and_then(|range| {
+            Some((
+                self.log_probs.get(range.clone())?,
+                self.token_ids.get(range)?,
+            ))
+        });
+        let (log_probs, token_ids) = slices.ok_or_else(|| {
+            DdtreeError::shape(
+                "log_probs",
+                expected(),
+                format!(
+                    "{} log-probs and {} token ids",
+                    self.log_probs.len(),
+                    self.token_ids.len()
+                ),
+            )
+        })?;
+        DraftDistribution::new(log_probs, token_ids, self.depth, self.width)
     }
 }
 

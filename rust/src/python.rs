@@ -130,6 +130,11 @@ fn count(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<usize> {
         .map_err(|_| DdtreeError::value(arg, format!("must be >= 0, got {value}")).into())
 }
 
+/// A signed 64-bit integer argument (a Python int or numpy integer scalar).
+fn int64(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<i64> {
+    obj.extract().map_err(|_| out_of_range_or_type(obj, arg))
+}
+
 /// Why an int argument did not convert to i64: too large for 64 bits (ValueError), or not an int.
 fn out_of_range_or_type(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyErr {
     if obj.is_instance_of::<PyInt>() {
@@ -707,13 +712,14 @@ impl PyAcceptedBatch {
 /// Positions `start + depth`, packed ancestor bits, and (window > 0, for
 /// hybrid models: conv kernel width - 1) each node's conv-window ancestors.
 #[pyfunction]
-#[pyo3(signature = (tree, start=0, window=None))]
+#[pyo3(signature = (tree, start=None, window=None))]
 fn compile_tree(
     py: Python<'_>,
     tree: &PyTree,
-    start: i64,
+    start: Option<&Bound<'_, PyAny>>,
     window: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyCompiledTree> {
+    let start = start.map(|s| int64(s, "start")).transpose()?.unwrap_or(0);
     let window = window.map(|w| count(w, "window")).transpose()?.unwrap_or(0);
     let inner = run_core(
         py,
