@@ -14,6 +14,7 @@ from ddtree.vllm.config import (
     cudagraph_mode_choice,
     engine_overrides,
     fit_batch_limits,
+    override_reason,
     parse_spec_config,
     resolve_draft_len,
     tree_capture_sizes,
@@ -89,6 +90,8 @@ def _args(**kw):
 
 def test_engine_overrides_fill_unset_settings():
     changes = engine_overrides(_args(), environ={})
+    assert all(override_reason(attr) for attr in changes)  # each one logged with its reason
+    assert "scheduled" in override_reason("async_scheduling")
     assert changes == {"async_scheduling": False, "enable_prefix_caching": False,
                        "attention_backend": ATTENTION_BACKEND, "worker_cls": WORKER_CLS}
     assert engine_overrides(_args(**changes), environ={"VLLM_USE_V2_MODEL_RUNNER": "0"}) == {}
@@ -172,7 +175,7 @@ def _params(**kw):
 )
 def test_unservable_requests_are_named(kw, word):
     reasons = unsupported_sampling_reasons(_params(**kw))
-    assert len(reasons) == 1 and word in reasons[0]
+    assert len(reasons) == 1 and word in reasons[0][1] and reasons[0][0] in kw
 
 
 def test_plain_sampling_is_served():

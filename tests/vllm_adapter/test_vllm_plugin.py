@@ -89,8 +89,11 @@ def test_admission_refuses_unservable_requests():
     h.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
     h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
     json_only = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
-    with pytest.raises(ValueError, match="structured outputs"):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="structured outputs") as refused:  # a 400, no traceback
         h._validate_params(json_only)
+    assert refused.value.parameter == "structured_outputs"
     h._validate_params(SamplingParams(logprobs=2, repetition_penalty=1.2, bad_words=["x"]))  # served
     h.vllm_config = SimpleNamespace(additional_config={})
     h._validate_params(json_only)  # not a ddtree engine: untouched
@@ -730,3 +733,32 @@ def test_kv_moves_share_one_index_across_the_layers_of_a_group():
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
     assert not torch.equal(caches[0], caches[1])  # the layers really differ
+
+
+def test_a_refused_request_is_a_400_without_a_server_traceback(caplog):
+    """vLLM's API server registers its handlers as below (``api_server.build_app``): a VLLMValidationError is
+    answered with a 400 by Starlette's exception middleware; a plain ValueError falls through to the
+    catch-all, which answers but re-raises, and the ASGI server logs 'Exception in ASGI application'."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.utils.server_utils import exception_handler
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: None})
+    patches._wrap_validate_params(holder)
+    admission = holder()
+    admission.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
+    app = FastAPI()
+    app.state.args = SimpleNamespace(log_error_stack=False)
+    app.exception_handler(VLLMValidationError)(exception_handler)
+    app.exception_handler(Exception)(exception_handler)
+
+    @app.post("/v1/completions")
+    def completions():
+        admission._validate_params(SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)))
+
+    response = TestClient(app, raise_server_exceptions=True).post("/v1/completions")  # raises if re-raised
+    assert response.status_code == 400
+    body = response.json()["error"]
+    assert "structured outputs" in body["message"] and body.get("param") in ("structured_outputs", None)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
@@ -155,6 +155,11 @@ ENGINE_OVERRIDES = (
     ("attention_backend", ATTENTION_BACKEND, (None,), "the target's attention must run DDTree's tree backend"),
     ("worker_cls", WORKER_CLS, ("auto",), "DDTree's worker installs its model runner"),
 )
+
+def override_reason(attr: str) -> str:
+    """Why the adapter sets ``attr`` (one of :data:`ENGINE_OVERRIDES`), for the start-up log."""
+    return next(why for name, _, _, why in ENGINE_OVERRIDES if name == attr)
+
 
 #: Parallelism the adapter refuses (EngineArgs attribute -> why).
 _PARALLEL_LIMITS = {
@@ -399,8 +404,9 @@ def check_target(
         raise DDTreeConfigError(f"ddtree_top_k={cfg.top_k} exceeds the vocabulary size {vocab_size}")
 
 
-def unsupported_sampling_reasons(params: Any) -> list:
-    """Why a request's ``SamplingParams`` cannot be served by the tree (empty: it can).
+def unsupported_sampling_reasons(params: Any) -> List[Tuple[str, str]]:
+    """Why a request's ``SamplingParams`` cannot be served by the tree: ``(parameter, reason)`` pairs (empty:
+    it can).
 
     Per-node verification samples each node from the target's own
     distribution under the request's settings, each node with its own history
@@ -415,9 +421,9 @@ def unsupported_sampling_reasons(params: Any) -> list:
         return getattr(params, name, default)
 
     if get("structured_outputs") is not None or get("guided_decoding") is not None:
-        reasons.append("structured outputs (grammars would have to follow every tree branch)")
+        reasons.append(("structured_outputs", "structured outputs (grammars would have to follow every tree branch)"))
     if get("logits_processors"):
-        reasons.append("per-request logits processors")
+        reasons.append(("logits_processors", "per-request logits processors"))
     if get("thinking_token_budget") is not None:
-        reasons.append("thinking_token_budget")
+        reasons.append(("thinking_token_budget", "thinking_token_budget"))
     return reasons

@@ -112,6 +112,7 @@ from ddtree.vllm.config import (
     cudagraph_mode_choice,
     engine_overrides,
     fit_batch_limits,
+    override_reason,
     parse_spec_config,
     resolve_draft_len,
     tree_capture_sizes,
@@ -179,8 +180,7 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
     changes = engine_overrides(args)
     for attr, value in changes.items():
         setattr(args, attr, value)
-    if changes:
-        _log().info("DDTree: engine settings %s", changes)
+        _log().info("DDTree: %s=%r (%s)", attr, value, override_reason(attr))
     _choose_cudagraph_mode(args)
     if os.environ.get(V2_RUNNER_ENV) is None:
         os.environ[V2_RUNNER_ENV] = "0"
@@ -315,9 +315,14 @@ def _validate_params_wrapper(original):
         if isinstance(params, SamplingParams):
             reasons = unsupported_sampling_reasons(params)
             if reasons:
-                raise ValueError(
+                from vllm.exceptions import VLLMValidationError
+
+                # vLLM's own validation error: the API server answers it with a 400 naming the parameter,
+                # and logs no traceback (a plain ValueError reaches its catch-all handler, which does).
+                raise VLLMValidationError(
                     "This server verifies draft trees (speculative method 'ddtree'), which cannot serve "
-                    "requests using: " + "; ".join(reasons) + "."
+                    "requests using: " + "; ".join(reason for _, reason in reasons) + ".",
+                    parameter=reasons[0][0],
                 )
 
     return _validate_params
