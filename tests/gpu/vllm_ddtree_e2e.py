@@ -119,7 +119,7 @@ ENGINES = {
 # ---------------------------------------------------------------------------------------------
 # Child: one engine, all scenarios, JSON on stdout (last line).
 def diff_metrics(after, before):
-    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("drafts", "draft_tokens", "accepted", "preemptions")}
     d["mean_acceptance_length"] = 1.0 + d["accepted"] / d["drafts"] if d["drafts"] else None
     pa, pb = after.get("per_pos", []), before.get("per_pos", [])
     if pa and d["drafts"]:
@@ -128,7 +128,7 @@ def diff_metrics(after, before):
     return d
 
 
-def run_child(name, target, drafter, only_scenarios=(), eager=False):
+def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_path=None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
@@ -213,6 +213,9 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False):
                 res["scenarios"][sname]["settings"] = CONSTRAINED_SCENARIOS[sname]
         except Exception:
             res["errors"][sname] = traceback.format_exc()[-4000:]
+        if partial_path:  # what finished so far, for the parent when this child dies
+            with open(partial_path, "w") as f:
+                json.dump(res, f)
 
     def b1():
         rows = []
@@ -256,11 +259,14 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False):
         rows = [{"tokens": x["tokens"], "repeat_equal": x["tokens"] == y["tokens"]} for x, y in zip(a, b)]
         return rows, 2 * sum(len(r["tokens"]) for r in rows)
 
+    at_abort = {}
+
     def abort():
         # 16 requests in flight; after 3 engine steps (trees mid-verification) every other one is
         # aborted. The survivors must finish exactly as they would have, and the engine must serve
         # a fresh batch afterwards. Aborted rows are recorded empty.
         engine = llm.llm_engine
+        trees_at_start = tree_counts(llm)["trees"] if is_ddtree else 0
         ids = [f"abort-{i}" for i in range(16)]
         for rid, p in zip(ids, P["batch32"][:16]):
             engine.add_request(rid, TokensPrompt(prompt_token_ids=p), greedy(MAX_TOKENS))
@@ -271,11 +277,15 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False):
                     finished[out.request_id] = out
             steps += 1
             if steps == 3:
+                if is_ddtree:  # the abort must land while trees are being verified, not during prefill
+                    at_abort["trees"] = tree_counts(llm)["trees"] - trees_at_start
                 engine.abort_request(ids[::2])
         rows = [collect([finished[rid]])[0] if rid in finished and i % 2 else {"tokens": [], "gaps": [], "aborted": True}
                 for i, rid in enumerate(ids)]
         rows += collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"][16:20]], greedy(MAX_TOKENS),
                                      use_tqdm=False))
+        if at_abort:
+            rows[0]["trees_verified_before_abort"] = at_abort["trees"]
         return rows, sum(len(r["tokens"]) for r in rows)
 
     scenarios = (("batch1", b1), ("batch16", b16), ("batch32", b32), ("near_max", near_max),
@@ -293,6 +303,22 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False):
 
 # ---------------------------------------------------------------------------------------------
 # Parent: models, children, comparisons.
+def partial_results_path(out, name):
+    return os.path.join(out, f"engine_{name}.partial.json")
+
+
+def load_partial_results(out, name, fh):
+    """The scenarios a child finished before it died or timed out (None: none)."""
+    path = partial_results_path(out, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        res = json.load(f)
+    res.setdefault("errors", {})["child"] = "the child process died or timed out; these are its finished scenarios"
+    log(f"{name}: kept {len(res.get('scenarios', {}))} finished scenarios from {path}", fh)
+    return res
+
+
 def scenario_exercised(sname, trees):
     """``(passed, note)`` for a ddtree engine's scenario: did it verify what it is named for? None: no counts.
 
@@ -390,7 +416,8 @@ def main():
     root = args.model if os.path.isdir(args.model) else os.path.join(WORK, args.model)
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
     if args.child:
-        res = run_child(args.child, target, drafter, [x for x in args.scenarios.split(",") if x], args.eager)
+        res = run_child(args.child, target, drafter, [x for x in args.scenarios.split(",") if x], args.eager,
+                        partial_results_path(args.out, args.child))
         print("RESULT-JSON " + json.dumps(res), flush=True)
         return
 
@@ -444,8 +471,11 @@ def main():
             if line is None:
                 tail = open(child_log).read()[-3000:]
                 log(f"{name}: no result (rc {proc.returncode}); stderr tail:\n{tail}", fh)
-                continue
-            res = json.loads(line[len("RESULT-JSON "):])
+                res = load_partial_results(args.out, name, fh)
+                if res is None:
+                    continue
+            else:
+                res = json.loads(line[len("RESULT-JSON "):])
             results[name] = res
             # Kept as each engine finishes: a run killed from outside (a device call's time limit) keeps them.
             with open(os.path.join(args.out, "vllm_ddtree_e2e.json"), "w") as partial:
@@ -456,6 +486,9 @@ def main():
         except subprocess.TimeoutExpired:
             log(f"{name}: TIMEOUT after {timeout}s (see {child_log})", fh)
             log(open(child_log).read()[-3000:], fh)
+            partial = load_partial_results(args.out, name, fh)
+            if partial is not None:
+                results[name] = partial
         except Exception:
             log(f"{name}: harness failure\n{traceback.format_exc()}", fh)
 
@@ -504,6 +537,15 @@ def main():
                 notes += f"seeded repeat equal: {ok}"
                 if name.startswith("ddtree"):
                     verdict[f"{name}/t1-repeat"] = ok
+            if name.endswith("-preempt"):
+                preempted = (spec_m.get("preemptions") or 0) > 0
+                verdict[f"{name}/{sname}/preempted"] = preempted
+                notes += f"preemptions {spec_m.get('preemptions')}; "
+            if sname == "abort" and name.startswith("ddtree") and sc["rows"]:
+                before_abort = sc["rows"][0].get("trees_verified_before_abort")
+                if before_abort is not None:
+                    verdict[f"{name}/abort/mid-tree"] = before_abort > 0
+                    notes += f"trees verified before the abort {before_abort}; "
             exercised = scenario_exercised(sname, sc.get("trees"))
             if exercised is not None:
                 verdict[f"{name}/{sname}/exercised"] = exercised[0]

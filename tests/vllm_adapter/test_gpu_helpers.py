@@ -17,9 +17,11 @@ def test_spec_metrics_reads_vllm_counters_and_never_raises():
         SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_total", value=12),
         SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", value=None, values=[8, 3, 1]),
         SimpleNamespace(name="vllm:num_requests_running", value=2),
+        SimpleNamespace(name="vllm:num_preemptions_total", value=3),
     ]
     out = spec_metrics(SimpleNamespace(get_metrics=lambda: metrics))
-    assert out == {"drafts": 10.0, "draft_tokens": 640.0, "accepted": 12.0, "per_pos": [8.0, 3.0, 1.0]}
+    assert out == {"drafts": 10.0, "draft_tokens": 640.0, "accepted": 12.0, "per_pos": [8.0, 3.0, 1.0],
+                   "preemptions": 3.0}
 
     def broken():
         raise RuntimeError("stats logging disabled")
@@ -207,3 +209,20 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
     assert scenario_exercised("near_max", dict(counts, partial_trees=3))[0] is True
     assert scenario_exercised("batch32", dict(counts, trees=0))[0] is False
     assert scenario_exercised("batch32", None) is None
+
+
+def test_harness_keeps_the_finished_scenarios_of_a_child_that_died(tmp_path):
+    import io
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import load_partial_results, partial_results_path
+
+    log = io.StringIO()
+    assert load_partial_results(str(tmp_path), "ddtree64", log) is None  # nothing finished: nothing kept
+    finished = {"engine": "ddtree64", "init_s": 1.0, "scenarios": {"batch1": {"rows": []}}, "errors": {}}
+    Path(partial_results_path(str(tmp_path), "ddtree64")).write_text(json.dumps(finished))
+    kept = load_partial_results(str(tmp_path), "ddtree64", log)
+    assert list(kept["scenarios"]) == ["batch1"] and "died or timed out" in kept["errors"]["child"]
+    assert "kept 1 finished scenarios" in log.getvalue()

@@ -133,8 +133,9 @@ def engine_kwargs_for(target: str) -> Dict:
 
 
 def spec_metrics(llm) -> Dict:
-    """vLLM's cumulative spec-decode counters (drafts, draft tokens, accepted, accepted per position)."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
+    """vLLM's cumulative spec-decode counters (drafts, draft tokens, accepted, accepted per position) and its
+    preemption count."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": [], "preemptions": 0.0}
     try:
         for m in llm.get_metrics():
             name = m.name.replace("_total", "")
@@ -144,6 +145,8 @@ def spec_metrics(llm) -> Dict:
                 out["draft_tokens"] = float(m.value)
             elif name == "vllm:spec_decode_num_accepted_tokens":
                 out["accepted"] = float(m.value)
+            elif name == "vllm:num_preemptions":
+                out["preemptions"] = float(m.value)
             elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
                 out["per_pos"] = [float(v) for v in getattr(m, "values", [])]
     except Exception as err:  # metrics are informative, never fatal
