@@ -157,7 +157,8 @@ def main() -> None:
     ap.add_argument("--engines", default="dflash,ddtree16,ddtree64,ddtree256")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--child", default=None)
-    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--timeout", type=int, default=480,
+                    help="per engine; under CUDA graphs an engine's start (torch.compile, capture) took 200-240 s")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
     ap.add_argument("--profile-batches", default="",
