@@ -147,3 +147,21 @@ def test_no_absurd_size_kills_the_process():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+
+
+def test_the_package_exceptions_share_one_base_and_keep_their_builtin_class():
+    from ddtree.cli import DemoInputError
+    from ddtree.engine.target import UnsupportedModelError
+    from ddtree.engine.validation import EngineInputError
+
+    for error, builtin in ((DemoInputError, ValueError), (UnsupportedModelError, ValueError),
+                           (EngineInputError, ValueError)):
+        assert issubclass(error, ddtree.DDTreeError) and issubclass(error, builtin)
+    pytest.importorskip("vllm")
+    from ddtree.vllm.config import DDTreeConfigError
+    from ddtree.vllm.patches import UnsupportedVLLMVersion
+    from ddtree.vllm.step import DraftMismatchError
+
+    for error, builtin in ((DDTreeConfigError, ValueError), (UnsupportedVLLMVersion, RuntimeError),
+                           (DraftMismatchError, RuntimeError)):
+        assert issubclass(error, ddtree.DDTreeError) and issubclass(error, builtin)

@@ -35,8 +35,10 @@ from ddtree._core import (
     compile_trees,
     kv_move_plan,
 )
+from ddtree.errors import DDTreeError
 
 __all__ = [
+    "DDTreeError",
     "MAX_BATCH_NODES",
     "MAX_BIT_WORDS",
     "MAX_BUDGET",

@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 import ddtree
+from ddtree.errors import DDTreeError
 
 DEFAULT_DEPTH = 15
 
@@ -45,7 +46,7 @@ def synthetic_distribution(rng, depth: int, width: int, vocab: int) -> tuple[np.
     return np.take_along_axis(log_probs, order, 1).astype(np.float32), order.astype(np.int64)
 
 
-class DemoInputError(ValueError):
+class DemoInputError(DDTreeError, ValueError):
     """A demo input the demo cannot use; the message is the one line the user sees."""
 
 

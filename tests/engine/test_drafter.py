@@ -87,13 +87,13 @@ def test_proposer_drafts_a_full_block_whatever_the_depth():
     was trained on (bonus + block_size - 1 masks): its attention over the block is bidirectional, so a
     shorter block would change every slot's output. Shallower drafts are a prefix of the full one."""
     from ddtree.engine import TargetModel
-    from ddtree.engine.drafting import DFlashProposer
+    from ddtree.engine.drafting import DFlashDraftProposer
     from ddtree.engine.tiny import tiny_target
 
     hf_target = tiny_target("qwen3", seed=5)
     target = TargetModel(hf_target)
     model = DFlashDraftModel.random(hf_target.config, num_layers=2, block_size=6, target_layer_ids=[0, 2], seed=7)
-    proposer = DFlashProposer(model, target)
+    proposer = DFlashDraftProposer(model, target)
     state = proposer.new_request()
     proposer.add_context(state, torch.randn(7, 64, generator=torch.Generator().manual_seed(8)))
     committed = [3, 9, 4]

@@ -85,10 +85,10 @@ def test_drafting_modes_need_a_drafter(target, no_compute):
 
 
 def test_bad_sampling_parameters(target, no_compute):
-    from ddtree.engine import SamplingParams
+    from ddtree.engine import SamplingSettings
 
     with pytest.raises(ValueError, match="top_p must be in"):
-        SpeculativeEngine(target).generate([[1]], GenerationConfig(mode="ar", sampling=SamplingParams(1.0, top_p=0)))
+        SpeculativeEngine(target).generate([[1]], GenerationConfig(mode="ar", sampling=SamplingSettings(1.0, top_p=0)))
 
 
 def test_generation_stops_at_max_position_embeddings(target):

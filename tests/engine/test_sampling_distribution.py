@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ddtree.engine.engine as engine_module
-from ddtree.engine import GenerationConfig, SamplingParams, SpeculativeEngine, processed_probs
+from ddtree.engine import GenerationConfig, SamplingSettings, SpeculativeEngine, processed_probs
 from ddtree.engine.sampling import sample_from_probs
 from ddtree.engine.tiny import tiny_target
 
@@ -39,7 +39,7 @@ def peaked_target(kind: str):
 
 
 @torch.no_grad()
-def exact_joint(model, sampling: SamplingParams) -> torch.Tensor:
+def exact_joint(model, sampling: SamplingSettings) -> torch.Tensor:
     """``[V, V, V]``: probability of (t1, t2, t3) under autoregressive sampling."""
     prefixes = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
     logits = model(prefixes).logits.float()  # [V*V, P + 2, V]
@@ -49,7 +49,7 @@ def exact_joint(model, sampling: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def ddtree_counts(model, sampling: SamplingParams, num_samples: int, batch: int = 125, mode: str = "ddtree"):
+def ddtree_counts(model, sampling: SamplingSettings, num_samples: int, batch: int = 125, mode: str = "ddtree"):
     """Histogram ``[V, V, V]`` of the first three generated tokens of ``num_samples`` requests."""
     engine = SpeculativeEngine(model, TargetMimicProposer(model, depth=2))
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
@@ -83,10 +83,10 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     "kind, mode, sampling, num_samples",
     [
-        ("qwen3", "ddtree", SamplingParams(temperature=1.0), 1500),
-        ("qwen3_5", "ddtree", SamplingParams(temperature=1.0), 600),
-        ("qwen3", "ddtree", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 1000),
-        ("qwen3", "chain", SamplingParams(temperature=1.0), 1000),
+        ("qwen3", "ddtree", SamplingSettings(temperature=1.0), 1500),
+        ("qwen3_5", "ddtree", SamplingSettings(temperature=1.0), 600),
+        ("qwen3", "ddtree", SamplingSettings(temperature=0.8, top_k=5, top_p=0.9), 1000),
+        ("qwen3", "chain", SamplingSettings(temperature=1.0), 1000),
     ],
 )
 def test_first_tokens_follow_autoregressive_distribution(kind, mode, sampling, num_samples):
@@ -113,7 +113,7 @@ def greedy_below_root_tokens(logits, params, generator):
 @pytest.mark.parametrize("wrong_rule", [shared_uniform_tokens, greedy_below_root_tokens])
 def test_the_distribution_test_rejects_wrong_sampling_rules(monkeypatch, wrong_rule):
     model = peaked_target("qwen3")
-    sampling = SamplingParams(temperature=1.0)
+    sampling = SamplingSettings(temperature=1.0)
     monkeypatch.setattr(engine_module, "target_tokens", wrong_rule)
     p_value = chi_square_p_value(ddtree_counts(model, sampling, 1000), exact_joint(model, sampling))
     assert p_value < ALPHA, f"a wrong sampling rule went unnoticed (p = {p_value:.2e})"
@@ -124,7 +124,7 @@ def test_processed_probs_match_transformers_warpers():
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.6)]:
-        ours = processed_probs(logits, SamplingParams(temperature, top_p, top_k))
+        ours = processed_probs(logits, SamplingSettings(temperature, top_p, top_k))
         scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
         if top_k:
             scores = TopKLogitsWarper(top_k)(None, scores)

@@ -1,6 +1,6 @@
 """Reference DDTree engine on transformers: autoregressive, DFlash-chain and DDTree generation.
 
-    from ddtree.engine import DFlashDraftModel, SpeculativeEngine, GenerationConfig, SamplingParams
+    from ddtree.engine import DFlashDraftModel, SpeculativeEngine, GenerationConfig, SamplingSettings
     engine = SpeculativeEngine(target_model, DFlashDraftModel.from_pretrained(drafter_dir))
     results = engine.generate([prompt_ids], GenerationConfig(mode="ddtree", budget=64, max_new_tokens=128))
 
@@ -10,16 +10,16 @@ and commit, ``drafter.py`` for the DFlash drafter and its checkpoint format.
 """
 
 from .drafter import DFlashDraftModel, DrafterContext
-from .drafting import MODES, DFlashProposer, DraftProposer, draft_tree, empty_tree
+from .drafting import MODES, DFlashDraftProposer, DraftProposer, draft_tree, empty_tree
 from .engine import GenerationConfig, GenerationResult, RequestStats, SpeculativeEngine, generate
-from .sampling import SamplingParams, processed_probs, target_tokens
+from .sampling import SamplingSettings, processed_probs, target_tokens
 from .target import RequestState, TargetModel, TreeForwardOutput, TreeInput, UnsupportedModelError
 from .validation import EngineInputError
 
 __all__ = [
     "MODES",
     "DFlashDraftModel",
-    "DFlashProposer",
+    "DFlashDraftProposer",
     "DraftProposer",
     "DrafterContext",
     "EngineInputError",
@@ -27,7 +27,7 @@ __all__ = [
     "GenerationResult",
     "RequestState",
     "RequestStats",
-    "SamplingParams",
+    "SamplingSettings",
     "SpeculativeEngine",
     "TargetModel",
     "TreeForwardOutput",

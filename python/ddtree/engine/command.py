@@ -15,7 +15,7 @@ import torch
 
 from .drafter import CONFIG_NAME, DFlashDraftModel
 from .engine import GenerationConfig, SpeculativeEngine
-from .sampling import SamplingParams
+from .sampling import SamplingSettings
 from .validation import EngineInputError, check_prompts, check_settings
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,7 +71,7 @@ def _check_drafter_config(directory: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         check_settings(args.mode, args.budget, args.max_new_tokens, has_drafter=bool(args.drafter) or args.mode == "ar")
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+        sampling = SamplingSettings(args.temperature, args.top_p, args.top_k)
         sampling.validate()
         if not (args.prompt or args.prompt_file or args.prompt_ids):
             raise EngineInputError("give at least one --prompt, --prompt-file or --prompt-ids")

@@ -1,7 +1,7 @@
 """Draft proposals: per-position logits from a drafter, turned into the tree to verify.
 
 The engine talks to a drafter through :class:`DraftProposer`, so tests can
-plug in a drafter with a known acceptance rate; :class:`DFlashProposer` is
+plug in a drafter with a known acceptance rate; :class:`DFlashDraftProposer` is
 the real one.
 """
 
@@ -41,7 +41,7 @@ class DraftProposer(Protocol):
         """
 
 
-class DFlashProposer:
+class DFlashDraftProposer:
     """A :class:`DFlashDraftModel` fed by the target's embedding, features and LM head."""
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel):

@@ -30,9 +30,9 @@ import torch
 import ddtree
 
 from .drafter import DFlashDraftModel
-from .drafting import DFlashProposer, DraftProposer, draft_tree, empty_tree
+from .drafting import DFlashDraftProposer, DraftProposer, draft_tree, empty_tree
 from .progress import ProgressBar
-from .sampling import SamplingParams, target_tokens
+from .sampling import SamplingSettings, target_tokens
 from .target import RequestState, TargetModel, TreeInput
 from .validation import check_drafter_matches_target, check_prompts, check_settings
 
@@ -53,7 +53,7 @@ class GenerationConfig:
     mode: str = "ddtree"
     budget: int = 64
     max_new_tokens: int = 64
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingSettings = SamplingSettings()
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     prefill_chunk: int = 128
@@ -158,7 +158,7 @@ class SpeculativeEngine:
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         if isinstance(drafter, DFlashDraftModel):
             check_drafter_matches_target(drafter, self.target)
-            drafter = DFlashProposer(drafter, self.target)
+            drafter = DFlashDraftProposer(drafter, self.target)
         self.proposer: Optional[DraftProposer] = drafter
 
     # ------------------------------------------------------------------ API
@@ -277,10 +277,10 @@ class SpeculativeEngine:
 def generate(target, drafter, prompts: Sequence[Sequence[int]], **settings) -> List[GenerationResult]:
     """One-call form: ``generate(model, drafter, [[1, 2, 3]], mode="ddtree", budget=32, temperature=0.7)``.
 
-    ``temperature``, ``top_p`` and ``top_k`` go into :class:`SamplingParams`; the
+    ``temperature``, ``top_p`` and ``top_k`` go into :class:`SamplingSettings`; the
     other keywords are :class:`GenerationConfig` fields.
     """
-    sampling = SamplingParams(
+    sampling = SamplingSettings(
         temperature=settings.pop("temperature", 0.0), top_p=settings.pop("top_p", 1.0), top_k=settings.pop("top_k", 0)
     )
     return SpeculativeEngine(target, drafter).generate(prompts, GenerationConfig(sampling=sampling, **settings))

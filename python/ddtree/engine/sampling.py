@@ -16,7 +16,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplingSettings:
     """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
 
     temperature: float = 0.0
@@ -36,7 +36,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, params: SamplingSettings) -> torch.Tensor:
     """The distribution ``[N, V]`` (fp32) sampled from at each of ``N`` contexts ``logits [N, V]``.
 
     Order: divide by temperature, keep the top-k logits, then the smallest set
@@ -63,7 +63,7 @@ def sample_from_probs(probs: torch.Tensor, generator: Optional[torch.Generator])
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def target_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> torch.Tensor:
+def target_tokens(logits: torch.Tensor, params: SamplingSettings, generator: Optional[torch.Generator]) -> torch.Tensor:
     """The target's token at each node from its logits ``[N, V]`` -> int64 ``[N]``."""
     if params.greedy:
         return logits.argmax(dim=-1)

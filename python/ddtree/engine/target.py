@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddtree
+from ddtree.errors import DDTreeError
 from ddtree.kernels.gdn_tree import (
     TreeDeltaRuleCache,
     commit_gdn_state_batched,
@@ -44,7 +45,7 @@ from ddtree.kernels.gdn_tree import (
 from ddtree.kernels.tree_attention import apply_kv_moves
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(DDTreeError, ValueError):
     """The target has a layer kind the reference engine cannot verify trees for."""
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ddtree.errors import DDTreeError
+
 from .drafter import DFlashDraftModel
 from .drafting import MODES
 from .target import TargetModel
 
 
-class EngineInputError(ValueError):
+class EngineInputError(DDTreeError, ValueError):
     """Bad models, prompts or settings, found before any compute."""
 
 

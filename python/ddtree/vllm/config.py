@@ -35,6 +35,8 @@ import dataclasses
 import os
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from ddtree.errors import DDTreeError
+
 METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
 WORKER_CLS = "ddtree.vllm.worker.DDTreeWorker"
@@ -70,7 +72,7 @@ _REFUSED_SPEC_KEYS = {
 }
 
 
-class DDTreeConfigError(ValueError):
+class DDTreeConfigError(DDTreeError, ValueError):
     """An invalid ``method: "ddtree"`` configuration; the message says why."""
 
 

@@ -102,6 +102,7 @@ import functools
 import os
 from typing import Any, Optional
 
+from ddtree.errors import DDTreeError
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     METHOD,
@@ -139,7 +140,7 @@ def _wrap_once(owner: Any, name: str, make_wrapper) -> None:
     setattr(owner, name, classmethod(wrapper) if is_classmethod else wrapper)
 
 
-class UnsupportedVLLMVersion(RuntimeError):
+class UnsupportedVLLMVersion(DDTreeError, RuntimeError):
     pass
 
 

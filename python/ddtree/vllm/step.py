@@ -29,6 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 import ddtree
+from ddtree.errors import DDTreeError
 
 PLACEHOLDER = -1
 
@@ -98,7 +99,7 @@ class TreeStore:
         return self.records.pop(req_id, None)
 
 
-class DraftMismatchError(RuntimeError):
+class DraftMismatchError(DDTreeError, RuntimeError):
     """vLLM scheduled draft tokens that are not a prefix of the request's tree."""
 
 
