@@ -1,0 +1,151 @@
+"""Admission of requests and vLLM's config creation for ddtree engines (what `vllm serve` validates before loading)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from ddtree.vllm import patches  # noqa: E402
+from ddtree.vllm.config import DDTreeConfigError  # noqa: E402
+
+
+def test_admission_refuses_unservable_requests():
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: None})
+    patches._wrap_validate_params(holder)  # the wrapper vLLM's InputProcessor gets, around a stub
+    h = holder()
+    h.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
+    h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
+    json_only = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="structured outputs") as refused:  # a 400, no traceback
+        h._validate_params(json_only)
+    assert refused.value.parameter == "structured_outputs"
+    h._validate_params(SamplingParams(logprobs=2, repetition_penalty=1.2, bad_words=["x"]))  # served
+    h.vllm_config = SimpleNamespace(additional_config={})
+    h._validate_params(json_only)  # not a ddtree engine: untouched
+
+
+def test_admission_through_vllms_own_checks_serves_min_p_and_logit_bias_only_for_ddtree():
+    """vLLM's own ``SamplingParams.verify`` refuses min_p and logit_bias under any speculative config; a
+    ddtree engine serves them (per-node sampling), a dflash engine still refuses them."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    patches.apply()
+    model_config = SimpleNamespace(max_logprobs=20, get_vocab_size=lambda: 100, logits_processors=None,
+                                   is_diffusion=False)
+
+    def processor(additional_config):
+        p = object.__new__(InputProcessor)  # vLLM's checks only read these attributes
+        p.__dict__.update(model_config=model_config, speculative_config=SimpleNamespace(method="dflash"),
+                          structured_outputs_config=None, renderer=SimpleNamespace(tokenizer=None),
+                          vllm_config=SimpleNamespace(additional_config=additional_config, reasoning_config=None))
+        return p
+
+    ddtree_engine, dflash_engine = processor({"ddtree": {"budget": 8}}), processor({})
+    for params in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={3: 5.0})):
+        ddtree_engine._validate_params(params, ("generate",))
+        with pytest.raises(ValueError, match="min_p and logit_bias"):
+            dflash_engine._validate_params(params, ("generate",))
+    with pytest.raises(ValueError, match="out of vocabulary|out-of-vocab|vocab"):
+        ddtree_engine._validate_params(SamplingParams(logit_bias={1000: 5.0}), ("generate",))  # vLLM's check kept
+
+
+PAIR = "tests/fixtures/models"
+
+
+@pytest.fixture
+def h200_platform(monkeypatch):
+    """vLLM's platform as an H200 host reports it, for config creation on this GPU-less machine (nothing runs)."""
+    import vllm.platforms
+
+    platform = vllm.platforms.current_platform
+    monkeypatch.setattr(platform, "device_type", "cuda", raising=False)
+    monkeypatch.setattr(platform, "get_device_total_memory", lambda device_id=0: 141 << 30, raising=False)
+    monkeypatch.setattr(platform, "get_device_name", lambda device_id=0: "NVIDIA H200", raising=False)
+    monkeypatch.setattr(platform, "support_static_graph_mode", lambda: True, raising=False)
+    return platform
+
+
+def _pair_args(budget, **kw):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(model=f"{PAIR}/target", language_model_only=True,
+                           additional_config={"gdn_prefill_backend": "triton"},
+                           speculative_config={"method": "ddtree", "model": f"{PAIR}/drafter", "ddtree_budget": budget},
+                           **kw)
+
+
+@pytest.mark.parametrize("usage", ["OPENAI_API_SERVER", "LLM_CLASS"])
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
+def test_vllms_own_config_validation_passes_with_its_defaults(h200_platform, usage, budget):
+    """What `vllm serve` runs in its API-server process before loading anything (issue: the README's command
+    died there with `max_num_scheduled_tokens is set to -6144`): vLLM's defaults, every budget."""
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply()
+    config = _pair_args(budget).create_engine_config(UsageContext[usage])
+    scheduler, compilation = config.scheduler_config, config.compilation_config
+    depth = config.additional_config["ddtree"]["draft_len"]
+    assert config.speculative_config.num_speculative_tokens == budget  # vLLM's view: the budget
+    # Every running request can verify its whole tree in one step.
+    assert scheduler.max_num_scheduled_tokens >= scheduler.max_num_seqs * (budget + 1)
+    assert scheduler.max_num_batched_tokens >= scheduler.max_num_seqs * (budget + depth)
+    assert compilation.cudagraph_mode.name == "FULL_AND_PIECEWISE" and not config.model_config.enforce_eager
+    sizes = compilation.cudagraph_capture_sizes
+    trees = min(scheduler.max_num_seqs, 32)
+    assert all(k * (budget + 1) in sizes for k in range(1, trees + 1)
+               if k * (budget + 1) <= scheduler.max_num_batched_tokens)
+    assert compilation.max_cudagraph_capture_size == sizes[-1] <= scheduler.max_num_batched_tokens
+
+
+def test_user_limits_that_hold_no_tree_are_refused_before_loading(h200_platform):
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply()
+    with pytest.raises(DDTreeConfigError, match="--max-num-batched-tokens >= 80896 or --max-num-seqs <= 103"):
+        _pair_args(64, max_num_seqs=1024, max_num_batched_tokens=8192).create_engine_config(
+            UsageContext.OPENAI_API_SERVER)
+    # The user's sequences are kept, the default tokens grow to hold their trees.
+    config = _pair_args(64, max_num_seqs=300).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert config.scheduler_config.max_num_seqs == 300
+    assert config.scheduler_config.max_num_batched_tokens == 300 * (64 + 15)
+    # User-chosen capture sizes are left alone; eager mode captures nothing.
+    config = _pair_args(64, compilation_config={"cudagraph_capture_sizes": [1, 2, 65]}).create_engine_config(
+        UsageContext.LLM_CLASS)
+    assert config.compilation_config.cudagraph_capture_sizes == [1, 2, 65]
+    config = _pair_args(64, enforce_eager=True).create_engine_config(UsageContext.LLM_CLASS)
+    assert config.compilation_config.cudagraph_mode.name == "NONE"
+
+
+def test_a_refused_request_is_a_400_without_a_server_traceback(caplog):
+    """vLLM's API server registers its handlers as below (``api_server.build_app``): a VLLMValidationError is
+    answered with a 400 by Starlette's exception middleware; a plain ValueError falls through to the
+    catch-all, which answers but re-raises, and the ASGI server logs 'Exception in ASGI application'."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.utils.server_utils import exception_handler
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: None})
+    patches._wrap_validate_params(holder)
+    admission = holder()
+    admission.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
+    app = FastAPI()
+    app.state.args = SimpleNamespace(log_error_stack=False)
+    app.exception_handler(VLLMValidationError)(exception_handler)
+    app.exception_handler(Exception)(exception_handler)
+
+    @app.post("/v1/completions")
+    def completions():
+        admission._validate_params(SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)))
+
+    response = TestClient(app, raise_server_exceptions=True).post("/v1/completions")  # raises if re-raised
+    assert response.status_code == 400
+    body = response.json()["error"]
+    assert "structured outputs" in body["message"] and body.get("param") in ("structured_outputs", None)

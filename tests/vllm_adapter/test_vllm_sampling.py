@@ -1,0 +1,311 @@
+"""DDTree's rejection sampler and the runner's sampling state, against vLLM's own code on CPU."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_rejection_sampler_emits_vllm_chain_rows():
+    """The sampler on CPU tensors with a fake runner: tree walk, chain format, plain rows."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(0)
+    store = TreeStore(budget=6)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
+    ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    drafts = [[], lists[0], lists[1][:4]]  # request "p" has no tree
+    req_ids = ["p", "a", "b"]
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]),
+                       {"a": drafts[1], "b": drafts[2]})
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    md.bonus_logits_indices = torch.tensor([0, 7, 12])
+    vocab = 20
+    # Target logits: make every node's argmax the token of its first child when it has one (accept all
+    # along first children), else token 19.
+    logits = torch.full((13, vocab), -5.0)
+    for j, (lo, hi) in enumerate(zip(plan.trees.node_offsets[:-1], plan.trees.node_offsets[1:])):
+        parents = plan.trees.parents[lo:hi]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+        for node in range(hi - lo):
+            kids = [c for c in range(1, hi - lo) if parents[c] == node]
+            tok = int(toks[kids[0] - 1]) if kids else 19
+            logits[plan.logit_rows[lo + node], tok] = 5.0
+    logits[0, 11] = 5.0
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.staging import StepStaging
+
+    # The runner's state the sampler touches, with the runner's own acceptance upload.
+    runner = type("FakeRunner", (), {"ddtree_upload_acceptance": DDTreeGPUModelRunner.ddtree_upload_acceptance})()
+    runner._ddtree_plan, runner._ddtree_accept = plan, None
+    runner.ddtree_stats = DDTreeStats(15)
+    runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
+    runner._ddtree_conv_window = 0
+    runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
+    sampler = DDTreeRejectionSampler(runner)
+    sampling = SimpleNamespace(temperature=None, all_greedy=True, top_k=None, top_p=None, generators={},
+                               no_penalties=True, bad_words_token_ids={}, allowed_token_ids_mask=None,
+                               max_num_logprobs=None)
+    out = sampler(md, None, logits, sampling).sampled_token_ids
+    assert runner.ddtree_stats.host_seconds["accept"] > 0
+    assert out.shape == (3, 7)
+    assert out[0].tolist() == [11] + [-1] * 6
+    for row, j in ((1, 0), (2, 1)):
+        lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
+        parents = plan.trees.parents[lo:hi]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+        node, want = 0, []
+        while True:
+            kids = [c for c in range(1, hi - lo) if parents[c] == node]
+            if not kids:
+                break
+            node = kids[0]
+            want.append(int(toks[node - 1]))
+        want.append(19)
+        assert out[row, : len(want)].tolist() == want
+        assert (out[row, len(want):] == -1).all()
+    assert runner._ddtree_accept is not None
+    # The acceptance's arrays reached the device side in one upload, in the runner's layout.
+    staged = runner._ddtree_accept_gpu
+    assert runner._ddtree_accept_staging.uploads == 1
+    assert torch.equal(staged["output_tokens"], out[1:])
+    assert staged["kv_src"].tolist() == runner._ddtree_accept.kv_src_token.tolist()
+    assert staged["context_order"].shape == (13,)
+
+    def replan():
+        """The same trees again (plan_verify consumed the proposal), installed in the runner."""
+        store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+        fresh = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]),
+                            {"a": drafts[1], "b": drafts[2]})
+        fresh.logit_rows_gpu = torch.from_numpy(fresh.logit_rows)
+        fresh.batch_index_gpu = torch.from_numpy(fresh.batch_index)
+        runner._ddtree_plan = fresh
+        return fresh
+
+    # allowed_token_ids: a per-request mask (True = excluded), the same at every node, so exact for trees.
+    unmasked = out.clone()
+    plan = replan()
+    mask = torch.zeros(4, vocab, dtype=torch.bool)  # vLLM's [max_num_reqs, V]
+    mask[1] = True
+    mask[1, 13] = False  # request "a" may only emit token 13
+    masked = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "allowed_token_ids_mask": mask}))
+    a_tokens = [t for t in masked.sampled_token_ids[1].tolist() if t >= 0]
+    assert a_tokens and set(a_tokens) == {13}
+    assert torch.equal(masked.sampled_token_ids[[0, 2]], unmasked[[0, 2]])
+
+    # min_tokens: request "a" needs 3 more tokens before a stop token (19, what every leaf prefers) may end it.
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    plan = replan()
+    min_tokens = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
+    min_tokens.min_toks = {1: (5, [101, 102], {19})}  # 2 generated of 5: positions 0-2 may not stop
+    procs = SimpleNamespace(non_argmax_invariant=[min_tokens], argmax_invariant=[])
+    held = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "logitsprocs": procs})).sampled_token_ids
+    a_tokens = [t for t in held[1].tolist() if t >= 0]
+    assert 19 not in a_tokens[:3] and 19 in unmasked[1].tolist()[:3]
+    assert torch.equal(held[[0, 2]], unmasked[[0, 2]])
+
+    # logit_bias: request "a" biased +100 towards token 13 at every node; the others unchanged.
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    plan = replan()
+    bias = LogitBiasLogitsProcessor.__new__(LogitBiasLogitsProcessor)
+    bias.biases = {1: {13: 100.0}}
+    procs = SimpleNamespace(non_argmax_invariant=[bias], argmax_invariant=[])
+    biased = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "logitsprocs": procs})).sampled_token_ids
+    assert set(t for t in biased[1].tolist() if t >= 0) == {13}
+    assert torch.equal(biased[[0, 2]], unmasked[[0, 2]])
+
+    # Logprobs: each emitted token's, from the raw logits row of the node it was sampled at, in the layout
+    # vLLM's own rejection sampler returns (vLLM's parse_output then keeps the emitted entries only).
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    runner.sampler = Sampler(logprobs_mode="raw_logprobs")
+    logits += torch.linspace(0.0, 1.0, vocab)  # distinct values, so every rank is well defined
+    plan = replan()
+    result = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "max_num_logprobs": 2}))
+    tokens, lists = RejectionSampler.parse_output(result.sampled_token_ids, vocab,
+                                                  logprobs_tensors=result.logprobs_tensors)
+    log_softmax = logits.log_softmax(dim=-1)
+    paths = runner._ddtree_accept.accepted.paths
+    expected_rows = [[0]]  # request "p": its only row
+    for j in range(2):
+        path = [int(p) for p in paths[j] if p >= 0]
+        expected_rows.append([int(plan.logit_rows[plan.trees.node_offsets[j] + p]) for p in path])
+    position = 0
+    for r, (emitted, rows) in enumerate(zip(tokens, expected_rows)):
+        assert len(emitted) == len(rows)
+        for token, row in zip(emitted, rows):
+            ids_row = lists.logprob_token_ids[position]
+            values = lists.logprobs[position]
+            assert ids_row[0] == token and values[0] == pytest.approx(float(log_softmax[row, token]), abs=1e-5)
+            top2 = log_softmax[row].topk(2)
+            assert list(ids_row[1:]) == top2.indices.tolist()
+            assert lists.sampled_token_ranks[position] == int((log_softmax[row] > log_softmax[row, token]).sum()) + 1
+            position += 1
+    assert position == len(lists.logprobs)
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch, logits_dtype):
+    """Bad words and presence/frequency/repetition penalties at a node see the committed output plus the tokens
+    on the node's root path, exactly as vLLM's own code does for that history, row by row. bf16 target logits
+    are constrained in fp32, like vLLM's sampler: its CUDA repetition-penalty op needs the logits in the
+    penalties' dtype (fp32), which the check below stands in for on CPU."""
+    import vllm._custom_ops as custom_ops
+    import vllm.v1.sample.ops.penalties as penalties
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    monkeypatch.setattr(penalties, "PIN_MEMORY", False)  # a CUDA build of torch on a machine without a GPU
+    cpu_op = custom_ops.apply_repetition_penalties
+
+    def dtype_checked(logits, prompt_mask, output_mask, repetition_penalties):
+        assert logits.dtype == repetition_penalties.dtype, "the CUDA op refuses mixed dtypes"
+        return cpu_op(logits, prompt_mask, output_mask, repetition_penalties)
+
+    monkeypatch.setattr(custom_ops, "apply_repetition_penalties", dtype_checked)
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(7)
+    vocab = 12
+    store = TreeStore(budget=8)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
+    ids = np.stack([np.stack([rng.permutation(vocab)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    req_ids = ["p", "a", "b"]
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 9, 6]), {"a": lists[0], "b": lists[1][:5]})
+    counts = np.array([1, 9, 6])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    num_rows = int(counts.sum())
+    logits = (torch.from_numpy(rng.normal(size=(num_rows, vocab)).astype(np.float32)) * 3).to(logits_dtype)
+    outputs = [[1, 1, 4], [2, 3, 3, 5], [7]]
+    prompts = torch.tensor([[0, 9, vocab], [6, 6, 2], [3, vocab, vocab]])  # padded with the vocabulary size
+    sampling = SimpleNamespace(
+        allowed_token_ids_mask=None, no_penalties=False, output_token_ids=outputs, prompt_token_ids=prompts,
+        bad_words_token_ids={},
+        presence_penalties=torch.tensor([0.5, 0.0, 1.5]), frequency_penalties=torch.tensor([0.2, 0.7, 0.0]),
+        repetition_penalties=torch.tensor([1.0, 1.3, 2.0]),
+    )
+    rows_per_req = torch.from_numpy(counts)
+
+    def per_row(t):
+        return None if t is None else t[:3].repeat_interleave(rows_per_req, dim=0)
+
+    # Bad words over each node's own history too: [4, x] bans x after a 4, [y] bans y everywhere.
+    sampling.bad_words_token_ids = {0: [[4, 8]], 1: [[5, 2], [11]], 2: [[7, 3]]}
+    got = DDTreeRejectionSampler._constrained(logits, plan, sampling, per_row, starts, counts, 3)
+    assert got.dtype == torch.float32 and not torch.equal(got, logits.float())
+    for r in range(3):
+        j = {1: 0, 2: 1}.get(r)
+        for k in range(counts[r]):
+            history = list(outputs[r])
+            if j is not None:  # walk node k up to the root, collecting its path's tokens
+                first = plan.trees.node_offsets[j]
+                tokens = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+                path, node = [], k
+                while node > 0:
+                    path.append(int(tokens[node - 1]))
+                    node = int(plan.trees.parents[first + node])
+                history += path[::-1]
+            row = starts[r] + k
+            want = logits[row:row + 1].float()
+            for word in sampling.bad_words_token_ids[r]:
+                if history[len(history) - len(word) + 1:] == word[:-1] or len(word) == 1:
+                    want[0, word[-1]] = float("-inf")
+            want = apply_all_penalties(want, prompts[r:r + 1], sampling.presence_penalties[r:r + 1],
+                                       sampling.frequency_penalties[r:r + 1], sampling.repetition_penalties[r:r + 1],
+                                       [history])
+            assert torch.allclose(got[row], want[0], atol=1e-6), (r, k, history)
+
+
+def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
+    """Under a speculative config vLLM builds only the min_tokens logits processor (it refuses min_p and
+    logit_bias there), so a ddtree engine, which admits both, would serve neither: its sampler finds no
+    ``LogitBiasLogitsProcessor`` / ``MinPLogitsProcessor`` in the batch. The ddtree runner gives its persistent
+    batch every built-in processor; through vLLM's own batch updates (add, finish, condense) the sampler then
+    biases every row of each biased request."""
+    import vllm.utils.torch_utils as torch_utils
+    import vllm.v1.worker.gpu_input_batch as input_batch_module
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.sample.logits_processor import build_logitsprocs
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import ddtree.vllm.proposer as proposer_module
+    from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+
+    for module in (torch_utils, input_batch_module):  # no CUDA driver here
+        monkeypatch.setattr(module, "PIN_MEMORY", False)
+    cpu, vocab = torch.device("cpu"), 32
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(method="dflash"),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={ADDITIONAL_CONFIG_KEY: DDTreeConfig(budget=8, draft_len=4, top_k=None).to_dict()},
+    )
+
+    def vllm_init(self, vllm_config, device):  # what GPUModelRunner.__init__ sets up that the subclass uses
+        self.vllm_config, self.device, self.speculative_config = vllm_config, device, vllm_config.speculative_config
+        self.model_config = SimpleNamespace(is_hybrid=False)
+        self.max_num_reqs, self.max_num_tokens = 4, 64
+        self.drafter = object()
+        self.input_batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=device,
+                                      vocab_size=vocab, block_sizes=[16], kernel_block_sizes=[16],
+                                      logitsprocs=build_logitsprocs(vllm_config, device, False, False))
+
+    monkeypatch.setattr(GPUModelRunner, "__init__", vllm_init)
+    monkeypatch.setattr(proposer_module, "DDTreeProposer", lambda *args: SimpleNamespace())
+    assert [type(p) for p in build_logitsprocs(config, cpu, False, False).all] == [MinTokensLogitsProcessor]
+    runner = DDTreeGPUModelRunner(config, cpu)
+    assert {LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor} <= {
+        type(p) for p in runner.input_batch.logitsprocs.all}
+
+    batch, bias = runner.input_batch, {5: 4.0, 9: -6.0}
+
+    def request(req_id, temperature=0.0, **params):
+        return CachedRequestState(req_id=req_id, prompt_token_ids=[1, 2, 3], mm_features=[],
+                                  sampling_params=SamplingParams(temperature=temperature, **params), generator=None,
+                                  block_ids=([],), num_computed_tokens=3, output_token_ids=[])
+
+    for req_id, params in (("x", {}), ("a", {"logit_bias": bias}), ("b", {"logit_bias": bias, "min_p": 0.1, "temperature": 1.0}),
+                           ("c", {"logit_bias": bias})):
+        batch.add_request(request(req_id, **params))
+    batch.condense()
+    batch.refresh_metadata()
+    batch.remove_request("x")  # finished: "c" moves into its slot
+    batch.condense()
+    batch.refresh_metadata()
+    assert batch.req_ids == ["c", "a", "b"]
+    metadata = batch.sampling_metadata
+    min_p = next(p for p in metadata.logitsprocs.all if isinstance(p, MinPLogitsProcessor))
+    assert min_p.min_p_count == 1 and min_p.min_p_cpu[2] == pytest.approx(0.1)
+
+    # No trees this step (plan None): one row per request, its sampled token emitted.
+    runner._ddtree_plan, runner._ddtree_accept = None, None
+    md = SpecDecodeMetadata.make_dummy([[], [], []], cpu)
+    md.bonus_logits_indices = torch.arange(3)
+    logits = torch.zeros(3, vocab)
+    logits[:, 9] = 3.0  # the raw argmax; the bias (+4 on 5, -6 on 9) makes token 5 the biased one
+    # "b" samples at temperature 1: after the bias token 5 has p ~0.64, every other token ~0.012, below min_p's
+    # 0.1 * 0.64, so min_p leaves token 5 alone.
+    out = DDTreeRejectionSampler(runner)(md, None, logits, metadata).sampled_token_ids
+    assert out[:, 0].tolist() == [5, 5, 5]
