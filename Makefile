@@ -27,10 +27,11 @@ demo: $(PY)
 	$(PIP) install -q -e ".[torch]"
 	$(VENV)/bin/ddtree demo --pair tests/fixtures/models
 
-lint:
+lint: install-test
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
 
 rust-test:
 	cargo test --release

@@ -7,7 +7,6 @@ subprocess: the flag is read when kernels are decorated) and natively when
 CUDA is available.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +16,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import ddtree
-from ddtree.kernels.tree_attention import tree_attention
-from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
-from ddtree.kernels.paged_tree_attention import paged_tree_attention_reference
+import ddtree  # noqa: E402
+from ddtree.kernels.tree_attention import tree_attention  # noqa: E402
+from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged  # noqa: E402
+from ddtree.kernels.paged_tree_attention import paged_tree_attention_reference  # noqa: E402
 
-from _paged_cache import random_paged_cache
-from _triton_interpreter import child_env
+from _paged_cache import random_paged_cache  # noqa: E402
+from _triton_interpreter import child_env  # noqa: E402
 
 
 

@@ -9,7 +9,6 @@ check. The split-count heuristic is plain Python and tested directly.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -63,8 +63,8 @@ def test_dummy_trees_are_whole_trees_of_the_engine_budget(budget, depth):
     assert views["node_offsets"].tolist() == [0, size, 2 * size, 3 * size]
     assert views["row_start"].tolist() == [0, size, 2 * size]
     bits = views["ancestor_bits"].numpy().view(np.uint32)
-    for row in range(3 * size):  # every node sees itself and the root of its own tree, nothing of the others
-        local, first = row % size, row - row % size
+    for row in range(3 * size):  # tree-local bits: every node sees itself and its tree's root
+        local = row % size
         assert bits[row, local // 32] >> (local % 32) & 1
         assert bits[row, 0] & 1
     conv = views["conv_index"]

@@ -5,8 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import ddtree
-from ddtree.vllm.node_sampling import apply_top_k_top_p, sample_rows
+import ddtree  # noqa: E402
+from ddtree.vllm.node_sampling import apply_top_k_top_p, sample_rows  # noqa: E402
 
 
 def test_greedy_rows_are_argmax():
