@@ -11,7 +11,7 @@ the job's own folder and ``{work}`` the folder of all jobs (a later job can read
 Jobs start in the order given, each once its GPUs are free of earlier jobs, so jobs on other GPUs run
 side by side. A job past its seconds, or still running at ``--deadline``, is killed with its process
 group. Whatever happens, every job's folder and log (``NAME.log``: stdout and stderr) go into one
-``--archive`` (a device call returns at most 8 files), and a summary line per job is printed: return code,
+``--archive`` (one file to copy back from the GPU host), and a summary line per job is printed: return code,
 seconds, and the last lines of its log.
 """
 
