@@ -1,4 +1,4 @@
-"""Run a device call's GPU jobs side by side, each on its own GPUs and under its own time limit, and always
+"""Run GPU jobs side by side, each on its own GPUs and under its own time limit, and always
 leave one archive of everything they wrote.
 
     python3 benches/gpu_jobs.py --archive $OUT/run.tgz --deadline 560 \
