@@ -1,4 +1,4 @@
-"""Type stubs for the Rust extension module (rust/src/python.rs)."""
+"""Type stubs for the Rust extension module (rust/src/python/), with the API reference in their docstrings."""
 
 from typing import Optional, Sequence, Tuple, Union, final
 

@@ -1,5 +1,5 @@
 //! The one error type of the core. The Python layer maps each variant to a
-//! Python exception class in one place (`python.rs`).
+//! Python exception class in one place (`python/mod.rs`).
 
 use thiserror::Error;
 

@@ -7,7 +7,7 @@
 //! ([`accept`]), all batched over a decoding step's requests ([`batch`]).
 //!
 //! This crate knows nothing of Python; the extension module lives in
-//! `python.rs` behind the `python` feature.
+//! `python/` behind the `python` feature.
 
 pub mod accept;
 pub mod batch;
