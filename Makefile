@@ -32,6 +32,7 @@ lint: install-test
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
 
 rust-test:
 	cargo test --release

@@ -74,8 +74,10 @@ def first_child_targets(tree) -> np.ndarray:
 def run(budgets, batch: int, repeat: int, threads: int) -> None:
     rng = np.random.default_rng(0)
     executor = ddtree.Executor(threads) if threads > 1 else None
-    print(f"machine: {platform.machine()} {platform.processor() or ''} python {platform.python_version()}, "
-          f"numpy {np.__version__}, ddtree {ddtree.__version__}, executor threads {threads}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} python {platform.python_version()}, "
+        f"numpy {np.__version__}, ddtree {ddtree.__version__}, executor threads {threads}"
+    )
     print(f"L = {DEPTH}, K = min(budget, 1024); best of {repeat} interleaved samples\n")
     header = f"{'budget':>6} {'requests':>8} {'what':<22} {'reference':>12} {'ddtree':>12} {'ratio':>8}"
     print(header)
@@ -95,15 +97,19 @@ def run(budgets, batch: int, repeat: int, threads: int) -> None:
             ref_build = lambda: [reference.build_tree(lp[r], ids[r], budget) for r in range(requests)]  # noqa: E731
             rows = [
                 ("build", ref_build, core_build),
-                ("build+compile+accept",
-                 lambda: reference_step(lp, ids, budget, starts, targets),
-                 lambda: core_step(lp, ids, budget, starts, flat_targets, executor)),
+                (
+                    "build+compile+accept",
+                    lambda: reference_step(lp, ids, budget, starts, targets),
+                    lambda: core_step(lp, ids, budget, starts, flat_targets, executor),
+                ),
             ]
             for what, ref_fn, core_fn in rows:
                 # The core is ~100x faster: time it over more calls per sample.
                 ref_s, core_s = best_seconds([(ref_fn, 1), (core_fn, 50)], repeat)
-                print(f"{budget:>6} {requests:>8} {what:<22} {ref_s * 1e6:>10.1f}us {core_s * 1e6:>10.1f}us "
-                      f"{ref_s / core_s:>7.0f}x")
+                print(
+                    f"{budget:>6} {requests:>8} {what:<22} {ref_s * 1e6:>10.1f}us {core_s * 1e6:>10.1f}us "
+                    f"{ref_s / core_s:>7.0f}x"
+                )
 
 
 def main() -> None:

@@ -47,13 +47,34 @@ def write_models(root: str) -> None:
     from transformers import PreTrainedTokenizerFast, Qwen3_5Config
 
     text = dict(
-        model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=VOCAB, attn_output_gate=True,
-        full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
-        linear_num_value_heads=48, linear_value_head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, hidden_act="silu", mamba_ssm_dtype="float32", eos_token_id=248044,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        model_type="qwen3_5_text",
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=VOCAB,
+        attn_output_gate=True,
+        full_attention_interval=4,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_value_head_dim=128,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        mamba_ssm_dtype="float32",
+        eos_token_id=248044,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
     )
     target = os.path.join(root, "target")
     cfg = Qwen3_5Config(text_config=text)
@@ -68,13 +89,30 @@ def write_models(root: str) -> None:
     drafter = os.path.join(root, "drafter")
     os.makedirs(drafter, exist_ok=True)
     with open(os.path.join(drafter, "config.json"), "w") as f:
-        json.dump(dict(
-            architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=5120, intermediate_size=17408,
-            num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB,
-            rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=262144, torch_dtype="bfloat16",
-            hidden_act="silu", block_size=16, num_target_layers=64, tie_word_embeddings=False,
-            dflash_config={"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
-        ), f, indent=1)
+        json.dump(
+            dict(
+                architectures=["DFlashDraftModel"],
+                model_type="qwen3",
+                hidden_size=5120,
+                intermediate_size=17408,
+                num_hidden_layers=5,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=VOCAB,
+                rms_norm_eps=1e-6,
+                rope_theta=1e7,
+                max_position_embeddings=262144,
+                torch_dtype="bfloat16",
+                hidden_act="silu",
+                block_size=16,
+                num_target_layers=64,
+                tie_word_embeddings=False,
+                dflash_config={"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+            ),
+            f,
+            indent=1,
+        )
 
 
 def state_memory(worker) -> dict:
@@ -93,11 +131,11 @@ def state_memory(worker) -> dict:
 
         import torch
 
-        state = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                    for shape, dt in zip(spec.shapes, spec.dtypes))
+        state = sum(
+            math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in zip(spec.shapes, spec.dtypes)
+        )
         exact += len(group.layer_names) * per_block * state
-    return {"gdn_layers": layers, "state_blocks_per_request": blocks, "reserved_bytes": reserved,
-            "state_bytes": exact}
+    return {"gdn_layers": layers, "state_blocks_per_request": blocks, "reserved_bytes": reserved, "state_bytes": exact}
 
 
 def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False) -> dict:
@@ -108,34 +146,55 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
     from vllm import LLM, SamplingParams
 
     spec = ENGINES[name]
-    kw = dict(model=os.path.join(ROOT, "target"), load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.85,
-              max_model_len=4096, max_num_seqs=max(batches), seed=0, language_model_only=True,
-              enable_prefix_caching=False, enforce_eager=eager, additional_config={"gdn_prefill_backend": "triton"},
-              tensor_parallel_size=tp)
+    kw = dict(
+        model=os.path.join(ROOT, "target"),
+        load_format="dummy",
+        dtype="bfloat16",
+        gpu_memory_utilization=0.85,
+        max_model_len=4096,
+        max_num_seqs=max(batches),
+        seed=0,
+        language_model_only=True,
+        enable_prefix_caching=False,
+        enforce_eager=eager,
+        additional_config={"gdn_prefill_backend": "triton"},
+        tensor_parallel_size=tp,
+    )
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=os.path.join(ROOT, "drafter"))
     t0 = time.time()
     llm = LLM(**kw)
-    res = {"engine": name, "tensor_parallel_size": tp, "init_s": round(time.time() - t0, 1), "steps": {},
-           "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+    res = {
+        "engine": name,
+        "tensor_parallel_size": tp,
+        "init_s": round(time.time() - t0, 1),
+        "steps": {},
+        "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+    }
     cache = llm.llm_engine.vllm_config.cache_config
     res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
     res["state_memory"] = llm.collective_rpc(state_memory)[0]
     gen = torch.Generator().manual_seed(0)
     for bs in batches:
-        prompts = [{"prompt_token_ids": torch.randint(1000, 200000, (PROMPT_LEN,), generator=gen).tolist()}
-                   for _ in range(bs)]
+        prompts = [
+            {"prompt_token_ids": torch.randint(1000, 200000, (PROMPT_LEN,), generator=gen).tolist()} for _ in range(bs)
+        ]
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         before = llm.collective_rpc("ddtree_summary")[0] if name.startswith("ddtree") else None
         torch.cuda.synchronize()
         t = time.time()
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, ignore_eos=True), use_tqdm=False
+        )
         torch.cuda.synchronize()
         seconds = time.time() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        row = {"seconds": round(seconds, 3), "tokens": tokens, "ms_per_step": round(1e3 * seconds / OUT_TOKENS, 2),
-               "tokens_per_s": round(tokens / seconds, 1)}
+        row = {
+            "seconds": round(seconds, 3),
+            "tokens": tokens,
+            "ms_per_step": round(1e3 * seconds / OUT_TOKENS, 2),
+            "tokens_per_s": round(tokens / seconds, 1),
+        }
         if before is not None:
             after = llm.collective_rpc("ddtree_summary")[0]
             steps = after["verify_steps"] - before["verify_steps"]
@@ -146,8 +205,12 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
         print(f"{name} bs={bs}: {row}", flush=True)
         if bs in profile_batches:
             # 16 more steps under the profiler: per-kernel GPU time of one step's parts (drafter, GDN, attention).
-            profile_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                             os.path.join(profile_dir, f"profile_{name}_tp{tp}_b{bs}.txt"))
+            profile_generate(
+                llm,
+                prompts,
+                SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                os.path.join(profile_dir, f"profile_{name}_tp{tp}_b{bs}.txt"),
+            )
     return res
 
 
@@ -157,13 +220,20 @@ def main() -> None:
     ap.add_argument("--engines", default="dflash,ddtree16,ddtree64,ddtree256")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--child", default=None)
-    ap.add_argument("--timeout", type=int, default=480,
-                    help="per engine; under CUDA graphs an engine's start (torch.compile, capture) took 200-240 s")
+    ap.add_argument(
+        "--timeout",
+        type=int,
+        default=480,
+        help="per engine; under CUDA graphs an engine's start (torch.compile, capture) took 200-240 s",
+    )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
-    ap.add_argument("--profile-batches", default="",
-                    help="batch sizes to run 16 more steps of under torch.profiler (profile_<engine>_tp<tp>_b<B>.txt "
-                         "in --out; rank 0 only)")
+    ap.add_argument(
+        "--profile-batches",
+        default="",
+        help="batch sizes to run 16 more steps of under torch.profiler (profile_<engine>_tp<tp>_b<B>.txt "
+        "in --out; rank 0 only)",
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
@@ -179,16 +249,32 @@ def main() -> None:
         log_path = os.path.join(args.out, f"engine_{name}.log")
         try:
             with open(log_path, "w") as log:
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--batch",
-                                       args.batch, "--tp", str(args.tp), "--out", args.out,
-                                       "--profile-batches", args.profile_batches] + (["--eager"] if args.eager else []),
-                                      stdout=subprocess.PIPE, stderr=log, text=True,
-                                      timeout=args.timeout)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--child",
+                        name,
+                        "--batch",
+                        args.batch,
+                        "--tp",
+                        str(args.tp),
+                        "--out",
+                        args.out,
+                        "--profile-batches",
+                        args.profile_batches,
+                    ]
+                    + (["--eager"] if args.eager else []),
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    timeout=args.timeout,
+                )
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:
                 print(f"{name}: no result (rc {proc.returncode}); log tail:\n{open(log_path).read()[-3000:]}")
                 continue
-            results[name] = json.loads(line[len("RESULT-JSON "):])
+            results[name] = json.loads(line[len("RESULT-JSON ") :])
             print(f"{name}: done in {time.time() - t:.0f} s", flush=True)
             with open(os.path.join(args.out, "bench_qwen36_shape.json"), "w") as f:  # kept if a later engine hangs
                 json.dump(results, f, indent=1)
@@ -201,8 +287,10 @@ def main() -> None:
         mem = res["state_memory"]
         steps = "  ".join(f"bs{bs}: {row['ms_per_step']}" for bs, row in res["steps"].items())
         host = {bs: row.get("host_ms_per_verify_step") for bs, row in res["steps"].items()}
-        print(f"{name:<11}{mem['reserved_bytes'] / 2**20:>13.1f}{mem['state_blocks_per_request']:>7}"
-              f"{res['kv_cache']['num_gpu_blocks']:>10}  {steps}   {host}")
+        print(
+            f"{name:<11}{mem['reserved_bytes'] / 2**20:>13.1f}{mem['state_blocks_per_request']:>7}"
+            f"{res['kv_cache']['num_gpu_blocks']:>10}  {steps}   {host}"
+        )
 
 
 if __name__ == "__main__":

@@ -72,22 +72,25 @@ def make_inputs(torch, np, batch, ctx, tree_nodes, num_heads, num_kv_heads, head
     perm = torch.randperm(num_blocks, device=DEVICE, generator=gen)
     block_table = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
     # vLLM's layout: one [num_blocks, 2, page, H, D] tensor per layer, K and V its unbind(1).
-    kv = torch.randn(num_blocks, 2, page, num_kv_heads, head_size, device=DEVICE, dtype=torch.bfloat16,
-                     generator=gen)
+    kv = torch.randn(num_blocks, 2, page, num_kv_heads, head_size, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     key_cache, value_cache = kv.unbind(1)
     query = torch.randn(batch * q_len, num_heads, head_size, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     bits, starts = ancestor_bits([random_parents(q_len, rng) for _ in range(batch)], np)
-    return dict(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_table=block_table,
-        query_start_loc=torch.arange(0, batch + 1, device=DEVICE, dtype=torch.int32) * q_len,
-        seq_lens=torch.full((batch,), seq_len, device=DEVICE, dtype=torch.int32),
-        row_start=torch.tensor(starts, device=DEVICE, dtype=torch.int32),
-        ancestor_bits=torch.from_numpy(bits).to(DEVICE),
-        scale=head_size**-0.5,
-    ), q_len, seq_len
+    return (
+        dict(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_table=block_table,
+            query_start_loc=torch.arange(0, batch + 1, device=DEVICE, dtype=torch.int32) * q_len,
+            seq_lens=torch.full((batch,), seq_len, device=DEVICE, dtype=torch.int32),
+            row_start=torch.tensor(starts, device=DEVICE, dtype=torch.int32),
+            ancestor_bits=torch.from_numpy(bits).to(DEVICE),
+            scale=head_size**-0.5,
+        ),
+        q_len,
+        seq_len,
+    )
 
 
 class Timer:
@@ -130,9 +133,11 @@ def main() -> int:
     except ImportError:
         torch = None
     if torch is None or not torch.cuda.is_available():
-        message = ("bench_tree_attention.py needs a CUDA GPU (torch with CUDA and Triton); "
-                   + ("torch is not installed" if torch is None else "torch.cuda.is_available() is False")
-                   + ". Nothing was measured.")
+        message = (
+            "bench_tree_attention.py needs a CUDA GPU (torch with CUDA and Triton); "
+            + ("torch is not installed" if torch is None else "torch.cuda.is_available() is False")
+            + ". Nothing was measured."
+        )
         print(message, file=sys.stderr)
         out.write_text(message + "\n")
         return 2
@@ -144,8 +149,10 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     log(f"# paged tree attention: single pass vs split-KV ({props.name}, {props.multi_processor_count} SMs)")
     log(f"torch {torch.__version__}, triton {triton.__version__}, kernel {pta.__file__}")
-    log(f"heuristic: {pta._SPLIT_PROGRAMS_PER_SM} programs/SM target, >= {pta._MIN_KEYS_PER_SPLIT} keys per split, "
-        f"<= {pta._MAX_SPLITS} splits; reps {args.reps} (median), warm-up {args.warmup}, L2 flushed per call")
+    log(
+        f"heuristic: {pta._SPLIT_PROGRAMS_PER_SM} programs/SM target, >= {pta._MIN_KEYS_PER_SPLIT} keys per split, "
+        f"<= {pta._MAX_SPLITS} splits; reps {args.reps} (median), warm-up {args.warmup}, L2 flushed per call"
+    )
     timer = Timer(torch, args.warmup, args.reps)
     contexts = [int(x) for x in args.contexts.split(",") if x]
     batches = [int(x) for x in args.batches.split(",") if x]
@@ -153,8 +160,9 @@ def main() -> int:
     records, failures = [], []
 
     def run_shape(label, batch, ctx, tree_nodes, heads, kv_heads, head_size, page=16):
-        inputs, q_len, seq_len = make_inputs(torch, np, batch, ctx, tree_nodes, heads, kv_heads, head_size, page,
-                                             seed=batch * 100003 + ctx)
+        inputs, q_len, seq_len = make_inputs(
+            torch, np, batch, ctx, tree_nodes, heads, kv_heads, head_size, page, seed=batch * 100003 + ctx
+        )
         common = dict(inputs, max_query_len=q_len)
         splits = pta.choose_num_kv_splits(batch, q_len, heads, kv_heads, seq_len, props.multi_processor_count)
         out_single = torch.empty_like(inputs["query"])
@@ -178,22 +186,42 @@ def main() -> int:
             ok = ok and ref_diff < 3e-2
         if not ok:
             failures.append(f"{label} ctx={ctx} batch={batch}: max |split - single| {diff:.3g}, vs oracle {ref_diff}")
-        rec = dict(label=label, ctx=ctx, batch=batch, q_rows=q_len, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
-                   head_size=head_size, splits=splits, single_us=t_single, split_us=t_split,
-                   speedup=t_single / t_split, max_diff=diff, oracle_diff=ref_diff, ok=ok, sweep={})
+        rec = dict(
+            label=label,
+            ctx=ctx,
+            batch=batch,
+            q_rows=q_len,
+            seq_len=seq_len,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_size=head_size,
+            splits=splits,
+            single_us=t_single,
+            split_us=t_split,
+            speedup=t_single / t_split,
+            max_diff=diff,
+            oracle_diff=ref_diff,
+            ok=ok,
+            sweep={},
+        )
         for n in sweep if label == "qwen3" else []:
+
             def forced(n=n):
                 pta.paged_tree_attention(**common, out=out_split, num_kv_splits=n)
+
             rec["sweep"][n] = timer(forced)
         records.append(rec)
         return rec
 
     log("")
-    log("## (a) single pass vs default (split-KV) path, 32 q heads / 8 KV heads / head 128, bf16, block 16, "
-        f"trees of {args.tree_nodes} nodes + root")
+    log(
+        "## (a) single pass vs default (split-KV) path, 32 q heads / 8 KV heads / head 128, bf16, block 16, "
+        f"trees of {args.tree_nodes} nodes + root"
+    )
     log("")
-    log("| context | batch | q rows | splits | single pass us | split-KV us | speed-up (single/split) "
-        "| max diff | ok |")
+    log(
+        "| context | batch | q rows | splits | single pass us | split-KV us | speed-up (single/split) | max diff | ok |"
+    )
     log("|---:|---:|---:|---:|---:|---:|---:|---:|:--|")
     for ctx in contexts:
         for batch in batches:
@@ -204,8 +232,10 @@ def main() -> int:
                 failures.append(f"qwen3 ctx={ctx} batch={batch}: {type(error).__name__}: {error}")
                 log(f"| {ctx} | {batch} | - | - | - | - | - | - | ERROR {type(error).__name__}: {error} |")
                 continue
-            log(f"| {ctx} | {batch} | {r['q_rows']} | {r['splits']} | {r['single_us']:.1f} | {r['split_us']:.1f} | "
-                f"{r['speedup']:.2f}x | {r['max_diff']:.2e} | {'yes' if r['ok'] else 'NO'} |")
+            log(
+                f"| {ctx} | {batch} | {r['q_rows']} | {r['splits']} | {r['single_us']:.1f} | {r['split_us']:.1f} | "
+                f"{r['speedup']:.2f}x | {r['max_diff']:.2e} | {'yes' if r['ok'] else 'NO'} |"
+            )
 
     if sweep:
         log("")
@@ -229,9 +259,11 @@ def main() -> int:
     log("")
     try:
         r = run_shape("tiny-qwen3", 1, 1004, 16, 4, 2, 64)
-        log(f"batch 1, {r['seq_len']} keys: single pass {r['single_us']:.1f} us, split-KV ({r['splits']} splits) "
+        log(
+            f"batch 1, {r['seq_len']} keys: single pass {r['single_us']:.1f} us, split-KV ({r['splits']} splits) "
             f"{r['split_us']:.1f} us, speed-up {r['speedup']:.2f}x, max diff {r['max_diff']:.2e}, "
-            f"ok {'yes' if r['ok'] else 'NO'} (per attention layer and step)")
+            f"ok {'yes' if r['ok'] else 'NO'} (per attention layer and step)"
+        )
     except Exception as error:  # noqa: BLE001
         failures.append(f"tiny-qwen3: {type(error).__name__}: {error}")
         log(f"tiny-qwen3: ERROR {type(error).__name__}: {error}")

@@ -45,10 +45,19 @@ def child(args):
     max_batch = max(int(b) for b in args.batches.split(","))
     budget = spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0)) if spec else 0
     graph_mode = spec.pop("cudagraph_mode", None) if spec else None
-    kw = dict(model=args.target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=args.eager,
-              max_model_len=args.max_model_len, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
-              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-              max_num_batched_tokens=max(8192, max_batch * (budget + args.draft_len) + args.prompt_len))
+    kw = dict(
+        model=args.target,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=args.eager,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max_batch,
+        seed=0,
+        disable_log_stats=False,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(8192, max_batch * (budget + args.draft_len) + args.prompt_len),
+    )
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=args.drafter)
     if graph_mode is not None and not args.eager:
@@ -74,13 +83,16 @@ def child(args):
         if given:
             prompts = [TokensPrompt(prompt_token_ids=list(given[i % len(given)])) for i in range(b)]
         else:
-            prompts = [TokensPrompt(prompt_token_ids=[rnd.randrange(2, vocab - 1) for _ in range(args.prompt_len)])
-                       for _ in range(b)]
+            prompts = [
+                TokensPrompt(prompt_token_ids=[rnd.randrange(2, vocab - 1) for _ in range(args.prompt_len)])
+                for _ in range(b)
+            ]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
         # Warm-up at this batch size: Triton kernels specialise on shapes, and their first compilation must not
         # land in the timed run.
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
-                     use_tqdm=False)
+        llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False
+        )
         best = None
         for repeat in range(args.repeats):
             before = spec_metrics(llm)
@@ -96,10 +108,16 @@ def child(args):
         mal = 1.0 + (after["accepted"] - before["accepted"]) / drafts if drafts else None
         # Steps of the slowest request: with equal max_tokens every request needs about tokens / b / mal steps.
         steps = tokens / b / (mal or 1.0)
-        row = {"batch": b, "tokens_per_s": tokens / dt, "mean_acceptance_length": mal, "seconds": dt,
-               "ms_per_step": 1000.0 * dt / steps, "repeats": args.repeats,
-               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
-               "engine_start_s": round(init_s, 1)}
+        row = {
+            "batch": b,
+            "tokens_per_s": tokens / dt,
+            "mean_acceptance_length": mal,
+            "seconds": dt,
+            "ms_per_step": 1000.0 * dt / steps,
+            "repeats": args.repeats,
+            "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+            "engine_start_s": round(init_s, 1),
+        }
         if spec is not None and spec.get("method") == "ddtree":
             # Host work over the whole engine's life so far (warm-ups and repeats included): per verify step.
             summary = llm.collective_rpc("ddtree_summary")[0]
@@ -129,10 +147,15 @@ def main():
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row; the fastest is reported")
-    ap.add_argument("--profile-batches", default="",
-                    help="batch sizes to run once more under torch.profiler (tables in --out)")
-    ap.add_argument("--engines", default="", help="comma-separated engine names, run in that order (default: none, "
-                    "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only)")
+    ap.add_argument(
+        "--profile-batches", default="", help="batch sizes to run once more under torch.profiler (tables in --out)"
+    )
+    ap.add_argument(
+        "--engines",
+        default="",
+        help="comma-separated engine names, run in that order (default: none, "
+        "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only)",
+    )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -164,11 +187,35 @@ def main():
     table = []
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
     for name, spec in engines:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--target", args.target, "--drafter",
-               str(args.drafter), "--batches", args.batches, "--max-tokens", str(args.max_tokens), "--prompt-len",
-               str(args.prompt_len), "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization",
-               str(args.gpu_memory_utilization), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len), "--profile-batches",
-               args.profile_batches, "--name", name, "--out", args.out]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--target",
+            args.target,
+            "--drafter",
+            str(args.drafter),
+            "--batches",
+            args.batches,
+            "--max-tokens",
+            str(args.max_tokens),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization),
+            "--repeats",
+            str(args.repeats),
+            "--draft-len",
+            str(args.draft_len),
+            "--profile-batches",
+            args.profile_batches,
+            "--name",
+            name,
+            "--out",
+            args.out,
+        ]
         if args.prompts:
             cmd += ["--prompts", args.prompts]
         if spec:
@@ -183,7 +230,7 @@ def main():
             if line is None:
                 print(f"{name}: FAILED rc={proc.returncode}, see {args.out}/bench_{name}.log", flush=True)
                 continue
-            for row in json.loads(line[len("RESULT-JSON "):]):
+            for row in json.loads(line[len("RESULT-JSON ") :]):
                 table.append(dict(row, engine=name))
             print(f"{name}: done in {time.time() - t:.0f}s", flush=True)
             with open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w") as f:  # kept if a later engine dies
@@ -193,15 +240,18 @@ def main():
         except Exception:
             traceback.print_exc()
     chain = {row["batch"]: row["tokens_per_s"] for row in table if row["engine"] == "dflash"}
-    print(f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'mean acc len':>14}{'ms/step':>10}"
-          f"{'host ms':>9}")
+    print(
+        f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'mean acc len':>14}{'ms/step':>10}{'host ms':>9}"
+    )
     for row in table:
         mal = row["mean_acceptance_length"]
         ratio = row["tokens_per_s"] / chain[row["batch"]] if row["batch"] in chain else None
         host = sum(row.get("host_ms_per_verify_step", {}).values()) if "host_ms_per_verify_step" in row else None
-        print(f"{row['engine']:<14}{row['batch']:>6}{row['tokens_per_s']:>12.1f}"
-              f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{mal:.3f}' if mal else '-'):>14}"
-              f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}")
+        print(
+            f"{row['engine']:<14}{row['batch']:>6}{row['tokens_per_s']:>12.1f}"
+            f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{mal:.3f}' if mal else '-'):>14}"
+            f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}"
+        )
     json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
 
 

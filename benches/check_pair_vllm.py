@@ -21,11 +21,20 @@ def main(models: str, metrics_path: str) -> None:
     if not prompts:
         raise SystemExit("metrics.json has no eval.prompt_ids; pass a metrics.json from this version of the run")
     sampling = SamplingParams(temperature=0.0, max_tokens=len(reference[0]), ignore_eos=True)
-    for name, spec in (("plain", None), ("dflash", {"method": "dflash", "model": f"{models}/drafter",
-                                                     "num_speculative_tokens": 15})):
-        kwargs = dict(model=f"{models}/target", dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-                      language_model_only=True, gpu_memory_utilization=0.3, seed=0,
-                      additional_config={"gdn_prefill_backend": "triton"})
+    for name, spec in (
+        ("plain", None),
+        ("dflash", {"method": "dflash", "model": f"{models}/drafter", "num_speculative_tokens": 15}),
+    ):
+        kwargs = dict(
+            model=f"{models}/target",
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=1024,
+            language_model_only=True,
+            gpu_memory_utilization=0.3,
+            seed=0,
+            additional_config={"gdn_prefill_backend": "triton"},
+        )
         if spec:
             kwargs["speculative_config"] = spec
         llm = LLM(**kwargs)

@@ -33,9 +33,30 @@ from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, verify_t
 from ddtree.vllm.step import commit_paths, conv_commit_index, conv_gather_index  # noqa: E402
 
 # Ops that only make a new view or read metadata: no kernel on a GPU.
-NO_LAUNCH = {"view", "_unsafe_view", "transpose", "t", "slice", "select", "split", "split_with_sizes", "unbind",
-             "as_strided", "expand", "alias", "detach", "reshape", "permute", "unsqueeze", "squeeze", "lift_fresh",
-             "empty", "empty_strided", "empty_like", "_to_copy_noop"}
+NO_LAUNCH = {
+    "view",
+    "_unsafe_view",
+    "transpose",
+    "t",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "as_strided",
+    "expand",
+    "alias",
+    "detach",
+    "reshape",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "lift_fresh",
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "_to_copy_noop",
+}
 
 
 class Launches(TorchDispatchMode):
@@ -89,10 +110,13 @@ def main() -> None:
     compiled = ddtree.compile_trees(trees, np.zeros(len(budgets), dtype=np.int64), window=width - 1)
     nodes = int(offsets[-1])
     step = GdnTreeStep(
-        token_index=torch.arange(nodes), other_index=None, node_offsets=torch.from_numpy(offsets.astype(np.int32)),
+        token_index=torch.arange(nodes),
+        other_index=None,
+        node_offsets=torch.from_numpy(offsets.astype(np.int32)),
         ancestor_bits=torch.from_numpy(np.ascontiguousarray(compiled.ancestor_bits).view(np.int32)),
         conv_index=torch.from_numpy(conv_gather_index(compiled.windows, offsets)),
-        num_requests=len(budgets), num_tree_tokens=nodes,
+        num_requests=len(budgets),
+        num_tree_tokens=nodes,
     )
     conv_state = torch.randn(6, width - 1, channels).transpose(1, 2)  # vLLM's "SD" layout
     ssm_state = torch.randn(6, heads_v, dim, dim) * 0.1
@@ -106,16 +130,36 @@ def main() -> None:
     takes_out = "out" in inspect.signature(verify_tree_tokens).parameters
 
     def verify():
-        verify_tree_tokens(step, "layer.0", x, a, b, conv_state, ssm_state, slots, weight, bias, "silu", a_log,
-                           dt_bias, dim, dim, torch.float32, **({"out": out} if takes_out else {}))
+        verify_tree_tokens(
+            step,
+            "layer.0",
+            x,
+            a,
+            b,
+            conv_state,
+            ssm_state,
+            slots,
+            weight,
+            bias,
+            "silu",
+            a_log,
+            dt_bias,
+            dim,
+            dim,
+            torch.float32,
+            **({"out": out} if takes_out else {}),
+        )
 
     paths = np.full((len(budgets), 3), -1, dtype=np.int64)
     paths[:, 0] = 0
     paths[1, 1] = 1
     padded, lengths = commit_paths(paths)
-    plan = GdnCommitPlan(node_offsets=step.node_offsets, paths=torch.from_numpy(padded),
-                         path_lengths=torch.from_numpy(lengths),
-                         conv_index=torch.from_numpy(conv_commit_index(paths, offsets, width - 1)))
+    plan = GdnCommitPlan(
+        node_offsets=step.node_offsets,
+        paths=torch.from_numpy(padded),
+        path_lengths=torch.from_numpy(lengths),
+        conv_index=torch.from_numpy(conv_commit_index(paths, offsets, width - 1)),
+    )
     verify()  # the step's first layer converts the slots; later layers reuse them
     for name, fn in (("verify (a later layer of the step)", verify), ("commit", lambda: commit_pending(step, plan))):
         ops, kernels = count(fn)

@@ -103,8 +103,18 @@ class Problem:
 
     def verify(self, **options):
         return gdn_tree_triton.tree_gdn_verify(
-            self.q, self.k, self.v, self.a, self.b, self.offsets_dev, self.bits, self.pool.transpose(-1, -2),
-            self.slots, a_log=self.a_log, dt_bias=self.dt_bias, **options,
+            self.q,
+            self.k,
+            self.v,
+            self.a,
+            self.b,
+            self.offsets_dev,
+            self.bits,
+            self.pool.transpose(-1, -2),
+            self.slots,
+            a_log=self.a_log,
+            dt_bias=self.dt_bias,
+            **options,
         )
 
     def gates(self):
@@ -115,8 +125,15 @@ class Problem:
         g, beta = self.gates()
         states = self.pool[self.slots.long()].transpose(-1, -2).float()  # [R, Hv, Dk, Dv]
         return gdn_tree.tree_gated_delta_rule_batched(
-            self.q.float(), self.k.float(), self.v.float(), g, beta, self.parents.to(DEVICE),
-            self.offsets.to(DEVICE), states, return_cache=True,
+            self.q.float(),
+            self.k.float(),
+            self.v.float(),
+            g,
+            beta,
+            self.parents.to(DEVICE),
+            self.offsets.to(DEVICE),
+            states,
+            return_cache=True,
         ), states
 
 
@@ -146,8 +163,10 @@ def check_correctness(results: list) -> None:
                     g_abs, _ = errors(cum, cache.cumulative_log_decay)
                     ok = o_rel <= (1e-4 if precision != "tf32" else 1e-2)
                     results.append((budget + 1, batch, precision, o_abs, o_rel, u_abs, u_rel, g_abs, ok))
-                    log(f"check nodes={budget + 1} batch={batch} {precision:6s}: o max abs {o_abs:.2e} rel {o_rel:.2e}"
-                        f" | u abs {u_abs:.2e} rel {u_rel:.2e} | G abs {g_abs:.2e} -> {'OK' if ok else 'FAIL'}")
+                    log(
+                        f"check nodes={budget + 1} batch={batch} {precision:6s}: o max abs {o_abs:.2e} rel {o_rel:.2e}"
+                        f" | u abs {u_abs:.2e} rel {u_rel:.2e} | G abs {g_abs:.2e} -> {'OK' if ok else 'FAIL'}"
+                    )
                 check_commit(problem, cache, states)
             except Exception:  # noqa: BLE001
                 log(f"check nodes={budget + 1} batch={batch}: EXCEPTION")
@@ -162,15 +181,25 @@ def check_commit(problem: Problem, cache, states) -> None:
     pool = torch.zeros(problem.num_requests, HV, DV, DK, device=DEVICE)
     destination = torch.arange(problem.num_requests, dtype=torch.int32, device=DEVICE)
     gdn_tree_triton.tree_gdn_commit(
-        problem.k, deltas, cum, problem.offsets_dev, padded, lengths, problem.pool.transpose(-1, -2),
-        problem.slots, destination, pool.transpose(-1, -2),
+        problem.k,
+        deltas,
+        cum,
+        problem.offsets_dev,
+        padded,
+        lengths,
+        problem.pool.transpose(-1, -2),
+        problem.slots,
+        destination,
+        pool.transpose(-1, -2),
     )
     worst = 0.0
     for request, path in enumerate(paths):
         expected = gdn_tree.commit_recurrent_state(cache.request(request), path, states[request])
         worst = max(worst, errors(pool[request].transpose(-1, -2), expected)[1])
-    log(f"  commit (path length {max(len(p) for p in paths)}): max rel error {worst:.2e} "
-        f"-> {'OK' if worst <= 1e-4 else 'FAIL'}")
+    log(
+        f"  commit (path length {max(len(p) for p in paths)}): max rel error {worst:.2e} "
+        f"-> {'OK' if worst <= 1e-4 else 'FAIL'}"
+    )
 
 
 def vllm_chain_inputs(problem_chain: Problem):
@@ -199,17 +228,28 @@ def check_against_vllm() -> None:
             tree_out, _, _ = problem.verify(out_dtype=torch.float32)
             pool = problem.pool.clone()
             vllm_out, _ = fused_sigmoid_gating_delta_rule_update(
-                A_log=problem.a_log, a=problem.a, b=problem.b, dt_bias=problem.dt_bias,
+                A_log=problem.a_log,
+                a=problem.a,
+                b=problem.b,
+                dt_bias=problem.dt_bias,
                 # fp32 copies of the bf16 values: vLLM then writes fp32 outputs and the comparison is tight.
-                q=problem.q.float()[None], k=problem.k.float()[None], v=problem.v.float()[None], initial_state=pool,
-                inplace_final_state=True, cu_seqlens=cu_seqlens, ssm_state_indices=indices,
-                num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True,
+                q=problem.q.float()[None],
+                k=problem.k.float()[None],
+                v=problem.v.float()[None],
+                initial_state=pool,
+                inplace_final_state=True,
+                cu_seqlens=cu_seqlens,
+                ssm_state_indices=indices,
+                num_accepted_tokens=accepted,
+                use_qk_l2norm_in_kernel=True,
             )
             torch.cuda.synchronize()
             vllm_out = vllm_out.reshape(tree_out.shape)
             o_abs, o_rel = errors(vllm_out, tree_out)
-            log(f"vs vLLM chain kernel, batch {batch} x {CHAIN_TOKENS} tokens: o max abs {o_abs:.2e} rel {o_rel:.2e}"
-                f" -> {'OK' if o_rel <= 1e-4 else 'FAIL'}")
+            log(
+                f"vs vLLM chain kernel, batch {batch} x {CHAIN_TOKENS} tokens: o max abs {o_abs:.2e} rel {o_rel:.2e}"
+                f" -> {'OK' if o_rel <= 1e-4 else 'FAIL'}"
+            )
         except Exception:  # noqa: BLE001
             log(f"vLLM cross-check batch {batch}: EXCEPTION")
             log(traceback.format_exc())
@@ -267,13 +307,29 @@ def run_timings(main_rows: list, sweep_rows: list) -> None:
                 paths = [tree_topology.root_path(torch.tensor(t), len(t) - 1) for t in trees]
                 padded, lengths = gdn_tree_triton.pad_accepted_paths(paths, device=DEVICE)
                 destination = problem.slots.clone()
-                row["commit"] = bench_us(lambda: gdn_tree_triton.tree_gdn_commit(
-                    problem.k, deltas, cum, problem.offsets_dev, padded, lengths, problem.pool.transpose(-1, -2),
-                    problem.slots, destination))
-                row["bits"] = bench_us(lambda: gdn_tree_triton.ancestor_bits_from_parents(
-                    problem.parents.to(DEVICE), problem.offsets.to(DEVICE), max_nodes=budget + 1), graph=False)
-                log(f"time {label}: verify {row['verify'][0]:.1f} us eager / {row['verify'][1]:.1f} us graph "
-                    f"({row['default']}), commit {row['commit'][1]:.1f} us graph, ancestor bits {row['bits'][0]:.1f} us")
+                row["commit"] = bench_us(
+                    lambda: gdn_tree_triton.tree_gdn_commit(
+                        problem.k,
+                        deltas,
+                        cum,
+                        problem.offsets_dev,
+                        padded,
+                        lengths,
+                        problem.pool.transpose(-1, -2),
+                        problem.slots,
+                        destination,
+                    )
+                )
+                row["bits"] = bench_us(
+                    lambda: gdn_tree_triton.ancestor_bits_from_parents(
+                        problem.parents.to(DEVICE), problem.offsets.to(DEVICE), max_nodes=budget + 1
+                    ),
+                    graph=False,
+                )
+                log(
+                    f"time {label}: verify {row['verify'][0]:.1f} us eager / {row['verify'][1]:.1f} us graph "
+                    f"({row['default']}), commit {row['commit'][1]:.1f} us graph, ancestor bits {row['bits'][0]:.1f} us"
+                )
             except Exception:  # noqa: BLE001
                 log(f"time {label}: EXCEPTION")
                 log(traceback.format_exc())
@@ -304,9 +360,19 @@ def time_vllm(batch: int):
 
         def run():
             return fused_sigmoid_gating_delta_rule_update(
-                A_log=problem.a_log, a=problem.a, b=problem.b, dt_bias=problem.dt_bias, q=q, k=k, v=v,
-                initial_state=problem.pool, inplace_final_state=True, cu_seqlens=cu_seqlens,
-                ssm_state_indices=indices, num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True,
+                A_log=problem.a_log,
+                a=problem.a,
+                b=problem.b,
+                dt_bias=problem.dt_bias,
+                q=q,
+                k=k,
+                v=v,
+                initial_state=problem.pool,
+                inplace_final_state=True,
+                cu_seqlens=cu_seqlens,
+                ssm_state_indices=indices,
+                num_accepted_tokens=accepted,
+                use_qk_l2norm_in_kernel=True,
             )
 
         times = bench_us(run)
@@ -333,8 +399,8 @@ def report(check_rows: list, main_rows: list, sweep_rows: list) -> str:
         "",
         f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
         f"shapes Hk={HK} Hv={HV} Dk={DK} Dv={DV}; q/k/v bf16, raw gates, fp32 state pool (vLLM layout).",
-        "vLLM kernel: " + ("measured" if fused_sigmoid_gating_delta_rule_update is not None
-                           else f"NOT measured ({VLLM_ERROR})"),
+        "vLLM kernel: "
+        + ("measured" if fused_sigmoid_gating_delta_rule_update is not None else f"NOT measured ({VLLM_ERROR})"),
         "",
         "## (a) errors vs the fp32 torch reference",
         "",
@@ -342,8 +408,10 @@ def report(check_rows: list, main_rows: list, sweep_rows: list) -> str:
         "|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for nodes, batch, precision, o_abs, o_rel, u_abs, u_rel, g_abs, ok in check_rows:
-        lines.append(f"| {nodes} | {batch} | {precision} | {o_abs:.2e} | {o_rel:.2e} | {u_abs:.2e} | {u_rel:.2e} "
-                     f"| {g_abs:.2e} | {'yes' if ok else 'NO'} |")
+        lines.append(
+            f"| {nodes} | {batch} | {precision} | {o_abs:.2e} | {o_rel:.2e} | {u_abs:.2e} | {u_rel:.2e} "
+            f"| {g_abs:.2e} | {'yes' if ok else 'NO'} |"
+        )
     lines += [
         "",
         "## (b) one tree verification (B + 1 nodes per request) vs vLLM's chain verification (16 tokens)",
@@ -362,11 +430,18 @@ def report(check_rows: list, main_rows: list, sweep_rows: list) -> str:
         bits = row.get("bits", (None, None))
         vllm = row.get("vllm") or (None, None)
         ratio = verify[1] / vllm[1] if verify[1] and vllm[1] and not math.isnan(verify[1] + vllm[1]) else None
-        lines.append(f"| {row['budget']} | {row['batch']} | {fmt(verify[0])} | {fmt(verify[1])} | {fmt(commit[1])} "
-                     f"| {fmt(bits[0])} | {fmt(vllm[0])} | {fmt(vllm[1])} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
-    lines += ["", "## kernel option sweep (tree verify)", "",
-              "| nodes | batch | options | eager us | graph us |", "|---:|---:|---|---:|---:|"]
+        lines.append(
+            f"| {row['budget']} | {row['batch']} | {fmt(verify[0])} | {fmt(verify[1])} | {fmt(commit[1])} "
+            f"| {fmt(bits[0])} | {fmt(vllm[0])} | {fmt(vllm[1])} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}x'} |"
+        )
+    lines += [
+        "",
+        "## kernel option sweep (tree verify)",
+        "",
+        "| nodes | batch | options | eager us | graph us |",
+        "|---:|---:|---|---:|---:|",
+    ]
     for nodes, batch, options, (eager, graph) in sweep_rows:
         lines.append(f"| {nodes} | {batch} | {options} | {fmt(eager)} | {fmt(graph)} |")
     return "\n".join(lines)

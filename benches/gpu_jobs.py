@@ -68,8 +68,9 @@ def run_job(job: Job, work: str, stop_at: float) -> None:
     with open(os.path.join(work, f"{job.name}.log"), "w") as log:
         log.write(f"$ CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {command}\n")
         log.flush()
-        proc = subprocess.Popen(command, shell=True, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, shell=True, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             job.returncode = proc.wait(timeout=limit)
             job.status = "finished"

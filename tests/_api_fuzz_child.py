@@ -23,8 +23,11 @@ LOG = sys.argv[2] if len(sys.argv) > 2 else None
 FLOAT_DTYPES = [np.float32, np.float32, np.float32, np.float64, np.float16, np.dtype(">f4"), np.int32]
 INT_DTYPES = [np.int64, np.int64, np.int32, np.uint8, np.dtype(">i8"), np.float32, np.bool_]
 SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, 1e30, -1e30, 1e-45]
-SIZES = st.one_of(st.integers(-3, 40), st.sampled_from([2**31, 2**62, 2**63 - 1, 2**63, 2**70, -(2**63)]),
-                  st.sampled_from([1.5, None, "8", [4]]))
+SIZES = st.one_of(
+    st.integers(-3, 40),
+    st.sampled_from([2**31, 2**62, 2**63 - 1, 2**63, 2**70, -(2**63)]),
+    st.sampled_from([1.5, None, "8", [4]]),
+)
 
 
 @st.composite
@@ -38,13 +41,26 @@ def distributions(draw, batched: bool):
         log_probs = -np.sort(magnitudes.reshape(shape), axis=-1)  # non-increasing rows of log-probabilities
         ids = np.argsort(np.random.default_rng(n).random(shape), axis=-1).astype(np.int64)  # distinct per row
         return np.ascontiguousarray(log_probs, np.float32), ids
-    values = draw(st.lists(st.one_of(st.floats(-20, 0, width=32), st.sampled_from(SPECIAL)),
-                           min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+    values = draw(
+        st.lists(
+            st.one_of(st.floats(-20, 0, width=32), st.sampled_from(SPECIAL)),
+            min_size=int(np.prod(shape)),
+            max_size=int(np.prod(shape)),
+        )
+    )
     log_probs = np.array(values, dtype=np.float64).reshape(shape)
     if draw(st.booleans()):
         log_probs = -np.sort(-log_probs, axis=-1)  # rows non-increasing, as a drafter's top-K is
-    ids = np.array(draw(st.lists(st.one_of(st.integers(0, 12), st.integers(-(2**63), 2**63 - 1)),
-                                 min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))), dtype=np.int64)
+    ids = np.array(
+        draw(
+            st.lists(
+                st.one_of(st.integers(0, 12), st.integers(-(2**63), 2**63 - 1)),
+                min_size=int(np.prod(shape)),
+                max_size=int(np.prod(shape)),
+            )
+        ),
+        dtype=np.int64,
+    )
     ids = ids.reshape(shape)
     log_probs = log_probs.astype(draw(st.sampled_from(FLOAT_DTYPES)))
     ids = ids.astype(draw(st.sampled_from(INT_DTYPES)))
@@ -79,11 +95,22 @@ def targets(draw_list, n):
 MOSTLY_VALID = st.one_of(st.integers(0, 40), st.integers(0, 5), SIZES)
 
 
-@settings(max_examples=int(sys.argv[1]) if len(sys.argv) > 1 else 300, deadline=None, database=None,
-          derandomize=True, suppress_health_check=list(HealthCheck))
-@given(single=distributions(False), batch=distributions(True), budget=MOSTLY_VALID, start=MOSTLY_VALID,
-       window=MOSTLY_VALID,
-       target=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300), threads=SIZES)
+@settings(
+    max_examples=int(sys.argv[1]) if len(sys.argv) > 1 else 300,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    single=distributions(False),
+    batch=distributions(True),
+    budget=MOSTLY_VALID,
+    start=MOSTLY_VALID,
+    window=MOSTLY_VALID,
+    target=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300),
+    threads=SIZES,
+)
 def run(single, batch, budget, start, window, target, threads):
     tree = guarded("build_tree", ddtree.build_tree, single[0], single[1], budget)
     if tree is not None:

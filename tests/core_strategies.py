@@ -43,8 +43,9 @@ def awkward_distributions(draw, max_depth: int = 5, max_width: int = 5):
     """Like distributions(), with _AWKWARD_LOG_PROB values."""
     depth = draw(st.integers(1, max_depth))
     width = draw(st.integers(1, max_width))
-    rows = [sorted(draw(st.lists(_AWKWARD_LOG_PROB, min_size=width, max_size=width)), reverse=True)
-            for _ in range(depth)]
+    rows = [
+        sorted(draw(st.lists(_AWKWARD_LOG_PROB, min_size=width, max_size=width)), reverse=True) for _ in range(depth)
+    ]
     log_probs = np.array(rows, dtype=np.float32).reshape(depth, width)
     ids = [draw(st.permutations(range(3 * width)))[:width] for _ in range(depth)]
     return log_probs, np.array(ids, dtype=np.int64).reshape(depth, width)

@@ -15,7 +15,9 @@ def test_demo_on_synthetic_drafter(capsys):
     out = capsys.readouterr().out
     assert "tree: 32 draft nodes (budget 32)" in out
     assert "... 27 more nodes" in out
-    tree_len, chain_len = map(float, re.search(r"distribution\): ([\d.]+); a chain of the same depth: ([\d.]+)", out).groups())
+    tree_len, chain_len = map(
+        float, re.search(r"distribution\): ([\d.]+); a chain of the same depth: ([\d.]+)", out).groups()
+    )
     assert tree_len >= chain_len >= 1.0
 
 
@@ -40,8 +42,9 @@ def test_demo_rejects_a_file_without_arrays(tmp_path, capsys):
 def _malformed_inputs(folder):
     np.save(folder / "single.npy", np.zeros(3))
     (folder / "garbage.npz").write_bytes(b"\x00not an archive" * 20)
-    np.savez(folder / "good.npz", log_probs=np.log(np.full((3, 4), 0.25, np.float32)),
-             token_ids=np.arange(12).reshape(3, 4))
+    np.savez(
+        folder / "good.npz", log_probs=np.log(np.full((3, 4), 0.25, np.float32)), token_ids=np.arange(12).reshape(3, 4)
+    )
     whole = (folder / "good.npz").read_bytes()
     (folder / "truncated.npz").write_bytes(whole[: len(whole) // 2])
     np.savez(folder / "strings.npz", log_probs=np.array(["a", "b"]), token_ids=np.arange(2))
@@ -81,8 +84,9 @@ def test_absurd_demo_sizes_get_one_line(capsys, argv, words):
 def test_demo_serves_every_input_the_core_accepts(tmp_path, capsys):
     """No candidates (K = 0) and all -inf rows are legal for the core; the demo runs them through."""
     np.savez(tmp_path / "k0.npz", log_probs=np.zeros((3, 0), np.float32), token_ids=np.zeros((3, 0), np.int64))
-    np.savez(tmp_path / "inf.npz", log_probs=np.full((3, 4), -np.inf, np.float32),
-             token_ids=np.arange(12).reshape(3, 4))
+    np.savez(
+        tmp_path / "inf.npz", log_probs=np.full((3, 4), -np.inf, np.float32), token_ids=np.arange(12).reshape(3, 4)
+    )
     for name in ("k0.npz", "inf.npz"):
         assert main(["demo", "--input", str(tmp_path / name)]) == 0
         assert "accepted 0 draft tokens" in capsys.readouterr().out

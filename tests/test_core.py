@@ -38,7 +38,9 @@ def test_build_tree_matches_reference_when_pop_order_is_not_score_order(dist, bu
     """Positive log-probs (within the tolerance) and rounding ties: the core's
     first-child queues must still reproduce the reference heap's pop order."""
     log_probs, token_ids = dist
-    assert_same_tree(ddtree.build_tree(log_probs, token_ids, budget), reference.build_tree(log_probs, token_ids, budget))
+    assert_same_tree(
+        ddtree.build_tree(log_probs, token_ids, budget), reference.build_tree(log_probs, token_ids, budget)
+    )
 
 
 @given(distributions(max_depth=4, max_width=4), st.integers(0, 40))
@@ -141,8 +143,12 @@ def batches(draw):
     lp = np.empty((requests, depth, width), dtype=np.float32)
     ids = np.empty((requests, depth, width), dtype=np.int64)
     for r in range(requests):
-        rows = [sorted(draw(st.lists(st.sampled_from([0.0, -0.7, -1.4, -3.0]), min_size=width, max_size=width)),
-                       reverse=True) for _ in range(depth)]
+        rows = [
+            sorted(
+                draw(st.lists(st.sampled_from([0.0, -0.7, -1.4, -3.0]), min_size=width, max_size=width)), reverse=True
+            )
+            for _ in range(depth)
+        ]
         lp[r] = np.array(rows, dtype=np.float32).reshape(depth, width)
         ids[r] = np.array([draw(st.permutations(range(2 * width)))[:width] for _ in range(depth)]).reshape(depth, width)
     budgets = draw(st.one_of(st.integers(0, 30), st.lists(st.integers(0, 30), min_size=requests, max_size=requests)))

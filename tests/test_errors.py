@@ -21,8 +21,13 @@ IDS = np.array([[5, 6, 7], [8, 9, 10]], dtype=np.int64)
         (LP.tolist(), IDS, 4, TypeError, ["log_probs", "numpy.ndarray", "list"]),
         (LP, IDS, -1, ValueError, ["budget", ">= 0", "-1"]),
         (LP, IDS, 2.5, TypeError, ["budget", "int", "float"]),
-        (np.where(np.eye(2, 3, dtype=bool), np.nan, LP).astype(np.float32), IDS, 4, ValueError,
-         ["log_probs[0, 0]", "NaN"]),
+        (
+            np.where(np.eye(2, 3, dtype=bool), np.nan, LP).astype(np.float32),
+            IDS,
+            4,
+            ValueError,
+            ["log_probs[0, 0]", "NaN"],
+        ),
         (LP[:, ::-1].copy(), IDS, 4, ValueError, ["row 0", "non-increasing"]),
         (LP + 1, IDS, 4, ValueError, ["log_probs[0, 0]", "positive"]),
         (LP, np.array([[5, 6, 5], [8, 9, 10]]), 8, ValueError, ["token_ids", "row 0", "token 5", "ranks 0 and 2"]),
@@ -93,26 +98,54 @@ def test_compile_and_plan_arguments():
 L15 = np.tile(-np.arange(1, 65, dtype=np.float32)[None, :], (15, 1))
 IDS15 = np.tile(np.arange(64, dtype=np.int64)[None, :], (15, 1))
 ABSURD_CALLS = {
-    "budget": ("ddtree.build_tree(L15, IDS15, 10**9)", ValueError, ["budget", f"at most {ddtree.MAX_BUDGET}", "1000000000"]),
-    "budgets": ("ddtree.build_trees(L15[None], IDS15[None], 10**9)", ValueError,
-                ["budgets", f"at most {ddtree.MAX_BUDGET}", "1000000000"]),
+    "budget": (
+        "ddtree.build_tree(L15, IDS15, 10**9)",
+        ValueError,
+        ["budget", f"at most {ddtree.MAX_BUDGET}", "1000000000"],
+    ),
+    "budgets": (
+        "ddtree.build_trees(L15[None], IDS15[None], 10**9)",
+        ValueError,
+        ["budgets", f"at most {ddtree.MAX_BUDGET}", "1000000000"],
+    ),
     "budget 2**63": ("ddtree.build_tree(L15, IDS15, 2**63)", ValueError, ["budget", "9223372036854775808", "64-bit"]),
     "budgets 2**63": ("ddtree.build_trees(L15[None], IDS15[None], 2**63)", ValueError, ["budgets", "64-bit"]),
-    "window": ("ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 8), 0, 10**9)", ValueError,
-               ["window", f"at most {ddtree.MAX_WINDOW}", "1000000000"]),
-    "batch window": ("ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 0, 10**9)", ValueError,
-                     ["window", f"at most {ddtree.MAX_WINDOW}"]),
-    "start overflow": ("ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 8), 2**63 - 1, 3)", ValueError,
-                       ["start", "overflows", "9223372036854775807"]),
-    "starts overflow": ("ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 2**63 - 1, 3)",
-                        ValueError, ["start", "overflows"]),
-    "starts 2**63": ("ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 2**63, 3)", ValueError,
-                     ["starts", "64-bit"]),
+    "window": (
+        "ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 8), 0, 10**9)",
+        ValueError,
+        ["window", f"at most {ddtree.MAX_WINDOW}", "1000000000"],
+    ),
+    "batch window": (
+        "ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 0, 10**9)",
+        ValueError,
+        ["window", f"at most {ddtree.MAX_WINDOW}"],
+    ),
+    "start overflow": (
+        "ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 8), 2**63 - 1, 3)",
+        ValueError,
+        ["start", "overflows", "9223372036854775807"],
+    ),
+    "starts overflow": (
+        "ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 2**63 - 1, 3)",
+        ValueError,
+        ["start", "overflows"],
+    ),
+    "starts 2**63": (
+        "ddtree.compile_trees(ddtree.build_trees(L15[None], IDS15[None], 8), 2**63, 3)",
+        ValueError,
+        ["starts", "64-bit"],
+    ),
     "threads": ("ddtree.Executor(100000)", ValueError, ["num_threads", f"at most {ddtree.MAX_THREADS}", "100000"]),
-    "batch nodes": ("ddtree.build_trees(np.repeat(L15[None], 300, 0), np.repeat(IDS15[None], 300, 0), 60000)",
-                    ValueError, ["tree nodes", f"at most {ddtree.MAX_BATCH_NODES}"]),
-    "dense mask": ("ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 9000)).dense_mask()", ValueError,
-                   ["dense mask", f"at most {ddtree.MAX_DENSE_NODES}", "9001"]),
+    "batch nodes": (
+        "ddtree.build_trees(np.repeat(L15[None], 300, 0), np.repeat(IDS15[None], 300, 0), 60000)",
+        ValueError,
+        ["tree nodes", f"at most {ddtree.MAX_BATCH_NODES}"],
+    ),
+    "dense mask": (
+        "ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 9000)).dense_mask()",
+        ValueError,
+        ["dense mask", f"at most {ddtree.MAX_DENSE_NODES}", "9001"],
+    ),
 }
 
 
@@ -128,7 +161,9 @@ def test_absurd_sizes_raise_a_documented_limit(name):
 def test_the_limits_are_reachable():
     """At the limits themselves the calls succeed (the limits refuse only what is past them)."""
     tree = ddtree.build_tree(L15, IDS15, 4096)
-    assert len(tree) == 4097 and ddtree.compile_tree(tree, 2**63 - 1 - 15, ddtree.MAX_WINDOW).positions.max() <= 2**63 - 1
+    assert (
+        len(tree) == 4097 and ddtree.compile_tree(tree, 2**63 - 1 - 15, ddtree.MAX_WINDOW).positions.max() <= 2**63 - 1
+    )
     assert ddtree.Executor(ddtree.MAX_THREADS).num_threads == ddtree.MAX_THREADS
     small = ddtree.compile_tree(ddtree.build_tree(L15, IDS15, 100))
     assert small.dense_mask().shape == (101, 101)
@@ -140,10 +175,15 @@ def test_no_absurd_size_kills_the_process():
     import sys
 
     script = "\n".join(
-        ["import numpy as np, ddtree",
-         "L15 = np.tile(-np.arange(1, 65, dtype=np.float32)[None, :], (15, 1))",
-         "IDS15 = np.tile(np.arange(64, dtype=np.int64)[None, :], (15, 1))"]
-        + [f"try:\n    {call}\nexcept (ValueError, TypeError, MemoryError):\n    pass" for call, _, _ in ABSURD_CALLS.values()]
+        [
+            "import numpy as np, ddtree",
+            "L15 = np.tile(-np.arange(1, 65, dtype=np.float32)[None, :], (15, 1))",
+            "IDS15 = np.tile(np.arange(64, dtype=np.int64)[None, :], (15, 1))",
+        ]
+        + [
+            f"try:\n    {call}\nexcept (ValueError, TypeError, MemoryError):\n    pass"
+            for call, _, _ in ABSURD_CALLS.values()
+        ]
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
@@ -154,14 +194,20 @@ def test_the_package_exceptions_share_one_base_and_keep_their_builtin_class():
     from ddtree.engine.target import UnsupportedModelError
     from ddtree.engine.validation import EngineInputError
 
-    for error, builtin in ((DemoInputError, ValueError), (UnsupportedModelError, ValueError),
-                           (EngineInputError, ValueError)):
+    for error, builtin in (
+        (DemoInputError, ValueError),
+        (UnsupportedModelError, ValueError),
+        (EngineInputError, ValueError),
+    ):
         assert issubclass(error, ddtree.DDTreeError) and issubclass(error, builtin)
     pytest.importorskip("vllm")
     from ddtree.vllm.config import DDTreeConfigError
     from ddtree.vllm.patches import UnsupportedVLLMVersion
     from ddtree.vllm.step import DraftMismatchError
 
-    for error, builtin in ((DDTreeConfigError, ValueError), (UnsupportedVLLMVersion, RuntimeError),
-                           (DraftMismatchError, RuntimeError)):
+    for error, builtin in (
+        (DDTreeConfigError, ValueError),
+        (UnsupportedVLLMVersion, RuntimeError),
+        (DraftMismatchError, RuntimeError),
+    ):
         assert issubclass(error, ddtree.DDTreeError) and issubclass(error, builtin)

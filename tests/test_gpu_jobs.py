@@ -14,11 +14,23 @@ def test_jobs_order_limits_and_archive(tmp_path):
     archive = tmp_path / "run.tgz"
     start = time.time()
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--archive", str(archive), "--deadline", "20",
-         "--job", "0|10|first|sleep 1; echo $CUDA_VISIBLE_DEVICES > {dir}/gpus.txt",
-         "--job", "1|1|stuck|echo started; sleep 30",
-         "--job", "0,1|10|after|cat {work}/first/gpus.txt > {dir}/seen.txt; echo done"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--archive",
+            str(archive),
+            "--deadline",
+            "20",
+            "--job",
+            "0|10|first|sleep 1; echo $CUDA_VISIBLE_DEVICES > {dir}/gpus.txt",
+            "--job",
+            "1|1|stuck|echo started; sleep 30",
+            "--job",
+            "0,1|10|after|cat {work}/first/gpus.txt > {dir}/seen.txt; echo done",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     elapsed = time.time() - start
     assert result.returncode == 0, result.stderr
@@ -34,6 +46,19 @@ def test_jobs_order_limits_and_archive(tmp_path):
 
 
 def test_bad_job_is_refused_with_the_format(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--archive", str(tmp_path / "x.tgz"), "--deadline", "5",
-                             "--job", "gpu0|10|x|true"], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--archive",
+            str(tmp_path / "x.tgz"),
+            "--deadline",
+            "5",
+            "--job",
+            "gpu0|10|x|true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2 and "GPUS must be GPU numbers" in result.stderr

@@ -200,6 +200,7 @@ def build_tree(log_probs: npt.NDArray[np.float32], token_ids: _TokenArray, budge
     Raises:
         ValueError, TypeError: naming the argument, what was expected and what was given.
     """
+
 def build_trees(
     log_probs: npt.NDArray[np.float32],
     token_ids: _TokenArray,
@@ -209,11 +210,14 @@ def build_trees(
     """Every request's tree in one call: ``log_probs``/``token_ids`` ``[R, L, K]``, ``budgets`` an int or
     ``[R]`` ints (each <= MAX_BUDGET, MAX_BATCH_NODES nodes in all); an ``Executor`` builds large batches on
     several threads. Errors name the first failing request."""
+
 def compile_tree(tree: Tree, start: Optional[int] = None, window: Optional[int] = None) -> CompiledTree:
     """Positions ``start + depth`` (start defaults to 0; overflow is a ValueError), ancestor bits and, with
     ``window`` (a hybrid target's conv width - 1, at most MAX_WINDOW), each node's conv-window ancestors."""
+
 def compile_trees(batch: TreeBatch, starts: Optional[_Ints] = None, window: Optional[int] = None) -> CompiledBatch:
     """:func:`compile_tree` for every tree; ``starts`` an int or ``[R]`` ints (default 0)."""
+
 def accept(tree: Tree, target_tokens: _TokenArray) -> Tuple[npt.NDArray[np.int32], int]:
     """Walks the tree with the target's token at every node (``[n + 1]``: its argmax, or one sample under the
     request's settings): from the root, while the target's token is a child's draft token.
@@ -221,8 +225,10 @@ def accept(tree: Tree, target_tokens: _TokenArray) -> Tuple[npt.NDArray[np.int32
     Returns ``(path, bonus)``: int32 tree-local path from the root, and the target's token at its last node.
     The output is distributed exactly as the target's own sampling (sample-then-walk is lossless).
     """
+
 def accept_trees(batch: TreeBatch, target_tokens: _TokenArray) -> AcceptedBatch:
     """:func:`accept` for every tree, with ``target_tokens`` ``[T]`` in the batch's flat node layout."""
+
 def kv_move_plan(path: npt.NDArray[np.int32]) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``(src, dst)``: accepted node ``path[i]`` moves to position ``i`` wherever ``path[i] != i``, so the
     accepted path's K/V ends up in consecutive slots; every source is read before any write."""

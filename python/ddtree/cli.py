@@ -67,8 +67,9 @@ def load_distribution(path: str) -> tuple[np.ndarray, np.ndarray]:
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
             raise DemoInputError(f"{path}: a damaged archive member ({error})") from None
     if log_probs.dtype.kind != "f" or token_ids.dtype.kind not in "iu":
-        raise DemoInputError(f"{path}: log_probs must hold floats and token_ids integers, got {log_probs.dtype} "
-                             f"and {token_ids.dtype}")
+        raise DemoInputError(
+            f"{path}: log_probs must hold floats and token_ids integers, got {log_probs.dtype} and {token_ids.dtype}"
+        )
     return np.ascontiguousarray(log_probs, np.float32), np.ascontiguousarray(token_ids)
 
 
@@ -81,8 +82,9 @@ def check_synthetic_sizes(args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             raise DemoInputError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.depth * args.vocab > MAX_SYNTHETIC_VALUES:
-        raise DemoInputError(f"--depth x --vocab must be at most {MAX_SYNTHETIC_VALUES}, got "
-                             f"{args.depth} x {args.vocab}")
+        raise DemoInputError(
+            f"--depth x --vocab must be at most {MAX_SYNTHETIC_VALUES}, got {args.depth} x {args.vocab}"
+        )
 
 
 def render_tree(tree: ddtree.Tree, limit: int) -> list[str]:
@@ -155,17 +157,25 @@ def run_demo(args: argparse.Namespace) -> int:
         print("  " + line)
     if tree.num_draft_nodes > args.show:
         print(f"  ... {tree.num_draft_nodes - args.show} more nodes (--show N to print more)")
-    print(f"compiled: positions {compiled.positions.min()}..{compiled.positions.max()}, "
-          f"ancestor bits {list(compiled.ancestor_bits.shape)} uint32, conv windows {list(compiled.windows.shape)}")
+    print(
+        f"compiled: positions {compiled.positions.min()}..{compiled.positions.max()}, "
+        f"ancestor bits {list(compiled.ancestor_bits.shape)} uint32, conv windows {list(compiled.windows.shape)}"
+    )
     tokens = [int(tree.tokens[p - 1]) for p in path[1:]]
-    print(f"simulated target (samples the drafter's own distribution): accepted {len(path) - 1} draft tokens "
-          f"{tokens}, bonus {bonus}")
+    print(
+        f"simulated target (samples the drafter's own distribution): accepted {len(path) - 1} draft tokens "
+        f"{tokens}, bonus {bonus}"
+    )
     src, dst = ddtree.kv_move_plan(path)
     print(f"KV moves: {list(zip(src.tolist(), dst.tolist()))}")
-    print(f"expected acceptance length (accepted + bonus, under the drafter's distribution): "
-          f"{tree.expected_acceptance():.3f}; a chain of the same depth: {chain_expected(log_probs):.3f}")
-    print("timings (mean of 200 calls, Python call overhead included): "
-          + ", ".join(f"{name} {us:.1f} us" for name, us in timings.items()))
+    print(
+        f"expected acceptance length (accepted + bonus, under the drafter's distribution): "
+        f"{tree.expected_acceptance():.3f}; a chain of the same depth: {chain_expected(log_probs):.3f}"
+    )
+    print(
+        "timings (mean of 200 calls, Python call overhead included): "
+        + ", ".join(f"{name} {us:.1f} us" for name, us in timings.items())
+    )
     return pair_demo(args) if args.pair else 0
 
 
@@ -211,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help=".npz file with log_probs [L, K] float32 and token_ids [L, K]")
     p.add_argument("--budget", type=int, default=64, help="draft nodes in the tree (default 64)")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="draft positions L (synthetic; default 15)")
-    p.add_argument("--width", type=int, default=0, help="top-K kept per position (synthetic; default min(budget, vocab))")
+    p.add_argument(
+        "--width", type=int, default=0, help="top-K kept per position (synthetic; default min(budget, vocab))"
+    )
     p.add_argument("--vocab", type=int, default=1000, help="synthetic vocabulary size (default 1000)")
     p.add_argument("--start", type=int, default=0, help="position of the root token")
     p.add_argument("--window", type=int, default=3, help="conv window of a hybrid target (width - 1; default 3)")
@@ -234,9 +246,13 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--target", required=True, help="transformers checkpoint directory of the target")
     p.add_argument("--drafter", help="DFlash drafter directory (config.json + safetensors); not needed for --mode ar")
     prompts = p.add_argument_group("prompts (repeat for a batch)")
-    prompts.add_argument("--prompt", action="append", default=[], help="prompt text, tokenised with the target's tokenizer")
+    prompts.add_argument(
+        "--prompt", action="append", default=[], help="prompt text, tokenised with the target's tokenizer"
+    )
     prompts.add_argument("--prompt-file", action="append", default=[], help="a file whose whole content is one prompt")
-    prompts.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (no tokenizer needed)")
+    prompts.add_argument(
+        "--prompt-ids", action="append", default=[], help="comma-separated token ids (no tokenizer needed)"
+    )
     p.add_argument("--mode", choices=["ar", "chain", "ddtree"], default="ddtree")
     p.add_argument("--budget", type=int, default=64, help="draft tree nodes per step (ddtree; default 64)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -245,8 +261,12 @@ def add_generate_parser(commands) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                   help="weights dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="weights dtype (default: the checkpoint's)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's EOS token")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=generate)

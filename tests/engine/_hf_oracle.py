@@ -18,7 +18,9 @@ def hf_prefill(model, tokens: Sequence[int]) -> DynamicCache:
 
 
 @torch.no_grad()
-def hf_decode_tree(model, cached_tokens: Sequence[int], node_tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+def hf_decode_tree(
+    model, cached_tokens: Sequence[int], node_tokens: Sequence[int], parents: Sequence[int]
+) -> torch.Tensor:
     """Logits ``[N, V]``: node i's row is what decoding its root path token by token gives.
 
     The root path of i is fed one token at a time with transformers' single-token

@@ -22,8 +22,15 @@ class NoisyOracleProposer:
     num_draft_positions: int
     feature_layer_ids: Sequence[int] = ()
 
-    def __init__(self, references: Sequence[Sequence[int]], vocab_size: int, depth: int = 6,
-                 p_top: float = 0.6, p_near: float = 0.3, seed: int = 0):
+    def __init__(
+        self,
+        references: Sequence[Sequence[int]],
+        vocab_size: int,
+        depth: int = 6,
+        p_top: float = 0.6,
+        p_near: float = 0.3,
+        seed: int = 0,
+    ):
         self.references = [list(r) for r in references]
         self.vocab_size = vocab_size
         self.num_draft_positions = depth

@@ -33,9 +33,24 @@ def generated_ids(out: str):
 def test_generate_modes_agree_greedy_and_print_stats(checkpoints, capsys):
     texts = {}
     for mode in ("ar", "chain", "ddtree"):
-        args = ["generate", "--target", str(checkpoints / "target"), "--drafter", str(checkpoints / "drafter"),
-                "--prompt", "w3 w17 w42 w8", "--prompt-ids", "5,6", "--mode", mode, "--budget", "16",
-                "--max-new-tokens", "12", "--no-progress"]
+        args = [
+            "generate",
+            "--target",
+            str(checkpoints / "target"),
+            "--drafter",
+            str(checkpoints / "drafter"),
+            "--prompt",
+            "w3 w17 w42 w8",
+            "--prompt-ids",
+            "5,6",
+            "--mode",
+            mode,
+            "--budget",
+            "16",
+            "--max-new-tokens",
+            "12",
+            "--no-progress",
+        ]
         assert main(args) == 0
         out = capsys.readouterr().out
         assert out.count("=== request") == 2
@@ -46,9 +61,26 @@ def test_generate_modes_agree_greedy_and_print_stats(checkpoints, capsys):
 
 
 def test_generate_samples_with_seed(checkpoints, capsys):
-    args = ["generate", "--target", str(checkpoints / "target"), "--drafter", str(checkpoints / "drafter"),
-            "--prompt-ids", "1,2,3", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "20", "--seed", "7",
-            "--max-new-tokens", "6", "--no-progress"]
+    args = [
+        "generate",
+        "--target",
+        str(checkpoints / "target"),
+        "--drafter",
+        str(checkpoints / "drafter"),
+        "--prompt-ids",
+        "1,2,3",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+    ]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert main(args) == 0

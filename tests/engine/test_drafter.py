@@ -33,8 +33,13 @@ def test_checkpoint_has_the_released_drafters_layout(drafter, tmp_path):
         names = set(weights.keys())
         assert weights.get_tensor("fc.weight").shape == (32, 64)
         assert weights.get_tensor("hidden_norm.weight").shape == (32,)
-    assert {"norm.weight", "layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight",
-            "layers.0.self_attn.k_norm.weight", "layers.1.post_attention_layernorm.weight"} <= names
+    assert {
+        "norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.1.mlp.down_proj.weight",
+        "layers.0.self_attn.k_norm.weight",
+        "layers.1.post_attention_layernorm.weight",
+    } <= names
     assert not any(name.startswith(("embed_tokens", "lm_head", "rotary")) for name in names)
 
 

@@ -56,8 +56,7 @@ def ddtree_counts(model, sampling: SamplingSettings, num_samples: int, batch: in
     first_step_taus = []
     for start in range(0, num_samples, batch):
         # One more token than counted, so the first DDTree step may be 2 deep (t2, t3 drafted).
-        config = GenerationConfig(mode=mode, budget=4, max_new_tokens=FIRST_TOKENS + 1, sampling=sampling,
-                                  seed=start)
+        config = GenerationConfig(mode=mode, budget=4, max_new_tokens=FIRST_TOKENS + 1, sampling=sampling, seed=start)
         for result in engine.generate([PROMPT] * min(batch, num_samples - start), config):
             counts[tuple(result.output_ids[:FIRST_TOKENS])] += 1
             first_step_taus.append(result.stats.acceptance_lengths[0])

@@ -67,7 +67,9 @@ def test_tree_logits_match_token_by_token_decoding(kind, prompt_len, seed):
         expected = hf_decode_tree(model, committed[:-1], tree_input.tokens.tolist(), tree.parents.tolist())
         diff = (out.logits - expected).abs().max(dim=-1).values
         worst_seen.append(float(diff.max()))
-        assert float(diff.max()) <= TOLERANCE, f"step {step}: worst node {int(diff.argmax())} off by {float(diff.max()):.2e}"
+        assert float(diff.max()) <= TOLERANCE, (
+            f"step {step}: worst node {int(diff.argmax())} off by {float(diff.max()):.2e}"
+        )
         assert float(expected.std()) > 1e-3  # compared logits are not trivially flat
 
         path = random_root_path(rng, tree.parents)

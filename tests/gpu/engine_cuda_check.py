@@ -48,8 +48,10 @@ def check(kind: str, log) -> bool:
         out, seconds, taus = generate(engine, mode, budget or 32)
         same = out == ar
         ok &= same
-        log(f"{kind}: cuda {mode:6s} budget {budget:3d}: {seconds:.2f}s, equal to cuda ar: {same}, "
-            f"mean acceptance length {[round(t, 3) for t in taus]}")
+        log(
+            f"{kind}: cuda {mode:6s} budget {budget:3d}: {seconds:.2f}s, equal to cuda ar: {same}, "
+            f"mean acceptance length {[round(t, 3) for t in taus]}"
+        )
     return ok
 
 
@@ -60,6 +62,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "engine_cuda_check.log")
     with open(path, "w") as fh:
+
         def log(msg: str) -> None:
             print(msg, flush=True)
             fh.write(msg + "\n")

@@ -34,8 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_ddtree_e2e import CONSTRAINED_SCENARIOS, prompts  # noqa: E402
 
 #: Scenarios replayed (the harness's greedy ones); each maps to its prompt set.
-PROMPT_SETS = {"batch1": "batch1", "batch16": "batch32", "batch32": "batch32", "near_max": None,
-               **{name: "stop" for name in CONSTRAINED_SCENARIOS}}
+PROMPT_SETS = {
+    "batch1": "batch1",
+    "batch16": "batch32",
+    "batch32": "batch32",
+    "near_max": None,
+    **{name: "stop" for name in CONSTRAINED_SCENARIOS},
+}
 
 
 def constrain(logits, prompt: Sequence[int], output: Sequence[int], settings: dict):
@@ -65,8 +70,11 @@ def scenario_settings(sname: str, results: Dict[str, dict], overrides: dict) -> 
     outputs (every engine must agree), else none (the unconstrained scenarios)."""
     if sname in overrides:
         return overrides[sname]
-    kept = {json.dumps(res["scenarios"][sname]["settings"], sort_keys=True)
-            for res in results.values() if "settings" in res.get("scenarios", {}).get(sname, {})}
+    kept = {
+        json.dumps(res["scenarios"][sname]["settings"], sort_keys=True)
+        for res in results.values()
+        if "settings" in res.get("scenarios", {}).get(sname, {})
+    }
     if len(kept) > 1:
         raise SystemExit(f"{sname}: the results ran with different settings {sorted(kept)}; judge them apart")
     if kept:
@@ -98,8 +106,9 @@ def greedy_reference(model, prompt: Sequence[int], length: int, settings: dict) 
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
 
 
-def classify(output: Sequence[int], reference: Sequence[int], gaps: Sequence[float], tol: float
-             ) -> Tuple[str, Optional[int], Optional[float]]:
+def classify(
+    output: Sequence[int], reference: Sequence[int], gaps: Sequence[float], tol: float
+) -> Tuple[str, Optional[int], Optional[float]]:
     """``(verdict, first differing position, reference gap there)``; verdict is equal / near-tie / real."""
     for i, (got, want) in enumerate(zip(output, reference)):
         if got != want:
@@ -110,8 +119,9 @@ def classify(output: Sequence[int], reference: Sequence[int], gaps: Sequence[flo
     return "equal", None, None
 
 
-def judge(results: Dict[str, dict], reference: Dict[Tuple[str, int], Tuple[List[int], List[float]]], tol: float
-          ) -> Tuple[List[str], Dict[str, Dict[str, Tuple[int, int, int]]], Dict[str, float]]:
+def judge(
+    results: Dict[str, dict], reference: Dict[Tuple[str, int], Tuple[List[int], List[float]]], tol: float
+) -> Tuple[List[str], Dict[str, Dict[str, Tuple[int, int, int]]], Dict[str, float]]:
     """Report lines, ``{engine: {scenario: (equal, near-tie, real)}}`` and each engine's widest reference gap
     at a divergence (``inf`` where it ran past a reference stop)."""
     lines, counts, widest = [], {}, {}
@@ -128,7 +138,9 @@ def judge(results: Dict[str, dict], reference: Dict[Tuple[str, int], Tuple[List[
                 if verdict != "equal":
                     widest[engine] = max(widest.get(engine, 0.0), float("inf") if gap is None else gap)
                     gap_text = "the reference stops there" if gap is None else f"reference gap {gap:.4f}"
-                    lines.append(f"    {engine}/{sname}: req {r}: leaves the reference at {pos} ({gap_text}): {verdict}")
+                    lines.append(
+                        f"    {engine}/{sname}: req {r}: leaves the reference at {pos} ({gap_text}): {verdict}"
+                    )
             counts.setdefault(engine, {})[sname] = (tally["equal"], tally["near-tie"], tally["real"])
     return lines, counts, widest
 
@@ -143,8 +155,10 @@ def noise_verdict(widest: Dict[str, float], engines: Sequence[str]) -> List[str]
         return ["no plain engine in the results: no noise level to judge against"]
     noise = max(plain)
     verdict = {engine: widest.get(engine, 0.0) <= noise for engine in sorted(engines) if not engine.startswith("plain")}
-    return [f"plain vLLM leaves the fp32 reference at reference gaps up to {noise:.4f}",
-            "within that (divergences no wider than plain vLLM's own): " + json.dumps(verdict)]
+    return [
+        f"plain vLLM leaves the fp32 reference at reference gaps up to {noise:.4f}",
+        "within that (divergences no wider than plain vLLM's own): " + json.dumps(verdict),
+    ]
 
 
 def bench_outputs(folders: Sequence[str]) -> Dict[str, Dict[int, List[List[int]]]]:
@@ -179,8 +193,10 @@ def judge_bench(model, prompt_list: Sequence[Sequence[int]], found, tol: float) 
                 counts[verdict] += 1
                 if position is not None:
                     where.append(f"({r}, {position}, {gap:.3f})" if gap is not None else f"({r}, {position})")
-            lines.append(f"{engine:<22}{batch:>6}{counts['equal']:>7}{counts['near-tie']:>5}{counts['real']:>6}  "
-                         + " ".join(where))
+            lines.append(
+                f"{engine:<22}{batch:>6}{counts['equal']:>7}{counts['near-tie']:>5}{counts['real']:>6}  "
+                + " ".join(where)
+            )
     return lines
 
 
@@ -188,12 +204,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a pair directory (target/, prompts.json), as given to the harness")
     ap.add_argument("--results", action="append", default=[], help="vllm_ddtree_e2e.json (repeatable)")
-    ap.add_argument("--bench", action="append", default=[],
-                    help="a bench_vllm_ddtree.py output folder with outputs_<engine>_b<batch>.json (repeatable)")
+    ap.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        help="a bench_vllm_ddtree.py output folder with outputs_<engine>_b<batch>.json (repeatable)",
+    )
     ap.add_argument("--scenarios", default=",".join(PROMPT_SETS))
     ap.add_argument("--gap-tol", type=float, default=0.05)
-    ap.add_argument("--scenario-settings",
-                    help="JSON {scenario: settings} for results the harness wrote before it kept its settings")
+    ap.add_argument(
+        "--scenario-settings",
+        help="JSON {scenario: settings} for results the harness wrote before it kept its settings",
+    )
     ap.add_argument("--out", help="also write the report here")
     args = ap.parse_args()
 
@@ -208,8 +230,10 @@ def main() -> int:
     target = os.path.join(args.model, "target")
     if args.bench:
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        lines = [f"fp32 reference of {target}; gap tolerance {args.gap_tol}; bench outputs {args.bench}",
-                 *judge_bench(model, given["batch32"], bench_outputs(args.bench), args.gap_tol)]
+        lines = [
+            f"fp32 reference of {target}; gap tolerance {args.gap_tol}; bench outputs {args.bench}",
+            *judge_bench(model, given["batch32"], bench_outputs(args.bench), args.gap_tol),
+        ]
         text = "\n".join(lines)
         print(text)
         if args.out:
@@ -246,8 +270,11 @@ def main() -> int:
         key = json.dumps(settings, sort_keys=True)
         prompt_set = P[PROMPT_SETS[sname]] if PROMPT_SETS[sname] else [P["near_max"]]
         for r, prompt in enumerate(prompt_set):
-            rows = [res["scenarios"][sname]["rows"] for res in results.values()
-                    if sname in res.get("scenarios", {}) and len(res["scenarios"][sname].get("rows") or []) > r]
+            rows = [
+                res["scenarios"][sname]["rows"]
+                for res in results.values()
+                if sname in res.get("scenarios", {}) and len(res["scenarios"][sname].get("rows") or []) > r
+            ]
             if not rows:
                 continue
             length = max(len(row[r]["tokens"]) for row in rows)
@@ -258,8 +285,12 @@ def main() -> int:
             reference[(sname, r)] = (tokens[:length], gaps[:length])
 
     lines, counts, widest = judge(results, reference, args.gap_tol)
-    report = [f"fp32 reference of {target}; gap tolerance {args.gap_tol}; results {args.results}", *lines,
-              "", f"{'engine':<16}{'scenario':<12}{'equal':>6}{'tie':>5}{'real':>6}"]
+    report = [
+        f"fp32 reference of {target}; gap tolerance {args.gap_tol}; results {args.results}",
+        *lines,
+        "",
+        f"{'engine':<16}{'scenario':<12}{'equal':>6}{'tie':>5}{'real':>6}",
+    ]
     for engine, per in counts.items():
         for sname, (eq, tie, real) in per.items():
             report.append(f"{engine:<16}{sname:<12}{eq:>6}{tie:>5}{real:>6}")

@@ -90,8 +90,14 @@ def prompts(vocab, given=None, seed=0):
         batch32 = [list(p) for p in given["batch32"]][:32]
         near_max = list(given["near_max"])[: MAX_MODEL_LEN - 20]
     max_tokens = [rnd.randint(17, 64) for _ in range(32)]
-    return dict(batch1=batch32[:3], batch32=batch32, max_tokens=max_tokens, near_max=near_max,
-                stop=batch32[:8], t1=batch32[8:16])
+    return dict(
+        batch1=batch32[:3],
+        batch32=batch32,
+        max_tokens=max_tokens,
+        near_max=near_max,
+        stop=batch32[:8],
+        t1=batch32[8:16],
+    )
 
 
 def model_info(target):
@@ -111,8 +117,11 @@ ENGINES = {
     "ddtree64-tp2": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, tp=2),
     "plain-tp2": dict(spec=None, tp=2),
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
-    "ddtree64-preempt": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-                             num_gpu_blocks_override=160, only=("batch32",)),
+    "ddtree64-preempt": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        num_gpu_blocks_override=160,
+        only=("batch32",),
+    ),
 }
 
 
@@ -138,9 +147,19 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
 
     conf = ENGINES[name]
     spec = dict(conf["spec"], model=drafter) if conf["spec"] else None
-    kw = dict(model=target, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager, max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=32, max_num_batched_tokens=16384, gpu_memory_utilization=0.35, seed=0,
-              disable_log_stats=False, enable_prefix_caching=False)
+    kw = dict(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=eager,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        max_num_batched_tokens=16384,
+        gpu_memory_utilization=0.35,
+        seed=0,
+        disable_log_stats=False,
+        enable_prefix_caching=False,
+    )
     from ddtree.vllm.tiny_models import engine_kwargs_for
 
     kw.update(engine_kwargs_for(target))
@@ -155,8 +174,13 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
         kw["num_gpu_blocks_override"] = conf["num_gpu_blocks_override"]
     t0 = time.time()
     llm = LLM(**kw)
-    res = {"engine": name, "init_s": round(time.time() - t0, 1), "scenarios": {}, "errors": {},
-           "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+    res = {
+        "engine": name,
+        "init_s": round(time.time() - t0, 1),
+        "scenarios": {},
+        "errors": {},
+        "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+    }
     given = None
     prompt_file = os.path.join(os.path.dirname(target), "prompts.json")
     if os.path.exists(prompt_file):
@@ -167,8 +191,15 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
     want_logprobs = name.startswith(("plain", "ddtree"))
 
     def greedy(max_tokens, stop=None, **extra):
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                              logprobs=2 if want_logprobs else None, stop_token_ids=stop, **extra)
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            logprobs=2 if want_logprobs else None,
+            stop_token_ids=stop,
+            **extra,
+        )
 
     def collect(outs):
         rows = []
@@ -182,8 +213,9 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
                     gaps.append(vals[0] - vals[1] if len(vals) > 1 else 99.0)
                     chosen.append(step[token].logprob if token in step else None)
                     top.append(vals[0])
-            rows.append({"tokens": list(c.token_ids), "gaps": gaps, "logprobs": chosen, "top": top,
-                         "finish": c.finish_reason})
+            rows.append(
+                {"tokens": list(c.token_ids), "gaps": gaps, "logprobs": chosen, "top": top, "finish": c.finish_reason}
+            )
         return rows
 
     is_ddtree = spec is not None and spec["method"] == "ddtree"
@@ -203,9 +235,13 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
         try:
             rows, ntok = fn()
             dt = time.time() - t
-            res["scenarios"][sname] = {"rows": rows, "seconds": round(dt, 3), "tokens": ntok,
-                                       "tokens_per_s": round(ntok / dt, 1) if dt else None,
-                                       "spec": diff_metrics(spec_metrics(llm), before)}
+            res["scenarios"][sname] = {
+                "rows": rows,
+                "seconds": round(dt, 3),
+                "tokens": ntok,
+                "tokens_per_s": round(ntok / dt, 1) if dt else None,
+                "spec": diff_metrics(spec_metrics(llm), before),
+            }
             if is_ddtree:  # what the scenario verified: trees, cut trees, steps that replayed FULL graphs
                 after = tree_counts(llm)
                 res["scenarios"][sname]["trees"] = {k: after[k] - trees_before[k] for k in after}
@@ -224,8 +260,11 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
         return rows, sum(len(r["tokens"]) for r in rows)
 
     def b16():
-        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"][:16]], greedy(MAX_TOKENS),
-                                    use_tqdm=False))
+        rows = collect(
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in P["batch32"][:16]], greedy(MAX_TOKENS), use_tqdm=False
+            )
+        )
         return rows, sum(len(r["tokens"]) for r in rows)
 
     def b32():
@@ -245,14 +284,28 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
     def min_p():
         # Sampled, so not comparable token by token: every emitted token must keep min_p of its row's top
         # probability (the raw logprobs are the row's, temperature 1 leaves them as they are).
-        params = [SamplingParams(temperature=1.0, min_p=MIN_P, seed=200 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                 detokenize=False, logprobs=2) for i in range(len(P["stop"]))]
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                min_p=MIN_P,
+                seed=200 + i,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                detokenize=False,
+                logprobs=2,
+            )
+            for i in range(len(P["stop"]))
+        ]
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
     def t1():
-        params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=100 + i, max_tokens=32, ignore_eos=True,
-                                 detokenize=False) for i in range(len(P["t1"]))]
+        params = [
+            SamplingParams(
+                temperature=1.0, top_p=0.95, top_k=50, seed=100 + i, max_tokens=32, ignore_eos=True, detokenize=False
+            )
+            for i in range(len(P["t1"]))
+        ]
         reqs = [TokensPrompt(prompt_token_ids=p) for p in P["t1"]]
         a = collect(llm.generate(reqs, params, use_tqdm=False))
         b = collect(llm.generate(reqs, params, use_tqdm=False))
@@ -280,17 +333,29 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
                 if is_ddtree:  # the abort must land while trees are being verified, not during prefill
                     at_abort["trees"] = tree_counts(llm)["trees"] - trees_at_start
                 engine.abort_request(ids[::2])
-        rows = [collect([finished[rid]])[0] if rid in finished and i % 2 else {"tokens": [], "gaps": [], "aborted": True}
-                for i, rid in enumerate(ids)]
-        rows += collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"][16:20]], greedy(MAX_TOKENS),
-                                     use_tqdm=False))
+        rows = [
+            collect([finished[rid]])[0] if rid in finished and i % 2 else {"tokens": [], "gaps": [], "aborted": True}
+            for i, rid in enumerate(ids)
+        ]
+        rows += collect(
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in P["batch32"][16:20]], greedy(MAX_TOKENS), use_tqdm=False
+            )
+        )
         if at_abort:
             rows[0]["trees_verified_before_abort"] = at_abort["trees"]
         return rows, sum(len(r["tokens"]) for r in rows)
 
-    scenarios = (("batch1", b1), ("batch16", b16), ("batch32", b32), ("near_max", near_max),
-                 *((sname, functools.partial(constrained, sname)) for sname in CONSTRAINED_SCENARIOS),
-                 ("min_p", min_p), ("abort", abort), ("t1", t1))
+    scenarios = (
+        ("batch1", b1),
+        ("batch16", b16),
+        ("batch32", b32),
+        ("near_max", near_max),
+        *((sname, functools.partial(constrained, sname)) for sname in CONSTRAINED_SCENARIOS),
+        ("min_p", min_p),
+        ("abort", abort),
+        ("t1", t1),
+    )
     for sname, fn in scenarios:
         scenario(sname, fn)
     try:
@@ -327,11 +392,12 @@ def scenario_exercised(sname, trees):
     """
     if not trees:
         return None
-    note = (f"trees {trees['trees']} (cut {trees['partial_trees']}), FULL-graph steps "
-            f"{trees['full_graph_steps']}/{trees['verify_steps']}; ")
+    note = (
+        f"trees {trees['trees']} (cut {trees['partial_trees']}), FULL-graph steps "
+        f"{trees['full_graph_steps']}/{trees['verify_steps']}; "
+    )
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
     return ok, note
-
 
 
 def compare(ref_rows, rows, gap_tol):
@@ -347,7 +413,9 @@ def compare(ref_rows, rows, gap_tol):
             continue
         if k is None:
             real += 1
-            details.append(f"req {i}: lengths differ {len(a)} vs {len(b)} (finish {r.get('finish')} vs {x.get('finish')})")
+            details.append(
+                f"req {i}: lengths differ {len(a)} vs {len(b)} (finish {r.get('finish')} vs {x.get('finish')})"
+            )
             continue
         gap = r["gaps"][k] if r.get("gaps") and k < len(r["gaps"]) else None
         if gap is not None and gap < gap_tol:
@@ -355,7 +423,7 @@ def compare(ref_rows, rows, gap_tol):
             details.append(f"req {i}: diverges at {k} where plain's top-2 gap is {gap:.4f} (< {gap_tol}: near-tie)")
         else:
             real += 1
-            details.append(f"req {i}: diverges at {k}, top-2 gap {gap}: plain {a[k:k+5]} vs {b[k:k+5]}")
+            details.append(f"req {i}: diverges at {k}, top-2 gap {gap}: plain {a[k : k + 5]} vs {b[k : k + 5]}")
     return same, tie, real, details
 
 
@@ -382,8 +450,10 @@ def with_plain_gaps(rows, plain_scenario):
         gaps = None
         if plain_scenario and i < len(plain_scenario["rows"]) and plain_scenario["rows"][i].get("gaps"):
             p = plain_scenario["rows"][i]
-            agree = next((j for j, (a, b) in enumerate(zip(p["tokens"], row["tokens"])) if a != b),
-                         min(len(p["tokens"]), len(row["tokens"])))
+            agree = next(
+                (j for j, (a, b) in enumerate(zip(p["tokens"], row["tokens"])) if a != b),
+                min(len(p["tokens"]), len(row["tokens"])),
+            )
             gaps = p["gaps"][: agree + 1]
         out.append(dict(row, gaps=gaps))
     return out
@@ -393,33 +463,59 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_e2e_out"))
     ap.add_argument("--gap-tol", type=float, default=0.05)
-    ap.add_argument("--logprob-tol", type=float, default=0.15,
-                    help="largest |logprob| difference of ddtree's emitted tokens from plain's (bf16 logits of "
-                         "magnitude 8-16 are 0.0625 apart)")
+    ap.add_argument(
+        "--logprob-tol",
+        type=float,
+        default=0.15,
+        help="largest |logprob| difference of ddtree's emitted tokens from plain's (bf16 logits of "
+        "magnitude 8-16 are 0.0625 apart)",
+    )
     ap.add_argument("--child", default=None)
-    ap.add_argument("--timeout", type=int, default=300,
-                    help="per engine; under CUDA graphs a cold start (torch.compile, capture) took 130-180 s with the "
-                         "pair on an H200, a warm compile cache about a minute less")
+    ap.add_argument(
+        "--timeout",
+        type=int,
+        default=300,
+        help="per engine; under CUDA graphs a cold start (torch.compile, capture) took 130-180 s with the "
+        "pair on an H200, a warm compile cache about a minute less",
+    )
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
     ap.add_argument("--engines", default="plain,dflash,ddtree16,ddtree256,ddtree64-preempt")
     ap.add_argument("--scenarios", default="", help="comma-separated subset of the scenarios (default: all)")
-    ap.add_argument("--reuse", default=None,
-                    help="vllm_ddtree_e2e.json of an earlier run on the same model: its engines' results join this "
-                         "run's (e.g. plain and ddtree64 at TP 1, reused by a later ddtree64-tp2 run)")
-    ap.add_argument("--model", default="tiny-qwen3",
-                    help="tiny-qwen3, tiny-qwen3-next (2 of 4 experts per token), tiny-qwen3-next-all-experts "
-                         "(4 of 4: no routing flips), or a directory with a pair")
-    ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs, "
-                    "vLLM's default; ddtree engines run PIECEWISE)")
-    ap.add_argument("--fp32-reference", action="store_true",
-                    help="afterwards judge every greedy output against the pair's target in fp32 on CPU "
-                         "(fp32_reference.py; pair directories only)")
+    ap.add_argument(
+        "--reuse",
+        default=None,
+        help="vllm_ddtree_e2e.json of an earlier run on the same model: its engines' results join this "
+        "run's (e.g. plain and ddtree64 at TP 1, reused by a later ddtree64-tp2 run)",
+    )
+    ap.add_argument(
+        "--model",
+        default="tiny-qwen3",
+        help="tiny-qwen3, tiny-qwen3-next (2 of 4 experts per token), tiny-qwen3-next-all-experts "
+        "(4 of 4: no routing flips), or a directory with a pair",
+    )
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="every engine in eager mode (default: CUDA graphs, vLLM's default; ddtree engines run PIECEWISE)",
+    )
+    ap.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="afterwards judge every greedy output against the pair's target in fp32 on CPU "
+        "(fp32_reference.py; pair directories only)",
+    )
     args = ap.parse_args()
     root = args.model if os.path.isdir(args.model) else os.path.join(WORK, args.model)
     target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
     if args.child:
-        res = run_child(args.child, target, drafter, [x for x in args.scenarios.split(",") if x], args.eager,
-                        partial_results_path(args.out, args.child))
+        res = run_child(
+            args.child,
+            target,
+            drafter,
+            [x for x in args.scenarios.split(",") if x],
+            args.eager,
+            partial_results_path(args.out, args.child),
+        )
         print("RESULT-JSON " + json.dumps(res), flush=True)
         return
 
@@ -432,14 +528,20 @@ def main():
 
         import ddtree
 
-        log(f"vllm {vllm.__version__} torch {torch.__version__} ddtree {ddtree.__version__} cuda {torch.cuda.is_available()}", fh)
+        log(
+            f"vllm {vllm.__version__} torch {torch.__version__} ddtree {ddtree.__version__} cuda {torch.cuda.is_available()}",
+            fh,
+        )
     except Exception:
         log("import failure:\n" + traceback.format_exc(), fh)
     from ddtree.vllm.tiny_models import write_drafter, write_qwen3_next_target, write_target
 
     t = time.time()
-    writers = {"tiny-qwen3": write_target, "tiny-qwen3-next": write_qwen3_next_target,
-               "tiny-qwen3-next-all-experts": lambda path: write_qwen3_next_target(path, experts_per_token=4)}
+    writers = {
+        "tiny-qwen3": write_target,
+        "tiny-qwen3-next": write_qwen3_next_target,
+        "tiny-qwen3-next-all-experts": lambda path: write_qwen3_next_target(path, experts_per_token=4),
+    }
     if args.model in writers:
         spec = writers[args.model](target)
         write_drafter(drafter, spec)
@@ -465,10 +567,26 @@ def main():
         child_log = os.path.join(args.out, f"engine_{name}.log")
         try:
             with open(child_log, "w") as clog:
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
-                                       "--model", args.model, "--scenarios", args.scenarios]
-                                      + (["--eager"] if args.eager else []),
-                                      env=env_c, stdout=subprocess.PIPE, stderr=clog, text=True, timeout=timeout)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--child",
+                        name,
+                        "--out",
+                        args.out,
+                        "--model",
+                        args.model,
+                        "--scenarios",
+                        args.scenarios,
+                    ]
+                    + (["--eager"] if args.eager else []),
+                    env=env_c,
+                    stdout=subprocess.PIPE,
+                    stderr=clog,
+                    text=True,
+                    timeout=timeout,
+                )
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:
                 tail = open(child_log).read()[-3000:]
@@ -477,7 +595,7 @@ def main():
                 if res is None:
                     continue
             else:
-                res = json.loads(line[len("RESULT-JSON "):])
+                res = json.loads(line[len("RESULT-JSON ") :])
             results[name] = res
             # Kept as each engine finishes: a run killed from outside (a device call's time limit) keeps them.
             with open(os.path.join(args.out, "vllm_ddtree_e2e.json"), "w") as partial:
@@ -525,7 +643,9 @@ def main():
             same_tp = results.get("plain-tp2") if name.endswith("-tp2") and name != "plain-tp2" else None
             if same_tp and sname in same_tp["scenarios"] and sname not in SAMPLED_SCENARIOS:
                 # Against plain vLLM at the same TP: the same all-reduce order, so only ddtree's own differences.
-                t_same, t_tie, t_real, t_details = compare(same_tp["scenarios"][sname]["rows"], sc["rows"], args.gap_tol)
+                t_same, t_tie, t_real, t_details = compare(
+                    same_tp["scenarios"][sname]["rows"], sc["rows"], args.gap_tol
+                )
                 notes += f"vs plain-tp2: same {t_same} tie {t_tie} real {t_real}; "
                 for d in t_details:
                     log(f"    {name}/{sname} vs plain-tp2: {d}", fh)
@@ -555,7 +675,10 @@ def main():
             if spec_m.get("acceptance_per_depth"):
                 notes += f" per-depth {spec_m['acceptance_per_depth'][:6]}"
             mal_s = f"{mal:.3f}" if isinstance(mal, float) else "-"
-            log(f"{name:<18}{sname:<10}{str(sc.get('tokens_per_s')):>10}{mal_s:>14}{same:>6}{tie:>5}{real:>6}  {notes}", fh)
+            log(
+                f"{name:<18}{sname:<10}{str(sc.get('tokens_per_s')):>10}{mal_s:>14}{same:>6}{tie:>5}{real:>6}  {notes}",
+                fh,
+            )
         if res.get("ddtree_summary"):
             log(f"{name} ddtree summary: {res['ddtree_summary']}", fh)
 
@@ -588,9 +711,18 @@ def judge_against_fp32(args, started: float, fh) -> None:
         log(f"fp32 reference: skipped, {left:.0f}s left of the deadline", fh)
         return
     out = os.path.join(args.out, "fp32_reference.txt")
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp32_reference.py"),
-           "--model", args.model, "--results", os.path.join(args.out, "vllm_ddtree_e2e.json"),
-           "--gap-tol", str(args.gap_tol), "--out", out]
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp32_reference.py"),
+        "--model",
+        args.model,
+        "--results",
+        os.path.join(args.out, "vllm_ddtree_e2e.json"),
+        "--gap-tol",
+        str(args.gap_tol),
+        "--out",
+        out,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
         tail = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else proc.stderr[-2000:].splitlines()

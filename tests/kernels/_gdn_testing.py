@@ -33,7 +33,9 @@ def tree_parents(draw, max_nodes: int = 64) -> list:
     if kind == "star":
         return star_parents(num_nodes)
     if kind == "deep":  # parents close to the node: long branches like real draft trees
-        return [-1] + [draw(st.integers(min_value=max(0, node - 3), max_value=node - 1)) for node in range(1, num_nodes)]
+        return [-1] + [
+            draw(st.integers(min_value=max(0, node - 3), max_value=node - 1)) for node in range(1, num_nodes)
+        ]
     return [-1] + [draw(st.integers(min_value=0, max_value=node - 1)) for node in range(1, num_nodes)]
 
 
@@ -80,7 +82,11 @@ def root_path_outputs_by_chain(inputs: dict, parents: list) -> torch.Tensor:
     for leaf in leaves(parents):
         path = root_path(parents_tensor, leaf)
         path_out, _ = chain_gated_delta_rule(
-            inputs["q"][path], inputs["k"][path], inputs["v"][path], inputs["g"][path], inputs["beta"][path],
+            inputs["q"][path],
+            inputs["k"][path],
+            inputs["v"][path],
+            inputs["g"][path],
+            inputs["beta"][path],
             inputs["initial_state"],
         )
         out[path] = path_out.double()

@@ -42,8 +42,9 @@ def random_accepted_path(parents, generator):
 @given(parents=tree_parents(max_nodes=48), seed=st.integers(0, 2**16))
 def test_wy_commit_equals_chain_state_along_accepted_path(parents, seed):
     inputs = random_gdn_inputs(len(parents), seed=seed)
-    _, cache = tree_gated_delta_rule(*(inputs[n] for n in GDN_ARGS), parents, inputs["initial_state"],
-                                     return_cache=True)
+    _, cache = tree_gated_delta_rule(
+        *(inputs[n] for n in GDN_ARGS), parents, inputs["initial_state"], return_cache=True
+    )
     path = random_accepted_path(parents, torch.Generator().manual_seed(seed))
     _, expected = chain_gated_delta_rule(*(inputs[n][path] for n in GDN_ARGS), inputs["initial_state"])
     committed = commit_recurrent_state(cache, path, inputs["initial_state"])
@@ -55,8 +56,9 @@ def test_wy_commit_equals_chain_state_along_accepted_path(parents, seed):
 def test_commit_fp32_every_root_path_of_a_64_node_tree():
     parents = random_parents(64, torch.Generator().manual_seed(4))
     inputs = random_gdn_inputs(64, head_k_dim=32, head_v_dim=32, dtype=torch.float32, seed=4)
-    _, cache = tree_gated_delta_rule(*(inputs[n] for n in GDN_ARGS), parents, inputs["initial_state"],
-                                     return_cache=True)
+    _, cache = tree_gated_delta_rule(
+        *(inputs[n] for n in GDN_ARGS), parents, inputs["initial_state"], return_cache=True
+    )
     for last in range(64):
         path = root_path(torch.tensor(parents), last)
         _, expected = chain_gated_delta_rule(*(inputs[n][path] for n in GDN_ARGS), inputs["initial_state"])
@@ -65,8 +67,9 @@ def test_commit_fp32_every_root_path_of_a_64_node_tree():
 
 def test_commit_rejects_a_path_that_is_not_a_root_path():
     inputs = random_gdn_inputs(4, seed=0)
-    _, cache = tree_gated_delta_rule(*(inputs[n] for n in GDN_ARGS), [-1, 0, 0, 1], inputs["initial_state"],
-                                     return_cache=True)
+    _, cache = tree_gated_delta_rule(
+        *(inputs[n] for n in GDN_ARGS), [-1, 0, 0, 1], inputs["initial_state"], return_cache=True
+    )
     with pytest.raises(ValueError, match="follow parent links"):
         commit_recurrent_state(cache, [0, 2, 3], inputs["initial_state"])
 
@@ -83,8 +86,11 @@ CHANNELS = 2 * KEY_DIM + VALUE_DIM
 def split_conv_output(mixed):
     """[T, C] conv output -> q, k [T, Hk, Dk], v [T, Hv, Dv] (Qwen order: q | k | v)."""
     q, k, v = torch.split(mixed, [KEY_DIM, KEY_DIM, VALUE_DIM], dim=-1)
-    return (q.reshape(-1, NUM_K_HEADS, HEAD_K_DIM), k.reshape(-1, NUM_K_HEADS, HEAD_K_DIM),
-            v.reshape(-1, NUM_V_HEADS, HEAD_V_DIM))
+    return (
+        q.reshape(-1, NUM_K_HEADS, HEAD_K_DIM),
+        k.reshape(-1, NUM_K_HEADS, HEAD_K_DIM),
+        v.reshape(-1, NUM_V_HEADS, HEAD_V_DIM),
+    )
 
 
 class Tokens:
@@ -102,10 +108,10 @@ class Tokens:
 
 def sequential_decode(x, g, beta, history, state, weight, bias):
     """Oracle: causal conv over history + sequence, then the chain rule; returns outputs, state, history."""
-    conv = reference_causal_conv(torch.cat([history, x]), weight, bias, activation=True)[history.shape[0]:]
+    conv = reference_causal_conv(torch.cat([history, x]), weight, bias, activation=True)[history.shape[0] :]
     q, k, v = split_conv_output(conv)
     out, final_state = chain_gated_delta_rule(q, k, v, g, beta, state)
-    return out, final_state, torch.cat([history, x])[-(WIDTH - 1):]
+    return out, final_state, torch.cat([history, x])[-(WIDTH - 1) :]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -156,12 +162,11 @@ def test_batched_verify_and_commit_equals_sequential_decode_per_request():
         x, g, beta = tokens.draw(int(offsets[-1]))
         local_parents = sum(trees, [])
         q, k, v = split_conv_output(tree_causal_conv1d_batched(x, histories, local_parents, offsets, weight))
-        out, cache = tree_gated_delta_rule_batched(q, k, v, g, beta, local_parents, offsets, states,
-                                                   return_cache=True)
+        out, cache = tree_gated_delta_rule_batched(q, k, v, g, beta, local_parents, offsets, states, return_cache=True)
         paths = [random_accepted_path(p, gen) for p in trees]
         states, histories = commit_gdn_state_batched(histories, x, cache, states, paths)
         for request, path in enumerate(paths):
-            rows = (int(offsets[request]) + torch.tensor(path))
+            rows = int(offsets[request]) + torch.tensor(path)
             accepted[request].append((x[rows], g[rows], beta[rows], out[rows]))
 
     for request in range(num_requests):

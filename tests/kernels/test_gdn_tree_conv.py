@@ -34,8 +34,13 @@ def assert_matches_root_path_conv(x_nodes, history, parents, weight, bias, activ
 
 
 @settings(max_examples=40, deadline=None)
-@given(parents=tree_parents(max_nodes=24), width=st.sampled_from([2, 3, 4]), seed=st.integers(0, 2**16),
-       activation=st.booleans(), use_bias=st.booleans())
+@given(
+    parents=tree_parents(max_nodes=24),
+    width=st.sampled_from([2, 3, 4]),
+    seed=st.integers(0, 2**16),
+    activation=st.booleans(),
+    use_bias=st.booleans(),
+)
 def test_tree_conv_equals_causal_conv_along_each_root_path(parents, width, seed, activation, use_bias):
     x_nodes, history, weight, bias = conv_inputs(len(parents), width, seed)
     assert_matches_root_path_conv(x_nodes, history, parents, weight, bias if use_bias else None, activation)
@@ -109,7 +114,7 @@ def test_committed_conv_history_continues_the_sequential_conv(path):
     torch.testing.assert_close(next_out[0], expected, rtol=0, atol=1e-12)
     # Shorter-than-window paths keep the newest old rows in front.
     if len(path) < 3:
-        assert torch.equal(new_history[: 3 - len(path)], history[len(path):])
+        assert torch.equal(new_history[: 3 - len(path)], history[len(path) :])
 
 
 def test_conv_bad_shapes_raise_value_error():

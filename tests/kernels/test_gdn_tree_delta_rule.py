@@ -45,8 +45,9 @@ def test_tree_equals_root_path_recurrence_fp64(parents, seed):
 )
 def test_tree_equals_transformers_recurrent_rule_fp32(parents):
     """fp32, realistic head dims, GQA ratio 3; the oracle is transformers' own recurrent rule per root-to-leaf path."""
-    inputs = random_gdn_inputs(len(parents), num_k_heads=2, num_v_heads=6, head_k_dim=32, head_v_dim=32,
-                               dtype=torch.float32, seed=7)
+    inputs = random_gdn_inputs(
+        len(parents), num_k_heads=2, num_v_heads=6, head_k_dim=32, head_v_dim=32, dtype=torch.float32, seed=7
+    )
     out = run_tree(inputs, parents)
     parents_tensor = torch.tensor(parents)
     checked = torch.zeros(len(parents), dtype=torch.bool)
@@ -97,8 +98,9 @@ def test_causal_mask_instead_of_ancestor_mask_is_detected():
     expected = root_path_outputs_by_chain(inputs, parents)
     q, k = gdn_tree._prepare_qk(inputs["q"], inputs["k"], True, torch.float64)
     causal = torch.ones(len(parents), len(parents), dtype=torch.bool).tril()
-    wrong, _, _ = gdn_tree._tree_delta_rule_core(q, k, inputs["v"], inputs["g"], inputs["beta"], causal,
-                                                 inputs["initial_state"])
+    wrong, _, _ = gdn_tree._tree_delta_rule_core(
+        q, k, inputs["v"], inputs["g"], inputs["beta"], causal, inputs["initial_state"]
+    )
     assert (wrong - expected).abs().max() > 1e-2
     assert (run_tree(inputs, parents) - expected).abs().max() <= 1e-10
 
@@ -106,7 +108,9 @@ def test_causal_mask_instead_of_ancestor_mask_is_detected():
 def test_the_two_oracles_agree():
     parents = random_parents(30, torch.Generator().manual_seed(8))
     inputs = random_gdn_inputs(30, seed=8)
-    assert (root_path_outputs_by_chain(inputs, parents) - root_path_outputs_by_state_walk(inputs, parents)).abs().max() <= 1e-12
+    assert (
+        root_path_outputs_by_chain(inputs, parents) - root_path_outputs_by_state_walk(inputs, parents)
+    ).abs().max() <= 1e-12
 
 
 def test_sibling_inputs_do_not_leak():
@@ -190,8 +194,9 @@ def test_bad_gdn_inputs_raise_value_error():
     def call(**overrides):
         args = dict(inputs, parents=parents)
         args.update(overrides)
-        return tree_gated_delta_rule(args["q"], args["k"], args["v"], args["g"], args["beta"], args["parents"],
-                                     args["initial_state"])
+        return tree_gated_delta_rule(
+            args["q"], args["k"], args["v"], args["g"], args["beta"], args["parents"], args["initial_state"]
+        )
 
     with pytest.raises(ValueError, match=r"k must have shape \[N, Hk, Dk\]"):
         call(k=inputs["k"][:, :1])

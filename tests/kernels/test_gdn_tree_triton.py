@@ -40,7 +40,9 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_fp32_trees_against_reference(
-    device: str, shapes=(("random", 130), ("chain", 1), ("chain", 17), ("star", 64), ("random", 33)), head_k_dim=16,
+    device: str,
+    shapes=(("random", 130), ("chain", 1), ("chain", 17), ("star", 64), ("random", 33)),
+    head_k_dim=16,
     **kernel_options,
 ) -> None:
     """Random, single-node, chain, star and random trees (sizes cross the block boundaries) in one
@@ -55,7 +57,10 @@ def check_fp32_trees_against_reference(
     requests, stacked, states, offsets, parents = _batch(trees, 1, 3, head_k_dim, 24)
     fp32 = {name: value.float().to(device) for name, value in stacked.items()}
     out, deltas, cum_log_decay = tree_gated_delta_rule_triton(
-        *(fp32[name] for name in GDN_ARGS), parents.to(device), offsets.to(device), states.float().to(device),
+        *(fp32[name] for name in GDN_ARGS),
+        parents.to(device),
+        offsets.to(device),
+        states.float().to(device),
         **kernel_options,
     )
     reference, cache = tree_gated_delta_rule_batched(
@@ -99,8 +104,19 @@ def check_bf16_raw_gating_pool_and_commit(device: str) -> None:
     dev = lambda x: x.to(device)  # noqa: E731
     bits = ancestor_bits_from_parents(dev(parents), dev(offsets))
     out, deltas, cum = tree_gdn_verify(
-        dev(q), dev(k), dev(v), dev(a), dev(b), dev(offsets.int()), bits, dev(pool_vllm).transpose(-1, -2),
-        dev(slots.int()), a_log=dev(a_log), dt_bias=dev(dt_bias), out_dtype=torch.float32, block_v=8,
+        dev(q),
+        dev(k),
+        dev(v),
+        dev(a),
+        dev(b),
+        dev(offsets.int()),
+        bits,
+        dev(pool_vllm).transpose(-1, -2),
+        dev(slots.int()),
+        a_log=dev(a_log),
+        dt_bias=dev(dt_bias),
+        out_dtype=torch.float32,
+        block_v=8,
     )
     assert torch.equal(pool_vllm, pool_before), "verification must not write the state pool"
 
@@ -143,15 +159,18 @@ def check_tree_conv_qkv_against_torch_form(device: str) -> None:
     for r, size in enumerate(sizes):
         first = sum(sizes[:r])
         for node in range(size):
-            earlier = [r * (width - 1) + j for j in range(width - 1)] + [num_requests * (width - 1) + first + i
-                                                                          for i in range(node)]
+            earlier = [r * (width - 1) + j for j in range(width - 1)] + [
+                num_requests * (width - 1) + first + i for i in range(node)
+            ]
             picks = sorted(torch.randperm(len(earlier), generator=gen)[: width - 1].tolist())
             index.append([earlier[i] for i in picks] + [num_requests * (width - 1) + first + node])
     conv_index = torch.tensor(index, dtype=torch.int64, device=device)
     slots = torch.tensor([3, 0, 4], dtype=torch.int32, device=device)
-    for dtype, sd_layout, with_bias, activation in [(torch.float32, False, True, "silu"),
-                                                   (torch.bfloat16, True, True, "silu"),
-                                                   (torch.float32, True, False, None)]:
+    for dtype, sd_layout, with_bias, activation in [
+        (torch.float32, False, True, "silu"),
+        (torch.bfloat16, True, True, "silu"),
+        (torch.float32, True, False, None),
+    ]:
         wide = torch.randn(num_nodes, channels + 8, generator=gen).to(device=device, dtype=dtype)
         x = wide[:, 3 : 3 + channels]  # rows with a stride larger than C
         if sd_layout:
@@ -178,9 +197,19 @@ def run_all_checks(device: str) -> None:
         ("fp32 defaults", lambda: check_fp32_trees_against_reference(device)),
         # 32-node row blocks, 16-node column tiles, 3 value-column programs, 2 head-dim chunks (the
         # smallest chunk: tl.dot needs K >= 16 when compiled)
-        ("fp32 small tiles", lambda: check_fp32_trees_against_reference(
-            device, shapes=(("random", 70), ("chain", 40), ("star", 5)), head_k_dim=32, block_t=32, block_c=16,
-            block_v=8, block_kc=16, precision="ieee")),
+        (
+            "fp32 small tiles",
+            lambda: check_fp32_trees_against_reference(
+                device,
+                shapes=(("random", 70), ("chain", 40), ("star", 5)),
+                head_k_dim=32,
+                block_t=32,
+                block_c=16,
+                block_v=8,
+                block_kc=16,
+                precision="ieee",
+            ),
+        ),
         ("bf16 raw gates, pool, commit", lambda: check_bf16_raw_gating_pool_and_commit(device)),
         ("tree conv into q, k, v", lambda: check_tree_conv_qkv_against_torch_form(device)),
     ]:
@@ -227,12 +256,15 @@ def test_ancestor_bits_match_the_dense_mask():
         assert torch.equal(decoded, expected)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(block_kc=8), "block_kc must be a power of two >= 16"),
-    (dict(block_kc=24), "block_kc must be a power of two >= 16"),
-    (dict(block_t=64), "block_t must be 16 or 32"),
-    (dict(precision="fp16"), "precision must be one of"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(block_kc=8), "block_kc must be a power of two >= 16"),
+        (dict(block_kc=24), "block_kc must be a power of two >= 16"),
+        (dict(block_t=64), "block_t must be 16 or 32"),
+        (dict(precision="fp16"), "precision must be one of"),
+    ],
+)
 def test_verify_refuses_block_settings_a_compiled_kernel_cannot_take(options, message):
     """The interpreter runs a tl.dot with K < 16 that the GPU compiler rejects: the wrapper must refuse it
     first, on any device, with the setting's name."""
@@ -241,5 +273,11 @@ def test_verify_refuses_block_settings_a_compiled_kernel_cannot_take(options, me
     _, stacked, states, offsets, parents = _batch([chain_parents(3)], 1, 1, 16, 16)
     bits = ancestor_bits_from_parents(parents, offsets)
     with pytest.raises(ValueError, match=message):
-        tree_gdn_verify(*(stacked[name].float() for name in GDN_ARGS), offsets.int(), bits, states.float(),
-                        torch.zeros(1, dtype=torch.int32), **options)
+        tree_gdn_verify(
+            *(stacked[name].float() for name in GDN_ARGS),
+            offsets.int(),
+            bits,
+            states.float(),
+            torch.zeros(1, dtype=torch.int32),
+            **options,
+        )

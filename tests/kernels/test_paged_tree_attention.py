@@ -25,7 +25,6 @@ from _paged_cache import random_paged_cache  # noqa: E402
 from _triton_interpreter import child_env  # noqa: E402
 
 
-
 def make_batch(seed=0, dtype=torch.float32, device="cpu", num_heads=4, num_kv_heads=2, head_size=32, page=16):
     """Returns the kernel inputs plus the dense per-sequence tensors for the oracle."""
     gen = torch.Generator().manual_seed(seed)
@@ -89,8 +88,17 @@ def dense_oracle(inputs, seqs, q_lens, trees):
         values = vc[bt[len(outs), pos // page].long(), pos % page]
         qq = q[start : start + q_len]
         if tree is not None:
-            outs.append(tree_attention(qq, keys[ctx:], values[ctx:], keys[:ctx], values[:ctx],
-                                       torch.from_numpy(tree.parents.astype(np.int64)), inputs["scale"]))
+            outs.append(
+                tree_attention(
+                    qq,
+                    keys[ctx:],
+                    values[ctx:],
+                    keys[:ctx],
+                    values[:ctx],
+                    torch.from_numpy(tree.parents.astype(np.int64)),
+                    inputs["scale"],
+                )
+            )
         else:
             group = qq.shape[1] // keys.shape[1]
             k = keys.repeat_interleave(group, 1)
@@ -157,16 +165,26 @@ print("KERNEL-OK")
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
     env = child_env(Path(__file__).parent, interpret=True)
-    res = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(Path(__file__).parent), "cpu"], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK, str(Path(__file__).parent), "cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "KERNEL-OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernel_on_gpu():
     env = child_env(Path(__file__).parent, interpret=False)
-    res = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(Path(__file__).parent), "cuda"], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK, str(Path(__file__).parent), "cuda"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "KERNEL-OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 

@@ -55,8 +55,18 @@ def ancestor_rows(parents):
     return rows
 
 
-def build_batch(specs, *, num_heads=4, num_kv_heads=2, head_size=32, page=16, dtype=torch.float32, seed=0,
-                q_scale=2.0, extra_tokens=0):
+def build_batch(
+    specs,
+    *,
+    num_heads=4,
+    num_kv_heads=2,
+    head_size=32,
+    page=16,
+    dtype=torch.float32,
+    seed=0,
+    q_scale=2.0,
+    extra_tokens=0,
+):
     """Kernel inputs for ``specs``: ``(context_len, queries)`` with ``queries`` an int (a plain causal
     sequence of that many queries) or a parents array (a tree). ``q_scale`` spreads the scores so chunk
     maxima differ (a merge that ignores them is visibly wrong); ``extra_tokens`` query rows past the last
@@ -324,14 +334,22 @@ def split_results():
     pytest.importorskip("triton")
     env = child_env(HERE, interpret=True)
     groups = [CHECKS[0::2], CHECKS[1::2]]
-    procs = [subprocess.Popen([sys.executable, "-c", SPLIT_CHECKS, str(HERE), ",".join(g)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for g in groups]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SPLIT_CHECKS, str(HERE), ",".join(g)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for g in groups
+    ]
     results = {}
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=900)
         lines = [line for line in stdout.splitlines() if line.startswith("SPLIT-RESULTS ")]
         assert lines, stdout[-3000:] + stderr[-3000:]
-        results.update(json.loads(lines[-1][len("SPLIT-RESULTS "):]))
+        results.update(json.loads(lines[-1][len("SPLIT-RESULTS ") :]))
     return results
 
 

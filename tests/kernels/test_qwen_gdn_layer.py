@@ -69,8 +69,9 @@ def tree_layer_forward(layer, hidden, parents, conv_history, state):
     """The layer on a draft tree, via ddtree.kernels; returns output [N, hidden] and what commit needs."""
     num_nodes = hidden.shape[0]
     mixed, z, b, a = project(layer, hidden)
-    conv = tree_causal_conv1d(mixed, conv_history, parents, layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
-                              activation=layer.activation)
+    conv = tree_causal_conv1d(
+        mixed, conv_history, parents, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, activation=layer.activation
+    )
     query, key, value = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(num_nodes, -1, layer.head_k_dim)
     key = key.reshape(num_nodes, -1, layer.head_k_dim)
@@ -92,7 +93,7 @@ def prefilled_cache(config, layer, prefix):
 def committed_state_of(cache, layer):
     """transformers keeps a conv state of W inputs [B, C, W]; the newest W - 1 are the history."""
     conv_state = cache.get_conv_state(layer.layer_idx)
-    history = conv_state[0, :, -(layer.conv_kernel_size - 1):].T
+    history = conv_state[0, :, -(layer.conv_kernel_size - 1) :].T
     return history, cache.get_recurrent_state(layer.layer_idx)[0]
 
 

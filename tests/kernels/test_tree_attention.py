@@ -39,8 +39,10 @@ def causal_attention_last_token(q, keys, values):
     """Oracle: SDPA with a causal mask over a whole sequence; return the last token's output [Hq, D]."""
     group = q.shape[1] // keys.shape[1]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.repeat_interleave(group, 1).transpose(0, 1)[None],
-        values.repeat_interleave(group, 1).transpose(0, 1)[None], is_causal=False,
+        q.transpose(0, 1)[None],
+        keys.repeat_interleave(group, 1).transpose(0, 1)[None],
+        values.repeat_interleave(group, 1).transpose(0, 1)[None],
+        is_causal=False,
     )
     return out[0, :, -1]
 
@@ -78,8 +80,13 @@ def test_rope_at_start_plus_depth_matches_sequential_positions():
     qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     from transformers import Qwen3NextConfig
 
-    config = Qwen3NextConfig(hidden_size=48, num_attention_heads=NUM_Q_HEADS, num_key_value_heads=NUM_KV_HEADS,
-                             head_dim=HEAD_DIM, num_hidden_layers=1)
+    config = Qwen3NextConfig(
+        hidden_size=48,
+        num_attention_heads=NUM_Q_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_hidden_layers=1,
+    )
     rotary = qwen3_next.Qwen3NextRotaryEmbedding(config)
 
     def rotate(q, k, positions):
@@ -108,9 +115,13 @@ def test_batched_tree_attention_equals_per_request():
     trees = [random_parents(n, gen) for n in (4, 1, 7)]
     requests = [random_qkv(len(p), prefix_len=3 + i, seed=i) for i, p in enumerate(trees)]
     out = tree_attention_batched(
-        torch.cat([r["q"] for r in requests]), torch.cat([r["k"] for r in requests]),
-        torch.cat([r["v"] for r in requests]), [r["prefix_keys"] for r in requests],
-        [r["prefix_values"] for r in requests], sum(trees, []), [0, 4, 5, 12],
+        torch.cat([r["q"] for r in requests]),
+        torch.cat([r["k"] for r in requests]),
+        torch.cat([r["v"] for r in requests]),
+        [r["prefix_keys"] for r in requests],
+        [r["prefix_values"] for r in requests],
+        sum(trees, []),
+        [0, 4, 5, 12],
     )
     for request, (rows, parents) in enumerate(zip([slice(0, 4), slice(4, 5), slice(5, 12)], trees)):
         torch.testing.assert_close(out[rows], tree_attention(**requests[request], parents=parents), rtol=0, atol=0)
@@ -122,7 +133,7 @@ def test_kv_compaction_puts_the_accepted_path_at_consecutive_positions(path):
     num_nodes, prefix_len, num_slots = len(parents), 4, 32
     gen = torch.Generator().manual_seed(len(path))
     slot_order = torch.randperm(num_slots, generator=gen)  # a paged cache: positions scattered over slots
-    prefix_slots, node_slots = slot_order[:prefix_len], slot_order[prefix_len:prefix_len + num_nodes]
+    prefix_slots, node_slots = slot_order[:prefix_len], slot_order[prefix_len : prefix_len + num_nodes]
     cache = torch.randn(num_slots, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
     before = cache.clone()
 

@@ -48,7 +48,12 @@ def test_bad_parents_raise_value_error(parents, message):
 
 @pytest.mark.parametrize(
     "offsets, message",
-    [([0, 3], r"end at the number of nodes \(4\)"), ([1, 4], "start at 0"), ([0, 0, 4], "strictly increasing"), ([4], r"\[R \+ 1\]")],
+    [
+        ([0, 3], r"end at the number of nodes \(4\)"),
+        ([1, 4], "start at 0"),
+        ([0, 0, 4], "strictly increasing"),
+        ([4], r"\[R \+ 1\]"),
+    ],
 )
 def test_bad_node_offsets_raise_value_error(offsets, message):
     with pytest.raises(ValueError, match=message):

@@ -8,17 +8,36 @@ from ddtree.training import card
 def full_metrics():
     modes = {"chain": {"tau": 2.75, "steps": 50, "lossless": True}}
     for i, b in enumerate(card.BUDGETS):
-        modes[f"ddtree-{b}"] = {"tau": 3.0 + 0.1 * i, "ratio_to_chain": (3.0 + 0.1 * i) / 2.75, "steps": 40,
-                                "lossless": True}
+        modes[f"ddtree-{b}"] = {
+            "tau": 3.0 + 0.1 * i,
+            "ratio_to_chain": (3.0 + 0.1 * i) / 2.75,
+            "steps": 40,
+            "lossless": True,
+        }
     return {
-        "command": "python -m ddtree.training run", "seed": 0, "device": "cuda",
-        "data": {"source": "/stdlib", "files": {"train": 1787, "heldout": 67},
-                 "tokens": {"train": 9178084, "heldout": 407707}, "vocab_size": 4096},
-        "target": {"steps": 2400, "final_loss": 1.2345, "first_loss": 8.1, "parameters": 10515376,
-                   "heldout": {"loss": 1.5678, "perplexity": 4.7965, "tokens": 400000}},
+        "command": "python -m ddtree.training run",
+        "seed": 0,
+        "device": "cuda",
+        "data": {
+            "source": "/stdlib",
+            "files": {"train": 1787, "heldout": 67},
+            "tokens": {"train": 9178084, "heldout": 407707},
+            "vocab_size": 4096,
+        },
+        "target": {
+            "steps": 2400,
+            "final_loss": 1.2345,
+            "first_loss": 8.1,
+            "parameters": 10515376,
+            "heldout": {"loss": 1.5678, "perplexity": 4.7965, "tokens": 400000},
+        },
         "drafter": {"steps": 1500, "final_loss": 2.4681, "parameters": 2164480, "final_tf_tau": 3.3},
-        "eval": {"prompts": 16, "new_tokens": 128, "modes": modes,
-                 "gpu_bf16": {"prompts_agreeing_128": 13, "prompts": 16, "common_prefix": [128] * 16}},
+        "eval": {
+            "prompts": 16,
+            "new_tokens": 128,
+            "modes": modes,
+            "gpu_bf16": {"prompts_agreeing_128": 13, "prompts": 16, "common_prefix": [128] * 16},
+        },
     }
 
 
@@ -26,8 +45,22 @@ def test_card_has_every_required_number():
     metrics = full_metrics()
     assert card.missing_fields(metrics) == []
     text = card.render(metrics)
-    for needle in ("1787", "67", "9178084", "407707", "4096", "2400", "1.234", "1.568", "4.80", "1500", "2.468",
-                   "2.750", "13 of 16", "met"):
+    for needle in (
+        "1787",
+        "67",
+        "9178084",
+        "407707",
+        "4096",
+        "2400",
+        "1.234",
+        "1.568",
+        "4.80",
+        "1500",
+        "2.468",
+        "2.750",
+        "13 of 16",
+        "met",
+    ):
         assert needle in text, needle
     for i, b in enumerate(card.BUDGETS):
         assert f"DDTree budget {b} | {3.0 + 0.1 * i:.3f} | {(3.0 + 0.1 * i) / 2.75:.3f}" in text

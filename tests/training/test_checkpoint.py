@@ -12,8 +12,11 @@ from ddtree.training import model
 
 #: vLLM 0.25.1 Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (orig_to_new_prefix), which
 #: Qwen3_5ForConditionalGeneration inherits; every saved weight must map into the language model.
-VLLM_PREFIXES = {"model.visual.": "visual.", "lm_head.": "language_model.lm_head.",
-                 "model.language_model.": "language_model.model."}
+VLLM_PREFIXES = {
+    "model.visual.": "visual.",
+    "lm_head.": "language_model.lm_head.",
+    "model.language_model.": "language_model.model.",
+}
 
 
 def test_target_round_trip(tiny_pair, tiny_data, tmp_path):
@@ -36,7 +39,7 @@ def test_target_round_trip(tiny_pair, tiny_data, tmp_path):
     mapped = []
     for name in names:
         prefix = next(p for p in VLLM_PREFIXES if name.startswith(p))
-        mapped.append(VLLM_PREFIXES[prefix] + name[len(prefix):])
+        mapped.append(VLLM_PREFIXES[prefix] + name[len(prefix) :])
     assert all(m.startswith(("language_model.model.", "language_model.lm_head.")) for m in mapped)
     assert any("linear_attn.in_proj_qkv" in n for n in names) and any("self_attn.q_proj" in n for n in names)
 

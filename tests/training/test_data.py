@@ -23,8 +23,9 @@ def test_split_is_deterministic_and_disjoint(tiny_docs):
 
 
 def test_prepare_is_reproducible(tiny_docs, tiny_data, tmp_path):
-    again = data.prepare(str(tmp_path), vocab_size=320, heldout_fraction=0.2, num_prompts=2, prompt_length=24,
-                         docs=tiny_docs)
+    again = data.prepare(
+        str(tmp_path), vocab_size=320, heldout_fraction=0.2, num_prompts=2, prompt_length=24, docs=tiny_docs
+    )
     assert again["sha256"] == tiny_data.manifest["sha256"]
 
 

@@ -154,7 +154,9 @@ def test_teacher_forced_chain_equals_the_engines_chain(tiny_pair, tiny_data):
         optimizer.step()
     drafter.eval()
 
-    chain = SpeculativeEngine(target, drafter).generate(prompts, GenerationConfig(mode="chain", max_new_tokens=new_tokens))
+    chain = SpeculativeEngine(target, drafter).generate(
+        prompts, GenerationConfig(mode="chain", max_new_tokens=new_tokens)
+    )
     assert [r.output_ids for r in chain] == reference
     assert train.greedy_continuations(target, prompts, new_tokens, tiny_data.pad_id, torch.device("cpu")) == reference
     result = dflash.teacher_forced_chain(drafter, target, prompts, reference)
@@ -176,9 +178,11 @@ def test_target_greedy_labels(tiny_pair):
     assert labels[0, 20:].tolist() == output.output_ids  # inside the greedy continuation: the tokens themselves
     assert labels[0, 0] == tokens[0, 0]
     anchors = torch.tensor([[3, 19]])
-    _, text_labels = dflash.dflash_step_logits(drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features),
-                                               anchors)
-    _, greedy_labels = dflash.dflash_step_logits(drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features),
-                                                 anchors, labels)
+    _, text_labels = dflash.dflash_step_logits(
+        drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features), anchors
+    )
+    _, greedy_labels = dflash.dflash_step_logits(
+        drafter, target, tokens, torch.zeros(1, 40, drafter.fc.in_features), anchors, labels
+    )
     assert torch.equal(greedy_labels[0, 1], text_labels[0, 1])  # anchor 19: labels 20.. are all greedy output
     assert greedy_labels[0, 0].tolist() == labels[0, 4:19].tolist()

@@ -9,11 +9,48 @@ from ddtree.training import card, pipeline
 
 def test_run_tiny_end_to_end(tiny_data, tmp_path):
     out, work = str(tmp_path / "out"), str(tmp_path / "work")
-    argv = ["run", "--data", tiny_data.directory, "--out", out, "--work", work, "--tiny", "--device", "cpu",
-            "--target-steps", "4", "--target-batch", "2", "--target-seq", "48", "--generate", "2",
-            "--generate-batch", "2", "--drafter-steps", "3", "--drafter-batch", "2", "--drafter-seq", "80",
-            "--anchors", "4", "--eval-prompts", "1", "--eval-tokens", "6", "--eval-threads", "1",
-            "--generate-prompt", "8", "--generate-new", "40", "--drafter-labels", "target"]
+    argv = [
+        "run",
+        "--data",
+        tiny_data.directory,
+        "--out",
+        out,
+        "--work",
+        work,
+        "--tiny",
+        "--device",
+        "cpu",
+        "--target-steps",
+        "4",
+        "--target-batch",
+        "2",
+        "--target-seq",
+        "48",
+        "--generate",
+        "2",
+        "--generate-batch",
+        "2",
+        "--drafter-steps",
+        "3",
+        "--drafter-batch",
+        "2",
+        "--drafter-seq",
+        "80",
+        "--anchors",
+        "4",
+        "--eval-prompts",
+        "1",
+        "--eval-tokens",
+        "6",
+        "--eval-threads",
+        "1",
+        "--generate-prompt",
+        "8",
+        "--generate-new",
+        "40",
+        "--drafter-labels",
+        "target",
+    ]
     metrics = pipeline.run(pipeline.build_parser().parse_args(argv))
     assert metrics["target"]["steps"] == 4 and metrics["drafter"]["steps"] == 3
     # the drafter phase reports the engine-equivalent chain tau on the held-out prompts, not only the
@@ -32,8 +69,14 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
     assert all(os.path.getsize(os.path.join(out, f)) <= pipeline.PART_BYTES for f in files)
     with tarfile.open(os.path.join(out, "models.tar.00")) as tar:
         names = set(tar.getnames())
-    assert {"README.md", "target/config.json", "target/model.safetensors", "target/tokenizer.json",
-            "drafter/config.json", "drafter/model.safetensors"} <= names
+    assert {
+        "README.md",
+        "target/config.json",
+        "target/model.safetensors",
+        "target/tokenizer.json",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+    } <= names
     with open(os.path.join(out, "metrics.json")) as handle:
         assert json.load(handle)["eval"]["modes"]["chain"]["tau"] >= 1.0
 

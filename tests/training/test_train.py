@@ -11,7 +11,7 @@ from ddtree.training import dflash, train
 def test_target_steps_reduce_loss(tiny_pair, tiny_data):
     _, target, _ = tiny_pair
     model = copy.deepcopy(target).train()
-    batch = torch.from_numpy(tiny_data.train[:4 * 33].astype("int64")).view(4, 33)
+    batch = torch.from_numpy(tiny_data.train[: 4 * 33].astype("int64")).view(4, 33)
     settings = train.PhaseSettings(batch_size=4, seq_len=32, peak_lr=3e-3, warmup_steps=1)
     optimizer = train.make_optimizer(list(model.parameters()), settings, torch.device("cpu"))
 

@@ -81,9 +81,17 @@ def test_budget_is_required():
 
 
 def _args(**kw):
-    base = dict(enforce_eager=False, async_scheduling=None, enable_prefix_caching=None, attention_backend=None,
-                worker_cls="auto", tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
-                attention_config=SimpleNamespace(backend=None))
+    base = dict(
+        enforce_eager=False,
+        async_scheduling=None,
+        enable_prefix_caching=None,
+        attention_backend=None,
+        worker_cls="auto",
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        attention_config=SimpleNamespace(backend=None),
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -92,8 +100,12 @@ def test_engine_overrides_fill_unset_settings():
     changes = engine_overrides(_args(), environ={})
     assert all(override_reason(attr) for attr in changes)  # each one logged with its reason
     assert "scheduled" in override_reason("async_scheduling")
-    assert changes == {"async_scheduling": False, "enable_prefix_caching": False,
-                       "attention_backend": ATTENTION_BACKEND, "worker_cls": WORKER_CLS}
+    assert changes == {
+        "async_scheduling": False,
+        "enable_prefix_caching": False,
+        "attention_backend": ATTENTION_BACKEND,
+        "worker_cls": WORKER_CLS,
+    }
     assert engine_overrides(_args(**changes), environ={"VLLM_USE_V2_MODEL_RUNNER": "0"}) == {}
 
 
@@ -116,14 +128,21 @@ def test_engine_overrides_refuse_conflicts(kw, env, match):
 
 
 def test_custom_backend_through_attention_config_is_accepted():
-    changes = engine_overrides(_args(attention_config=SimpleNamespace(backend=SimpleNamespace(name="CUSTOM"))),
-                               environ={})
+    changes = engine_overrides(
+        _args(attention_config=SimpleNamespace(backend=SimpleNamespace(name="CUSTOM"))), environ={}
+    )
     assert "attention_backend" not in changes
 
 
 def _target(**kw):
-    base = dict(is_hybrid=False, uses_mrope=False, sliding_window=None, kv_cache_dtype="auto", vocab_size=1000,
-                cfg=DDTreeConfig(budget=64, draft_len=15, top_k=None))
+    base = dict(
+        is_hybrid=False,
+        uses_mrope=False,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        vocab_size=1000,
+        cfg=DDTreeConfig(budget=64, draft_len=15, top_k=None),
+    )
     base.update(kw)
     return base
 
@@ -132,8 +151,10 @@ def _target(**kw):
     "kw, match",
     [
         ({"is_hybrid": True, "architecture": "NemotronHForCausalLM"}, "Gated DeltaNet"),
-        ({"is_hybrid": True, "architecture": "Qwen3NextForCausalLM", "mamba_cache_mode": "align"},
-         "mamba_cache_mode='none'"),
+        (
+            {"is_hybrid": True, "architecture": "Qwen3NextForCausalLM", "mamba_cache_mode": "align"},
+            "mamba_cache_mode='none'",
+        ),
         ({"sliding_window": 4096}, "sliding-window"),
         ({"kv_cache_dtype": "fp8"}, "unquantized"),
         ({"use_v2_model_runner": True}, "V1"),
@@ -160,9 +181,24 @@ def test_width_is_min_of_topk_budget_vocab():
 
 
 def _params(**kw):
-    base = dict(structured_outputs=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                bad_words=None, logit_bias=None, min_p=0.0, allowed_token_ids=None, min_tokens=0, logprobs=None,
-                logits_processors=None, thinking_token_budget=None, temperature=0.7, top_p=0.9, top_k=20, seed=3)
+    base = dict(
+        structured_outputs=None,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        bad_words=None,
+        logit_bias=None,
+        min_p=0.0,
+        allowed_token_ids=None,
+        min_tokens=0,
+        logprobs=None,
+        logits_processors=None,
+        thinking_token_budget=None,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        seed=3,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -200,8 +236,14 @@ def test_cudagraph_mode_is_vllms_default_unless_the_user_chose_eager_or_a_served
 
 
 def _fit(**kw):
-    base = dict(budget=64, reserve_per_request=14, max_num_seqs=1024, max_num_batched_tokens=8192,
-                seqs_from_user=False, tokens_from_user=False)
+    base = dict(
+        budget=64,
+        reserve_per_request=14,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        seqs_from_user=False,
+        tokens_from_user=False,
+    )
     base.update(kw)
     return fit_batch_limits(**base)
 

@@ -62,8 +62,12 @@ def _oracle(history, x_path, weight, bias, a_path, b_path, a_log, dt_bias, state
     g = -a_log.double().exp() * F.softplus(a_path.double() + dt_bias.double())
     beta = torch.sigmoid(b_path.double())
     out, final = chain_gated_delta_rule(
-        q.reshape(-1, NUM_K_HEADS, HEAD_K), k.reshape(-1, NUM_K_HEADS, HEAD_K), v.reshape(-1, NUM_V_HEADS, HEAD_V),
-        g, beta, state.transpose(-1, -2).double(),
+        q.reshape(-1, NUM_K_HEADS, HEAD_K),
+        k.reshape(-1, NUM_K_HEADS, HEAD_K),
+        v.reshape(-1, NUM_V_HEADS, HEAD_V),
+        g,
+        beta,
+        state.transpose(-1, -2).double(),
     )
     return out, final.transpose(-1, -2)
 
@@ -101,13 +105,32 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
 
     bits = torch.from_numpy(np.ascontiguousarray(compiled.ancestor_bits).view(np.int32)).to(device)
     step = GdnTreeStep(
-        token_index=torch.arange(num_nodes, device=device), other_index=None,
-        node_offsets=torch.from_numpy(offsets.astype(np.int32)).to(device), ancestor_bits=bits,
+        token_index=torch.arange(num_nodes, device=device),
+        other_index=None,
+        node_offsets=torch.from_numpy(offsets.astype(np.int32)).to(device),
+        ancestor_bits=bits,
         conv_index=torch.from_numpy(conv_gather_index(compiled.windows, offsets)).to(device),
-        num_requests=num_requests, num_tree_tokens=num_nodes,
+        num_requests=num_requests,
+        num_tree_tokens=num_nodes,
     )
-    out = verify_tree_tokens(step, "layer.0", x, a, b, conv_state, ssm_state, slots, weight, bias, "silu",
-                             a_log, dt_bias, HEAD_K, HEAD_V, torch.float32)
+    out = verify_tree_tokens(
+        step,
+        "layer.0",
+        x,
+        a,
+        b,
+        conv_state,
+        ssm_state,
+        slots,
+        weight,
+        bias,
+        "silu",
+        a_log,
+        dt_bias,
+        HEAD_K,
+        HEAD_V,
+        torch.float32,
+    )
     assert torch.equal(conv_state, conv_before) and torch.equal(ssm_state, ssm_before), "verify wrote the caches"
     # Under CUDA graphs later pieces reuse the layer input's memory before the commit runs.
     x = x.clone()
@@ -121,8 +144,17 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
             path = _root_path(local, node)
             rows = [first + p for p in path]
             slot = int(slots[r])
-            expected, _ = _oracle(conv_before[slot].cpu(), x[rows].cpu(), weight.cpu(), bias.cpu(), a[rows].cpu(),
-                                  b[rows].cpu(), a_log.cpu(), dt_bias.cpu(), ssm_before[slot].cpu())
+            expected, _ = _oracle(
+                conv_before[slot].cpu(),
+                x[rows].cpu(),
+                weight.cpu(),
+                bias.cpu(),
+                a[rows].cpu(),
+                b[rows].cpu(),
+                a_log.cpu(),
+                dt_bias.cpu(),
+                ssm_before[slot].cpu(),
+            )
             got = out[first + node].double().cpu()
             err = float((got - expected[-1]).abs().max() / expected[-1].abs().max())
             assert err < 1e-4, f"request {r} node {node}: relative error {err}"
@@ -132,7 +164,8 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
 
     padded, lengths = commit_paths(paths)
     plan = GdnCommitPlan(
-        node_offsets=step.node_offsets, paths=torch.from_numpy(padded).to(device),
+        node_offsets=step.node_offsets,
+        paths=torch.from_numpy(padded).to(device),
         path_lengths=torch.from_numpy(lengths).to(device),
         conv_index=torch.from_numpy(conv_commit_index(paths, offsets, WIDTH - 1)).to(device),
     )
@@ -140,10 +173,19 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
     for r in range(num_requests):
         slot, first = int(slots[r]), int(offsets[r])
         rows = [first + int(p) for p in paths[r] if p >= 0]
-        history = torch.cat([conv_before[slot].T, x[rows]])[-(WIDTH - 1):].T
+        history = torch.cat([conv_before[slot].T, x[rows]])[-(WIDTH - 1) :].T
         assert torch.equal(conv_state[slot], history), f"request {r}: conv history"
-        _, final = _oracle(conv_before[slot].cpu(), x[rows].cpu(), weight.cpu(), bias.cpu(), a[rows].cpu(),
-                           b[rows].cpu(), a_log.cpu(), dt_bias.cpu(), ssm_before[slot].cpu())
+        _, final = _oracle(
+            conv_before[slot].cpu(),
+            x[rows].cpu(),
+            weight.cpu(),
+            bias.cpu(),
+            a[rows].cpu(),
+            b[rows].cpu(),
+            a_log.cpu(),
+            dt_bias.cpu(),
+            ssm_before[slot].cpu(),
+        )
         err = float((ssm_state[slot].double().cpu() - final).abs().max() / final.abs().max())
         assert err < 1e-4, f"request {r}: committed state relative error {err}"
     untouched = [s for s in range(slots_count) if s not in slots.tolist()]

@@ -20,8 +20,13 @@ def test_spec_metrics_reads_vllm_counters_and_never_raises():
         SimpleNamespace(name="vllm:num_preemptions_total", value=3),
     ]
     out = spec_metrics(SimpleNamespace(get_metrics=lambda: metrics))
-    assert out == {"drafts": 10.0, "draft_tokens": 640.0, "accepted": 12.0, "per_pos": [8.0, 3.0, 1.0],
-                   "preemptions": 3.0}
+    assert out == {
+        "drafts": 10.0,
+        "draft_tokens": 640.0,
+        "accepted": 12.0,
+        "per_pos": [8.0, 3.0, 1.0],
+        "preemptions": 3.0,
+    }
 
     def broken():
         raise RuntimeError("stats logging disabled")
@@ -30,12 +35,17 @@ def test_spec_metrics_reads_vllm_counters_and_never_raises():
     assert failed["drafts"] == 0.0 and "stats logging disabled" in failed["error"]
 
 
-@pytest.mark.parametrize("architecture, expected", [
-    ("Qwen3ForCausalLM", {}),
-    ("Qwen3NextForCausalLM", {"additional_config": {"gdn_prefill_backend": "triton"}}),
-    ("Qwen3_5ForConditionalGeneration",
-     {"additional_config": {"gdn_prefill_backend": "triton"}, "language_model_only": True}),
-])
+@pytest.mark.parametrize(
+    "architecture, expected",
+    [
+        ("Qwen3ForCausalLM", {}),
+        ("Qwen3NextForCausalLM", {"additional_config": {"gdn_prefill_backend": "triton"}}),
+        (
+            "Qwen3_5ForConditionalGeneration",
+            {"additional_config": {"gdn_prefill_backend": "triton"}, "language_model_only": True},
+        ),
+    ],
+)
 def test_engine_arguments_follow_the_target_architecture(tmp_path, architecture, expected):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
     assert engine_kwargs_for(str(tmp_path)) == expected
@@ -76,8 +86,13 @@ def test_fp32_reference_constrains_logits_like_vllms_sampler(monkeypatch):
     prompt, output = [1, 4, 4, 9], [4, 7, 7, 7, 2]
     settings = ref.CONSTRAINED_SCENARIOS["penalties"]
     want = apply_all_penalties(
-        logits[None].clone(), torch.tensor([prompt]), torch.tensor([settings["presence_penalty"]]),
-        torch.tensor([settings["frequency_penalty"]]), torch.tensor([settings["repetition_penalty"]]), [output])[0]
+        logits[None].clone(),
+        torch.tensor([prompt]),
+        torch.tensor([settings["presence_penalty"]]),
+        torch.tensor([settings["frequency_penalty"]]),
+        torch.tensor([settings["repetition_penalty"]]),
+        [output],
+    )[0]
     assert torch.allclose(ref.constrain(logits, prompt, output, settings), want, atol=1e-6)
 
     bias = ref.constrain(logits, prompt, output, {"logit_bias": {5: 4.0, 9: -6.0}})
@@ -97,9 +112,13 @@ def test_fp32_reference_classifies_divergences_by_the_references_gap():
     assert ref.classify([5, 6, 3], reference, gaps, 0.05) == ("real", 2, 2.0)
     assert ref.classify([5, 6, 7, 8, 2], reference, gaps, 0.05) == ("real", 4, None)  # ran past a stop
     lines, counts, widest = ref.judge(
-        {"e": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 9]}, {"tokens": [5]}]}}},
-         "plain": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 6, 3]}, {"tokens": [5, 6, 7, 8]}]}}}},
-        {("batch1", 0): (reference, gaps), ("batch1", 1): (reference, gaps)}, 0.05)
+        {
+            "e": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 9]}, {"tokens": [5]}]}}},
+            "plain": {"scenarios": {"batch1": {"rows": [{"tokens": [5, 6, 3]}, {"tokens": [5, 6, 7, 8]}]}}},
+        },
+        {("batch1", 0): (reference, gaps), ("batch1", 1): (reference, gaps)},
+        0.05,
+    )
     assert counts == {"e": {"batch1": (1, 1, 0)}, "plain": {"batch1": (1, 0, 1)}} and "req 0" in lines[0]
     assert widest == {"e": 0.01, "plain": 2.0}
     assert '{"e": true}' in ref.noise_verdict(widest, ["e", "plain"])[1]
@@ -125,8 +144,10 @@ def test_min_p_check_needs_logprobs_and_flags_a_token_below_the_floor():
 
 def test_fp32_reference_replays_the_settings_a_run_kept():
     ref = _fp32_reference()
-    ran = {"a": {"scenarios": {"logit_bias": {"settings": {"logit_bias": {"5": 1.0}}}}},
-           "b": {"scenarios": {"logit_bias": {"settings": {"logit_bias": {"5": 1.0}}}, "batch1": {}}}}
+    ran = {
+        "a": {"scenarios": {"logit_bias": {"settings": {"logit_bias": {"5": 1.0}}}}},
+        "b": {"scenarios": {"logit_bias": {"settings": {"logit_bias": {"5": 1.0}}}, "batch1": {}}},
+    }
     assert ref.scenario_settings("logit_bias", ran, {}) == {"logit_bias": {"5": 1.0}}
     assert ref.scenario_settings("logit_bias", ran, {"logit_bias": {"x": 1}}) == {"x": 1}  # an override wins
     assert ref.scenario_settings("batch1", ran, {}) == {}

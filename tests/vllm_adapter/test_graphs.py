@@ -30,12 +30,13 @@ def test_load_writes_in_place_and_pads_the_bit_words():
     bits = torch.from_numpy(np.ascontiguousarray(compiled.ancestor_bits).view(np.int32))
     buffers.ancestor_bits.fill_(-1)  # a previous step's wider rows
     conv = torch.from_numpy(conv_gather_index(compiled.windows, trees.node_offsets))
-    views = buffers.load(torch.tensor([0, 6, -1], dtype=torch.int32), bits,
-                         torch.from_numpy(trees.node_offsets.astype(np.int32)), conv)
+    views = buffers.load(
+        torch.tensor([0, 6, -1], dtype=torch.int32), bits, torch.from_numpy(trees.node_offsets.astype(np.int32)), conv
+    )
     num_tokens = int(trees.node_offsets[-1])
     assert views["ancestor_bits"].shape == (num_tokens, 3)
     assert torch.equal(views["ancestor_bits"][:, : bits.shape[1]], bits)
-    assert (views["ancestor_bits"][:, bits.shape[1]:] == 0).all()
+    assert (views["ancestor_bits"][:, bits.shape[1] :] == 0).all()
     assert views["row_start"].tolist() == [0, 6, -1]
     assert torch.equal(views["conv_index"], conv)
     assert views["node_offsets"].tolist() == trees.node_offsets.tolist()
@@ -51,8 +52,12 @@ def test_load_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="11 tree tokens"):
         buffers.load(torch.zeros(1, dtype=torch.int32), torch.zeros(11, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="without GDN"):
-        buffers.load(torch.zeros(1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
-                     torch.zeros(2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int64))
+        buffers.load(
+            torch.zeros(1, dtype=torch.int32),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32),
+            torch.zeros(2, 4, dtype=torch.int64),
+        )
 
 
 @pytest.mark.parametrize("budget, depth", [(64, 15), (16, 15), (256, 15), (8, 4)])
@@ -73,9 +78,15 @@ def test_dummy_trees_are_whole_trees_of_the_engine_budget(budget, depth):
 
 
 def test_captured_commits_hold_references_that_the_replay_rewrites():
-    step = GdnTreeStep(token_index=torch.arange(3), other_index=None, node_offsets=torch.tensor([0, 3]),
-                       ancestor_bits=torch.zeros(3, 1, dtype=torch.int32), conv_index=torch.zeros(3, 4),
-                       num_requests=1, num_tree_tokens=3)
+    step = GdnTreeStep(
+        token_index=torch.arange(3),
+        other_index=None,
+        node_offsets=torch.tensor([0, 3]),
+        ancestor_bits=torch.zeros(3, 1, dtype=torch.int32),
+        conv_index=torch.zeros(3, 4),
+        num_requests=1,
+        num_tree_tokens=3,
+    )
     tensors = [torch.zeros(3) for _ in range(5)]
     step.pending["layer.0"] = PendingCommit(torch.zeros(1), torch.zeros(1), *tensors)
     made = []
@@ -110,8 +121,7 @@ def _dispatching_runner(monkeypatch, mode_name, whole_trees, sizes, result_mode)
 
     monkeypatch.setattr(GPUModelRunner, "_determine_batch_execution_and_padding", dispatch)
     runner = object.__new__(DDTreeGPUModelRunner)
-    runner.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode_name],
-                                                cudagraph_capture_sizes=sizes)
+    runner.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode_name], cudagraph_capture_sizes=sizes)
     runner._ddtree_whole_trees, runner._ddtree_in_dummy_run, runner._ddtree_full_graph = whole_trees, False, None
     return runner, seen
 
@@ -124,8 +134,9 @@ def _dispatching_runner(monkeypatch, mode_name, whole_trees, sizes, result_mode)
         (True, 195, "PIECEWISE", False, None),  # whole trees, but no graph of that size: no padded FULL replay
     ],
 )
-def test_only_whole_tree_steps_of_a_captured_size_replay_full_graphs(monkeypatch, whole, tokens, result, uniform,
-                                                                     full_graph):
+def test_only_whole_tree_steps_of_a_captured_size_replay_full_graphs(
+    monkeypatch, whole, tokens, result, uniform, full_graph
+):
     runner, seen = _dispatching_runner(monkeypatch, "FULL_AND_PIECEWISE", whole, [65, 130, 260], result)
     runner._determine_batch_execution_and_padding(num_tokens=tokens, num_reqs=2)
     assert seen["force_uniform_decode"] is uniform

@@ -77,8 +77,9 @@ def test_plan_for_a_hybrid_target_carries_conv_windows():
     rng = np.random.default_rng(1)
     store = TreeStore(budget=8)
     lists, lp, ids = propose(store, rng, ["a", "b"])
-    plan = plan_verify(store, ["a", "b"], np.array([5, 9]), np.array([9, 9]), {"a": lists[0], "b": lists[1]},
-                       conv_window=3)
+    plan = plan_verify(
+        store, ["a", "b"], np.array([5, 9]), np.array([9, 9]), {"a": lists[0], "b": lists[1]}, conv_window=3
+    )
     parents = plan.trees.parents
     offsets = plan.trees.node_offsets
     num_requests = 2
@@ -165,7 +166,9 @@ def test_accept_gives_vllm_chain_rows_moves_and_drafter_order(seed):
         base = plan.token_index[lo]
         assert order[base : base + len(path)].tolist() == [base + n for n in path]
         # KV moves: accepted node path[i] -> position i
-        moves = {int(s): int(d) for s, d in zip(result.kv_src_token, result.kv_dst_token) if base <= s < base + (hi - lo)}
+        moves = {
+            int(s): int(d) for s, d in zip(result.kv_src_token, result.kv_dst_token) if base <= s < base + (hi - lo)
+        }
         assert moves == {base + n: base + i for i, n in enumerate(path) if n != i}
 
 
@@ -194,7 +197,8 @@ def test_drafter_order_with_requests_without_trees_between(seed):
     result = accept(plan, target, int(num_sched.max()))
     total = int(num_sched.sum())
     assert drafter_context_order(plan, result.accepted, total).tolist() == _context_order_oracle(
-        plan, result.accepted, total)
+        plan, result.accepted, total
+    )
 
 
 def test_reference_oracle_agrees_on_acceptance():
@@ -239,12 +243,11 @@ def test_min_tokens_masks_stop_tokens_by_node_depth():
     store = TreeStore(budget=9)
     lists, _, _ = propose(store, rng, ["a", "b"])
     req_ids = ["p", "a", "b"]
-    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 10, 10]),
-                       {"a": lists[0], "b": lists[1]})
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 10, 10]), {"a": lists[0], "b": lists[1]})
     starts = np.array([0, 1, 11])
     rows, tokens = stop_token_rows(plan, starts, [(0, 1, [7]), (1, 2, [5, 6]), (2, 0, [5])])
-    a_rows = plan.logit_rows[plan.trees.node_offsets[0]:plan.trees.node_offsets[1]]
-    a_depths = plan.trees.depths[plan.trees.node_offsets[0]:plan.trees.node_offsets[1]]
+    a_rows = plan.logit_rows[plan.trees.node_offsets[0] : plan.trees.node_offsets[1]]
+    a_depths = plan.trees.depths[plan.trees.node_offsets[0] : plan.trees.node_offsets[1]]
     expected = {(0, 7)} | {(int(row), t) for row, d in zip(a_rows, a_depths) if d < 2 for t in (5, 6)}
     assert set(zip(rows.tolist(), tokens.tolist())) == expected  # "b" has nothing left to wait for
     assert {int(d) for row, d in zip(a_rows, a_depths) if (int(row), 5) in expected} == {0, 1}

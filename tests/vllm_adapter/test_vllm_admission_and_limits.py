@@ -36,14 +36,19 @@ def test_admission_through_vllms_own_checks_serves_min_p_and_logit_bias_only_for
     from vllm.v1.engine.input_processor import InputProcessor
 
     patches.apply()
-    model_config = SimpleNamespace(max_logprobs=20, get_vocab_size=lambda: 100, logits_processors=None,
-                                   is_diffusion=False)
+    model_config = SimpleNamespace(
+        max_logprobs=20, get_vocab_size=lambda: 100, logits_processors=None, is_diffusion=False
+    )
 
     def processor(additional_config):
         p = object.__new__(InputProcessor)  # vLLM's checks only read these attributes
-        p.__dict__.update(model_config=model_config, speculative_config=SimpleNamespace(method="dflash"),
-                          structured_outputs_config=None, renderer=SimpleNamespace(tokenizer=None),
-                          vllm_config=SimpleNamespace(additional_config=additional_config, reasoning_config=None))
+        p.__dict__.update(
+            model_config=model_config,
+            speculative_config=SimpleNamespace(method="dflash"),
+            structured_outputs_config=None,
+            renderer=SimpleNamespace(tokenizer=None),
+            vllm_config=SimpleNamespace(additional_config=additional_config, reasoning_config=None),
+        )
         return p
 
     ddtree_engine, dflash_engine = processor({"ddtree": {"budget": 8}}), processor({})
@@ -74,10 +79,13 @@ def h200_platform(monkeypatch):
 def _pair_args(budget, **kw):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(model=f"{PAIR}/target", language_model_only=True,
-                           additional_config={"gdn_prefill_backend": "triton"},
-                           speculative_config={"method": "ddtree", "model": f"{PAIR}/drafter", "ddtree_budget": budget},
-                           **kw)
+    return AsyncEngineArgs(
+        model=f"{PAIR}/target",
+        language_model_only=True,
+        additional_config={"gdn_prefill_backend": "triton"},
+        speculative_config={"method": "ddtree", "model": f"{PAIR}/drafter", "ddtree_budget": budget},
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("usage", ["OPENAI_API_SERVER", "LLM_CLASS"])
@@ -98,8 +106,9 @@ def test_vllms_own_config_validation_passes_with_its_defaults(h200_platform, usa
     assert compilation.cudagraph_mode.name == "FULL_AND_PIECEWISE" and not config.model_config.enforce_eager
     sizes = compilation.cudagraph_capture_sizes
     trees = min(scheduler.max_num_seqs, 32)
-    assert all(k * (budget + 1) in sizes for k in range(1, trees + 1)
-               if k * (budget + 1) <= scheduler.max_num_batched_tokens)
+    assert all(
+        k * (budget + 1) in sizes for k in range(1, trees + 1) if k * (budget + 1) <= scheduler.max_num_batched_tokens
+    )
     assert compilation.max_cudagraph_capture_size == sizes[-1] <= scheduler.max_num_batched_tokens
 
 
@@ -109,14 +118,16 @@ def test_user_limits_that_hold_no_tree_are_refused_before_loading(h200_platform)
     patches.apply()
     with pytest.raises(DDTreeConfigError, match="--max-num-batched-tokens >= 80896 or --max-num-seqs <= 103"):
         _pair_args(64, max_num_seqs=1024, max_num_batched_tokens=8192).create_engine_config(
-            UsageContext.OPENAI_API_SERVER)
+            UsageContext.OPENAI_API_SERVER
+        )
     # The user's sequences are kept, the default tokens grow to hold their trees.
     config = _pair_args(64, max_num_seqs=300).create_engine_config(UsageContext.OPENAI_API_SERVER)
     assert config.scheduler_config.max_num_seqs == 300
     assert config.scheduler_config.max_num_batched_tokens == 300 * (64 + 15)
     # User-chosen capture sizes are left alone; eager mode captures nothing.
     config = _pair_args(64, compilation_config={"cudagraph_capture_sizes": [1, 2, 65]}).create_engine_config(
-        UsageContext.LLM_CLASS)
+        UsageContext.LLM_CLASS
+    )
     assert config.compilation_config.cudagraph_capture_sizes == [1, 2, 65]
     config = _pair_args(64, enforce_eager=True).create_engine_config(UsageContext.LLM_CLASS)
     assert config.compilation_config.cudagraph_mode.name == "NONE"

@@ -1,6 +1,5 @@
 """The adapter against an installed vLLM 0.25.x, without a GPU (skipped without vLLM)."""
 
-
 from importlib.metadata import entry_points
 from types import SimpleNamespace
 
@@ -45,8 +44,10 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    args = EngineArgs(model="/nonexistent", speculative_config={"method": "ddtree", "model": "/drafter",
-                                                                 "num_speculative_tokens": 15, "ddtree_budget": 32})
+    args = EngineArgs(
+        model="/nonexistent",
+        speculative_config={"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 15, "ddtree_budget": 32},
+    )
     cfg = patches._translate_engine_args(args)
     assert cfg.budget == 32 and cfg.draft_len == 15
     assert args.speculative_config == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 32}
@@ -58,23 +59,36 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     import os
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    plain = EngineArgs(model="/nonexistent", speculative_config={"method": "dflash", "model": "/d",
-                                                                  "num_speculative_tokens": 3})
+    plain = EngineArgs(
+        model="/nonexistent", speculative_config={"method": "dflash", "model": "/d", "num_speculative_tokens": 3}
+    )
     assert patches._translate_engine_args(plain) is None
-    bad = EngineArgs(model="/nonexistent", async_scheduling=True,
-                     speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    bad = EngineArgs(
+        model="/nonexistent",
+        async_scheduling=True,
+        speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32},
+    )
     with pytest.raises(DDTreeConfigError, match="async_scheduling"):
         patches._translate_engine_args(bad)
-    full = EngineArgs(model="/nonexistent", compilation_config={"cudagraph_mode": "FULL"},
-                      speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    full = EngineArgs(
+        model="/nonexistent",
+        compilation_config={"cudagraph_mode": "FULL"},
+        speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32},
+    )
     with pytest.raises(DDTreeConfigError, match="FULL_AND_PIECEWISE"):
         patches._translate_engine_args(full)
-    piecewise = EngineArgs(model="/nonexistent", compilation_config={"cudagraph_mode": "PIECEWISE"},
-                           speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    piecewise = EngineArgs(
+        model="/nonexistent",
+        compilation_config={"cudagraph_mode": "PIECEWISE"},
+        speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32},
+    )
     patches._translate_engine_args(piecewise)
     assert piecewise.compilation_config.cudagraph_mode.name == "PIECEWISE"
-    eager = EngineArgs(model="/nonexistent", enforce_eager=True,
-                       speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32})
+    eager = EngineArgs(
+        model="/nonexistent",
+        enforce_eager=True,
+        speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32},
+    )
     patches._translate_engine_args(eager)
     assert eager.enforce_eager is True and eager.compilation_config.cudagraph_mode is None
 
@@ -95,17 +109,37 @@ def test_vllm_layout_assumptions():
     max_seq_len = {f.name: f for f in dataclasses.fields(TritonAttentionMetadata)}["max_seq_len"]
     assert max_seq_len.type in (int, "int")
     params = list(inspect.signature(SpecDecodeBaseProposer.propose).parameters)
-    assert params[:8] == ["self", "num_speculative_tokens", "target_token_ids", "target_positions",
-                          "target_hidden_states", "next_token_ids", "token_indices_to_sample",
-                          "common_attn_metadata"]
+    assert params[:8] == [
+        "self",
+        "num_speculative_tokens",
+        "target_token_ids",
+        "target_positions",
+        "target_hidden_states",
+        "next_token_ids",
+        "token_indices_to_sample",
+        "common_attn_metadata",
+    ]
     assert "num_rejected_tokens_gpu" in params
     assert list(inspect.signature(SpecDecodeBaseProposer._sample_draft_tokens).parameters) == [
-        "self", "hidden_states", "sampling_metadata"]
-    for name in ("_prepare_inputs", "_sample", "_update_states", "take_draft_token_ids", "sample_tokens",
-                 "propose_draft_token_ids", "execute_model"):
+        "self",
+        "hidden_states",
+        "sampling_metadata",
+    ]
+    for name in (
+        "_prepare_inputs",
+        "_sample",
+        "_update_states",
+        "take_draft_token_ids",
+        "sample_tokens",
+        "propose_draft_token_ids",
+        "execute_model",
+    ):
         assert hasattr(GPUModelRunner, name), name
     assert list(inspect.signature(GPUModelRunner._prepare_inputs).parameters) == [
-        "self", "scheduler_output", "num_scheduled_tokens"]
+        "self",
+        "scheduler_output",
+        "num_scheduled_tokens",
+    ]
     assert list(inspect.signature(GPUModelRunner._sample).parameters) == ["self", "logits", "spec_decode_metadata"]
     assert issubclass(DFlashProposer, SpecDecodeBaseProposer)
     src = inspect.getsource(GPUModelRunner._prepare_inputs)
@@ -131,8 +165,12 @@ def test_hybrid_gdn_engines_get_one_state_slot_per_request():
     from vllm.v1.kv_cache_interface import MambaSpec
 
     patches.apply()
-    for wrapped in (MambaBase.get_kv_cache_spec, GatedDeltaNetAttention.__init__,
-                    Platform._align_hybrid_block_size, MambaStateShapeCalculator.gated_delta_net_state_shape):
+    for wrapped in (
+        MambaBase.get_kv_cache_spec,
+        GatedDeltaNetAttention.__init__,
+        Platform._align_hybrid_block_size,
+        MambaStateShapeCalculator.gated_delta_net_state_shape,
+    ):
         assert getattr(wrapped, "__ddtree_wrapped__", False)
 
     # 5c: the page-size alignment of a ddtree engine sizes the conv state without the budget's columns.
@@ -149,8 +187,9 @@ def test_hybrid_gdn_engines_get_one_state_slot_per_request():
     # 5a: only ddtree engines lose the speculative state blocks.
     class FakeLayer:
         def get_kv_cache_spec(self, vllm_config):
-            return MambaSpec(shapes=((4, 3), (2, 2)), dtypes=(torch.float32, torch.float32), block_size=16,
-                             num_speculative_blocks=64)
+            return MambaSpec(
+                shapes=((4, 3), (2, 2)), dtypes=(torch.float32, torch.float32), block_size=16, num_speculative_blocks=64
+            )
 
     patches._wrap_once(FakeLayer, "get_kv_cache_spec", patches._single_slot_spec)
     ddtree_cfg = SimpleNamespace(additional_config={"ddtree": {"budget": 64}})
@@ -170,15 +209,29 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
 
     tree_index = torch.tensor([2, 3, 4])
     other_index = torch.tensor([0, 1, 5])
-    md = GDNAttentionMetadata(num_prefills=2, num_prefill_tokens=3, num_decodes=0, num_decode_tokens=0,
-                              num_spec_decodes=1, num_spec_decode_tokens=3, num_actual_tokens=6,
-                              spec_sequence_masks=torch.tensor([False, True, False]),
-                              spec_state_indices_tensor=torch.tensor([[7]]), num_accepted_tokens=torch.tensor([1]))
+    md = GDNAttentionMetadata(
+        num_prefills=2,
+        num_prefill_tokens=3,
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_spec_decodes=1,
+        num_spec_decode_tokens=3,
+        num_actual_tokens=6,
+        spec_sequence_masks=torch.tensor([False, True, False]),
+        spec_state_indices_tensor=torch.tensor([[7]]),
+        num_accepted_tokens=torch.tensor([1]),
+    )
     metadata = {"layer.0": md}
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace(attn_metadata=metadata))
-    step = gdn.GdnTreeStep(token_index=tree_index, other_index=other_index, node_offsets=torch.tensor([0, 3]),
-                           ancestor_bits=torch.zeros(3, 1, dtype=torch.int32), conv_index=torch.zeros(3, 4),
-                           num_requests=1, num_tree_tokens=3)
+    step = gdn.GdnTreeStep(
+        token_index=tree_index,
+        other_index=other_index,
+        node_offsets=torch.tensor([0, 3]),
+        ancestor_bits=torch.zeros(3, 1, dtype=torch.int32),
+        conv_index=torch.zeros(3, 4),
+        num_requests=1,
+        num_tree_tokens=3,
+    )
     seen = {}
 
     def fake_verify(step_, name, x, a, b, conv_state, ssm_state, slots, *rest, out=None):
@@ -194,9 +247,16 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
 
     monkeypatch.setattr(gdn, "verify_tree_tokens", fake_verify)
     conv = torch.zeros(1, 1, 1)
-    layer = SimpleNamespace(prefix="layer.0", kv_cache=(conv, torch.zeros(1)), conv1d=SimpleNamespace(
-        weight=torch.zeros(1, 1, 4), bias=None), activation="silu", A_log=None, dt_bias=None, head_k_dim=2,
-        head_v_dim=2)
+    layer = SimpleNamespace(
+        prefix="layer.0",
+        kv_cache=(conv, torch.zeros(1)),
+        conv1d=SimpleNamespace(weight=torch.zeros(1, 1, 4), bias=None),
+        activation="silu",
+        A_log=None,
+        dt_bias=None,
+        head_k_dim=2,
+        head_v_dim=2,
+    )
     x = torch.arange(6, dtype=torch.float32)[:, None].repeat(1, 4)
     out = torch.zeros(6, 2, 2)
     patches._gdn_forward_core_with_trees(layer, fake_original, step, x, torch.zeros(6, 2), torch.zeros(6, 2), out)
@@ -206,14 +266,16 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
     assert out[:, 0, 0].tolist() == [0.0, -1.0, 102.0, 103.0, 104.0, -5.0]
 
     # A step of decodes only: the tree rows are the leading rows, passed as views and written in place.
-    decodes = dataclasses.replace(md, num_prefills=0, num_prefill_tokens=0, num_actual_tokens=3,
-                                  spec_sequence_masks=torch.tensor([True]))
+    decodes = dataclasses.replace(
+        md, num_prefills=0, num_prefill_tokens=0, num_actual_tokens=3, spec_sequence_masks=torch.tensor([True])
+    )
     metadata["layer.0"] = decodes
     only_trees = dataclasses.replace(step, token_index=torch.arange(3), other_index=None)
     seen.clear()
     out = torch.zeros(3, 2, 2)
-    patches._gdn_forward_core_with_trees(layer, fake_original, only_trees, x[:3], torch.zeros(3, 2),
-                                         torch.zeros(3, 2), out)
+    patches._gdn_forward_core_with_trees(
+        layer, fake_original, only_trees, x[:3], torch.zeros(3, 2), torch.zeros(3, 2), out
+    )
     assert seen["verify"] == ([0.0, 1.0, 2.0], [7]) and "original" not in seen
     assert seen["views"][0] == x.data_ptr() and seen["views"][1].data_ptr() == out.data_ptr()
     assert out[:, 0, 0].tolist() == [100.0, 101.0, 102.0]
@@ -221,8 +283,7 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
     bad = dataclasses.replace(md, num_spec_decode_tokens=2)
     metadata["layer.0"] = bad
     with pytest.raises(RuntimeError, match="sees 2 spec-decode tokens in a step that verifies 3"):
-        patches._gdn_forward_core_with_trees(layer, fake_original, step, x, torch.zeros(6, 2), torch.zeros(6, 2),
-                                             out)
+        patches._gdn_forward_core_with_trees(layer, fake_original, step, x, torch.zeros(6, 2), torch.zeros(6, 2), out)
 
 
 def test_drafting_reservation_follows_the_drafters_depth():
@@ -249,8 +310,9 @@ def test_drafting_reservation_follows_the_drafters_depth():
     def engine(budget, max_num_seqs, batched, ddtree=None):
         return SimpleNamespace(
             speculative_config=FakeSpec(budget),
-            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-                                             max_num_scheduled_tokens=None),
+            scheduler_config=SimpleNamespace(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=batched, max_num_scheduled_tokens=None
+            ),
             additional_config={} if ddtree is None else {"ddtree": ddtree},
         )
 

@@ -23,8 +23,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
     drafts = [[], lists[0], lists[1][:4]]  # request "p" has no tree
     req_ids = ["p", "a", "b"]
-    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]),
-                       {"a": drafts[1], "b": drafts[2]})
+    plan = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]})
     plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
     plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
     md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
@@ -35,7 +34,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     logits = torch.full((13, vocab), -5.0)
     for j, (lo, hi) in enumerate(zip(plan.trees.node_offsets[:-1], plan.trees.node_offsets[1:])):
         parents = plan.trees.parents[lo:hi]
-        toks = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
         for node in range(hi - lo):
             kids = [c for c in range(1, hi - lo) if parents[c] == node]
             tok = int(toks[kids[0] - 1]) if kids else 19
@@ -52,9 +51,17 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     runner._ddtree_conv_window = 0
     runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
     sampler = DDTreeRejectionSampler(runner)
-    sampling = SimpleNamespace(temperature=None, all_greedy=True, top_k=None, top_p=None, generators={},
-                               no_penalties=True, bad_words_token_ids={}, allowed_token_ids_mask=None,
-                               max_num_logprobs=None)
+    sampling = SimpleNamespace(
+        temperature=None,
+        all_greedy=True,
+        top_k=None,
+        top_p=None,
+        generators={},
+        no_penalties=True,
+        bad_words_token_ids={},
+        allowed_token_ids_mask=None,
+        max_num_logprobs=None,
+    )
     out = sampler(md, None, logits, sampling).sampled_token_ids
     assert runner.ddtree_stats.host_seconds["accept"] > 0
     assert out.shape == (3, 7)
@@ -62,7 +69,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     for row, j in ((1, 0), (2, 1)):
         lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
         parents = plan.trees.parents[lo:hi]
-        toks = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+        toks = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
         node, want = 0, []
         while True:
             kids = [c for c in range(1, hi - lo) if parents[c] == node]
@@ -72,7 +79,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
             want.append(int(toks[node - 1]))
         want.append(19)
         assert out[row, : len(want)].tolist() == want
-        assert (out[row, len(want):] == -1).all()
+        assert (out[row, len(want) :] == -1).all()
     assert runner._ddtree_accept is not None
     # The acceptance's arrays reached the device side in one upload, in the runner's layout.
     staged = runner._ddtree_accept_gpu
@@ -84,8 +91,9 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     def replan():
         """The same trees again (plan_verify consumed the proposal), installed in the runner."""
         store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
-        fresh = plan_verify(store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]),
-                            {"a": drafts[1], "b": drafts[2]})
+        fresh = plan_verify(
+            store, req_ids, np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]}
+        )
         fresh.logit_rows_gpu = torch.from_numpy(fresh.logit_rows)
         fresh.batch_index_gpu = torch.from_numpy(fresh.batch_index)
         runner._ddtree_plan = fresh
@@ -134,8 +142,9 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     logits += torch.linspace(0.0, 1.0, vocab)  # distinct values, so every rank is well defined
     plan = replan()
     result = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "max_num_logprobs": 2}))
-    tokens, lists = RejectionSampler.parse_output(result.sampled_token_ids, vocab,
-                                                  logprobs_tensors=result.logprobs_tensors)
+    tokens, lists = RejectionSampler.parse_output(
+        result.sampled_token_ids, vocab, logprobs_tensors=result.logprobs_tensors
+    )
     log_softmax = logits.log_softmax(dim=-1)
     paths = runner._ddtree_accept.accepted.paths
     expected_rows = [[0]]  # request "p": its only row
@@ -193,9 +202,13 @@ def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch, logi
     outputs = [[1, 1, 4], [2, 3, 3, 5], [7]]
     prompts = torch.tensor([[0, 9, vocab], [6, 6, 2], [3, vocab, vocab]])  # padded with the vocabulary size
     sampling = SimpleNamespace(
-        allowed_token_ids_mask=None, no_penalties=False, output_token_ids=outputs, prompt_token_ids=prompts,
+        allowed_token_ids_mask=None,
+        no_penalties=False,
+        output_token_ids=outputs,
+        prompt_token_ids=prompts,
         bad_words_token_ids={},
-        presence_penalties=torch.tensor([0.5, 0.0, 1.5]), frequency_penalties=torch.tensor([0.2, 0.7, 0.0]),
+        presence_penalties=torch.tensor([0.5, 0.0, 1.5]),
+        frequency_penalties=torch.tensor([0.2, 0.7, 0.0]),
         repetition_penalties=torch.tensor([1.0, 1.3, 2.0]),
     )
     rows_per_req = torch.from_numpy(counts)
@@ -213,20 +226,25 @@ def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch, logi
             history = list(outputs[r])
             if j is not None:  # walk node k up to the root, collecting its path's tokens
                 first = plan.trees.node_offsets[j]
-                tokens = plan.trees.tokens[plan.trees.token_offsets[j]:plan.trees.token_offsets[j + 1]]
+                tokens = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
                 path, node = [], k
                 while node > 0:
                     path.append(int(tokens[node - 1]))
                     node = int(plan.trees.parents[first + node])
                 history += path[::-1]
             row = starts[r] + k
-            want = logits[row:row + 1].float()
+            want = logits[row : row + 1].float()
             for word in sampling.bad_words_token_ids[r]:
-                if history[len(history) - len(word) + 1:] == word[:-1] or len(word) == 1:
+                if history[len(history) - len(word) + 1 :] == word[:-1] or len(word) == 1:
                     want[0, word[-1]] = float("-inf")
-            want = apply_all_penalties(want, prompts[r:r + 1], sampling.presence_penalties[r:r + 1],
-                                       sampling.frequency_penalties[r:r + 1], sampling.repetition_penalties[r:r + 1],
-                                       [history])
+            want = apply_all_penalties(
+                want,
+                prompts[r : r + 1],
+                sampling.presence_penalties[r : r + 1],
+                sampling.frequency_penalties[r : r + 1],
+                sampling.repetition_penalties[r : r + 1],
+                [history],
+            )
             assert torch.allclose(got[row], want[0], atol=1e-6), (r, k, history)
 
 
@@ -268,26 +286,45 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
         self.model_config = SimpleNamespace(is_hybrid=False)
         self.max_num_reqs, self.max_num_tokens = 4, 64
         self.drafter = object()
-        self.input_batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=device,
-                                      vocab_size=vocab, block_sizes=[16], kernel_block_sizes=[16],
-                                      logitsprocs=build_logitsprocs(vllm_config, device, False, False))
+        self.input_batch = InputBatch(
+            max_num_reqs=4,
+            max_model_len=64,
+            max_num_batched_tokens=64,
+            device=device,
+            vocab_size=vocab,
+            block_sizes=[16],
+            kernel_block_sizes=[16],
+            logitsprocs=build_logitsprocs(vllm_config, device, False, False),
+        )
 
     monkeypatch.setattr(GPUModelRunner, "__init__", vllm_init)
     monkeypatch.setattr(proposer_module, "DDTreeProposer", lambda *args: SimpleNamespace())
     assert [type(p) for p in build_logitsprocs(config, cpu, False, False).all] == [MinTokensLogitsProcessor]
     runner = DDTreeGPUModelRunner(config, cpu)
     assert {LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor} <= {
-        type(p) for p in runner.input_batch.logitsprocs.all}
+        type(p) for p in runner.input_batch.logitsprocs.all
+    }
 
     batch, bias = runner.input_batch, {5: 4.0, 9: -6.0}
 
     def request(req_id, temperature=0.0, **params):
-        return CachedRequestState(req_id=req_id, prompt_token_ids=[1, 2, 3], mm_features=[],
-                                  sampling_params=SamplingParams(temperature=temperature, **params), generator=None,
-                                  block_ids=([],), num_computed_tokens=3, output_token_ids=[])
+        return CachedRequestState(
+            req_id=req_id,
+            prompt_token_ids=[1, 2, 3],
+            mm_features=[],
+            sampling_params=SamplingParams(temperature=temperature, **params),
+            generator=None,
+            block_ids=([],),
+            num_computed_tokens=3,
+            output_token_ids=[],
+        )
 
-    for req_id, params in (("x", {}), ("a", {"logit_bias": bias}), ("b", {"logit_bias": bias, "min_p": 0.1, "temperature": 1.0}),
-                           ("c", {"logit_bias": bias})):
+    for req_id, params in (
+        ("x", {}),
+        ("a", {"logit_bias": bias}),
+        ("b", {"logit_bias": bias, "min_p": 0.1, "temperature": 1.0}),
+        ("c", {"logit_bias": bias}),
+    ):
         batch.add_request(request(req_id, **params))
     batch.condense()
     batch.refresh_metadata()

@@ -97,8 +97,13 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is not None and tokenizer.eos_token_id is not None and not args.ignore_eos:
         stop = (tokenizer.eos_token_id,)
     config = GenerationConfig(
-        mode=args.mode, budget=args.budget, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-        stop_token_ids=stop, progress=not args.no_progress,
+        mode=args.mode,
+        budget=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=args.seed,
+        stop_token_ids=stop,
+        progress=not args.no_progress,
     )
     results = engine.generate(prompts, config)
     for index, result in enumerate(results):
@@ -107,5 +112,3 @@ def run(args: argparse.Namespace) -> int:
         print(text)
         print(f"--- {args.mode}: {result.stats.summary()}")
     return 0
-
-

@@ -191,7 +191,9 @@ class DFlashDraftModel(nn.Module):
         """
         if context.length == 0:
             raise ValueError("the drafter needs at least one context token (the prompt)")
-        positions = torch.arange(context.length, context.length + block_embeddings.shape[0], device=block_embeddings.device)
+        positions = torch.arange(
+            context.length, context.length + block_embeddings.shape[0], device=block_embeddings.device
+        )
         cos, sin = self._rotary(positions, block_embeddings)
         hidden = block_embeddings
         for index, layer in enumerate(self.layers):

@@ -65,8 +65,9 @@ class DFlashDraftProposer:
         """
         if not 0 <= depth <= self.num_draft_positions:
             raise ValueError(f"depth {depth} outside [0, {self.num_draft_positions}]")
-        block = torch.full((self.num_draft_positions + 1,), self.drafter.mask_token_id, dtype=torch.int64,
-                           device=self.target.device)
+        block = torch.full(
+            (self.num_draft_positions + 1,), self.drafter.mask_token_id, dtype=torch.int64, device=self.target.device
+        )
         block[0] = committed_tokens[-1]
         embeddings = self.target.embed_tokens(block).to(self.drafter.fc.weight.dtype)
         hidden = self.drafter(embeddings, state)[1 : depth + 1]

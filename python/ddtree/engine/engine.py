@@ -179,9 +179,7 @@ class SpeculativeEngine:
                 break
             self._step(active, config, started, progress)
         progress.close()
-        return [
-            GenerationResult(r.prompt, r.tokens[len(r.prompt):], r.finish_reason, r.stats) for r in requests
-        ]
+        return [GenerationResult(r.prompt, r.tokens[len(r.prompt) :], r.finish_reason, r.stats) for r in requests]
 
     # ------------------------------------------------------------------ steps
 
@@ -259,7 +257,9 @@ class SpeculativeEngine:
         for index, (r, tree, path, bonus) in enumerate(zip(active, trees, paths, bonuses)):
             if feature_layers:
                 rows = output.request_rows(index)
-                self.proposer.add_context(r.drafter_state, output.features[rows][torch.as_tensor(path, dtype=torch.long)])
+                self.proposer.add_context(
+                    r.drafter_state, output.features[rows][torch.as_tensor(path, dtype=torch.long)]
+                )
             accepted = [int(tree.tokens[node - 1]) for node in path[1:]]
             self._record_step(r.stats, len(accepted), len(tree))
             progress.update(r.emit(accepted + [int(bonus)], config.stop_token_ids, now))

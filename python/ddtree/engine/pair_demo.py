@@ -34,8 +34,9 @@ def load_pair_prompts(pair_dir: str) -> Dict:
     return data
 
 
-def run_modes(engine: SpeculativeEngine, prompts: Sequence[Sequence[int]], new_tokens: int,
-              budgets: Sequence[int]) -> Dict[str, Dict]:
+def run_modes(
+    engine: SpeculativeEngine, prompts: Sequence[Sequence[int]], new_tokens: int, budgets: Sequence[int]
+) -> Dict[str, Dict]:
     """Greedy ``ar``, ``chain`` and ``ddtree`` at each budget on the same prompts: outputs, tau, seconds."""
     modes = [("ar", "ar", 0), ("chain", "chain", 0)] + [(f"ddtree-{b}", "ddtree", b) for b in budgets]
     results: Dict[str, Dict] = {}
@@ -69,9 +70,11 @@ def run_pair_demo(pair_dir: str, num_prompts: int, new_tokens: int, budgets: Seq
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device)
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32, device=device)
     engine = SpeculativeEngine(target, drafter)
-    print(f"pair: {pair_dir} (target {sum(p.numel() for p in target.parameters()):,} parameters, drafter "
-          f"{sum(p.numel() for p in drafter.parameters()):,}); {len(prompts)} held-out prompts x {new_tokens} "
-          f"new tokens, greedy, fp32 on {device}")
+    print(
+        f"pair: {pair_dir} (target {sum(p.numel() for p in target.parameters()):,} parameters, drafter "
+        f"{sum(p.numel() for p in drafter.parameters()):,}); {len(prompts)} held-out prompts x {new_tokens} "
+        f"new tokens, greedy, fp32 on {device}"
+    )
     results = run_modes(engine, prompts, new_tokens, budgets)
 
     print("=== prompt 0 ===")

@@ -10,8 +10,9 @@ from typing import Optional, TextIO
 class ProgressBar:
     """``label [#####.....] 37/128 12.3 tok/s``, redrawn in place at most every 0.1 s."""
 
-    def __init__(self, total: int, label: str = "tokens", enabled: bool = True, stream: Optional[TextIO] = None,
-                 width: int = 30):
+    def __init__(
+        self, total: int, label: str = "tokens", enabled: bool = True, stream: Optional[TextIO] = None, width: int = 30
+    ):
         self.total = max(total, 1)
         self.label = label
         self.enabled = enabled

@@ -329,9 +329,7 @@ class TargetModel:
                 raise UnsupportedModelError(f"layer {index}: sliding-window attention is not supported")
             self.attention_layers.append(index)
         else:
-            raise UnsupportedModelError(
-                f"layer {index} ({type(layer).__name__}) has neither self_attn nor linear_attn"
-            )
+            raise UnsupportedModelError(f"layer {index} ({type(layer).__name__}) has neither self_attn nor linear_attn")
 
     # ---------------------------------------------------------------- shapes
 
@@ -370,9 +368,12 @@ class TargetModel:
         for index in self.gdn_layers:
             layer = self.layers[index].linear_attn
             gdn[index] = GdnState(
-                conv_history=torch.zeros(layer.conv_kernel_size - 1, layer.conv_dim, dtype=self.dtype, device=self.device),
-                recurrent=torch.zeros(layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
-                                      dtype=torch.float32, device=self.device),
+                conv_history=torch.zeros(
+                    layer.conv_kernel_size - 1, layer.conv_dim, dtype=self.dtype, device=self.device
+                ),
+                recurrent=torch.zeros(
+                    layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=torch.float32, device=self.device
+                ),
             )
         return RequestState(kv=kv, gdn=gdn)
 
@@ -411,7 +412,9 @@ class TargetModel:
             residual = hidden
             mixer_input = layer.input_layernorm(hidden)
             if index in self.gdn_layers:
-                mixed = self._gdn_tree(index, layer.linear_attn, mixer_input[0], states, trees, node_offsets, pending)[None]
+                mixed = self._gdn_tree(index, layer.linear_attn, mixer_input[0], states, trees, node_offsets, pending)[
+                    None
+                ]
             else:
                 mixed, _ = layer.self_attn(
                     hidden_states=mixer_input,
@@ -463,7 +466,12 @@ class TargetModel:
         conv_inputs, z, b, a = gdn_input_projections(layer, hidden)
         conv_history = torch.stack([state.gdn[index].conv_history for state in states])
         conv_out = tree_causal_conv1d_batched(
-            conv_inputs, conv_history, parents, node_offsets, layer.conv1d.weight.squeeze(1), layer.conv1d.bias,
+            conv_inputs,
+            conv_history,
+            parents,
+            node_offsets,
+            layer.conv1d.weight.squeeze(1),
+            layer.conv1d.bias,
             activation=layer.activation,
         )
         query, key, value = torch.split(conv_out, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)

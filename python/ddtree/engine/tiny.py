@@ -14,8 +14,14 @@ TARGET_KINDS = ("qwen3", "qwen3_next", "qwen3_5")
 EXTRA_KINDS = ("llama",)
 
 
-def tiny_target_config(kind: str, vocab_size: int = 128, num_layers: int = 4, hidden_size: int = 32,
-                       max_position_embeddings: int = 512, **overrides):
+def tiny_target_config(
+    kind: str,
+    vocab_size: int = 128,
+    num_layers: int = 4,
+    hidden_size: int = 32,
+    max_position_embeddings: int = 512,
+    **overrides,
+):
     """The transformers config of a tiny target of ``kind`` (one of :data:`TARGET_KINDS`)."""
     common = dict(
         hidden_size=hidden_size,

@@ -637,14 +637,20 @@ def commit_gdn_state_batched(
         raise ValueError(f"accepted_paths must hold R = {num_requests} paths, got {len(accepted_paths)}")
     _require_dim("conv_history", conv_history, 3, "[R, W - 1, C]")
     if conv_history.shape[0] != num_requests:
-        raise ValueError(f"conv_history must have shape [R, W - 1, C] with R = {num_requests}, got {list(conv_history.shape)}")
+        raise ValueError(
+            f"conv_history must have shape [R, W - 1, C] with R = {num_requests}, got {list(conv_history.shape)}"
+        )
     _require_dim("initial_states", initial_states, 4, "[R, Hv, Dk, Dv]")
     states: List[torch.Tensor] = []
     histories: List[torch.Tensor] = []
     for request in range(num_requests):
         rows = slice(int(offsets[request]), int(offsets[request + 1]))
         state, history = commit_gdn_state(
-            conv_history[request], x_nodes[rows], cache.request(request), initial_states[request], accepted_paths[request]
+            conv_history[request],
+            x_nodes[rows],
+            cache.request(request),
+            initial_states[request],
+            accepted_paths[request],
         )
         states.append(state)
         histories.append(history)

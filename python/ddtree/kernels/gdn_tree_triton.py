@@ -126,8 +126,9 @@ def _ancestor_tile(bits_ptr, num_words, first, rows, cols, row_ok, col_ok):
 
 
 @triton.jit
-def _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, nodes, ok, head, NUM_V_HEADS: tl.constexpr,
-                RAW_GATING: tl.constexpr):
+def _load_gates(
+    g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, nodes, ok, head, NUM_V_HEADS: tl.constexpr, RAW_GATING: tl.constexpr
+):
     """fp32 ``(g, beta)`` of ``nodes`` for one value head (0 outside ``ok``).
 
     With ``RAW_GATING`` the pointers hold the projections ``a`` and ``b`` and
@@ -178,9 +179,22 @@ def _row_scale(sum_sq, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _key_products(q_ptr, k_ptr, nodes, row_ok, col_nodes, col_ok, k_head,
-                  NUM_K_HEADS: tl.constexpr, HEAD_K_DIM: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                  BK: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr):
+def _key_products(
+    q_ptr,
+    k_ptr,
+    nodes,
+    row_ok,
+    col_nodes,
+    col_ok,
+    k_head,
+    NUM_K_HEADS: tl.constexpr,
+    HEAD_K_DIM: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BKC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Raw ``K_rows K_cols^T``, ``Q_rows K_cols^T`` (fp32 ``[BT, BC]``) and ``|k_col|^2`` (``[BC]``).
 
     The head dimension is walked in ``BKC`` chunks loaded from memory (L1/L2
@@ -228,18 +242,38 @@ def _unit_lower_inverse(strict_lower, BT: tl.constexpr):
 
 @triton.jit
 def _tree_gdn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr,  # [T, Hk, Dk], [T, Hk, Dk], [T, Hv, Dv]
-    g_ptr, beta_ptr,  # [T, Hv]: g and beta, or raw a and b with RAW_GATING
-    a_log_ptr, dt_bias_ptr,  # [Hv] (RAW_GATING only)
-    bits_ptr, num_words,  # int32 [T, num_words] ancestor-or-self bits
+    q_ptr,
+    k_ptr,
+    v_ptr,  # [T, Hk, Dk], [T, Hk, Dk], [T, Hv, Dv]
+    g_ptr,
+    beta_ptr,  # [T, Hv]: g and beta, or raw a and b with RAW_GATING
+    a_log_ptr,
+    dt_bias_ptr,  # [Hv] (RAW_GATING only)
+    bits_ptr,
+    num_words,  # int32 [T, num_words] ancestor-or-self bits
     node_offsets_ptr,  # [R + 1]
-    state_ptr, state_indices_ptr,  # state pool (any strides), slot per request [R]
-    stride_state_slot, stride_state_head, stride_state_k, stride_state_v,
-    o_ptr, u_ptr, cum_ptr,  # [T, Hv, Dv] (o dtype), fp32 [T, Hv, Dv], fp32 [T, Hv]
+    state_ptr,
+    state_indices_ptr,  # state pool (any strides), slot per request [R]
+    stride_state_slot,
+    stride_state_head,
+    stride_state_k,
+    stride_state_v,
+    o_ptr,
+    u_ptr,
+    cum_ptr,  # [T, Hv, Dv] (o dtype), fp32 [T, Hv, Dv], fp32 [T, Hv]
     scale,
-    NUM_K_HEADS: tl.constexpr, NUM_V_HEADS: tl.constexpr, HEAD_K_DIM: tl.constexpr, HEAD_V_DIM: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, RAW_GATING: tl.constexpr, L2NORM: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    NUM_V_HEADS: tl.constexpr,
+    HEAD_K_DIM: tl.constexpr,
+    HEAD_V_DIM: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BKC: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RAW_GATING: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):
     request = tl.program_id(0)
     head = tl.program_id(1)
@@ -260,8 +294,9 @@ def _tree_gdn_fwd_kernel(
             cols = c0 + tl.arange(0, BC)
             col_ok = cols < num_nodes
             visible = _ancestor_tile(bits_ptr, num_words, first, rows, cols, row_ok, col_ok)
-            g_cols, _ = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, first + cols, col_ok, head,
-                                    NUM_V_HEADS, RAW_GATING)
+            g_cols, _ = _load_gates(
+                g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, first + cols, col_ok, head, NUM_V_HEADS, RAW_GATING
+            )
             cum += tl.sum(tl.where(visible, g_cols[None, :], 0.0), 1)
         tl.store(cum_ptr + (first + rows) * NUM_V_HEADS + head, cum, mask=row_ok)
     tl.debug_barrier()
@@ -277,8 +312,7 @@ def _tree_gdn_fwd_kernel(
         rows = row0 + tl.arange(0, BT)
         row_ok = rows < num_nodes
         nodes = first + rows
-        _, beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, nodes, row_ok, head, NUM_V_HEADS,
-                              RAW_GATING)
+        _, beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, nodes, row_ok, head, NUM_V_HEADS, RAW_GATING)
         cum_rows = tl.load(cum_ptr + nodes * NUM_V_HEADS + head, mask=row_ok, other=0.0)
         uv_offsets = (nodes[:, None] * NUM_V_HEADS + head) * HEAD_V_DIM + dv[None, :]
         uv_mask = row_ok[:, None] & dv_ok[None, :]
@@ -291,8 +325,11 @@ def _tree_gdn_fwd_kernel(
         q_sum_sq = tl.zeros([BT], dtype=tl.float32)
         for d0 in range(0, BK, BKC):
             dk = d0 + tl.arange(0, BKC)
-            state = tl.load(state_base + dk[:, None] * stride_state_k + dv[None, :] * stride_state_v,
-                            mask=(dk < HEAD_K_DIM)[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+            state = tl.load(
+                state_base + dk[:, None] * stride_state_k + dv[None, :] * stride_state_v,
+                mask=(dk < HEAD_K_DIM)[:, None] & dv_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
             k_rows = _load_chunk(k_ptr, nodes, row_ok, k_head, d0, NUM_K_HEADS, HEAD_K_DIM, BKC).to(tl.float32)
             q_rows = _load_chunk(q_ptr, nodes, row_ok, k_head, d0, NUM_K_HEADS, HEAD_K_DIM, BKC).to(tl.float32)
             k_state += tl.dot(k_rows, state, input_precision=PRECISION)
@@ -310,12 +347,29 @@ def _tree_gdn_fwd_kernel(
             cols = c0 + tl.arange(0, BC)
             col_ok = cols < row0  # only rows already solved (all < num_nodes)
             col_nodes = first + cols
-            kk, qk, col_sum_sq = _key_products(q_ptr, k_ptr, nodes, row_ok, col_nodes, col_ok, k_head, NUM_K_HEADS,
-                                               HEAD_K_DIM, BT, BC, BK, BKC, PRECISION)
+            kk, qk, col_sum_sq = _key_products(
+                q_ptr,
+                k_ptr,
+                nodes,
+                row_ok,
+                col_nodes,
+                col_ok,
+                k_head,
+                NUM_K_HEADS,
+                HEAD_K_DIM,
+                BT,
+                BC,
+                BK,
+                BKC,
+                PRECISION,
+            )
             col_scale = _row_scale(col_sum_sq, L2NORM)
             cum_cols = tl.load(cum_ptr + col_nodes * NUM_V_HEADS + head, mask=col_ok, other=0.0)
-            u_cols = tl.load(u_ptr + (col_nodes[:, None] * NUM_V_HEADS + head) * HEAD_V_DIM + dv[None, :],
-                             mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+            u_cols = tl.load(
+                u_ptr + (col_nodes[:, None] * NUM_V_HEADS + head) * HEAD_V_DIM + dv[None, :],
+                mask=col_ok[:, None] & dv_ok[None, :],
+                other=0.0,
+            )
             visible = _ancestor_tile(bits_ptr, num_words, first, rows, cols, row_ok, col_ok)
             # Mask the exponent, not the result: off-path G_i - G_j can be large and positive.
             decay = tl.exp(tl.where(visible, cum_rows[:, None] - cum_cols[None, :], float("-inf")))
@@ -326,8 +380,9 @@ def _tree_gdn_fwd_kernel(
             out += tl.dot(attention, u_cols, input_precision=PRECISION)
 
         # Diagonal block: U_b = (I + L_bb)^{-1} rhs; out += A_bb U_b (A_bb includes i == j).
-        kk, qk, _ = _key_products(q_ptr, k_ptr, nodes, row_ok, nodes, row_ok, k_head, NUM_K_HEADS, HEAD_K_DIM,
-                                  BT, BT, BK, BKC, PRECISION)
+        kk, qk, _ = _key_products(
+            q_ptr, k_ptr, nodes, row_ok, nodes, row_ok, k_head, NUM_K_HEADS, HEAD_K_DIM, BT, BT, BK, BKC, PRECISION
+        )
         visible = _ancestor_tile(bits_ptr, num_words, first, rows, rows, row_ok, row_ok)
         decay = tl.exp(tl.where(visible, cum_rows[:, None] - cum_rows[None, :], float("-inf")))
         decay = decay * k_scale[None, :]
@@ -350,13 +405,34 @@ def _tree_gdn_fwd_kernel(
 
 @triton.jit
 def _tree_gdn_commit_kernel(
-    k_ptr, u_ptr, cum_ptr,  # [T, Hk, Dk] raw keys, fp32 [T, Hv, Dv], fp32 [T, Hv]
-    node_offsets_ptr, paths_ptr, path_lengths_ptr, max_path,  # [R + 1], int32 [R, max_path], [R]
-    src_ptr, src_indices_ptr, dst_ptr, dst_indices_ptr,
-    stride_src_slot, stride_src_head, stride_src_k, stride_src_v,
-    stride_dst_slot, stride_dst_head, stride_dst_k, stride_dst_v,
-    NUM_K_HEADS: tl.constexpr, NUM_V_HEADS: tl.constexpr, HEAD_K_DIM: tl.constexpr, HEAD_V_DIM: tl.constexpr,
-    BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, L2NORM: tl.constexpr,
+    k_ptr,
+    u_ptr,
+    cum_ptr,  # [T, Hk, Dk] raw keys, fp32 [T, Hv, Dv], fp32 [T, Hv]
+    node_offsets_ptr,
+    paths_ptr,
+    path_lengths_ptr,
+    max_path,  # [R + 1], int32 [R, max_path], [R]
+    src_ptr,
+    src_indices_ptr,
+    dst_ptr,
+    dst_indices_ptr,
+    stride_src_slot,
+    stride_src_head,
+    stride_src_k,
+    stride_src_v,
+    stride_dst_slot,
+    stride_dst_head,
+    stride_dst_k,
+    stride_dst_v,
+    NUM_K_HEADS: tl.constexpr,
+    NUM_V_HEADS: tl.constexpr,
+    HEAD_K_DIM: tl.constexpr,
+    HEAD_V_DIM: tl.constexpr,
+    BP: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):
     request = tl.program_id(0)
     head = tl.program_id(1)
@@ -374,20 +450,37 @@ def _tree_gdn_commit_kernel(
     dk = tl.arange(0, BK)
     dv = v_block * BV + tl.arange(0, BV)
     dv_ok = dv < HEAD_V_DIM
-    deltas = tl.load(u_ptr + (nodes[:, None] * NUM_V_HEADS + head) * HEAD_V_DIM + dv[None, :],
-                     mask=on_path[:, None] & dv_ok[None, :], other=0.0)
+    deltas = tl.load(
+        u_ptr + (nodes[:, None] * NUM_V_HEADS + head) * HEAD_V_DIM + dv[None, :],
+        mask=on_path[:, None] & dv_ok[None, :],
+        other=0.0,
+    )
     cum = tl.load(cum_ptr + nodes * NUM_V_HEADS + head, mask=on_path, other=0.0)
     cum_last = tl.load(cum_ptr + last * NUM_V_HEADS + head)
     weights = tl.where(on_path, tl.exp(cum_last - cum), 0.0)
 
     state_mask = (dk < HEAD_K_DIM)[:, None] & dv_ok[None, :]
     src_slot = tl.load(src_indices_ptr + request).to(tl.int64)
-    state = tl.load(src_ptr + src_slot * stride_src_slot + head * stride_src_head + dk[:, None] * stride_src_k
-                    + dv[None, :] * stride_src_v, mask=state_mask, other=0.0).to(tl.float32)
+    state = tl.load(
+        src_ptr
+        + src_slot * stride_src_slot
+        + head * stride_src_head
+        + dk[:, None] * stride_src_k
+        + dv[None, :] * stride_src_v,
+        mask=state_mask,
+        other=0.0,
+    ).to(tl.float32)
     state = tl.exp(cum_last) * state + tl.dot(tl.trans(keys), weights[:, None] * deltas, input_precision=PRECISION)
     dst_slot = tl.load(dst_indices_ptr + request).to(tl.int64)
-    tl.store(dst_ptr + dst_slot * stride_dst_slot + head * stride_dst_head + dk[:, None] * stride_dst_k
-             + dv[None, :] * stride_dst_v, state.to(dst_ptr.dtype.element_ty), mask=state_mask)
+    tl.store(
+        dst_ptr
+        + dst_slot * stride_dst_slot
+        + head * stride_dst_head
+        + dk[:, None] * stride_dst_k
+        + dv[None, :] * stride_dst_v,
+        state.to(dst_ptr.dtype.element_ty),
+        mask=state_mask,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -510,12 +603,15 @@ def tree_gdn_verify(
     num_nodes = q.shape[0]
     num_k_heads, head_k_dim, num_v_heads, head_v_dim = _check_gdn_inputs(q, k, v, g, beta, num_nodes)
     if ancestor_bits.dtype != torch.int32 or ancestor_bits.dim() != 2 or ancestor_bits.shape[0] != num_nodes:
-        raise ValueError(f"ancestor_bits must be int32 [T = {num_nodes}, W], got {ancestor_bits.dtype} "
-                         f"{list(ancestor_bits.shape)}")
+        raise ValueError(
+            f"ancestor_bits must be int32 [T = {num_nodes}, W], got {ancestor_bits.dtype} {list(ancestor_bits.shape)}"
+        )
     num_requests = node_offsets.numel() - 1
     if state_pool.dim() != 4 or list(state_pool.shape[1:]) != [num_v_heads, head_k_dim, head_v_dim]:
-        raise ValueError(f"state_pool must have shape [S, Hv, Dk, Dv] = [S, {num_v_heads}, {head_k_dim}, "
-                         f"{head_v_dim}], got {list(state_pool.shape)}")
+        raise ValueError(
+            f"state_pool must have shape [S, Hv, Dk, Dv] = [S, {num_v_heads}, {head_k_dim}, "
+            f"{head_v_dim}], got {list(state_pool.shape)}"
+        )
     _require_shape("state_indices", state_indices, [num_requests], "[R]")
     raw_gating = a_log is not None
     if raw_gating != (dt_bias is not None):
@@ -530,35 +626,73 @@ def tree_gdn_verify(
     if out is None:
         out = torch.empty(num_nodes, num_v_heads, head_v_dim, dtype=out_dtype or q.dtype, device=q.device)
     elif list(out.shape) != [num_nodes, num_v_heads, head_v_dim] or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [T, Hv, Dv] = [{num_nodes}, {num_v_heads}, {head_v_dim}] "
-                         f"tensor, got shape {list(out.shape)} strides {out.stride()}")
+        raise ValueError(
+            f"out must be a contiguous [T, Hv, Dv] = [{num_nodes}, {num_v_heads}, {head_v_dim}] "
+            f"tensor, got shape {list(out.shape)} strides {out.stride()}"
+        )
     deltas = torch.empty(num_nodes, num_v_heads, head_v_dim, dtype=torch.float32, device=q.device)
     cum_log_decay = torch.empty(num_nodes, num_v_heads, dtype=torch.float32, device=q.device)
     dummy = cum_log_decay  # unused pointer arguments when gates are precomputed
     grid = (num_requests, num_v_heads, triton.cdiv(head_v_dim, block_v))
     _tree_gdn_fwd_kernel[grid](
-        q, k, v, g, beta,
-        a_log if raw_gating else dummy, dt_bias if raw_gating else dummy,
-        ancestor_bits, ancestor_bits.shape[1],
-        node_offsets, state_pool, state_indices, *state_pool.stride(),
-        out, deltas, cum_log_decay,
-        float(scale if scale is not None else head_k_dim ** -0.5),
-        NUM_K_HEADS=num_k_heads, NUM_V_HEADS=num_v_heads, HEAD_K_DIM=head_k_dim, HEAD_V_DIM=head_v_dim,
-        BT=block_t, BC=block_c, BK=block_k, BKC=min(block_kc, block_k), BV=block_v,
-        PRECISION=precision, RAW_GATING=raw_gating, L2NORM=use_qk_l2norm,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log if raw_gating else dummy,
+        dt_bias if raw_gating else dummy,
+        ancestor_bits,
+        ancestor_bits.shape[1],
+        node_offsets,
+        state_pool,
+        state_indices,
+        *state_pool.stride(),
+        out,
+        deltas,
+        cum_log_decay,
+        float(scale if scale is not None else head_k_dim**-0.5),
+        NUM_K_HEADS=num_k_heads,
+        NUM_V_HEADS=num_v_heads,
+        HEAD_K_DIM=head_k_dim,
+        HEAD_V_DIM=head_v_dim,
+        BT=block_t,
+        BC=block_c,
+        BK=block_k,
+        BKC=min(block_kc, block_k),
+        BV=block_v,
+        PRECISION=precision,
+        RAW_GATING=raw_gating,
+        L2NORM=use_qk_l2norm,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out, deltas, cum_log_decay
 
 
 @triton.jit
 def _tree_conv_qkv_kernel(
-    x_ptr, stride_x,
-    history_ptr, stride_hs, stride_hc, stride_hw,
-    slots_ptr, index_ptr, weight_ptr, bias_ptr,
-    q_ptr, k_ptr, v_ptr,
-    num_history_rows, num_channels, key_width, value_width,
-    WIDTH: tl.constexpr, HISTORY: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr,
+    stride_x,
+    history_ptr,
+    stride_hs,
+    stride_hc,
+    stride_hw,
+    slots_ptr,
+    index_ptr,
+    weight_ptr,
+    bias_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    num_history_rows,
+    num_channels,
+    key_width,
+    value_width,
+    WIDTH: tl.constexpr,
+    HISTORY: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
 ):
     """One node, ``BLOCK_C`` channels: ``sum_w source[index[t, w], c] * weight[c, w]`` (+ bias, SiLU).
@@ -575,14 +709,18 @@ def _tree_conv_qkv_kernel(
         from_history = row < num_history_rows
         if HISTORY > 0:
             slot = tl.load(slots_ptr + row // HISTORY, mask=from_history, other=0).to(tl.int64)
-            past = tl.load(history_ptr + slot * stride_hs + channels * stride_hc + (row % HISTORY) * stride_hw,
-                           mask=ok & from_history, other=0.0)
+            past = tl.load(
+                history_ptr + slot * stride_hs + channels * stride_hc + (row % HISTORY) * stride_hw,
+                mask=ok & from_history,
+                other=0.0,
+            )
             # The torch form casts the history to x's dtype before the fp32 conv: same rounding here.
             past = past.to(x_ptr.dtype.element_ty).to(tl.float32)
         else:
             past = tl.zeros([BLOCK_C], dtype=tl.float32)
-        current = tl.load(x_ptr + (row - num_history_rows) * stride_x + channels,
-                          mask=ok & (row >= num_history_rows), other=0.0).to(tl.float32)
+        current = tl.load(
+            x_ptr + (row - num_history_rows) * stride_x + channels, mask=ok & (row >= num_history_rows), other=0.0
+        ).to(tl.float32)
         weight = tl.load(weight_ptr + channels * WIDTH + w, mask=ok, other=0.0).to(tl.float32)
         acc += tl.where(from_history, past, current) * weight
     if HAS_BIAS:
@@ -634,8 +772,9 @@ def tree_conv_qkv(
     _require_shape("weight", weight, [channels, width], "[C, W]")
     _require_shape("conv_index", conv_index, [num_nodes, width], "[T, W]")
     if conv_state.dim() != 3 or conv_state.shape[1] != channels or conv_state.shape[2] != width - 1:
-        raise ValueError(f"conv_state must have shape [S, C = {channels}, W - 1 = {width - 1}], "
-                         f"got {list(conv_state.shape)}")
+        raise ValueError(
+            f"conv_state must have shape [S, C = {channels}, W - 1 = {width - 1}], got {list(conv_state.shape)}"
+        )
     if bias is not None:
         _require_shape("bias", bias, [channels], "[C]")
     value_width = channels - 2 * key_width
@@ -649,22 +788,46 @@ def tree_conv_qkv(
     weight = weight.contiguous()
     grid = (num_nodes, triton.cdiv(channels, block_c))
     _tree_conv_qkv_kernel[grid](
-        x, x.stride(0), conv_state, *conv_state.stride(), slots, conv_index.contiguous(), weight,
-        bias if bias is not None else weight, q, k, v,
-        slots.shape[0] * (width - 1), channels, key_width, value_width,
-        WIDTH=width, HISTORY=width - 1, BLOCK_C=block_c, HAS_BIAS=bias is not None,
-        SILU=activation is not None, num_warps=num_warps,
+        x,
+        x.stride(0),
+        conv_state,
+        *conv_state.stride(),
+        slots,
+        conv_index.contiguous(),
+        weight,
+        bias if bias is not None else weight,
+        q,
+        k,
+        v,
+        slots.shape[0] * (width - 1),
+        channels,
+        key_width,
+        value_width,
+        WIDTH=width,
+        HISTORY=width - 1,
+        BLOCK_C=block_c,
+        HAS_BIAS=bias is not None,
+        SILU=activation is not None,
+        num_warps=num_warps,
     )
     return q, k, v
 
 
 @triton.jit
 def _tree_conv_commit_kernel(
-    x_ptr, stride_x,
-    history_ptr, stride_hs, stride_hc, stride_hw,
-    slots_ptr, index_ptr,
-    num_history_rows, num_channels,
-    HISTORY: tl.constexpr, HISTORY_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr,
+    stride_x,
+    history_ptr,
+    stride_hs,
+    stride_hc,
+    stride_hw,
+    slots_ptr,
+    index_ptr,
+    num_history_rows,
+    num_channels,
+    HISTORY: tl.constexpr,
+    HISTORY_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """One request, ``BLOCK_C`` channels: its history slot becomes rows ``index[r, :]`` of ``cat(history, x)``."""
     request = tl.program_id(0)
@@ -673,18 +836,29 @@ def _tree_conv_commit_kernel(
     ok = (column < HISTORY)[:, None] & (channels < num_channels)[None, :]
     rows = tl.load(index_ptr + request * HISTORY + column, mask=column < HISTORY, other=0)
     from_history = (rows < num_history_rows)[:, None]
-    source_slot = tl.load(slots_ptr + rows // HISTORY, mask=(column < HISTORY) & (rows < num_history_rows),
-                          other=0).to(tl.int64)
-    past = tl.load(history_ptr + source_slot[:, None] * stride_hs + channels[None, :] * stride_hc
-                   + (rows % HISTORY)[:, None] * stride_hw, mask=ok & from_history, other=0.0)
-    current = tl.load(x_ptr + (rows - num_history_rows)[:, None] * stride_x + channels[None, :],
-                      mask=ok & (rows >= num_history_rows)[:, None], other=0.0)
+    source_slot = tl.load(slots_ptr + rows // HISTORY, mask=(column < HISTORY) & (rows < num_history_rows), other=0).to(
+        tl.int64
+    )
+    past = tl.load(
+        history_ptr
+        + source_slot[:, None] * stride_hs
+        + channels[None, :] * stride_hc
+        + (rows % HISTORY)[:, None] * stride_hw,
+        mask=ok & from_history,
+        other=0.0,
+    )
+    current = tl.load(
+        x_ptr + (rows - num_history_rows)[:, None] * stride_x + channels[None, :],
+        mask=ok & (rows >= num_history_rows)[:, None],
+        other=0.0,
+    )
     value = tl.where(from_history, past, current.to(history_ptr.dtype.element_ty))
     # The new history may be the old one shifted: every thread has read before any writes.
     tl.debug_barrier()
     slot = tl.load(slots_ptr + request).to(tl.int64)
-    tl.store(history_ptr + slot * stride_hs + channels[None, :] * stride_hc + column[:, None] * stride_hw, value,
-             mask=ok)
+    tl.store(
+        history_ptr + slot * stride_hs + channels[None, :] * stride_hc + column[:, None] * stride_hw, value, mask=ok
+    )
 
 
 def tree_conv_commit(
@@ -720,9 +894,18 @@ def tree_conv_commit(
     channels = x.shape[1]
     grid = (num_requests, triton.cdiv(channels, block_c))
     _tree_conv_commit_kernel[grid](
-        x, x.stride(0), conv_state, *conv_state.stride(), slots, conv_index.contiguous(),
-        num_requests * history, channels,
-        HISTORY=history, HISTORY_PAD=_next_power_of_two(history, minimum=1), BLOCK_C=block_c, num_warps=num_warps,
+        x,
+        x.stride(0),
+        conv_state,
+        *conv_state.stride(),
+        slots,
+        conv_index.contiguous(),
+        num_requests * history,
+        channels,
+        HISTORY=history,
+        HISTORY_PAD=_next_power_of_two(history, minimum=1),
+        BLOCK_C=block_c,
+        num_warps=num_warps,
     )
     return conv_state
 
@@ -781,11 +964,29 @@ def tree_gdn_commit(
     num_requests = node_offsets.numel() - 1
     grid = (num_requests, num_v_heads, triton.cdiv(head_v_dim, block_v))
     _tree_gdn_commit_kernel[grid](
-        k.contiguous(), deltas, cum_log_decay, node_offsets, paths.contiguous(), path_lengths, paths.shape[1],
-        state_pool, src_indices, dst_pool, dst_indices, *state_pool.stride(), *dst_pool.stride(),
-        NUM_K_HEADS=num_k_heads, NUM_V_HEADS=num_v_heads, HEAD_K_DIM=head_k_dim, HEAD_V_DIM=head_v_dim,
-        BP=_next_power_of_two(paths.shape[1]), BK=_next_power_of_two(head_k_dim), BV=block_v,
-        PRECISION=precision, L2NORM=use_qk_l2norm, num_warps=num_warps,
+        k.contiguous(),
+        deltas,
+        cum_log_decay,
+        node_offsets,
+        paths.contiguous(),
+        path_lengths,
+        paths.shape[1],
+        state_pool,
+        src_indices,
+        dst_pool,
+        dst_indices,
+        *state_pool.stride(),
+        *dst_pool.stride(),
+        NUM_K_HEADS=num_k_heads,
+        NUM_V_HEADS=num_v_heads,
+        HEAD_K_DIM=head_k_dim,
+        HEAD_V_DIM=head_v_dim,
+        BP=_next_power_of_two(paths.shape[1]),
+        BK=_next_power_of_two(head_k_dim),
+        BV=block_v,
+        PRECISION=precision,
+        L2NORM=use_qk_l2norm,
+        num_warps=num_warps,
     )
     return dst_pool
 
@@ -815,9 +1016,21 @@ def tree_gated_delta_rule_triton(
     local_parents = validate_batched_parents(parents, offsets, device=q.device)
     num_requests = offsets.numel() - 1
     if initial_states.dim() != 4 or initial_states.shape[0] != num_requests:
-        raise ValueError(f"initial_states must have shape [R = {num_requests}, Hv, Dk, Dv], "
-                         f"got {list(initial_states.shape)}")
+        raise ValueError(
+            f"initial_states must have shape [R = {num_requests}, Hv, Dk, Dv], got {list(initial_states.shape)}"
+        )
     bits = ancestor_bits_from_parents(local_parents, offsets)
     indices = torch.arange(num_requests, device=q.device, dtype=torch.int32)
-    return tree_gdn_verify(q, k, v, g, beta, offsets.to(torch.int32), bits, initial_states, indices,
-                           use_qk_l2norm=use_qk_l2norm, **kernel_options)
+    return tree_gdn_verify(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        offsets.to(torch.int32),
+        bits,
+        initial_states,
+        indices,
+        use_qk_l2norm=use_qk_l2norm,
+        **kernel_options,
+    )

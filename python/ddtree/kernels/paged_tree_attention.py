@@ -192,9 +192,13 @@ if triton is not None:
         for start in range(kv_lo, kv_hi, TILE):
             k_pos = start + offs_t
             k_ok = k_pos < kv_hi
-            blk = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
+            blk = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + k_pos // PAGE, mask=k_ok, other=0).to(
+                tl.int64
+            )
             slot = k_pos % PAGE
-            k_off = blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None]
+            k_off = (
+                blk[None, :] * stride_k_blk + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None]
+            )
             k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE]
             s = tl.dot(q, k.to(q.dtype)) * scale  # [BLOCK_M, TILE]
 
@@ -219,7 +223,9 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None]
 
-            v_off = blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :]
+            v_off = (
+                blk[:, None] * stride_v_blk + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :]
+            )
             v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE, HEAD_PAD]
             acc += tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -282,8 +288,11 @@ if triton is not None:
             part = (sp * num_tokens).to(tl.int64) * NUM_HEADS + row
             m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"))
             l_s = tl.load(part_l_ptr + part, mask=row_ok, other=0.0)
-            acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
-                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            acc_s = tl.load(
+                part_acc_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
             m_new = tl.maximum(m_run, m_s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_run - m_safe)  # 0 while nothing was visible
@@ -421,8 +430,9 @@ def paged_tree_attention(
     if ancestor_bits is None or ancestor_bits.numel() == 0:
         ancestor_bits = torch.zeros((1, 1), dtype=torch.int32, device=query.device)
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(num_seqs, max_query_len, num_heads, num_kv_heads, max_seq_len,
-                                             _num_sms(query.device))
+        num_kv_splits = choose_num_kv_splits(
+            num_seqs, max_query_len, num_heads, num_kv_heads, max_seq_len, _num_sms(query.device)
+        )
     split = num_kv_splits > 1
     if split:
         rows = num_tokens * num_heads * num_kv_splits
@@ -493,6 +503,7 @@ def paged_tree_attention(
 
 def default_scale(head_size: int) -> float:
     return 1.0 / math.sqrt(head_size)
+
 
 # --------------------------------------------------------------- KV commit
 # After verification, node ``a_i`` of the accepted path ``[0, a_1, ..., a_m]``

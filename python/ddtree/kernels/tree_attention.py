@@ -49,9 +49,13 @@ def _check_attention_shapes(q, k, v, prefix_keys, prefix_values, num_nodes):
     if list(v.shape[:2]) != list(k.shape[:2]) or v.dim() != 3:
         raise ValueError(f"v must have shape [N, Hkv, Dv] = [{k.shape[0]}, {k.shape[1]}, Dv], got {list(v.shape)}")
     if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q must have shape [N, Hq, D] with Hq a multiple of Hkv = {k.shape[1]}, got Hq = {q.shape[1]}")
+        raise ValueError(
+            f"q must have shape [N, Hq, D] with Hq a multiple of Hkv = {k.shape[1]}, got Hq = {q.shape[1]}"
+        )
     if prefix_keys.dim() != 3 or list(prefix_keys.shape[1:]) != list(k.shape[1:]):
-        raise ValueError(f"prefix_keys must have shape [P, Hkv, D] = [P, {k.shape[1]}, {k.shape[2]}], got {list(prefix_keys.shape)}")
+        raise ValueError(
+            f"prefix_keys must have shape [P, Hkv, D] = [P, {k.shape[1]}, {k.shape[2]}], got {list(prefix_keys.shape)}"
+        )
     if list(prefix_values.shape) != [prefix_keys.shape[0]] + list(v.shape[1:]):
         raise ValueError(
             f"prefix_values must have shape [P, Hkv, Dv] = {[prefix_keys.shape[0]] + list(v.shape[1:])}, "
@@ -120,13 +124,16 @@ def tree_attention_batched(
     for request in range(num_requests):
         rows = slice(int(offsets[request]), int(offsets[request + 1]))
         outputs.append(
-            tree_attention(q[rows], k[rows], v[rows], prefix_keys[request], prefix_values[request],
-                           local_parents[rows], scale)
+            tree_attention(
+                q[rows], k[rows], v[rows], prefix_keys[request], prefix_values[request], local_parents[rows], scale
+            )
         )
     return torch.cat(outputs)
 
 
-def kv_compaction_plan(accepted_path: IndexLike, node_slots: IndexLike, parents: IndexLike) -> Tuple[torch.Tensor, torch.Tensor]:
+def kv_compaction_plan(
+    accepted_path: IndexLike, node_slots: IndexLike, parents: IndexLike
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Moves ``(src, dst)`` that put the accepted path's K/V at consecutive positions.
 
     Args:
@@ -167,7 +174,9 @@ def apply_kv_moves(cache: torch.Tensor, src: IndexLike, dst: IndexLike) -> torch
     if src.numel() == 0:
         return cache
     if int(torch.cat([src, dst]).min()) < 0 or int(torch.cat([src, dst]).max()) >= cache.shape[0]:
-        raise ValueError(f"src and dst must be slot indices in [0, {cache.shape[0]}), got src={src.tolist()} dst={dst.tolist()}")
+        raise ValueError(
+            f"src and dst must be slot indices in [0, {cache.shape[0]}), got src={src.tolist()} dst={dst.tolist()}"
+        )
     if torch.unique(dst).numel() != dst.numel():
         raise ValueError(f"dst must not repeat a slot, got {dst.tolist()}")
     cache[dst] = cache[src]  # advanced indexing copies the sources before the scatter

@@ -60,8 +60,7 @@ def validate_node_offsets(node_offsets: IndexLike, total_nodes: int, device=None
         raise ValueError(f"node_offsets must have shape [R + 1] with R >= 1, got shape {list(offsets.shape)}")
     if int(offsets[0]) != 0 or int(offsets[-1]) != total_nodes:
         raise ValueError(
-            f"node_offsets must start at 0 and end at the number of nodes ({total_nodes}), "
-            f"got {offsets.tolist()}"
+            f"node_offsets must start at 0 and end at the number of nodes ({total_nodes}), got {offsets.tolist()}"
         )
     if bool((offsets[1:] <= offsets[:-1]).any()):
         raise ValueError(f"node_offsets must be strictly increasing (every request has a root), got {offsets.tolist()}")
@@ -108,7 +107,9 @@ def root_path(parents: torch.Tensor, node: int) -> list:
     return path[::-1]
 
 
-def validate_accepted_path(accepted_path: IndexLike, parents: torch.Tensor, name: str = "accepted_path") -> torch.Tensor:
+def validate_accepted_path(
+    accepted_path: IndexLike, parents: torch.Tensor, name: str = "accepted_path"
+) -> torch.Tensor:
     """Check that ``accepted_path`` is ``[0, a1, ..., am]``: a root path of the tree.
 
     Each entry must be the child of the previous one, which also makes the
@@ -120,5 +121,7 @@ def validate_accepted_path(accepted_path: IndexLike, parents: torch.Tensor, name
     if int(path.max()) >= parents.numel():
         raise ValueError(f"{name} entries must be < N = {parents.numel()}, got {path.tolist()}")
     if path.numel() > 1 and bool((parents[path[1:]] != path[:-1]).any()):
-        raise ValueError(f"{name} must follow parent links from the root (parents[a_k] == a_(k-1)), got {path.tolist()}")
+        raise ValueError(
+            f"{name} must follow parent links from the root (parents[a_k] == a_(k-1)), got {path.tolist()}"
+        )
     return path

@@ -9,11 +9,23 @@ CHAIN_TAU_GOAL = 2.5
 
 #: Dotted paths into the metrics dictionary that the card must report.
 REQUIRED = (
-    "data.source", "data.files.train", "data.files.heldout", "data.tokens.train", "data.tokens.heldout",
+    "data.source",
+    "data.files.train",
+    "data.files.heldout",
+    "data.tokens.train",
+    "data.tokens.heldout",
     "data.vocab_size",
-    "target.steps", "target.final_loss", "target.heldout.perplexity", "target.heldout.loss", "target.parameters",
-    "drafter.steps", "drafter.final_loss", "drafter.parameters",
-    "eval.prompts", "eval.new_tokens", "eval.modes.chain.tau",
+    "target.steps",
+    "target.final_loss",
+    "target.heldout.perplexity",
+    "target.heldout.loss",
+    "target.parameters",
+    "drafter.steps",
+    "drafter.final_loss",
+    "drafter.parameters",
+    "eval.prompts",
+    "eval.new_tokens",
+    "eval.modes.chain.tau",
     *(f"eval.modes.ddtree-{b}.tau" for b in BUDGETS),
     *(f"eval.modes.ddtree-{b}.ratio_to_chain" for b in BUDGETS),
     "eval.gpu_bf16.prompts_agreeing_128",
@@ -52,8 +64,11 @@ def _file_lines(files: Dict) -> List[str]:
     """One line per shipped file with its size, grouped by model directory."""
     if not files:
         return ["MISSING"]
-    return [f"- `{sub}/{name}`: {size:,} bytes" for sub, names in sorted(files.items())
-            for name, size in sorted(names.items())]
+    return [
+        f"- `{sub}/{name}`: {size:,} bytes"
+        for sub, names in sorted(files.items())
+        for name, size in sorted(names.items())
+    ]
 
 
 def render(metrics: Dict) -> str:
@@ -114,8 +129,10 @@ def render(metrics: Dict) -> str:
     ]
     for b in BUDGETS:
         key = f"eval.modes.ddtree-{b}"
-        lines.append(f"| DDTree budget {b} | {g(key + '.tau')} | {g(key + '.ratio_to_chain')} | "
-                     f"{g(key + '.steps')} | {g(key + '.lossless')} |")
+        lines.append(
+            f"| DDTree budget {b} | {g(key + '.tau')} | {g(key + '.ratio_to_chain')} | "
+            f"{g(key + '.steps')} | {g(key + '.lossless')} |"
+        )
     goal = "MISSING" if chain is None else ("met" if chain >= CHAIN_TAU_GOAL else "NOT met")
     lines += [
         "",

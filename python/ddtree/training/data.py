@@ -51,7 +51,8 @@ def find_stdlib(candidates: Sequence[str] = STDLIB_CANDIDATES) -> str:
         if os.path.isfile(os.path.join(root, "os.py")) and os.path.isdir(os.path.join(root, "asyncio")):
             return root
     raise FileNotFoundError(
-        "no CPython standard library found; looked in: " + ", ".join(candidates)
+        "no CPython standard library found; looked in: "
+        + ", ".join(candidates)
         + ". Pass --stdlib PATH (a directory holding os.py) or ship a prepared data directory (--data)."
     )
 
@@ -132,8 +133,9 @@ def encode_documents(tokenizer, texts: Sequence[str]) -> Tuple[np.ndarray, List[
     return stream, spans
 
 
-def choose_prompts(stream: np.ndarray, spans: Sequence[Tuple[int, int]], tokenizer, count: int, length: int,
-                   seed: int) -> List[Dict]:
+def choose_prompts(
+    stream: np.ndarray, spans: Sequence[Tuple[int, int]], tokenizer, count: int, length: int, seed: int
+) -> List[Dict]:
     """``count`` evaluation prompts of ``length`` tokens from distinct held-out documents.
 
     Each starts at a line start (a token whose text begins with a newline follows
@@ -166,8 +168,16 @@ def _sha256(path: str) -> str:
 DATA_FILES = ("tokenizer.json", "train.u16", "heldout.u16", "heldout_docs.json", "prompts.json")
 
 
-def prepare(out_dir: str, stdlib: Optional[str] = None, vocab_size: int = 4096, heldout_fraction: float = 0.03,
-            num_prompts: int = 16, prompt_length: int = 96, seed: int = 0, docs=None) -> Dict:
+def prepare(
+    out_dir: str,
+    stdlib: Optional[str] = None,
+    vocab_size: int = 4096,
+    heldout_fraction: float = 0.03,
+    num_prompts: int = 16,
+    prompt_length: int = 96,
+    seed: int = 0,
+    docs=None,
+) -> Dict:
     """Build the data directory (see the module docstring); returns the manifest.
 
     ``docs``: an iterable of ``(path, text)`` instead of a stdlib scan (tests).
@@ -272,6 +282,10 @@ def hf_tokenizer(tokenizer_json: str):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_file=tokenizer_json, eos_token=EOS, pad_token=PAD, mask_token=MASK, model_max_length=4096,
+        tokenizer_file=tokenizer_json,
+        eos_token=EOS,
+        pad_token=PAD,
+        mask_token=MASK,
+        model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )

@@ -47,8 +47,10 @@ def sample_anchors(batch: int, seq_len: int, num_anchors: int, block_size: int, 
     low, high = 1, seq_len - block_size  # inclusive
     count = high - low + 1
     if count < num_anchors or count <= 0:
-        raise ValueError(f"sequence of {seq_len} tokens has {max(count, 0)} anchor positions for block "
-                         f"{block_size}; asked for {num_anchors}")
+        raise ValueError(
+            f"sequence of {seq_len} tokens has {max(count, 0)} anchor positions for block "
+            f"{block_size}; asked for {num_anchors}"
+        )
     keys = torch.rand(batch, count, generator=generator)
     anchors = keys.argsort(dim=1)[:, :num_anchors] + low
     return anchors.sort(dim=1).values
@@ -91,8 +93,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
 
 
-def drafter_block_hidden(drafter, block_embeddings: torch.Tensor, block_positions: torch.Tensor,
-                         features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def drafter_block_hidden(
+    drafter, block_embeddings: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Differentiable, batched DFlash forward: the final-normed hidden states ``[B, M, H]`` of the blocks.
 
     ``block_embeddings [B, M, H]``; ``block_positions [B, M]``; ``features [B, T, F]`` (target
@@ -164,6 +167,7 @@ class TargetFeatures:
     def _hook(self, index):
         def hook(module, args, output):
             self.captured[index] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     def take(self) -> torch.Tensor:
@@ -188,8 +192,14 @@ def target_greedy_labels(tokens: torch.Tensor, target_logits: torch.Tensor) -> t
     return labels
 
 
-def dflash_step_logits(drafter, target, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                       label_tokens: Optional[torch.Tensor] = None):
+def dflash_step_logits(
+    drafter,
+    target,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    label_tokens: Optional[torch.Tensor] = None,
+):
     """Drafter logits ``[B, N, bs - 1, V]`` and labels ``[B, N, bs - 1]`` for one batch.
 
     ``target``: the HF causal LM whose embedding and LM head the drafter shares (frozen).
@@ -243,8 +253,9 @@ def walk_chain(correct: torch.Tensor, first_anchor: int, last_anchor: int) -> li
 
 
 @torch.no_grad()
-def teacher_forced_chain(drafter, target, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-                         rows_per_batch: int = 4) -> Dict:
+def teacher_forced_chain(
+    drafter, target, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], rows_per_batch: int = 4
+) -> Dict:
     """The engine's greedy DFlash chain tau, computed by teacher forcing (one target + one drafter forward).
 
     ``continuations[i]``: the target's greedy output after ``prompts[i]`` (as the engine's ``ar``
@@ -261,7 +272,7 @@ def teacher_forced_chain(drafter, target, prompts: Sequence[Sequence[int]], cont
     try:
         rows = [(list(p), list(c)) for p, c in zip(prompts, continuations)]
         for start in range(0, len(rows), rows_per_batch):
-            group = rows[start:start + rows_per_batch]
+            group = rows[start : start + rows_per_batch]
             # group rows of equal shape; otherwise one by one
             if len({(len(p), len(c)) for p, c in group}) != 1:
                 chunks = [[row] for row in group]
@@ -279,8 +290,9 @@ def teacher_forced_chain(drafter, target, prompts: Sequence[Sequence[int]], cont
                     per_prompt.extend([[] for _ in chunk])
                     continue
                 anchors = torch.arange(first, last + 1, device=device)[None].expand(len(chunk), -1)
-                logits, labels = dflash_step_logits(drafter, target, tokens, features.to(drafter.fc.weight.dtype),
-                                                    anchors)
+                logits, labels = dflash_step_logits(
+                    drafter, target, tokens, features.to(drafter.fc.weight.dtype), anchors
+                )
                 correct = (logits.argmax(-1) == labels).cpu()
                 per_prompt.extend(walk_chain(correct[i], first, last) for i in range(len(chunk)))
     finally:

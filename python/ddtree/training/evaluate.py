@@ -31,8 +31,15 @@ def load_pair(target_dir: str, drafter_dir: Optional[str], device="cpu", dtype=t
     return target, drafter
 
 
-def engine_acceptance(target, drafter, prompts: Sequence[Sequence[int]], budgets: Sequence[int], new_tokens: int,
-                      log, deadline: Optional[float] = None) -> Dict:
+def engine_acceptance(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    new_tokens: int,
+    log,
+    deadline: Optional[float] = None,
+) -> Dict:
     """Reference output (AR), chain and DDTree acceptance on ``prompts`` with ``ddtree.engine``.
 
     Returns ``{"reference": [[ids]], "modes": {name: {...}}}``; each mode has ``tau`` (pooled
@@ -68,8 +75,10 @@ def engine_acceptance(target, drafter, prompts: Sequence[Sequence[int]], budgets
             "accepted_at_depth": depth.tolist(),
         }
         results["modes"][name] = entry
-        log(f"[eval] {name}: tau {entry['tau']:.3f} over {entry['steps']} steps, lossless {entry['lossless']}, "
-            f"{entry['seconds']} s")
+        log(
+            f"[eval] {name}: tau {entry['tau']:.3f} over {entry['steps']} steps, lossless {entry['lossless']}, "
+            f"{entry['seconds']} s"
+        )
     chain = results["modes"].get("chain", {}).get("tau")
     for name, entry in results["modes"].items():
         if chain and name != "chain":
@@ -110,8 +119,9 @@ def greedy_margins(target, prompts: Sequence[Sequence[int]], outputs: Sequence[S
 
 
 @torch.no_grad()
-def hf_greedy(target_dir: str, prompts: Sequence[Sequence[int]], new_tokens: int, device: str, dtype,
-              pad_id: int) -> List[List[int]]:
+def hf_greedy(
+    target_dir: str, prompts: Sequence[Sequence[int]], new_tokens: int, device: str, dtype, pad_id: int
+) -> List[List[int]]:
     """Greedy continuations by plain transformers ``generate`` (no stop, no EOS suppression).
 
     Prompts of one length run as one batch without padding; otherwise one by one.
@@ -124,9 +134,14 @@ def hf_greedy(target_dir: str, prompts: Sequence[Sequence[int]], new_tokens: int
     outputs: List[List[int]] = []
     for batch in batches:
         ids = torch.tensor([list(p) for p in batch], device=device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=pad_id)
-        outputs.extend(row[ids.shape[1]:].tolist() for row in out)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        outputs.extend(row[ids.shape[1] :].tolist() for row in out)
     del model
     return outputs
 
@@ -141,12 +156,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]], horizon: int = 128) -> Dict:
     """Per prompt, the common prefix with the reference; how many agree on ``horizon`` tokens."""
     common = [common_prefix(o, r) for o, r in zip(outputs, reference)]
-    return {"common_prefix": common, "prompts_agreeing_128": sum(c >= horizon for c in common),
-            "prompts": len(common), "horizon": horizon}
+    return {
+        "common_prefix": common,
+        "prompts_agreeing_128": sum(c >= horizon for c in common),
+        "prompts": len(common),
+        "horizon": horizon,
+    }
 
 
-def gpu_bf16_agreement(target_dir: str, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
-                       new_tokens: int, pad_id: int) -> Dict:
+def gpu_bf16_agreement(
+    target_dir: str, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]], new_tokens: int, pad_id: int
+) -> Dict:
     """Greedy output of the target in bf16 on CUDA (transformers ``generate``) vs the fp32 CPU reference."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}

@@ -118,8 +118,17 @@ def wrapper_config(text_config):
     from transformers import Qwen3_5Config
 
     hidden = text_config.hidden_size
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=hidden,
-                  num_position_embeddings=64, patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=hidden,
+        num_position_embeddings=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     text = text_config.to_dict()
     text["mamba_ssm_dtype"] = "float32"
     config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
@@ -141,7 +150,7 @@ def save_target(model, directory: str, tokenizer_json: Optional[str] = None, dty
     tensors = {}
     for name, tensor in model.state_dict().items():
         if name.startswith("model."):
-            name = TARGET_PREFIX + name[len("model."):]
+            name = TARGET_PREFIX + name[len("model.") :]
         elif name != "lm_head.weight":
             raise ValueError(f"unexpected target weight {name}")
         tensors[name] = tensor.detach().to("cpu", dtype).contiguous()

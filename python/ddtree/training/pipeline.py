@@ -55,9 +55,19 @@ class Logger:
 
 def tiny_shapes():
     """Shapes for CPU tests and smoke runs (seconds, not minutes)."""
-    target = model.TargetShape(hidden_size=32, num_layers=4, intermediate_size=64, num_attention_heads=2,
-                               num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
-                               linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=1024)
+    target = model.TargetShape(
+        hidden_size=32,
+        num_layers=4,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=1024,
+    )
     drafter = model.DrafterShape(num_layers=1, block_size=16, target_layer_ids=[1, 2])
     return target, drafter
 
@@ -86,8 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--budget-s", type=float, default=540.0, help="the whole run stops by then")
     run.add_argument("--target-steps", type=int, default=None, help="fixed step count (default: calibrated)")
     run.add_argument("--target-time-s", type=float, default=175.0)
-    run.add_argument("--target-max-epochs", type=float, default=8.0,
-                     help="cap on passes over the train split (a 10M model overfits 9M tokens beyond that)")
+    run.add_argument(
+        "--target-max-epochs",
+        type=float,
+        default=8.0,
+        help="cap on passes over the train split (a 10M model overfits 9M tokens beyond that)",
+    )
     run.add_argument("--target-batch", type=int, default=64)
     run.add_argument("--target-seq", type=int, default=512)
     run.add_argument("--target-lr", type=float, default=2e-3)
@@ -95,9 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--generate-time-s", type=float, default=35.0)
     run.add_argument("--generate-batch", type=int, default=2048)
     run.add_argument("--generate-prompt", type=int, default=96, help="train-text prompt tokens of each continuation")
-    run.add_argument("--generate-new", type=int, default=None,
-                     help="greedy tokens per continuation (default: --drafter-seq minus --generate-prompt); "
-                          "a small target's long greedy continuations end in loops")
+    run.add_argument(
+        "--generate-new",
+        type=int,
+        default=None,
+        help="greedy tokens per continuation (default: --drafter-seq minus --generate-prompt); "
+        "a small target's long greedy continuations end in loops",
+    )
     run.add_argument("--drafter-steps", type=int, default=None)
     run.add_argument("--drafter-time-s", type=float, default=150.0)
     run.add_argument("--drafter-batch", type=int, default=64)
@@ -105,11 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--drafter-lr", type=float, default=1.5e-3)
     run.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     run.add_argument("--raw-fraction", type=float, default=0.5)
-    run.add_argument("--drafter-labels", choices=("text", "target"), default="target",
-                     help="drafter labels: the row's next tokens, or the target's greedy next token after the "
-                          "real prefix (what acceptance is measured against)")
-    run.add_argument("--drafter-eval-every", type=int, default=500,
-                     help="log the held-out engine-equivalent chain tau every N drafter steps (0: only at the end)")
+    run.add_argument(
+        "--drafter-labels",
+        choices=("text", "target"),
+        default="target",
+        help="drafter labels: the row's next tokens, or the target's greedy next token after the "
+        "real prefix (what acceptance is measured against)",
+    )
+    run.add_argument(
+        "--drafter-eval-every",
+        type=int,
+        default=500,
+        help="log the held-out engine-equivalent chain tau every N drafter steps (0: only at the end)",
+    )
     run.add_argument("--eval-prompts", type=int, default=16)
     run.add_argument("--eval-tokens", type=int, default=128)
     run.add_argument("--eval-threads", type=int, default=0, help="CPU threads for the fp32 reference (0: all)")
@@ -140,13 +166,17 @@ def evaluate_pair(args, dataset, target_dir: str, drafter_dir: str, end: float, 
     torch.set_num_threads(threads)
     started = time.perf_counter()
     reference = evaluate.hf_greedy(target_dir, prompts, args.eval_tokens, "cpu", torch.float32, dataset.pad_id)
-    log(f"[eval] fp32 CPU greedy reference ({threads} threads): {len(prompts)} x {args.eval_tokens} tokens in "
-        f"{time.perf_counter() - started:.1f} s")
+    log(
+        f"[eval] fp32 CPU greedy reference ({threads} threads): {len(prompts)} x {args.eval_tokens} tokens in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     cpu_target = model.load_target(target_dir, dtype=torch.float32, device="cpu")
     margins = evaluate.greedy_margins(cpu_target, prompts, reference)
     del cpu_target
-    log(f"[eval] greedy margins: min {margins['min']:.3f}, median {margins['median']:.3f}, "
-        f"{margins['below_tenth']} of {margins['count']} below 0.1")
+    log(
+        f"[eval] greedy margins: min {margins['min']:.3f}, median {margins['median']:.3f}, "
+        f"{margins['below_tenth']} of {margins['count']} below 0.1"
+    )
     gpu = evaluate.gpu_bf16_agreement(target_dir, prompts, reference, args.eval_tokens, dataset.pad_id)
     log(f"[eval] bf16 GPU vs fp32 CPU greedy: {gpu}")
 
@@ -155,28 +185,40 @@ def evaluate_pair(args, dataset, target_dir: str, drafter_dir: str, end: float, 
     try:
         target, drafter = evaluate.load_pair(target_dir, drafter_dir, device=eval_device, dtype=torch.float32)
         log(f"[eval] ddtree.engine on {eval_device} fp32, {len(prompts)} prompts x {args.eval_tokens} tokens")
-        result = evaluate.engine_acceptance(target, drafter, prompts, card.BUDGETS, args.eval_tokens, log,
-                                            deadline=end - 20.0)
+        result = evaluate.engine_acceptance(
+            target, drafter, prompts, card.BUDGETS, args.eval_tokens, log, deadline=end - 20.0
+        )
     except Exception as error:
         if eval_device == "cpu":
             raise
         import traceback
 
-        log(f"[eval] engine on {eval_device} FAILED ({error!r}); falling back to CPU with 4 prompts\n"
-            f"{traceback.format_exc()}")
+        log(
+            f"[eval] engine on {eval_device} FAILED ({error!r}); falling back to CPU with 4 prompts\n"
+            f"{traceback.format_exc()}"
+        )
         eval_device, used_prompts = "cpu (fallback)", prompts[:4]
         target, drafter = evaluate.load_pair(target_dir, drafter_dir, device="cpu", dtype=torch.float32)
-        result = evaluate.engine_acceptance(target, drafter, used_prompts, card.BUDGETS, args.eval_tokens, log,
-                                            deadline=end - 20.0)
-    engine_vs_cpu = evaluate.agreement(result["reference"], reference[: len(used_prompts)],
-                                       min(128, args.eval_tokens))
-    log(f"[eval] engine AR ({eval_device} fp32) vs fp32 CPU reference: {engine_vs_cpu['prompts_agreeing_128']} of "
-        f"{engine_vs_cpu['prompts']} agree on {engine_vs_cpu['horizon']} tokens")
+        result = evaluate.engine_acceptance(
+            target, drafter, used_prompts, card.BUDGETS, args.eval_tokens, log, deadline=end - 20.0
+        )
+    engine_vs_cpu = evaluate.agreement(result["reference"], reference[: len(used_prompts)], min(128, args.eval_tokens))
+    log(
+        f"[eval] engine AR ({eval_device} fp32) vs fp32 CPU reference: {engine_vs_cpu['prompts_agreeing_128']} of "
+        f"{engine_vs_cpu['prompts']} agree on {engine_vs_cpu['horizon']} tokens"
+    )
     return {
-        "prompts": len(used_prompts), "prompt_length": len(prompts[0]), "new_tokens": args.eval_tokens,
-        "engine_device": eval_device, "modes": result["modes"], "skipped": result["skipped"],
-        "margins": margins, "gpu_bf16": gpu, "engine_ar_vs_cpu_fp32": engine_vs_cpu,
-        "reference_outputs": reference, "prompt_ids": prompts,
+        "prompts": len(used_prompts),
+        "prompt_length": len(prompts[0]),
+        "new_tokens": args.eval_tokens,
+        "engine_device": eval_device,
+        "modes": result["modes"],
+        "skipped": result["skipped"],
+        "margins": margins,
+        "gpu_bf16": gpu,
+        "engine_ar_vs_cpu_fp32": engine_vs_cpu,
+        "reference_outputs": reference,
+        "prompt_ids": prompts,
         "prompt_sources": [(p.get("path"), p["offset"]) for p in dataset.prompts[: args.eval_prompts]],
     }
 
@@ -197,12 +239,16 @@ def run(args) -> Dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     log(f"ddtree.training run: {' '.join(sys.argv)}")
-    log(f"python {platform.python_version()}, torch {torch.__version__}, device {device}"
-        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    log(
+        f"python {platform.python_version()}, torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    )
 
     dataset = data.load(args.data)
-    log(f"data {args.data}: {dataset.manifest['tokens']} tokens, vocab {dataset.vocab_size}, "
-        f"{len(dataset.prompts)} prompts")
+    log(
+        f"data {args.data}: {dataset.manifest['tokens']} tokens, vocab {dataset.vocab_size}, "
+        f"{len(dataset.prompts)} prompts"
+    )
     target_shape, drafter_shape = tiny_shapes() if args.tiny else (model.TargetShape(), model.DrafterShape())
     text_config = model.target_text_config(target_shape, dataset.vocab_size, dataset.eos_id, dataset.pad_id)
     models_dir = os.path.join(args.work, "models")
@@ -227,30 +273,53 @@ def run(args) -> Dict:
         log("[target] already trained (resume): skipping")
     else:
         target = model.new_target(text_config, args.seed)
-        settings = train.PhaseSettings(batch_size=args.target_batch, seq_len=args.target_seq, peak_lr=args.target_lr,
-                                       warmup_steps=100 if not args.tiny else 5, steps=args.target_steps,
-                                       max_steps=max(1, int(args.target_max_epochs * dataset.train.size
-                                                            / (args.target_batch * args.target_seq))),
-                                       time_box_s=args.target_time_s, log_every=25 if not args.tiny else 5)
-        log(f"[target] Qwen3_5ForCausalLM {model.count_parameters(target):,} parameters, layers {text_config.layer_types}")
-        loop = train.train_target(target, dataset, settings, device, args.seed, args.work, log,
-                                  deadline=min(end - reserve_after_target, time.monotonic() + args.target_time_s),
-                                  resume=args.resume)
+        settings = train.PhaseSettings(
+            batch_size=args.target_batch,
+            seq_len=args.target_seq,
+            peak_lr=args.target_lr,
+            warmup_steps=100 if not args.tiny else 5,
+            steps=args.target_steps,
+            max_steps=max(1, int(args.target_max_epochs * dataset.train.size / (args.target_batch * args.target_seq))),
+            time_box_s=args.target_time_s,
+            log_every=25 if not args.tiny else 5,
+        )
+        log(
+            f"[target] Qwen3_5ForCausalLM {model.count_parameters(target):,} parameters, layers {text_config.layer_types}"
+        )
+        loop = train.train_target(
+            target,
+            dataset,
+            settings,
+            device,
+            args.seed,
+            args.work,
+            log,
+            deadline=min(end - reserve_after_target, time.monotonic() + args.target_time_s),
+            resume=args.resume,
+        )
         model.round_to_bf16_(target)  # from here on, every use of the target sees the shipped weights
         held = train.heldout_loss(target, dataset.heldout, settings.seq_len, device)
-        log(f"[target] held-out loss {held['loss']:.4f} nats, perplexity {held['perplexity']:.2f} "
-            f"({held['tokens']} tokens)")
+        log(
+            f"[target] held-out loss {held['loss']:.4f} nats, perplexity {held['perplexity']:.2f} "
+            f"({held['tokens']} tokens)"
+        )
         model.save_target(target, target_dir, dataset.tokenizer_path)
         metrics["target"] = {
-            "parameters": model.count_parameters(target), "steps": loop.step, "planned_steps": loop.total_steps,
-            "stopped_early": loop.stopped_early, "batch_size": settings.batch_size, "seq_len": settings.seq_len,
-            "peak_lr": settings.peak_lr, "train_seconds": round(loop.train_seconds, 1),
+            "parameters": model.count_parameters(target),
+            "steps": loop.step,
+            "planned_steps": loop.total_steps,
+            "stopped_early": loop.stopped_early,
+            "batch_size": settings.batch_size,
+            "seq_len": settings.seq_len,
+            "peak_lr": settings.peak_lr,
+            "train_seconds": round(loop.train_seconds, 1),
             "first_loss": loop.history[0]["loss"] if loop.history else None,
             "final_loss": loop.history[-1]["loss"] if loop.history else None,
-            "history": loop.history, "heldout": held,
+            "history": loop.history,
+            "heldout": held,
             "architecture": f"{target_shape.num_layers} layers ({text_config.layer_types.count('linear_attention')} "
-                            f"GDN + {text_config.layer_types.count('full_attention')} gated attention), hidden "
-                            f"{target_shape.hidden_size}, partial rotary 0.25, untied embeddings.",
+            f"GDN + {text_config.layer_types.count('full_attention')} gated attention), hidden "
+            f"{target_shape.hidden_size}, partial rotary 0.25, untied embeddings.",
         }
         with open(target_done, "w") as handle:
             json.dump(metrics["target"], handle)
@@ -268,39 +337,80 @@ def run(args) -> Dict:
             generated = torch.load(gen_path)
         elif args.generate > 0:
             generated = train.generate_sequences(
-                target, dataset, args.generate, args.generate_prompt,
-                args.generate_new or args.drafter_seq - args.generate_prompt, args.generate_batch, device, args.seed, log,
-                deadline=min(time.monotonic() + args.generate_time_s, end - args.drafter_time_s - 75.0))
+                target,
+                dataset,
+                args.generate,
+                args.generate_prompt,
+                args.generate_new or args.drafter_seq - args.generate_prompt,
+                args.generate_batch,
+                device,
+                args.seed,
+                log,
+                deadline=min(time.monotonic() + args.generate_time_s, end - args.drafter_time_s - 75.0),
+            )
             torch.save(generated, gen_path)
         else:
             generated = None
         drafter = model.new_drafter(text_config, drafter_shape, dataset.mask_id, args.seed)
         gamma = default_gamma(drafter_shape.block_size)
-        settings = train.PhaseSettings(batch_size=args.drafter_batch, seq_len=args.drafter_seq, peak_lr=args.drafter_lr,
-                                       warmup_steps=50 if not args.tiny else 5, steps=args.drafter_steps,
-                                       time_box_s=args.drafter_time_s, weight_decay=0.01,
-                                       log_every=25 if not args.tiny else 5)
-        log(f"[drafter] DFlash {model.count_parameters(drafter):,} parameters, block {drafter.block_size}, "
-            f"target layers {drafter.target_layer_ids}, gamma {gamma}")
+        settings = train.PhaseSettings(
+            batch_size=args.drafter_batch,
+            seq_len=args.drafter_seq,
+            peak_lr=args.drafter_lr,
+            warmup_steps=50 if not args.tiny else 5,
+            steps=args.drafter_steps,
+            time_box_s=args.drafter_time_s,
+            weight_decay=0.01,
+            log_every=25 if not args.tiny else 5,
+        )
+        log(
+            f"[drafter] DFlash {model.count_parameters(drafter):,} parameters, block {drafter.block_size}, "
+            f"target layers {drafter.target_layer_ids}, gamma {gamma}"
+        )
         heldout_prompts = [p["ids"] for p in dataset.prompts[: args.eval_prompts]]
-        heldout = (heldout_prompts, train.greedy_continuations(target, heldout_prompts, args.eval_tokens,
-                                                               dataset.pad_id, device))
-        loop = train.train_drafter(drafter, target, dataset, generated, settings, args.anchors, gamma,
-                                   args.raw_fraction, device, args.seed, args.work, log,
-                                   deadline=min(end - 75.0, time.monotonic() + args.drafter_time_s),
-                                   resume=args.resume, heldout=heldout, eval_every=args.drafter_eval_every,
-                                   labels=args.drafter_labels)
+        heldout = (
+            heldout_prompts,
+            train.greedy_continuations(target, heldout_prompts, args.eval_tokens, dataset.pad_id, device),
+        )
+        loop = train.train_drafter(
+            drafter,
+            target,
+            dataset,
+            generated,
+            settings,
+            args.anchors,
+            gamma,
+            args.raw_fraction,
+            device,
+            args.seed,
+            args.work,
+            log,
+            deadline=min(end - 75.0, time.monotonic() + args.drafter_time_s),
+            resume=args.resume,
+            heldout=heldout,
+            eval_every=args.drafter_eval_every,
+            labels=args.drafter_labels,
+        )
         model.round_to_bf16_(drafter)
         drafter.to(torch.bfloat16).save_pretrained(drafter_dir)
         metrics["drafter"] = {
-            "parameters": model.count_parameters(drafter), "steps": loop.step, "planned_steps": loop.total_steps,
-            "stopped_early": loop.stopped_early, "batch_size": settings.batch_size,
+            "parameters": model.count_parameters(drafter),
+            "steps": loop.step,
+            "planned_steps": loop.total_steps,
+            "stopped_early": loop.stopped_early,
+            "batch_size": settings.batch_size,
             "seq_len": settings.seq_len if generated is None else min(settings.seq_len, int(generated.shape[1])),
-            "peak_lr": settings.peak_lr, "train_seconds": round(loop.train_seconds, 1),
-            "layers": drafter_shape.num_layers, "block_size": drafter_shape.block_size,
-            "target_layer_ids": drafter_shape.target_layer_ids, "anchors": args.anchors, "gamma": gamma,
-            "raw_fraction": args.raw_fraction, "generated": 0 if generated is None else int(generated.shape[0]),
-            "generated_shape": None if generated is None else list(generated.shape), "labels": args.drafter_labels,
+            "peak_lr": settings.peak_lr,
+            "train_seconds": round(loop.train_seconds, 1),
+            "layers": drafter_shape.num_layers,
+            "block_size": drafter_shape.block_size,
+            "target_layer_ids": drafter_shape.target_layer_ids,
+            "anchors": args.anchors,
+            "gamma": gamma,
+            "raw_fraction": args.raw_fraction,
+            "generated": 0 if generated is None else int(generated.shape[0]),
+            "generated_shape": None if generated is None else list(generated.shape),
+            "labels": args.drafter_labels,
             "first_loss": loop.history[0]["loss"] if loop.history else None,
             "final_loss": loop.history[-1]["loss"] if loop.history else None,
             "final_tf_tau": loop.history[-1].get("tf_tau") if loop.history else None,
@@ -326,8 +436,10 @@ def run(args) -> Dict:
 
     # ---------------------------------------------------------------- card + outputs
     metrics["files"] = {
-        sub: {name: os.path.getsize(os.path.join(models_dir, sub, name))
-              for name in sorted(os.listdir(os.path.join(models_dir, sub)))}
+        sub: {
+            name: os.path.getsize(os.path.join(models_dir, sub, name))
+            for name in sorted(os.listdir(os.path.join(models_dir, sub)))
+        }
         for sub in ("target", "drafter")
     }
     metrics["wall_seconds"] = round(time.monotonic() - start, 1)
@@ -339,17 +451,25 @@ def run(args) -> Dict:
         json.dump(metrics, handle, indent=1)
     parts = _split_tar(models_dir, ["README.md", "target", "drafter"], args.out)
     missing = card.missing_fields(metrics)
-    log(f"done in {metrics['wall_seconds']} s; wrote {parts}; chain tau "
-        f"{card.lookup(metrics, 'eval.modes.chain.tau')}; missing card fields: {missing or 'none'}")
+    log(
+        f"done in {metrics['wall_seconds']} s; wrote {parts}; chain tau "
+        f"{card.lookup(metrics, 'eval.modes.chain.tau')}; missing card fields: {missing or 'none'}"
+    )
     return metrics
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "prepare":
-        manifest = data.prepare(args.out, stdlib=args.stdlib, vocab_size=args.vocab_size,
-                                heldout_fraction=args.heldout_fraction, num_prompts=args.prompts,
-                                prompt_length=args.prompt_length, seed=args.seed)
+        manifest = data.prepare(
+            args.out,
+            stdlib=args.stdlib,
+            vocab_size=args.vocab_size,
+            heldout_fraction=args.heldout_fraction,
+            num_prompts=args.prompts,
+            prompt_length=args.prompt_length,
+            seed=args.seed,
+        )
         print(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, indent=1))
         return 0
     run(args)

@@ -52,15 +52,23 @@ def make_optimizer(params, settings: PhaseSettings, device: torch.device):
     decay = [p for p in params if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=settings.peak_lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
 class StepLoop:
     """Shared loop: fixed/calibrated step count, LR schedule, deadline, periodic state saves, logging."""
 
-    def __init__(self, name: str, settings: PhaseSettings, model, optimizer, generator: torch.Generator,
-                 state_path: str, log: Callable[[str], None], deadline: float):
+    def __init__(
+        self,
+        name: str,
+        settings: PhaseSettings,
+        model,
+        optimizer,
+        generator: torch.Generator,
+        state_path: str,
+        log: Callable[[str], None],
+        deadline: float,
+    ):
         self.name, self.settings, self.model, self.optimizer = name, settings, model, optimizer
         self.generator, self.state_path, self.log = generator, state_path, log
         self.deadline = deadline  # time.monotonic() value
@@ -84,9 +92,18 @@ class StepLoop:
 
     def save(self) -> None:
         tmp = self.state_path + ".tmp"
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "generator": self.generator.get_state(), "step": self.step, "total_steps": self.total_steps,
-                    "history": self.history, "train_seconds": self.train_seconds}, tmp)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "history": self.history,
+                "train_seconds": self.train_seconds,
+            },
+            tmp,
+        )
         os.replace(tmp, self.state_path)
 
     def run(self, step_fn: Callable[[], Dict]) -> None:
@@ -123,17 +140,28 @@ class StepLoop:
                     per_step = (time.monotonic() - calib_start) / (s.calibration_steps - 5)
                     left = budget_end - time.monotonic()
                     self.total_steps = int(min(s.max_steps, self.step + max(0, left * 0.97) / per_step))
-                    self.log(f"[{self.name}] calibrated: {per_step * 1000:.1f} ms/step -> {self.total_steps} steps "
-                             f"(pass --{self.name}-steps {self.total_steps} to reproduce)")
+                    self.log(
+                        f"[{self.name}] calibrated: {per_step * 1000:.1f} ms/step -> {self.total_steps} steps "
+                        f"(pass --{self.name}-steps {self.total_steps} to reproduce)"
+                    )
             if self.step % s.log_every == 0 or self.step == self.total_steps:
                 now = time.monotonic()
-                entry = {"step": self.step, "loss": window_loss / window_n, "lr": lr, "grad_norm": float(grad_norm),
-                         "elapsed_s": round(self.train_seconds + now - started, 1)}
+                entry = {
+                    "step": self.step,
+                    "loss": window_loss / window_n,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "elapsed_s": round(self.train_seconds + now - started, 1),
+                }
                 entry.update({k: v for k, v in metrics.items() if k != "loss" and isinstance(v, float)})
                 self.history.append(entry)
-                extra = " ".join(f"{k} {v:.3f}" for k, v in entry.items() if k not in ("step", "loss", "lr", "elapsed_s"))
-                self.log(f"[{self.name}] step {self.step}/{self.total_steps} loss {entry['loss']:.4f} lr {lr:.2e} "
-                         f"{extra} ({(now - window_t) / window_n * 1000:.0f} ms/step, {entry['elapsed_s']:.0f} s)")
+                extra = " ".join(
+                    f"{k} {v:.3f}" for k, v in entry.items() if k not in ("step", "loss", "lr", "elapsed_s")
+                )
+                self.log(
+                    f"[{self.name}] step {self.step}/{self.total_steps} loss {entry['loss']:.4f} lr {lr:.2e} "
+                    f"{extra} ({(now - window_t) / window_n * 1000:.0f} ms/step, {entry['elapsed_s']:.0f} s)"
+                )
                 window_loss, window_n, window_t = 0.0, 0, now
             if time.monotonic() - last_save >= s.save_every_s:
                 self.train_seconds += time.monotonic() - started
@@ -148,21 +176,40 @@ class StepLoop:
 # --------------------------------------------------------------------------- target
 
 
-def _start_loop(name: str, model, settings: PhaseSettings, device: torch.device, seed: int, work_dir: str, log,
-                deadline: float, resume: bool) -> StepLoop:
+def _start_loop(
+    name: str,
+    model,
+    settings: PhaseSettings,
+    device: torch.device,
+    seed: int,
+    work_dir: str,
+    log,
+    deadline: float,
+    resume: bool,
+) -> StepLoop:
     """Puts ``model`` in training mode with a fresh optimizer and seeded generator (or the saved state)."""
     model.to(device).train()
     generator = torch.Generator().manual_seed(seed)
     optimizer = make_optimizer(list(model.parameters()), settings, device)
-    loop = StepLoop(name, settings, model, optimizer, generator, os.path.join(work_dir, f"{name}_state.pt"), log,
-                    deadline)
+    loop = StepLoop(
+        name, settings, model, optimizer, generator, os.path.join(work_dir, f"{name}_state.pt"), log, deadline
+    )
     if resume:
         loop.resume()
     return loop
 
 
-def train_target(model, dataset: Dataset, settings: PhaseSettings, device: torch.device, seed: int, work_dir: str,
-                 log, deadline: float, resume: bool = False) -> StepLoop:
+def train_target(
+    model,
+    dataset: Dataset,
+    settings: PhaseSettings,
+    device: torch.device,
+    seed: int,
+    work_dir: str,
+    log,
+    deadline: float,
+    resume: bool = False,
+) -> StepLoop:
     """Next-token training of the target on random windows of the train stream."""
     loop = _start_loop("target", model, settings, device, seed + 1, work_dir, log, deadline, resume)
     generator = loop.generator
@@ -181,14 +228,17 @@ def train_target(model, dataset: Dataset, settings: PhaseSettings, device: torch
 
 
 @torch.no_grad()
-def heldout_loss(model, stream: np.ndarray, seq_len: int, device: torch.device, max_tokens: int = 400_000,
-                 batch_size: int = 16) -> Dict:
+def heldout_loss(
+    model, stream: np.ndarray, seq_len: int, device: torch.device, max_tokens: int = 400_000, batch_size: int = 16
+) -> Dict:
     """Mean next-token CE (nats) and perplexity of ``model`` in fp32 over non-overlapping windows."""
     model.eval()
     n_windows = min((stream.size - 1) // seq_len, max(1, max_tokens // seq_len))
     total, count = 0.0, 0
     for first in range(0, n_windows, batch_size):
-        rows = [stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(first, min(n_windows, first + batch_size))]
+        rows = [
+            stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(first, min(n_windows, first + batch_size))
+        ]
         batch = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
         logits = model(input_ids=batch[:, :-1]).logits.float()
         total += float(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"))
@@ -201,8 +251,18 @@ def heldout_loss(model, stream: np.ndarray, seq_len: int, device: torch.device, 
 
 
 @torch.no_grad()
-def generate_sequences(model, dataset: Dataset, count: int, prompt_len: int, new_tokens: int, batch_size: int,
-                       device: torch.device, seed: int, log, deadline: float) -> torch.Tensor:
+def generate_sequences(
+    model,
+    dataset: Dataset,
+    count: int,
+    prompt_len: int,
+    new_tokens: int,
+    batch_size: int,
+    device: torch.device,
+    seed: int,
+    log,
+    deadline: float,
+) -> torch.Tensor:
     """``[n, prompt_len + new_tokens]``: train-split prompts followed by the target's greedy continuation.
 
     The drafter learns to predict the target's own greedy output, which is what it is asked to do
@@ -218,8 +278,13 @@ def generate_sequences(model, dataset: Dataset, count: int, prompt_len: int, new
         n = min(batch_size, count - done)
         prompts = sample_windows(dataset.train, n, prompt_len, generator).to(device)
         with autocast(device):
-            out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=dataset.pad_id)
+            out = model.generate(
+                input_ids=prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=dataset.pad_id,
+            )
         rows.append(out[:, : prompt_len + new_tokens].cpu())
         done += n
         log(f"[generate] {done}/{count} sequences of {prompt_len}+{new_tokens} tokens")
@@ -239,9 +304,14 @@ def greedy_continuations(model, prompts, new_tokens: int, pad_id: int, device: t
     model.eval()
     model.generation_config.eos_token_id = None
     ids = torch.tensor([list(p) for p in prompts], device=device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=pad_id)
-    return [row[ids.shape[1]:].tolist() for row in out.cpu()]
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+    return [row[ids.shape[1] :].tolist() for row in out.cpu()]
 
 
 def heldout_chain_tau(drafter, target, heldout) -> Dict:
@@ -254,10 +324,25 @@ def heldout_chain_tau(drafter, target, heldout) -> Dict:
         drafter.train(was_training)
 
 
-def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.Tensor], settings: PhaseSettings,
-                  num_anchors: int, gamma: float, raw_fraction: float, device: torch.device, seed: int,
-                  work_dir: str, log, deadline: float, resume: bool = False, heldout=None,
-                  eval_every: int = 500, labels: str = "text") -> StepLoop:
+def train_drafter(
+    drafter,
+    target,
+    dataset: Dataset,
+    generated: Optional[torch.Tensor],
+    settings: PhaseSettings,
+    num_anchors: int,
+    gamma: float,
+    raw_fraction: float,
+    device: torch.device,
+    seed: int,
+    work_dir: str,
+    log,
+    deadline: float,
+    resume: bool = False,
+    heldout=None,
+    eval_every: int = 500,
+    labels: str = "text",
+) -> StepLoop:
     """DFlash training (module :mod:`.dflash`) with the target frozen.
 
     Each batch: ``raw_fraction`` of the rows are raw train-split windows, the rest are drawn from
@@ -297,8 +382,9 @@ def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.T
 
     def step() -> Dict:
         tokens = batch_tokens()
-        anchors = dflash.sample_anchors(tokens.shape[0], tokens.shape[1], num_anchors, drafter.block_size,
-                                        generator).to(device)
+        anchors = dflash.sample_anchors(
+            tokens.shape[0], tokens.shape[1], num_anchors, drafter.block_size, generator
+        ).to(device)
         with torch.no_grad(), autocast(device):
             target_out = target(input_ids=tokens)
             label_tokens = dflash.target_greedy_labels(tokens, target_out.logits) if labels == "target" else None
@@ -309,11 +395,19 @@ def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.T
         loss, info = dflash.dflash_loss(logits, block_labels, weights)
         loss.backward()
         acc = info["accuracy"].tolist()
-        metrics = {"loss": float(loss.detach()), "acc1": acc[0], "acc8": acc[min(7, len(acc) - 1)],
-                   "tf_tau": info["chain_tau"]}
+        metrics = {
+            "loss": float(loss.detach()),
+            "acc1": acc[0],
+            "acc8": acc[min(7, len(acc) - 1)],
+            "tf_tau": info["chain_tau"],
+        }
         # loop.step is the count before this step; skip the calibration window (it times the steps)
-        if heldout is not None and eval_every and loop.step > settings.calibration_steps \
-                and (loop.step + 1) % eval_every == 0:
+        if (
+            heldout is not None
+            and eval_every
+            and loop.step > settings.calibration_steps
+            and (loop.step + 1) % eval_every == 0
+        ):
             metrics["heldout_tau"] = heldout_chain_tau(drafter, target, heldout)["tau"]
             features_hook.captured.clear()  # the evaluation's forward also ran the training hooks
         return metrics
@@ -326,6 +420,8 @@ def train_drafter(drafter, target, dataset: Dataset, generated: Optional[torch.T
     loop.heldout = None
     if heldout is not None:
         loop.heldout = heldout_chain_tau(drafter, target, heldout)
-        log(f"[drafter] held-out chain tau (engine-equivalent, teacher-forced on the target's greedy output of "
-            f"{len(heldout[0])} held-out prompts): {loop.heldout['tau']:.3f} over {loop.heldout['steps']} steps")
+        log(
+            f"[drafter] held-out chain tau (engine-equivalent, teacher-forced on the target's greedy output of "
+            f"{len(heldout[0])} held-out prompts): {loop.heldout['tau']:.3f} over {loop.heldout['steps']} steps"
+        )
     return loop

@@ -103,16 +103,19 @@ class DDTreeAttentionImpl(TritonAttentionImpl):
             unsupported.append("chunked local attention")
         if unsupported:
             raise NotImplementedError(
-                "DDTree's tree-attention backend does not support " + ", ".join(unsupported)
+                "DDTree's tree-attention backend does not support "
+                + ", ".join(unsupported)
                 + " (method 'ddtree' supports plain causal decoder attention targets for now)"
             )
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         tree = getattr(attn_metadata, "tree", None) if attn_metadata is not None else None
         if tree is None:
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                   output_block_scale)
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("DDTree tree attention does not support fused output quantization")
         n = attn_metadata.num_actual_tokens

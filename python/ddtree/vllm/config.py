@@ -158,6 +158,7 @@ ENGINE_OVERRIDES = (
     ("worker_cls", WORKER_CLS, ("auto",), "DDTree's worker installs its model runner"),
 )
 
+
 def override_reason(attr: str) -> str:
     """Why the adapter sets ``attr`` (one of :data:`ENGINE_OVERRIDES`), for the start-up log."""
     return next(why for name, _, _, why in ENGINE_OVERRIDES if name == attr)
@@ -202,9 +203,7 @@ def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict
             raise DDTreeConfigError(f"method 'ddtree' supports {attr}=1 only, got {value}: {why}")
     v2 = environ.get(V2_RUNNER_ENV)
     if v2 is not None and v2.strip().lower() in ("1", "true"):
-        raise DDTreeConfigError(
-            f"method 'ddtree' runs on vLLM's V1 model runner; unset {V2_RUNNER_ENV} or set it to 0"
-        )
+        raise DDTreeConfigError(f"method 'ddtree' runs on vLLM's V1 model runner; unset {V2_RUNNER_ENV} or set it to 0")
     return changes
 
 
@@ -243,8 +242,13 @@ class BatchLimits:
 
 
 def fit_batch_limits(
-    *, budget: int, reserve_per_request: int, max_num_seqs: int, max_num_batched_tokens: int,
-    seqs_from_user: bool, tokens_from_user: bool,
+    *,
+    budget: int,
+    reserve_per_request: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    seqs_from_user: bool,
+    tokens_from_user: bool,
 ) -> BatchLimits:
     """Limits under which every running request can verify its whole tree in one step.
 
@@ -267,19 +271,30 @@ def fit_batch_limits(
                 f"({budget + 1} tokens plus {reserve_per_request} kept for the drafter); set "
                 f"--max-num-batched-tokens >= {per_request} or a smaller ddtree_budget"
             )
-        return BatchLimits(seqs, tokens, (
-            f"max_num_seqs {max_num_seqs} -> {seqs}"
-            + (f", max_num_batched_tokens {max_num_batched_tokens} -> {tokens}" if tokens != max_num_batched_tokens
-               else "")
-            + f": each request verifies {budget + 1} tree tokens per step and keeps {reserve_per_request} for "
-            f"the drafter, and {max_num_batched_tokens} batched tokens hold {seqs} such requests"
-        ))
+        return BatchLimits(
+            seqs,
+            tokens,
+            (
+                f"max_num_seqs {max_num_seqs} -> {seqs}"
+                + (
+                    f", max_num_batched_tokens {max_num_batched_tokens} -> {tokens}"
+                    if tokens != max_num_batched_tokens
+                    else ""
+                )
+                + f": each request verifies {budget + 1} tree tokens per step and keeps {reserve_per_request} for "
+                f"the drafter, and {max_num_batched_tokens} batched tokens hold {seqs} such requests"
+            ),
+        )
     if not tokens_from_user:
         tokens = max_num_seqs * per_request
-        return BatchLimits(max_num_seqs, tokens, (
-            f"max_num_batched_tokens {max_num_batched_tokens} -> {tokens}: max_num_seqs={max_num_seqs} requests "
-            f"verify {budget + 1} tree tokens each per step and keep {reserve_per_request} each for the drafter"
-        ))
+        return BatchLimits(
+            max_num_seqs,
+            tokens,
+            (
+                f"max_num_batched_tokens {max_num_batched_tokens} -> {tokens}: max_num_seqs={max_num_seqs} requests "
+                f"verify {budget + 1} tree tokens each per step and keep {reserve_per_request} each for the drafter"
+            ),
+        )
     if max_num_batched_tokens - reserve_per_request * max_num_seqs >= budget + 1:
         return BatchLimits(max_num_seqs, max_num_batched_tokens)  # served; crowded steps verify partial trees
     raise DDTreeConfigError(

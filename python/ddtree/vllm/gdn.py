@@ -96,8 +96,15 @@ class GdnCommitPlan:
     conv_index: torch.Tensor  # [R, W - 1] int64 into cat(history rows, tree inputs)
 
 
-def tree_conv(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, conv_index: torch.Tensor,
-              weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]) -> torch.Tensor:
+def tree_conv(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    conv_index: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: Optional[str],
+) -> torch.Tensor:
     """Causal depthwise conv of every tree node along its own root path; fp32 math, ``x.dtype`` out.
 
     The torch form of :func:`ddtree.kernels.gdn_tree_triton.tree_conv_qkv` (one launch instead of about
@@ -167,8 +174,19 @@ def verify_tree_tokens(
     v = v.view(num_tokens, num_v_heads, head_v_dim)
     pool = ssm_state.transpose(-1, -2)  # [S, Hv, Dk, Dv] view
     out, deltas, cum_log_decay = tree_gdn_verify(
-        q, k, v, a, b, step.node_offsets, step.ancestor_bits, pool, slots,
-        a_log=a_log, dt_bias=dt_bias, out_dtype=out_dtype, out=out,
+        q,
+        k,
+        v,
+        a,
+        b,
+        step.node_offsets,
+        step.ancestor_bits,
+        pool,
+        slots,
+        a_log=a_log,
+        dt_bias=dt_bias,
+        out_dtype=out_dtype,
+        out=out,
     )
     # x is usually a view of the layer's input, which under CUDA graphs lives in the graph's memory pool and
     # is overwritten by later pieces before the commit runs: the commit keeps its own copy.
@@ -182,8 +200,14 @@ def commit_layer(pending: PendingCommit, plan: GdnCommitPlan) -> None:
 
     tree_conv_commit(pending.x, pending.conv_state, pending.slots, plan.conv_index)
     tree_gdn_commit(
-        pending.k, pending.deltas, pending.cum_log_decay, plan.node_offsets, plan.paths, plan.path_lengths,
-        pending.ssm_state, pending.slots,
+        pending.k,
+        pending.deltas,
+        pending.cum_log_decay,
+        plan.node_offsets,
+        plan.paths,
+        plan.path_lengths,
+        pending.ssm_state,
+        pending.slots,
     )
 
 

@@ -51,11 +51,17 @@ class TreeStepBuffers:
         self.row_start = torch.full((max_requests,), -1, dtype=torch.int32, device=self.device)
         self.ancestor_bits = torch.zeros((max_tokens, self.words), dtype=torch.int32, device=self.device)
         self.node_offsets = torch.zeros((max_requests + 1,), dtype=torch.int32, device=self.device)
-        self.conv_index = (torch.zeros((max_tokens, conv_width), dtype=torch.int64, device=self.device)
-                           if conv_width else None)
+        self.conv_index = (
+            torch.zeros((max_tokens, conv_width), dtype=torch.int64, device=self.device) if conv_width else None
+        )
 
-    def load(self, row_start: torch.Tensor, ancestor_bits: torch.Tensor, node_offsets: Optional[torch.Tensor] = None,
-             conv_index: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    def load(
+        self,
+        row_start: torch.Tensor,
+        ancestor_bits: torch.Tensor,
+        node_offsets: Optional[torch.Tensor] = None,
+        conv_index: Optional[torch.Tensor] = None,
+    ) -> Dict[str, torch.Tensor]:
         """Copies one step's layout (device tensors) in; returns the buffers' views of it.
 
         ``row_start`` ``[num_reqs]``; ``ancestor_bits`` ``[T, w]`` with ``w <= words`` (the rest of each row
@@ -95,12 +101,14 @@ class TreeStepBuffers:
         token_ids = np.broadcast_to(np.arange(width, dtype=np.int64), (num_trees, depth, width)).copy()
         trees = ddtree.build_trees(log_probs, token_ids, budget)
         conv_window = self.conv_index.shape[1] - 1 if self.conv_index is not None else 0
-        compiled = ddtree.compile_trees(trees, np.zeros(num_trees, dtype=np.int64),
-                                        window=conv_window if conv_window else None)
+        compiled = ddtree.compile_trees(
+            trees, np.zeros(num_trees, dtype=np.int64), window=conv_window if conv_window else None
+        )
         offsets = trees.node_offsets
         if int(offsets[-1]) != num_trees * self.tree_size:
-            raise RuntimeError(f"DDTree: dummy trees have {int(offsets[-1])} nodes, expected "
-                               f"{num_trees} x {self.tree_size}")
+            raise RuntimeError(
+                f"DDTree: dummy trees have {int(offsets[-1])} nodes, expected {num_trees} x {self.tree_size}"
+            )
         host = {
             "row_start": offsets[:-1].astype(np.int32),
             "ancestor_bits": np.ascontiguousarray(compiled.ancestor_bits).view(np.int32),
@@ -125,8 +133,12 @@ class CapturedCommits:
         """
         self.by_graph[num_tokens] = {
             name: dataclasses.replace(
-                pending, slots=weak(pending.slots), x=weak(pending.x), k=weak(pending.k),
-                deltas=weak(pending.deltas), cum_log_decay=weak(pending.cum_log_decay),
+                pending,
+                slots=weak(pending.slots),
+                x=weak(pending.x),
+                k=weak(pending.k),
+                deltas=weak(pending.deltas),
+                cum_log_decay=weak(pending.cum_log_decay),
             )
             for name, pending in step.pending.items()
         }
@@ -135,6 +147,8 @@ class CapturedCommits:
     def replayed(self, num_tokens: int) -> Dict[str, PendingCommit]:
         commits = self.by_graph.get(num_tokens)
         if not commits:
-            raise RuntimeError(f"DDTree: a FULL CUDA graph of {num_tokens} tokens replayed a tree step, but its "
-                               "capture recorded no GDN commit inputs")
+            raise RuntimeError(
+                f"DDTree: a FULL CUDA graph of {num_tokens} tokens replayed a tree step, but its "
+                "capture recorded no GDN commit inputs"
+            )
         return commits

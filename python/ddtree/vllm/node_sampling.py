@@ -21,7 +21,9 @@ import torch
 GREEDY_EPS = 1e-5
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]
+) -> torch.Tensor:
     """Masks ``logits [N, V]`` in place outside each row's top-k / nucleus top-p; returns it.
 
     ``top_k`` values <= 0 or >= V and ``top_p`` values >= 1 disable the filter

@@ -269,8 +269,9 @@ def _create_engine_config_wrapper(original):
             return original(self, *args, **kwargs)
         # Which batch limits the user set (vLLM fills the others with its defaults inside original):
         # patch 6 fits only those, so the defaults serve whole trees instead of failing vLLM's check.
-        token = _USER_BATCH_LIMITS.set((getattr(self, "max_num_seqs", None) is not None,
-                                        getattr(self, "max_num_batched_tokens", None) is not None))
+        token = _USER_BATCH_LIMITS.set(
+            (getattr(self, "max_num_seqs", None) is not None, getattr(self, "max_num_batched_tokens", None) is not None)
+        )
         try:
             vllm_config = original(self, *args, **kwargs)
         except ValueError as error:
@@ -457,9 +458,23 @@ def _gdn_forward_core_with_trees(layer, original, step, mixed_qkv, b, a, core_at
 
     def verify(rows, out=None):
         return verify_tree_tokens(
-            step, layer.prefix, mixed_qkv[rows], a[rows], b[rows], conv_state, layer.kv_cache[1],
-            md.spec_state_indices_tensor[:, 0], weight, layer.conv1d.bias, layer.activation, layer.A_log,
-            layer.dt_bias, layer.head_k_dim, layer.head_v_dim, core_attn_out.dtype, out=out,
+            step,
+            layer.prefix,
+            mixed_qkv[rows],
+            a[rows],
+            b[rows],
+            conv_state,
+            layer.kv_cache[1],
+            md.spec_state_indices_tensor[:, 0],
+            weight,
+            layer.conv1d.bias,
+            layer.activation,
+            layer.A_log,
+            layer.dt_bias,
+            layer.head_k_dim,
+            layer.head_v_dim,
+            core_attn_out.dtype,
+            out=out,
         )
 
     if other is None:
@@ -472,9 +487,16 @@ def _gdn_forward_core_with_trees(layer, original, step, mixed_qkv, b, a, core_at
     # vLLM's builder already computed the non-spec half (prefills, and decodes
     # reclassified as prefills) on its own; hide the spec half from its code.
     rest = dataclasses.replace(
-        md, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=int(other.shape[0]),
-        spec_query_start_loc=None, spec_state_indices_tensor=None, spec_sequence_masks=None,
-        spec_token_indx=None, non_spec_token_indx=None, num_accepted_tokens=None,
+        md,
+        num_spec_decodes=0,
+        num_spec_decode_tokens=0,
+        num_actual_tokens=int(other.shape[0]),
+        spec_query_start_loc=None,
+        spec_state_indices_tensor=None,
+        spec_sequence_masks=None,
+        spec_token_indx=None,
+        non_spec_token_indx=None,
+        num_accepted_tokens=None,
     )
     out = _zeros_rows(core_attn_out, int(other.shape[0]))
     metadata[layer.prefix] = rest
@@ -513,8 +535,9 @@ def drafter_depth(vllm_config: Any) -> Optional[int]:
 
 # (max_num_seqs set by the user, max_num_batched_tokens set by the user) while a ddtree EngineArgs creates
 # its VllmConfig; None elsewhere (a VllmConfig built directly, or rebuilt by vLLM: nothing is fitted).
-_USER_BATCH_LIMITS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("ddtree_user_batch_limits",
-                                                                                     default=None)
+_USER_BATCH_LIMITS: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar(
+    "ddtree_user_batch_limits", default=None
+)
 
 
 def _config_error_in(error: BaseException) -> Optional[DDTreeConfigError]:
@@ -557,8 +580,12 @@ def _fit_batch_limits(vllm_config: Any, budget: int, reserve_per_request: int) -
     if user is None or scheduler.max_num_scheduled_tokens is not None:
         return
     limits = fit_batch_limits(
-        budget=budget, reserve_per_request=reserve_per_request, max_num_seqs=scheduler.max_num_seqs,
-        max_num_batched_tokens=scheduler.max_num_batched_tokens, seqs_from_user=user[0], tokens_from_user=user[1],
+        budget=budget,
+        reserve_per_request=reserve_per_request,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        seqs_from_user=user[0],
+        tokens_from_user=user[1],
     )
     if limits.reason is None:
         return
@@ -587,12 +614,17 @@ def _tree_capture_sizes(original):
             and mode not in (None, "NONE")
         ):
             scheduler = self.scheduler_config
-            sizes = tree_capture_sizes(self.speculative_config.num_speculative_tokens, scheduler.max_num_seqs,
-                                       scheduler.max_num_batched_tokens)
+            sizes = tree_capture_sizes(
+                self.speculative_config.num_speculative_tokens, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+            )
             compilation.cudagraph_capture_sizes = sizes
             compilation.max_cudagraph_capture_size = sizes[-1]
-            _log().info("DDTree: %d CUDA-graph sizes up to %d tokens (whole trees of %d tokens)", len(sizes),
-                        sizes[-1], self.speculative_config.num_speculative_tokens + 1)
+            _log().info(
+                "DDTree: %d CUDA-graph sizes up to %d tokens (whole trees of %d tokens)",
+                len(sizes),
+                sizes[-1],
+                self.speculative_config.num_speculative_tokens + 1,
+            )
         return original(self)
 
     return _set_cudagraph_sizes

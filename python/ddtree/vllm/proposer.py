@@ -70,9 +70,20 @@ class DDTreeProposer(DFlashProposer):
         self._capture = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
         return ids[:, 0], None
 
-    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
-                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
-                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids,
+        target_positions,
+        target_hidden_states,
+        next_token_ids,
+        token_indices_to_sample,
+        common_attn_metadata,
+        sampling_metadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu=None,
+        slot_mappings=None,
+    ):
         if self.context_order is not None:
             n = target_hidden_states.shape[0]
             order = self.context_order[:n]
@@ -88,10 +99,19 @@ class DDTreeProposer(DFlashProposer):
         self._capturing = True
         self._capture = None
         try:
-            super().propose(self.draft_len, target_token_ids, target_positions, target_hidden_states,
-                            next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
-                            mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-                            slot_mappings=slot_mappings)
+            super().propose(
+                self.draft_len,
+                target_token_ids,
+                target_positions,
+                target_hidden_states,
+                next_token_ids,
+                token_indices_to_sample,
+                common_attn_metadata,
+                sampling_metadata,
+                mm_embed_inputs=mm_embed_inputs,
+                num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+                slot_mappings=slot_mappings,
+            )
         finally:
             self._capturing = False
             # Restore vLLM's view of the draft length (the budget).

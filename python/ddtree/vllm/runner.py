@@ -152,7 +152,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The tree layout at fixed addresses (CUDA graphs read them), and what FULL graphs' captures recorded.
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_buffers = TreeStepBuffers(
-            self.device, self.max_num_reqs, self.max_num_tokens, tree_size,
+            self.device,
+            self.max_num_reqs,
+            self.max_num_tokens,
+            tree_size,
             self._ddtree_conv_window + 1 if self._ddtree_conv_window else 0,
         )
         self._ddtree_captured = CapturedCommits()
@@ -172,7 +175,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
             serve_builtin_logitsprocs(self.input_batch, vllm_config, self.device, PIN_MEMORY)
         logger.info(
-            "DDTree: budget %d, drafter depth %s, top-K %s", self.ddtree_cfg.budget, self.ddtree_cfg.draft_len,
+            "DDTree: budget %d, drafter depth %s, top-K %s",
+            self.ddtree_cfg.budget,
+            self.ddtree_cfg.draft_len,
             getattr(getattr(self, "drafter", None), "top_k", None),
         )
 
@@ -197,11 +202,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
         with self.ddtree_stats.timed("plan"):
-            return self._ddtree_prepare(scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata,
-                                        num_reqs)
+            return self._ddtree_prepare(
+                scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs
+            )
 
-    def _ddtree_prepare(self, scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata,
-                        num_reqs):
+    def _ddtree_prepare(self, scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs):
         plan = plan_verify(
             self.drafter.store,
             self.input_batch.req_ids[:num_reqs],
@@ -217,8 +222,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
         gpu = self._ddtree_upload_plan(plan, total, hybrid)
-        layout = self._ddtree_buffers.load(gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"),
-                                           gpu.get("conv_index"))
+        layout = self._ddtree_buffers.load(
+            gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"), gpu.get("conv_index")
+        )
         # The drafter needs the flat positions; the target sees depth-based ones (written in place: the
         # model reads this persistent buffer).
         self._ddtree_flat_positions = self.positions[:total].clone()
@@ -226,18 +232,30 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if self.uses_mrope:
             mrope = self.mrope_positions.gpu
             mrope[:, gpu["token_index"]] = mrope[:, gpu["mrope_root_index"]] + gpu["depths"].to(mrope.dtype)
-        set_tree_inputs(TreeAttentionInputs(row_start=layout["row_start"], ancestor_bits=layout["ancestor_bits"],
-                                            num_reqs=num_reqs, num_tokens=total))
+        set_tree_inputs(
+            TreeAttentionInputs(
+                row_start=layout["row_start"],
+                ancestor_bits=layout["ancestor_bits"],
+                num_reqs=num_reqs,
+                num_tokens=total,
+            )
+        )
         if hybrid:
-            set_gdn_step(GdnTreeStep(
-                token_index=gpu["token_index"], other_index=gpu.get("other_index"),
-                node_offsets=layout["node_offsets"], ancestor_bits=layout["ancestor_bits"],
-                conv_index=layout["conv_index"], num_requests=int(plan.batch_index.shape[0]),
-                num_tree_tokens=plan.num_tree_tokens,
-            ))
+            set_gdn_step(
+                GdnTreeStep(
+                    token_index=gpu["token_index"],
+                    other_index=gpu.get("other_index"),
+                    node_offsets=layout["node_offsets"],
+                    ancestor_bits=layout["ancestor_bits"],
+                    conv_index=layout["conv_index"],
+                    num_requests=int(plan.batch_index.shape[0]),
+                    num_tree_tokens=plan.num_tree_tokens,
+                )
+            )
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_whole_trees = bool(
-            plan.batch_index.shape[0] == num_reqs and plan.num_tree_tokens == total
+            plan.batch_index.shape[0] == num_reqs
+            and plan.num_tree_tokens == total
             and (plan.num_nodes == tree_size).all()
         )
         plan.logit_rows_gpu = gpu["logit_rows"]
@@ -290,8 +308,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """
         if common_attn_metadata is None or self.ddtree_cfg.draft_len is None:
             return super()._input_fits_in_drafter(common_attn_metadata)
-        return (common_attn_metadata.max_seq_len + self.ddtree_cfg.draft_len + 1
-                <= self.effective_drafter_max_model_len)
+        return common_attn_metadata.max_seq_len + self.ddtree_cfg.draft_len + 1 <= self.effective_drafter_max_model_len
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _ddtree_full_graphs(self) -> bool:
@@ -318,24 +335,30 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_full_graph = descriptor.num_tokens if whole else None
         return result
 
-    def _dummy_run(self, num_tokens, cudagraph_runtime_mode=None, force_attention=False, uniform_decode=False,
-                   *args, **kwargs):
+    def _dummy_run(
+        self, num_tokens, cudagraph_runtime_mode=None, force_attention=False, uniform_decode=False, *args, **kwargs
+    ):
         """vLLM's warm-up, profile and capture runs; uniform ones (FULL graphs) run on dummy trees.
 
         The warm-up before a FULL capture then compiles the tree kernels for the graph's shapes, and the capture
         records them; a capture keeps the GDN layers' commit inputs (:class:`CapturedCommits`).
         """
         tree_size = self.ddtree_cfg.budget + 1
-        trees = (uniform_decode and self._ddtree_full_graphs() and hasattr(self, "drafter")
-                 and num_tokens % tree_size == 0
-                 and (force_attention or cudagraph_runtime_mode == CUDAGraphMode.FULL))
+        trees = (
+            uniform_decode
+            and self._ddtree_full_graphs()
+            and hasattr(self, "drafter")
+            and num_tokens % tree_size == 0
+            and (force_attention or cudagraph_runtime_mode == CUDAGraphMode.FULL)
+        )
         self._ddtree_in_dummy_run = True
         step = saved_drafts = None
         try:
             if trees:
                 step, saved_drafts = self._ddtree_stage_dummy_step(num_tokens // tree_size)
-            out = super()._dummy_run(num_tokens, cudagraph_runtime_mode, force_attention, uniform_decode,
-                                     *args, **kwargs)
+            out = super()._dummy_run(
+                num_tokens, cudagraph_runtime_mode, force_attention, uniform_decode, *args, **kwargs
+            )
             if step is not None and kwargs.get("is_graph_capturing") and cudagraph_runtime_mode == CUDAGraphMode.FULL:
                 from vllm.utils.torch_utils import weak_ref_tensor
 
@@ -352,14 +375,24 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """Dummy whole trees for a uniform dummy run of ``num_trees`` requests, published to the layers."""
         layout = self._ddtree_buffers.stage_dummy_trees(num_trees, self.ddtree_cfg.draft_len)
         num_tokens = num_trees * (self.ddtree_cfg.budget + 1)
-        set_tree_inputs(TreeAttentionInputs(row_start=layout["row_start"], ancestor_bits=layout["ancestor_bits"],
-                                            num_reqs=num_trees, num_tokens=num_tokens))
+        set_tree_inputs(
+            TreeAttentionInputs(
+                row_start=layout["row_start"],
+                ancestor_bits=layout["ancestor_bits"],
+                num_reqs=num_trees,
+                num_tokens=num_tokens,
+            )
+        )
         step = saved = None
         if self._ddtree_conv_window > 0:
             step = GdnTreeStep(
-                token_index=torch.arange(num_tokens, device=self.device), other_index=None,
-                node_offsets=layout["node_offsets"], ancestor_bits=layout["ancestor_bits"],
-                conv_index=layout["conv_index"], num_requests=num_trees, num_tree_tokens=num_tokens,
+                token_index=torch.arange(num_tokens, device=self.device),
+                other_index=None,
+                node_offsets=layout["node_offsets"],
+                ancestor_bits=layout["ancestor_bits"],
+                conv_index=layout["conv_index"],
+                num_requests=num_trees,
+                num_tree_tokens=num_tokens,
             )
             set_gdn_step(step)
             # vLLM's GDN builder takes requests with drafts as spec decodes (a capture derives them itself).
@@ -405,8 +438,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             with self.ddtree_stats.timed("commit_plan"):
                 padded, lengths = commit_paths(paths)
                 arrays["paths"], arrays["path_lengths"] = padded, lengths
-                arrays["commit_conv_index"] = conv_commit_index(paths, plan.trees.node_offsets,
-                                                                self._ddtree_conv_window)
+                arrays["commit_conv_index"] = conv_commit_index(
+                    paths, plan.trees.node_offsets, self._ddtree_conv_window
+                )
         gpu = dict(zip(arrays, self._ddtree_accept_staging.upload(list(arrays.values()))))
         self._ddtree_accept_gpu = gpu
         return gpu
@@ -418,8 +452,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return
         if step is None:
             raise RuntimeError("DDTree: a hybrid target verified trees without a GDN tree step")
-        commit = GdnCommitPlan(node_offsets=step.node_offsets, paths=gpu["paths"], path_lengths=gpu["path_lengths"],
-                               conv_index=gpu["commit_conv_index"])
+        commit = GdnCommitPlan(
+            node_offsets=step.node_offsets,
+            paths=gpu["paths"],
+            path_lengths=gpu["path_lengths"],
+            conv_index=gpu["commit_conv_index"],
+        )
         if self._ddtree_full_graph is not None:
             # A FULL graph replayed the layers: their commit inputs are where its capture recorded them.
             for pending in self._ddtree_captured.replayed(self._ddtree_full_graph).values():

@@ -60,8 +60,9 @@ def _apply_penalties(logits, sampling_metadata, per_row, outputs) -> None:
     step = max(1, PENALTY_CHUNK_ELEMENTS // (logits.shape[1] + 1))
     for lo in range(0, logits.shape[0], step):
         hi = min(lo + step, logits.shape[0])
-        logits[lo:hi] = apply_all_penalties(logits[lo:hi], prompts[lo:hi], presence[lo:hi], frequency[lo:hi],
-                                            repetition[lo:hi], outputs[lo:hi])
+        logits[lo:hi] = apply_all_penalties(
+            logits[lo:hi], prompts[lo:hi], presence[lo:hi], frequency[lo:hi], repetition[lo:hi], outputs[lo:hi]
+        )
 
 
 def _logit_bias_entries(sampling_metadata, starts, counts, num_reqs):
@@ -89,8 +90,11 @@ def _min_tokens_pending(sampling_metadata, num_reqs):
     pending = []
     for processor in _processors(sampling_metadata, "non_argmax_invariant"):
         if isinstance(processor, MinTokensLogitsProcessor):
-            pending += [(index, min_tokens - len(output), stops)
-                        for index, (min_tokens, output, stops) in processor.min_toks.items() if index < num_reqs]
+            pending += [
+                (index, min_tokens - len(output), stops)
+                for index, (min_tokens, output, stops) in processor.min_toks.items()
+                if index < num_reqs
+            ]
     return pending
 
 
@@ -174,8 +178,9 @@ class DDTreeRejectionSampler(nn.Module):
             rows, tokens, values = (torch.from_numpy(a).to(device) for a in bias)
             constrained.index_put_((rows, tokens), values.to(constrained.dtype), accumulate=True)
         if stop_rows.shape[0]:
-            constrained[torch.from_numpy(stop_rows).to(device), torch.from_numpy(stop_tokens).to(device)] = (
-                float("-inf"))
+            constrained[torch.from_numpy(stop_rows).to(device), torch.from_numpy(stop_tokens).to(device)] = float(
+                "-inf"
+            )
         if penalties:
             _apply_penalties(constrained, sampling_metadata, per_row, outputs)
         return constrained
@@ -190,8 +195,10 @@ class DDTreeRejectionSampler(nn.Module):
         chosen = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)].to(torch.float32)
         sampler = runner.sampler
         if sampler.logprobs_mode not in RAW_LOGPROBS_MODES:
-            raise RuntimeError(f"DDTree serves logprobs modes {RAW_LOGPROBS_MODES}, got {sampler.logprobs_mode!r} "
-                               "(refused at start-up; this is a bug)")
+            raise RuntimeError(
+                f"DDTree serves logprobs modes {RAW_LOGPROBS_MODES}, got {sampler.logprobs_mode!r} "
+                "(refused at start-up; this is a bug)"
+            )
         values = chosen if sampler.logprobs_mode == "raw_logits" else sampler.compute_logprobs(chosen)
         tokens = out.reshape(-1).to(torch.int64).clamp(min=0)  # -1 (discarded later) gathers token 0
         return sampler.gather_logprobs(values, max_num_logprobs, tokens)

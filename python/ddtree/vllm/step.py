@@ -62,8 +62,9 @@ class TreeStore:
     def __len__(self) -> int:
         return len(self.records)
 
-    def propose(self, req_ids: Sequence[str], log_probs: np.ndarray, token_ids: np.ndarray,
-                build: bool = True) -> List[List[int]]:
+    def propose(
+        self, req_ids: Sequence[str], log_probs: np.ndarray, token_ids: np.ndarray, build: bool = True
+    ) -> List[List[int]]:
         """Builds every request's tree in one call; returns the draft token lists.
 
         ``build=False`` (tensor-parallel ranks other than the one whose drafts
@@ -181,12 +182,16 @@ def plan_verify(
     budgets = num_drafts[rows]
     trees = _proposed_trees(store, [req_ids[i] for i in rows], records, budgets)
     if trees is None:
-        trees = ddtree.build_trees(np.stack([r.log_probs for r in records]),
-                                   np.stack([r.token_ids for r in records]), budgets, store.executor)
+        trees = ddtree.build_trees(
+            np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records]), budgets, store.executor
+        )
     # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
     # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
-    drafts = np.fromiter(itertools.chain.from_iterable(scheduled_spec_tokens[req_ids[i]] for i in rows),
-                         dtype=np.int64, count=int(budgets.sum()))
+    drafts = np.fromiter(
+        itertools.chain.from_iterable(scheduled_spec_tokens[req_ids[i]] for i in rows),
+        dtype=np.int64,
+        count=int(budgets.sum()),
+    )
     if not np.array_equal(trees.tokens, drafts):
         raise _draft_mismatch([req_ids[i] for i in rows], records, scheduled_spec_tokens, trees)
     batch_index = np.asarray(rows, dtype=np.int64)
@@ -212,8 +217,9 @@ def plan_verify(
     )
 
 
-def _proposed_trees(store: TreeStore, req_ids: Sequence[str], records: Sequence[DraftRecord],
-                    budgets: np.ndarray) -> Optional["ddtree.TreeBatch"]:
+def _proposed_trees(
+    store: TreeStore, req_ids: Sequence[str], records: Sequence[DraftRecord], budgets: np.ndarray
+) -> Optional["ddtree.TreeBatch"]:
     """The last proposal's batch when this step verifies exactly its trees, whole and in order (None: build)."""
     last = store.last_batch
     store.last_batch = None  # one verification per proposal
@@ -318,8 +324,9 @@ def accept(plan: VerifyPlan, node_target_tokens: np.ndarray, width: int) -> Acce
     )
 
 
-def emitted_logit_rows(plan: Optional[VerifyPlan], accepted: Optional["ddtree.AcceptedBatch"],
-                       last_rows: np.ndarray, width: int) -> np.ndarray:
+def emitted_logit_rows(
+    plan: Optional[VerifyPlan], accepted: Optional["ddtree.AcceptedBatch"], last_rows: np.ndarray, width: int
+) -> np.ndarray:
     """The logits row each emitted token was sampled from, in vLLM's ``[num_reqs, width]`` output layout.
 
     Token ``j`` of a tree request comes from node ``paths[j]`` of its accepted path (the root's row for the
@@ -343,8 +350,9 @@ def tree_of_request(plan: Optional[VerifyPlan]) -> Dict[int, int]:
     return {} if plan is None else {int(r): j for j, r in enumerate(plan.batch_index)}
 
 
-def stop_token_rows(plan: Optional[VerifyPlan], row_starts: np.ndarray,
-                    pending: Sequence[Tuple[int, int, Sequence[int]]]) -> Tuple[np.ndarray, np.ndarray]:
+def stop_token_rows(
+    plan: Optional[VerifyPlan], row_starts: np.ndarray, pending: Sequence[Tuple[int, int, Sequence[int]]]
+) -> Tuple[np.ndarray, np.ndarray]:
     """Logits entries to set to -inf for ``min_tokens``: ``(rows, tokens)``, int64.
 
     ``pending`` holds ``(request index, tokens still to generate before a stop token may end it, stop
@@ -370,8 +378,9 @@ def stop_token_rows(plan: Optional[VerifyPlan], row_starts: np.ndarray,
     return np.concatenate(rows), np.concatenate(tokens)
 
 
-def row_output_tokens(plan: Optional[VerifyPlan], outputs: Sequence[Sequence[int]], counts: np.ndarray
-                      ) -> List[List[int]]:
+def row_output_tokens(
+    plan: Optional[VerifyPlan], outputs: Sequence[Sequence[int]], counts: np.ndarray
+) -> List[List[int]]:
     """The output tokens each logits row is conditioned on, for history-dependent penalties.
 
     A tree node's row follows the request's committed output and then the tokens on its root path (its own

@@ -20,8 +20,16 @@ from typing import Dict
 
 import torch
 
-TARGET = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+TARGET = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
 DRAFTER_LAYERS = 2
 BLOCK_SIZE = 16
 
@@ -29,8 +37,16 @@ BLOCK_SIZE = 16
 def _qwen3_config(**kw):
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False, hidden_act="silu",
-                      bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16", **kw)
+    cfg = Qwen3Config(
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+        **kw,
+    )
     return cfg
 
 
@@ -70,16 +86,33 @@ def write_qwen3_next_target(path: str, seed: int = 0, logit_scale: float = 4.0, 
     spec = dict(TARGET)
     torch.manual_seed(seed)
     cfg = Qwen3NextConfig(
-        vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"], intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_hidden_layers"], num_attention_heads=spec["num_attention_heads"],
-        num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        head_dim=spec["head_dim"],
         max_position_embeddings=spec["max_position_embeddings"],
-        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
-        linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-        num_experts=4, num_experts_per_tok=experts_per_token, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False, hidden_act="silu", bos_token_id=0, eos_token_id=1,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=0,
+        eos_token_id=1,
     )
     cfg.architectures = ["Qwen3NextForCausalLM"]
     _save_sharpened(Qwen3NextForCausalLM(cfg), path, logit_scale)
@@ -94,10 +127,16 @@ def write_drafter(path: str, target: Dict, seed: int = 1, target_layer_ids=(0, 1
     torch.manual_seed(seed)
     hidden = target["hidden_size"]
     mask = target["vocab_size"] - 1 if mask_token_id is None else mask_token_id
-    cfg = _qwen3_config(vocab_size=target["vocab_size"], hidden_size=hidden, intermediate_size=target["intermediate_size"],
-                        num_hidden_layers=DRAFTER_LAYERS, num_attention_heads=target["num_attention_heads"],
-                        num_key_value_heads=target["num_key_value_heads"], head_dim=target["head_dim"],
-                        max_position_embeddings=target["max_position_embeddings"])
+    cfg = _qwen3_config(
+        vocab_size=target["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=target["intermediate_size"],
+        num_hidden_layers=DRAFTER_LAYERS,
+        num_attention_heads=target["num_attention_heads"],
+        num_key_value_heads=target["num_key_value_heads"],
+        head_dim=target["head_dim"],
+        max_position_embeddings=target["max_position_embeddings"],
+    )
     model = Qwen3Model(cfg).to(torch.bfloat16)
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens")}
     ids = list(target_layer_ids)
@@ -106,9 +145,13 @@ def write_drafter(path: str, target: Dict, seed: int = 1, target_layer_ids=(0, 1
     os.makedirs(path, exist_ok=True)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config = cfg.to_dict()
-    config.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=BLOCK_SIZE,
-                  num_target_layers=target["num_hidden_layers"],
-                  dflash_config={"mask_token_id": mask, "target_layer_ids": ids})
+    config.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        block_size=BLOCK_SIZE,
+        num_target_layers=target["num_hidden_layers"],
+        dflash_config={"mask_token_id": mask, "target_layer_ids": ids},
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return config
