@@ -228,8 +228,8 @@ def main() -> int:
     with open(os.path.join(args.model, "prompts.json")) as f:
         given = json.load(f)
     target = os.path.join(args.model, "target")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     if args.bench:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         lines = [
             f"fp32 reference of {target}; gap tolerance {args.gap_tol}; bench outputs {args.bench}",
             *judge_bench(model, given["batch32"], bench_outputs(args.bench), args.gap_tol),
@@ -260,7 +260,6 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown scenarios {unknown}; known: {sorted(PROMPT_SETS)}")
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     reference = {}
     cache: Dict[Tuple[str, int], Tuple[List[int], List[float]]] = {}
     for sname in wanted:

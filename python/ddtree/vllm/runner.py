@@ -54,7 +54,7 @@ logger = init_logger(__name__)
 class DDTreeStats:
     """Counters beyond vLLM's spec-decode metrics (which stay right on their own)."""
 
-    def __init__(self, depth: int, tree_size: int = 0):
+    def __init__(self, depth: int, tree_size: int):
         self.tree_size = tree_size  # budget + 1
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
@@ -232,26 +232,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if self.uses_mrope:
             mrope = self.mrope_positions.gpu
             mrope[:, gpu["token_index"]] = mrope[:, gpu["mrope_root_index"]] + gpu["depths"].to(mrope.dtype)
-        set_tree_inputs(
-            TreeAttentionInputs(
-                row_start=layout["row_start"],
-                ancestor_bits=layout["ancestor_bits"],
-                num_reqs=num_reqs,
-                num_tokens=total,
-            )
+        self._ddtree_publish(
+            layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), int(plan.batch_index.shape[0])
         )
-        if hybrid:
-            set_gdn_step(
-                GdnTreeStep(
-                    token_index=gpu["token_index"],
-                    other_index=gpu.get("other_index"),
-                    node_offsets=layout["node_offsets"],
-                    ancestor_bits=layout["ancestor_bits"],
-                    conv_index=layout["conv_index"],
-                    num_requests=int(plan.batch_index.shape[0]),
-                    num_tree_tokens=plan.num_tree_tokens,
-                )
-            )
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_whole_trees = bool(
             plan.batch_index.shape[0] == num_reqs
@@ -371,30 +354,40 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             if saved_drafts is not None:
                 self.num_decode_draft_tokens.cpu[: saved_drafts.shape[0]] = saved_drafts
 
-    def _ddtree_stage_dummy_step(self, num_trees: int):
-        """Dummy whole trees for a uniform dummy run of ``num_trees`` requests, published to the layers."""
-        layout = self._ddtree_buffers.stage_dummy_trees(num_trees, self.ddtree_cfg.draft_len)
-        num_tokens = num_trees * (self.ddtree_cfg.budget + 1)
+    def _ddtree_publish(self, layout, num_reqs, num_tokens, token_index, other_index, num_trees):
+        """Publishes a tree layout (views of :class:`TreeStepBuffers`) to the attention backend and, for GDN
+        targets, to the GDN layers; returns the GDN step (None: no GDN layers). ``num_tokens`` counts the step's
+        scheduled tokens, ``token_index`` places the tree tokens among them."""
         set_tree_inputs(
             TreeAttentionInputs(
                 row_start=layout["row_start"],
                 ancestor_bits=layout["ancestor_bits"],
-                num_reqs=num_trees,
+                num_reqs=num_reqs,
                 num_tokens=num_tokens,
             )
         )
-        step = saved = None
-        if self._ddtree_conv_window > 0:
-            step = GdnTreeStep(
-                token_index=torch.arange(num_tokens, device=self.device),
-                other_index=None,
-                node_offsets=layout["node_offsets"],
-                ancestor_bits=layout["ancestor_bits"],
-                conv_index=layout["conv_index"],
-                num_requests=num_trees,
-                num_tree_tokens=num_tokens,
-            )
-            set_gdn_step(step)
+        if self._ddtree_conv_window == 0:
+            return None
+        step = GdnTreeStep(
+            token_index=token_index,
+            other_index=other_index,
+            node_offsets=layout["node_offsets"],
+            ancestor_bits=layout["ancestor_bits"],
+            conv_index=layout["conv_index"],
+            num_requests=num_trees,
+            num_tree_tokens=int(token_index.shape[0]),
+        )
+        set_gdn_step(step)
+        return step
+
+    def _ddtree_stage_dummy_step(self, num_trees: int):
+        """Dummy whole trees for a uniform dummy run of ``num_trees`` requests, published to the layers."""
+        layout = self._ddtree_buffers.stage_dummy_trees(num_trees, self.ddtree_cfg.draft_len)
+        num_tokens = num_trees * (self.ddtree_cfg.budget + 1)
+        token_index = torch.arange(num_tokens, device=self.device)
+        step = self._ddtree_publish(layout, num_trees, num_tokens, token_index, None, num_trees)
+        saved = None
+        if step is not None:
             # vLLM's GDN builder takes requests with drafts as spec decodes (a capture derives them itself).
             saved = self.num_decode_draft_tokens.cpu[:num_trees].clone()
             self.num_decode_draft_tokens.cpu[:num_trees] = self.ddtree_cfg.budget
