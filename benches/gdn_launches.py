@@ -30,7 +30,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, verify_tree_tokens  # noqa: E402
-from ddtree.vllm.step import commit_paths, conv_commit_index, conv_gather_index  # noqa: E402
+from ddtree.vllm.step import layout_specs, numpy_arrays  # noqa: E402
 
 # Ops that only make a new view or read metadata: no kernel on a GPU.
 NO_LAUNCH = {
@@ -107,14 +107,16 @@ def main() -> None:
     ids = np.argsort(rng.random((len(budgets), 15, 16)), axis=-1).astype(np.int32)
     trees = ddtree.build_trees(np.ascontiguousarray(lp), ids, np.array(budgets))
     offsets = trees.node_offsets
-    compiled = ddtree.compile_trees(trees, np.zeros(len(budgets), dtype=np.int64), window=width - 1)
     nodes = int(offsets[-1])
+    words = (int(np.diff(offsets).max()) + 31) // 32
+    layout = numpy_arrays(layout_specs(len(budgets), len(budgets), nodes, words, width - 1))
+    ddtree.verify_layout_into(trees, np.arange(len(budgets)), 0, offsets[:-1], offsets[:-1], **layout)
     step = GdnTreeStep(
         token_index=torch.arange(nodes),
         other_index=None,
-        node_offsets=torch.from_numpy(offsets.astype(np.int32)),
-        ancestor_bits=torch.from_numpy(np.ascontiguousarray(compiled.ancestor_bits).view(np.int32)),
-        conv_index=torch.from_numpy(conv_gather_index(compiled.windows, offsets)),
+        node_offsets=torch.from_numpy(layout["node_offsets"]),
+        ancestor_bits=torch.from_numpy(layout["ancestor_bits"]),
+        conv_index=torch.from_numpy(layout["conv_index"]),
         num_requests=len(budgets),
         num_tree_tokens=nodes,
     )
@@ -150,15 +152,28 @@ def main() -> None:
             **({"out": out} if takes_out else {}),
         )
 
-    paths = np.full((len(budgets), 3), -1, dtype=np.int64)
-    paths[:, 0] = 0
-    paths[1, 1] = 1
-    padded, lengths = commit_paths(paths)
+    # Request 1 accepts its first node, the others only their roots.
+    targets = np.full(nodes, -1, dtype=np.int64)
+    targets[offsets[1]] = trees.tokens[trees.token_offsets[1]]
+    accepted = ddtree.accept_trees(trees, targets)
+    moves = int(accepted.kv_src.shape[0])
+    after = numpy_arrays(
+        {
+            "output_tokens": (np.int32, (len(budgets), accepted.output_tokens.shape[1])),
+            "kv_src": (np.int64, (moves,)),
+            "kv_dst": (np.int64, (moves,)),
+            "context_order": (np.int64, (nodes,)),
+            "paths": (np.int32, tuple(accepted.paths.shape)),
+            "path_lengths": (np.int32, (len(budgets),)),
+            "commit_conv_index": (np.int64, (len(budgets), width - 1)),
+        }
+    )
+    ddtree.acceptance_layout_into(trees, accepted, offsets[:-1], **after)
     plan = GdnCommitPlan(
         node_offsets=step.node_offsets,
-        paths=torch.from_numpy(padded),
-        path_lengths=torch.from_numpy(lengths),
-        conv_index=torch.from_numpy(conv_commit_index(paths, offsets, width - 1)),
+        paths=torch.from_numpy(after["paths"]),
+        path_lengths=torch.from_numpy(after["path_lengths"]),
+        conv_index=torch.from_numpy(after["commit_conv_index"]),
     )
     verify()  # the step's first layer converts the slots; later layers reuse them
     for name, fn in (("verify (a later layer of the step)", verify), ("commit", lambda: commit_pending(step, plan))):

@@ -128,7 +128,44 @@ def run(single, batch, budget, start, window, target, threads):
     if trees is not None:
         guarded("compile_trees", ddtree.compile_trees, trees, start, window)
         guarded("accept_trees", ddtree.accept_trees, trees, targets(target, len(trees.tokens) + len(trees)))
-        guarded("accept_trees", ddtree.accept_trees, trees, np.array(target, dtype=np.int64))
+        accepted = guarded("accept_trees", ddtree.accept_trees, trees, np.array(target, dtype=np.int64))
+        lay_out(trees, accepted, start, window, len(target) % 4)
+
+
+def lay_out(trees, accepted, start, window, sizing):
+    """The step layouts with outputs sized right (sizing 0), one too long, empty, or of another dtype."""
+    total, requests = len(trees.tokens) + len(trees), len(trees)
+    w = window if isinstance(window, int) and 0 <= window <= 70 else 3
+    firsts = trees.node_offsets[:-1]
+
+    def out(shape, dtype):
+        shape = {0: shape, 1: (shape[0] + 1,) + shape[1:], 2: (0,) + shape[1:], 3: shape}[sizing]
+        return np.zeros(shape, dtype=np.float32 if sizing == 3 else dtype)
+
+    verify = dict(
+        token_index=out((total,), np.int64),
+        logit_rows=out((total,), np.int64),
+        positions=out((total,), np.int64),
+        ancestor_bits=out((total, 1 + total // 32), np.uint32),
+        row_start=out((requests,), np.int32),
+        node_offsets=out((requests + 1,), np.int32),
+        conv_index=out((total, w + 1), np.int64) if w else None,
+    )
+    rows = np.arange(requests)
+    guarded("verify_layout_into", lambda: ddtree.verify_layout_into(trees, rows, start, firsts, firsts, **verify))
+    if accepted is None:
+        return
+    moves = len(accepted.kv_src)
+    after = dict(
+        output_tokens=out((requests, accepted.paths.shape[1]), np.int32),
+        kv_src=out((moves,), np.int64),
+        kv_dst=out((moves,), np.int64),
+        context_order=out((total,), np.int64),
+        paths=out(tuple(accepted.paths.shape), np.int32),
+        path_lengths=out((requests,), np.int32),
+        commit_conv_index=out((requests, w), np.int64) if w else None,
+    )
+    guarded("acceptance_layout_into", lambda: ddtree.acceptance_layout_into(trees, accepted, firsts, **after))
 
 
 if __name__ == "__main__":

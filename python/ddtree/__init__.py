@@ -10,7 +10,9 @@ a pure-Python oracle of the same algorithm. One decoding step:
     src, dst = kv_move_plan(path)                         # -> KV commit
 
 The batched forms (``build_trees``, ``compile_trees``, ``accept_trees``) do the
-same for every request of a step in one call each.
+same for every request of a step in one call each; ``verify_layout_into`` and
+``acceptance_layout_into`` lay a step's trees out as an engine's flat batch needs
+them, into the caller's (reused, pinned) arrays.
 """
 
 from ddtree._core import (
@@ -29,11 +31,13 @@ from ddtree._core import (
     __version__,
     accept,
     accept_trees,
+    acceptance_layout_into,
     build_tree,
     build_trees,
     compile_tree,
     compile_trees,
     kv_move_plan,
+    verify_layout_into,
 )
 from ddtree.errors import DDTreeError
 
@@ -54,9 +58,11 @@ __all__ = [
     "__version__",
     "accept",
     "accept_trees",
+    "acceptance_layout_into",
     "build_tree",
     "build_trees",
     "compile_tree",
     "compile_trees",
     "kv_move_plan",
+    "verify_layout_into",
 ]

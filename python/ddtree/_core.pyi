@@ -42,6 +42,8 @@ __all__ = [
     "accept",
     "accept_trees",
     "kv_move_plan",
+    "verify_layout_into",
+    "acceptance_layout_into",
     "__version__",
 ]
 
@@ -232,3 +234,58 @@ def accept_trees(batch: TreeBatch, target_tokens: _TokenArray) -> AcceptedBatch:
 def kv_move_plan(path: npt.NDArray[np.int32]) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``(src, dst)``: accepted node ``path[i]`` moves to position ``i`` wherever ``path[i] != i``, so the
     accepted path's K/V ends up in consecutive slots; every source is read before any write."""
+
+def verify_layout_into(
+    batch: TreeBatch,
+    rows: _Ints,
+    starts: _Ints,
+    query_starts: _Ints,
+    logit_starts: _Ints,
+    *,
+    token_index: npt.NDArray[np.int64],
+    logit_rows: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+    ancestor_bits: Union[npt.NDArray[np.uint32], npt.NDArray[np.int32]],
+    row_start: npt.NDArray[np.int32],
+    node_offsets: npt.NDArray[np.int32],
+    conv_index: Optional[npt.NDArray[np.int64]] = None,
+) -> None:
+    """One engine step's verification layout of ``batch``, written into the caller's arrays (e.g. views of
+    one reused pinned buffer, copied to the GPU in one transfer); every element is written.
+
+    Tree ``r`` is verified as the step's flat query tokens ``query_starts[r] ..`` (root first), reads its
+    logits from row ``logit_starts[r] ..``, sits in row ``rows[r]`` of the engine's batch and has its root at
+    position ``starts[r]`` (all ``[R]``). Outputs, T = the batch's nodes: ``token_index``, ``logit_rows``,
+    ``positions`` (``start + depth``) ``[T]``; ``ancestor_bits`` ``[T, words]`` (any ``words`` enough for the
+    largest tree; extra words zeroed); ``row_start`` ``[num_rows]`` (each batch row's first bits row, -1 for
+    rows without a tree); ``node_offsets`` ``[R + 1]``; ``conv_index`` ``[T, w + 1]`` for hybrid targets (conv
+    window ``w``): rows of ``cat(histories [R*w], tree inputs [T])`` forming each node's window, itself last.
+
+    Raises:
+        ValueError: a wrong-sized or shared output (naming it), a row outside ``row_start`` or given twice.
+        TypeError: an output of the wrong dtype.
+    """
+
+def acceptance_layout_into(
+    batch: TreeBatch,
+    accepted: AcceptedBatch,
+    query_starts: _Ints,
+    *,
+    output_tokens: npt.NDArray[np.int32],
+    kv_src: npt.NDArray[np.int64],
+    kv_dst: npt.NDArray[np.int64],
+    context_order: npt.NDArray[np.int64],
+    paths: npt.NDArray[np.int32],
+    path_lengths: npt.NDArray[np.int32],
+    commit_conv_index: Optional[npt.NDArray[np.int64]] = None,
+) -> None:
+    """What follows the acceptance ``accepted`` of ``batch`` (placed as in :func:`verify_layout_into`),
+    written into the caller's arrays.
+
+    ``output_tokens`` ``[R, width]``: accepted draft tokens, then the bonus, then -1 (an emitted token past
+    ``width`` is a ValueError); ``kv_src``/``kv_dst`` ``[M]`` (``M = len(accepted.kv_src)``): the moves in step
+    token indices; ``context_order`` ``[num_tokens]``: the step's tokens with each tree's accepted path first
+    (path order) and its other nodes after (node order); ``paths`` ``[R, P]`` 0-padded and ``path_lengths``
+    ``[R]``; ``commit_conv_index`` ``[R, w]``: conv rows of each request's new history (its old history
+    followed by its accepted path, the last ``w`` entries).
+    """

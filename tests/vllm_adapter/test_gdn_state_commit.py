@@ -74,7 +74,7 @@ def _oracle(history, x_path, weight, bias, a_path, b_path, a_log, dt_bias, state
 
 def _check(device: str, sd_layout: bool, seed: int) -> None:
     from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, verify_tree_tokens
-    from ddtree.vllm.step import commit_paths, conv_commit_index, conv_gather_index
+    from layout_oracle import commit_paths, conv_commit_index, conv_gather_index
     import ddtree
 
     gen = torch.Generator().manual_seed(seed)
@@ -217,7 +217,7 @@ def test_gdn_verify_and_commit_on_gpu():
 
 
 def test_conv_commit_index_takes_the_last_window_of_history_and_path():
-    from ddtree.vllm.step import conv_commit_index
+    from layout_oracle import conv_commit_index
 
     offsets = np.array([0, 5, 6, 10])
     paths = np.array([[0, 1, 3, -1], [0, -1, -1, -1], [0, 1, 2, 3]])

@@ -9,7 +9,7 @@ import torch
 import ddtree
 from ddtree.vllm.gdn import GdnTreeStep, PendingCommit
 from ddtree.vllm.graphs import CapturedCommits, TreeStepBuffers, ancestor_words
-from ddtree.vllm.step import conv_gather_index
+from layout_oracle import conv_gather_index
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,6 @@ from ddtree.vllm.step import (
     TreeStore,
     accept,
     chain_as_tree_check,
-    drafter_context_order,
     plan_verify,
     stop_token_rows,
 )
@@ -103,6 +102,10 @@ def test_scheduled_drafts_must_match_the_tree():
         plan_verify(store, ["a"], np.array([5]), np.array([7]), {"a": bad})
     with pytest.raises(DraftMismatchError, match="no DDTree proposal"):
         plan_verify(store, ["z"], np.array([5]), np.array([3]), {"z": [1, 2]})
+    # The proposal's own trees are reused when scheduled whole; any sequence of the right tokens matches.
+    lists, _, _ = propose(store, rng, ["a"])
+    plan = plan_verify(store, ["a"], np.array([5]), np.array([7]), {"a": tuple(lists[0])})
+    assert plan.trees.tokens.tolist() == lists[0]
 
 
 def test_no_drafts_no_plan():
@@ -150,7 +153,8 @@ def test_accept_gives_vllm_chain_rows_moves_and_drafter_order(seed):
     width = max(len(v) for v in scheduled.values()) + 1
     result = accept(plan, target, width)
     total = int(num_sched.sum())
-    order = drafter_context_order(plan, result.accepted, total)
+    assert plan.num_tokens == total
+    order = result.context_order
     assert sorted(order.tolist()) == list(range(total))
     assert order.tolist() == _context_order_oracle(plan, result.accepted, total)
     for j in range(len(req_ids)):
@@ -166,9 +170,7 @@ def test_accept_gives_vllm_chain_rows_moves_and_drafter_order(seed):
         base = plan.token_index[lo]
         assert order[base : base + len(path)].tolist() == [base + n for n in path]
         # KV moves: accepted node path[i] -> position i
-        moves = {
-            int(s): int(d) for s, d in zip(result.kv_src_token, result.kv_dst_token) if base <= s < base + (hi - lo)
-        }
+        moves = {int(s): int(d) for s, d in zip(result.kv_src, result.kv_dst) if base <= s < base + (hi - lo)}
         assert moves == {base + n: base + i for i, n in enumerate(path) if n != i}
 
 
@@ -196,9 +198,7 @@ def test_drafter_order_with_requests_without_trees_between(seed):
     target = rng.integers(0, 4, size=plan.num_tree_tokens).astype(np.int64)
     result = accept(plan, target, int(num_sched.max()))
     total = int(num_sched.sum())
-    assert drafter_context_order(plan, result.accepted, total).tolist() == _context_order_oracle(
-        plan, result.accepted, total
-    )
+    assert result.context_order.tolist() == _context_order_oracle(plan, result.accepted, total)
 
 
 def test_reference_oracle_agrees_on_acceptance():

@@ -44,7 +44,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     from ddtree.vllm.staging import StepStaging
 
     # The runner's state the sampler touches, with the runner's own acceptance upload.
-    runner = type("FakeRunner", (), {"ddtree_upload_acceptance": DDTreeGPUModelRunner.ddtree_upload_acceptance})()
+    runner = type("FakeRunner", (), {"ddtree_accept": DDTreeGPUModelRunner.ddtree_accept})()
     runner._ddtree_plan, runner._ddtree_accept = plan, None
     runner.ddtree_stats = DDTreeStats(15, tree_size=7)
     runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
@@ -85,7 +85,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     staged = runner._ddtree_accept_gpu
     assert runner._ddtree_accept_staging.uploads == 1
     assert torch.equal(staged["output_tokens"], out[1:])
-    assert staged["kv_src"].tolist() == runner._ddtree_accept.kv_src_token.tolist()
+    assert staged["kv_src"].tolist() == runner._ddtree_accept.kv_src.tolist()
     assert staged["context_order"].shape == (13,)
 
     def replan():

@@ -27,7 +27,8 @@ import torch
 
 import ddtree
 from ddtree.vllm.gdn import GdnTreeStep, PendingCommit
-from ddtree.vllm.step import conv_gather_index
+import ddtree.vllm.step
+from ddtree.vllm.step import layout_specs
 
 
 def ancestor_words(tree_size: int) -> int:
@@ -100,23 +101,21 @@ class TreeStepBuffers:
         log_probs = np.broadcast_to(-np.arange(width, dtype=np.float32) - 1.0, (num_trees, depth, width)).copy()
         token_ids = np.broadcast_to(np.arange(width, dtype=np.int64), (num_trees, depth, width)).copy()
         trees = ddtree.build_trees(log_probs, token_ids, budget)
-        conv_window = self.conv_index.shape[1] - 1 if self.conv_index is not None else 0
-        compiled = ddtree.compile_trees(
-            trees, np.zeros(num_trees, dtype=np.int64), window=conv_window if conv_window else None
-        )
         offsets = trees.node_offsets
         if int(offsets[-1]) != num_trees * self.tree_size:
             raise RuntimeError(
                 f"DDTree: dummy trees have {int(offsets[-1])} nodes, expected {num_trees} x {self.tree_size}"
             )
+        conv_window = self.conv_index.shape[1] - 1 if self.conv_index is not None else 0
+        firsts = offsets[:-1]  # the trees fill the step: each root's token and logits row is its first node
+        plan = ddtree.vllm.step.numpy_arrays(
+            layout_specs(num_trees, num_trees, int(offsets[-1]), self.words, conv_window)
+        )
+        ddtree.verify_layout_into(trees, np.arange(num_trees), 0, firsts, firsts, **plan)
         host = {
-            "row_start": offsets[:-1].astype(np.int32),
-            "ancestor_bits": np.ascontiguousarray(compiled.ancestor_bits).view(np.int32),
-            "node_offsets": offsets.astype(np.int32),
+            name: plan[name] for name in ("row_start", "ancestor_bits", "node_offsets", "conv_index") if name in plan
         }
-        if conv_window:
-            host["conv_index"] = conv_gather_index(compiled.windows, offsets)
-        return self.load(**{k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in host.items()})
+        return self.load(**{k: torch.from_numpy(v).to(self.device) for k, v in host.items()})
 
 
 @dataclasses.dataclass

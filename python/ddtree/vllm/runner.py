@@ -39,14 +39,7 @@ from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending, get_gdn_step, set_gdn_step
 from ddtree.vllm.graphs import CapturedCommits, TreeStepBuffers
 from ddtree.vllm.staging import StepStaging
-from ddtree.vllm.step import (
-    AcceptPlan,
-    VerifyPlan,
-    commit_paths,
-    conv_commit_index,
-    drafter_context_order,
-    plan_verify,
-)
+from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify
 
 logger = init_logger(__name__)
 
@@ -141,6 +134,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept: Optional[AcceptPlan] = None
         self._ddtree_accept_gpu: Optional[Dict[str, torch.Tensor]] = None
         self._ddtree_flat_positions: Optional[torch.Tensor] = None
+        self._ddtree_plan_extras: Optional[Dict[str, np.ndarray]] = None
         self._ddtree_proposed = False
         self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0, self.ddtree_cfg.budget + 1)
         self._ddtree_kv_layers: Optional[List[tuple]] = None
@@ -207,6 +201,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             )
 
     def _ddtree_prepare(self, scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs):
+        total = scheduler_output.total_num_scheduled_tokens
+        hybrid = self._ddtree_conv_window > 0
         plan = plan_verify(
             self.drafter.store,
             self.input_batch.req_ids[:num_reqs],
@@ -214,14 +210,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             num_scheduled_tokens,
             scheduler_output.scheduled_spec_decode_tokens,
             conv_window=self._ddtree_conv_window,
+            words=self._ddtree_buffers.words,
+            arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid),
         )
         if plan is None:
+            self._ddtree_plan_extras = None
             return logits_indices, spec_decode_metadata
-        total = scheduler_output.total_num_scheduled_tokens
-        hybrid = self._ddtree_conv_window > 0
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
-        gpu = self._ddtree_upload_plan(plan, total, hybrid)
+        self._ddtree_fill_plan_extras(plan, total)
+        gpu = self._ddtree_plan_staging.upload_host()
         layout = self._ddtree_buffers.load(
             gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"), gpu.get("conv_index")
         )
@@ -246,29 +244,32 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
 
-    def _ddtree_upload_plan(self, plan: VerifyPlan, total: int, hybrid: bool) -> Dict[str, torch.Tensor]:
-        """The plan's arrays on the GPU, in one copy (:class:`ddtree.vllm.staging.StepStaging`)."""
-        arrays = {
-            "token_index": plan.token_index,
-            "positions": plan.positions,
-            "row_start": plan.row_start,
-            "ancestor_bits": plan.ancestor_bits,
-            "logit_rows": plan.logit_rows,
-            "batch_index": plan.batch_index,
-        }
+    def _ddtree_plan_arrays(self, specs, total: int, hybrid: bool) -> Dict[str, np.ndarray]:
+        """Views of the plan staging's pinned buffer for the plan (the Rust core writes them) and for what the
+        runner adds: M-RoPE's root rows and depths, and the non-tree tokens of a hybrid target's mixed step."""
+        num_tree_tokens = specs["token_index"][1][0]
+        extras = {}
         if self.uses_mrope:
+            extras["mrope_root_index"] = (np.int64, (num_tree_tokens,))
+            extras["depths"] = (np.int64, (num_tree_tokens,))
+        if hybrid and num_tree_tokens < total:
+            extras["other_index"] = (np.int64, (total - num_tree_tokens,))
+        views = self._ddtree_plan_staging.host_arrays({**specs, **extras})
+        self._ddtree_plan_extras = {name: views.pop(name) for name in extras}
+        return views
+
+    def _ddtree_fill_plan_extras(self, plan: VerifyPlan, total: int) -> None:
+        extras = self._ddtree_plan_extras
+        self._ddtree_plan_extras = None
+        if "mrope_root_index" in extras:
             # Every M-RoPE section of a tree token is its root's plus the node's depth (for text the three
             # sections of a decode position are equal; taking the root's keeps a multimodal offset).
-            arrays["mrope_root_index"] = np.repeat(plan.token_index[plan.trees.node_offsets[:-1]], plan.num_nodes)
-            arrays["depths"] = plan.trees.depths.astype(np.int64)
-        if hybrid:
-            arrays["node_offsets"] = plan.trees.node_offsets.astype(np.int32)
-            arrays["conv_index"] = plan.conv_index
-            if plan.num_tree_tokens < total:
-                keep = np.ones(total, dtype=bool)
-                keep[plan.token_index] = False
-                arrays["other_index"] = np.flatnonzero(keep)
-        return dict(zip(arrays, self._ddtree_plan_staging.upload(list(arrays.values()))))
+            extras["mrope_root_index"][:] = np.repeat(plan.query_starts, plan.num_nodes)
+            extras["depths"][:] = plan.trees.depths
+        if "other_index" in extras:
+            keep = np.ones(total, dtype=bool)
+            keep[plan.token_index] = False
+            extras["other_index"][:] = np.flatnonzero(keep)
 
     def _ddtree_check_spec_rows(self, plan: VerifyPlan, num_reqs: int) -> None:
         # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as
@@ -416,25 +417,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter.flat_positions = None
         return out
 
-    def ddtree_upload_acceptance(self, plan: VerifyPlan, accept: AcceptPlan) -> Dict[str, torch.Tensor]:
-        """What follows an acceptance on the GPU, in one copy: the chain rows the sampler returns
-        (``output_tokens``), the KV moves, the drafter's row order and, for GDN targets, the commit plan.
-        Called by the rejection sampler right after the tree walk."""
-        arrays = {
-            "output_tokens": accept.output_tokens.astype(np.int32),
-            "kv_src": accept.kv_src_token,
-            "kv_dst": accept.kv_dst_token,
-            "context_order": drafter_context_order(plan, accept.accepted, int(self._ddtree_flat_positions.shape[0])),
-        }
-        if self._ddtree_conv_window > 0:
-            paths = accept.accepted.paths
-            with self.ddtree_stats.timed("commit_plan"):
-                padded, lengths = commit_paths(paths)
-                arrays["paths"], arrays["path_lengths"] = padded, lengths
-                arrays["commit_conv_index"] = conv_commit_index(
-                    paths, plan.trees.node_offsets, self._ddtree_conv_window
-                )
-        gpu = dict(zip(arrays, self._ddtree_accept_staging.upload(list(arrays.values()))))
+    def ddtree_accept(self, plan: VerifyPlan, node_tokens: np.ndarray, width: int) -> Dict[str, torch.Tensor]:
+        """Walks the trees and uploads what follows in one copy: the chain rows the sampler returns
+        (``output_tokens``), the KV moves, the drafter's row order and, for GDN targets, the commit plan (one
+        Rust call writes them into the acceptance staging's pinned buffer). Called by the rejection sampler."""
+        with self.ddtree_stats.timed("accept"):
+            self._ddtree_accept = accept(plan, node_tokens, width, arrays=self._ddtree_accept_staging.host_arrays)
+            gpu = self._ddtree_accept_staging.upload_host()
         self._ddtree_accept_gpu = gpu
         return gpu
 

@@ -32,7 +32,7 @@ from vllm.v1.sample.logits_processor.builtin import (
 )
 
 from ddtree.vllm.node_sampling import sample_rows
-from ddtree.vllm.step import accept, emitted_logit_rows, row_output_tokens, stop_token_rows
+from ddtree.vllm.step import emitted_logit_rows, row_output_tokens, stop_token_rows
 
 #: Logits elements per chunk of rows when applying penalties (vLLM counts every row's tokens over the whole
 #: vocabulary in int64): ~512 MB at a time.
@@ -138,10 +138,8 @@ class DDTreeRejectionSampler(nn.Module):
         result = None
         if plan is not None:
             node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
-            with runner.ddtree_stats.timed("accept"):
-                result = accept(plan, node_tokens, width)
-            out[plan.batch_index_gpu] = runner.ddtree_upload_acceptance(plan, result)["output_tokens"]
-            runner._ddtree_accept = result
+            out[plan.batch_index_gpu] = runner.ddtree_accept(plan, node_tokens, width)["output_tokens"]
+            result = runner._ddtree_accept
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(runner, plan, result, metadata, logits, out, sampling_metadata.max_num_logprobs)

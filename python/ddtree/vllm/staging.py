@@ -3,10 +3,11 @@
 A verification step needs about ten small arrays on the GPU (positions, ancestor bits, logits rows, the GDN
 conv gather index, ...) and its acceptance about six more (accepted rows, KV moves, the GDN commit plan, the
 drafter's row order). Copied one by one from pageable numpy memory, each costs a driver call and a staging
-copy on the host. :class:`StepStaging` packs them into one pinned buffer that it owns and reuses, copies it
-with one asynchronous transfer, and hands back typed views of one device buffer.
+copy on the host. :class:`StepStaging` lays them out in one pinned buffer that it owns and reuses (the Rust
+core writes the tree layouts straight into its views: :meth:`StepStaging.host_arrays`), copies it with one
+asynchronous transfer, and hands back typed views of one device buffer.
 
-Reuse is safe because the next :meth:`StepStaging.upload` first waits for the previous transfer to have left
+Reuse is safe because the next :meth:`StepStaging.host_arrays` first waits for the previous transfer to have left
 the pinned buffer (a recorded CUDA event: in practice long done, so the wait costs nothing). The device views
 of an upload stay valid until the next upload into the same staging; the runner keeps one staging per phase
 (verification inputs, acceptance outputs), each uploaded once per step.
@@ -16,10 +17,14 @@ Torch only (no vLLM import): CI tests it on CPU, where the buffers are ordinary 
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+#: ``(dtype, shape)`` of one array of an upload.
+ArraySpec = Tuple[np.dtype, Tuple[int, ...]]
 
 #: Every array starts at a multiple of this many bytes, so each device view is aligned for its dtype.
 ALIGN = 16
@@ -41,6 +46,11 @@ class StepStaging:
         self._device_buffer: Optional[torch.Tensor] = None
         self._copied: Optional[torch.cuda.Event] = None
         self.uploads = 0
+        self._key: Optional[tuple] = None  # the current layout's (name, dtype, shape)s
+        self._host_views: Dict[str, np.ndarray] = {}
+        self._device_views: Dict[str, torch.Tensor] = {}
+        self._total = 0
+        self._pending = False  # host_arrays() handed out views that upload_host() has not copied yet
         self._grow(initial_bytes)
 
     def _grow(self, nbytes: int) -> None:
@@ -50,41 +60,77 @@ class StepStaging:
         self._host_np = self._host.numpy()
         self._device_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self._capacity = capacity
+        self._key = None  # views of the old buffers are stale
 
     def _wait_for_previous_copy(self) -> None:
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
 
-    def upload(self, arrays: Sequence[np.ndarray]) -> List[torch.Tensor]:
-        """Device tensors with the dtypes and shapes of ``arrays`` (numpy), after one host-to-device copy.
+    def host_arrays(self, specs: Mapping[str, ArraySpec]) -> Dict[str, np.ndarray]:
+        """Numpy views of the host buffer, one per ``name: (dtype, shape)``, for the caller (e.g. the Rust core)
+        to fill; :meth:`upload_host` then copies them in one transfer. Valid until the next call of either.
 
-        The views are valid until the next call of this staging's ``upload``.
+        A step usually has the shapes of the step before (the same batch of whole trees): the layout and its
+        views are then reused, not made again.
         """
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += _aligned(a.nbytes)
+        key = tuple((name, dtype, tuple(shape)) for name, (dtype, shape) in specs.items())
+        if key != self._key:
+            self._lay_out(key)
+        else:
+            self._wait_for_previous_copy()
+        self._pending = True
+        return dict(self._host_views)
+
+    def _lay_out(self, key) -> None:
+        layout, total = [], 0
+        for name, dtype, shape in key:
+            dtype = np.dtype(dtype)
+            _torch_dtype(dtype)  # refuse what the device side cannot view, before anything is written
+            nbytes = dtype.itemsize * math.prod(shape)
+            layout.append((name, dtype, shape, total, nbytes))
+            total += _aligned(nbytes)
         if total > self._capacity:
             self._grow(total)
         else:
             self._wait_for_previous_copy()
-        host = self._host_np
-        for a, offset in zip(arrays, offsets):
-            if a.nbytes:
-                host[offset : offset + a.nbytes] = a.reshape(-1).view(np.uint8)
-        device = self._device_buffer
+        host, device = self._host_np, self._device_buffer
+        # An empty array gets its own (empty) allocation: numpy gives empty views of the buffer one address,
+        # and the Rust core refuses outputs that share memory.
+        self._host_views = {
+            name: host[o : o + n].view(dtype).reshape(shape) if n else np.empty(shape, dtype)
+            for name, dtype, shape, o, n in layout
+        }
+        self._device_views = {
+            name: device[o : o + n].view(_torch_dtype(dtype)).view(shape) for name, dtype, shape, o, n in layout
+        }
+        self._key, self._total = key, total
+
+    def upload_host(self) -> Dict[str, torch.Tensor]:
+        """Device views of what :meth:`host_arrays` laid out, after one host-to-device copy."""
+        if not self._pending:
+            raise RuntimeError("StepStaging.upload_host() without host_arrays() first")
+        self._pending = False
+        total = self._total
         if total:
-            device[:total].copy_(self._host[:total], non_blocking=True)
+            self._device_buffer[:total].copy_(self._host[:total], non_blocking=True)
             if self._pin:
                 self._copied = torch.cuda.Event()
                 self._copied.record()
         self.uploads += 1
-        return [
-            device[offset : offset + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
-            for a, offset in zip(arrays, offsets)
-        ]
+        return dict(self._device_views)
+
+    def upload(self, arrays: Sequence[np.ndarray]) -> List[torch.Tensor]:
+        """Device tensors with the dtypes and shapes of ``arrays`` (numpy), after one host-to-device copy.
+
+        The views are valid until the next upload of this staging.
+        """
+        arrays = [np.asarray(a) for a in arrays]
+        views = self.host_arrays({str(i): (a.dtype, a.shape) for i, a in enumerate(arrays)})
+        for i, a in enumerate(arrays):
+            views[str(i)][...] = a
+        device = self.upload_host()
+        return [device[str(i)] for i in range(len(arrays))]
 
 
 _DTYPES = {

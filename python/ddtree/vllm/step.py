@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class DraftRecord:
     log_probs: np.ndarray  # [L, K] float32
     token_ids: np.ndarray  # [L, K] int64
     tokens: Optional[np.ndarray]  # [n] int64, the tree's draft tokens in pop order (None: not built here)
+    token_list: Optional[List[int]] = None  # the same tokens as the list handed to vLLM's scheduler
 
 
 class TreeStore:
@@ -88,8 +89,9 @@ class TreeStore:
         lists = []
         for r, req_id in enumerate(req_ids):
             own = tokens[offsets[r] : offsets[r + 1]]
-            self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], own)
-            lists.append(own.tolist())
+            own_list = own.tolist()
+            self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], own, own_list)
+            lists.append(own_list)
         return lists
 
     def discard(self, req_ids) -> None:
@@ -104,19 +106,36 @@ class DraftMismatchError(DDTreeError, RuntimeError):
     """vLLM scheduled draft tokens that are not a prefix of the request's tree."""
 
 
+#: ``name -> (dtype, shape)`` of the arrays one layout call writes.
+ArraySpecs = Dict[str, Tuple[np.dtype, Tuple[int, ...]]]
+
+
+def numpy_arrays(specs: ArraySpecs) -> Dict[str, np.ndarray]:
+    """Fresh arrays for a layout (the runner passes views of its pinned staging buffer instead)."""
+    return {name: np.empty(shape, dtype=dtype) for name, (dtype, shape) in specs.items()}
+
+
 @dataclasses.dataclass
 class VerifyPlan:
-    """Everything the verification step needs, for the requests that verify a tree."""
+    """Everything the verification step needs, for the requests that verify a tree.
+
+    The arrays are written by one Rust call (:func:`ddtree.verify_layout_into`) into what the caller's
+    allocator returned: in the runner, views of the pinned buffer it uploads in one copy.
+    """
 
     batch_index: np.ndarray  # [R_t] int64: the tree requests' rows in vLLM's input batch
     trees: "ddtree.TreeBatch"
     token_index: np.ndarray  # [T] int64: flat index of each node among the step's scheduled tokens
     logit_rows: np.ndarray  # [T] int64: row of each node in the step's logits
     positions: np.ndarray  # [T] int64: start + depth
-    ancestor_bits: np.ndarray  # [T, words] uint32 (tree-local, row i bit j: j is ancestor-or-self of i)
+    ancestor_bits: np.ndarray  # [T, words] int32 bit rows (tree-local, row i bit j: j is ancestor-or-self of i)
     row_start: np.ndarray  # [num_reqs] int32: first ancestor_bits row of each request, -1 if no tree
+    node_offsets: np.ndarray  # [R_t + 1] int32: the trees' CSR offsets
     num_nodes: np.ndarray  # [R_t] int64: b + 1 (root included)
-    conv_index: Optional[np.ndarray] = None  # [T, W] int64 (hybrid targets): see conv_gather_index
+    query_starts: np.ndarray  # [R_t] int64: each tree's root among the step's scheduled tokens
+    num_tokens: int  # the step's scheduled tokens
+    conv_index: Optional[np.ndarray] = None  # [T, w + 1] int64 (hybrid targets): rows of cat(histories, inputs)
+    conv_window: int = 0
 
     @property
     def words(self) -> int:
@@ -134,6 +153,8 @@ def plan_verify(
     num_scheduled_tokens: np.ndarray,
     scheduled_spec_tokens: Mapping[str, Sequence[int]],
     conv_window: int = 0,
+    words: Optional[int] = None,
+    arrays: Callable[[ArraySpecs], Dict[str, np.ndarray]] = numpy_arrays,
 ) -> Optional[VerifyPlan]:
     """Builds the verification of this step's trees (``None``: no request verifies one).
 
@@ -145,6 +166,9 @@ def plan_verify(
         scheduled_spec_tokens: draft tokens vLLM scheduled, by request id.
         conv_window: ``W - 1`` of the target's GDN conv (0: no GDN layers);
             when > 0 the plan carries :attr:`VerifyPlan.conv_index`.
+        words: the ancestor-bit row width (default: what the largest tree needs;
+            the runner's fixed-address buffers have one width for every step).
+        arrays: allocates the plan's arrays from ``name -> (dtype, shape)``.
 
     Raises:
         DraftMismatchError: scheduled drafts that are not a prefix of the
@@ -157,16 +181,13 @@ def plan_verify(
     np.cumsum(num_scheduled_tokens, out=query_start[1:])
     # Logits layout of vLLM's spec-decode metadata: num_draft + 1 rows per request.
     num_drafts = np.zeros(num_reqs, dtype=np.int64)
+    rows, records, scheduled = [], [], []
     for i, req_id in enumerate(req_ids):
-        num_drafts[i] = len(scheduled_spec_tokens.get(req_id, ()))
-    logit_start = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(num_drafts + 1, out=logit_start[1:])
-
-    rows, records = [], []
-    for i, req_id in enumerate(req_ids):
-        b = int(num_drafts[i])
-        if b == 0:
+        drafts = scheduled_spec_tokens.get(req_id)
+        if not drafts:
             continue
+        b = len(drafts)
+        num_drafts[i] = b
         record = store.take(req_id)
         if record is None:
             raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
@@ -176,44 +197,75 @@ def plan_verify(
             )
         rows.append(i)
         records.append(record)
+        scheduled.append(drafts)
     if not rows:
         return None
+    logit_start = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_drafts + 1, out=logit_start[1:])
 
     budgets = num_drafts[rows]
-    trees = _proposed_trees(store, [req_ids[i] for i in rows], records, budgets)
-    if trees is None:
+    tree_ids = [req_ids[i] for i in rows]
+    trees = _proposed_trees(store, tree_ids, records, budgets)
+    if trees is not None:
+        # The proposal's own trees: the scheduled drafts must be the lists handed to vLLM (compared as lists).
+        if any(list(d) != r.token_list for d, r in zip(scheduled, records)):
+            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees)
+    else:
         trees = ddtree.build_trees(
             np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records]), budgets, store.executor
         )
-    # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
-    # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
-    drafts = np.fromiter(
-        itertools.chain.from_iterable(scheduled_spec_tokens[req_ids[i]] for i in rows),
-        dtype=np.int64,
-        count=int(budgets.sum()),
-    )
-    if not np.array_equal(trees.tokens, drafts):
-        raise _draft_mismatch([req_ids[i] for i in rows], records, scheduled_spec_tokens, trees)
-    batch_index = np.asarray(rows, dtype=np.int64)
-    starts = num_computed_tokens[batch_index]
-    compiled = ddtree.compile_trees(trees, starts, window=conv_window if conv_window > 0 else None)
+        # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
+        # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
+        drafts = np.fromiter(itertools.chain.from_iterable(scheduled), dtype=np.int64, count=int(budgets.sum()))
+        if not np.array_equal(trees.tokens, drafts):
+            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees)
+    return _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays)
+
+
+def layout_specs(num_rows: int, num_trees: int, num_nodes: int, words: int, conv_window: int) -> ArraySpecs:
+    """The arrays :func:`ddtree.verify_layout_into` writes: ``num_trees`` trees of ``num_nodes`` nodes in all,
+    in a batch of ``num_rows`` rows."""
+    specs = {
+        "node_offsets": (np.int32, (num_trees + 1,)),
+        "token_index": (np.int64, (num_nodes,)),
+        "logit_rows": (np.int64, (num_nodes,)),
+        "positions": (np.int64, (num_nodes,)),
+        "ancestor_bits": (np.int32, (num_nodes, words)),
+        "row_start": (np.int32, (num_rows,)),
+    }
+    if conv_window > 0:
+        specs["conv_index"] = (np.int64, (num_nodes, conv_window + 1))
+    return specs
+
+
+def _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays):
+    """The plan's arrays, written by one Rust call into what ``arrays`` allocates."""
     node_offsets = trees.node_offsets
     sizes = np.diff(node_offsets)
-    local = np.arange(node_offsets[-1], dtype=np.int64) - np.repeat(node_offsets[:-1], sizes)
-    token_index = np.repeat(query_start[batch_index], sizes) + local
-    logit_rows = np.repeat(logit_start[batch_index], sizes) + local
-    row_start = np.full(num_reqs, -1, dtype=np.int32)
-    row_start[batch_index] = node_offsets[:-1]
+    total, num_trees = int(node_offsets[-1]), len(rows)
+    if words is None:
+        words = (int(sizes.max()) + 31) // 32
+    out = arrays(
+        {
+            "batch_index": (np.int64, (num_trees,)),
+            **layout_specs(num_reqs, num_trees, total, words, conv_window),
+        }
+    )
+    batch_index = out.pop("batch_index")
+    batch_index[:] = rows
+    query_starts = query_start[batch_index]
+    ddtree.verify_layout_into(
+        trees, batch_index, num_computed_tokens[batch_index], query_starts, logit_start[batch_index], **out
+    )
     return VerifyPlan(
         batch_index=batch_index,
         trees=trees,
-        token_index=token_index,
-        logit_rows=logit_rows,
-        positions=compiled.positions,
-        ancestor_bits=compiled.ancestor_bits,
-        row_start=row_start,
         num_nodes=sizes.astype(np.int64),
-        conv_index=conv_gather_index(compiled.windows, node_offsets) if conv_window > 0 else None,
+        query_starts=query_starts,
+        num_tokens=int(query_start[-1]),
+        conv_index=out.pop("conv_index", None),
+        conv_window=conv_window,
+        **out,
     )
 
 
@@ -246,82 +298,52 @@ def _draft_mismatch(req_ids, records, scheduled_spec_tokens, trees) -> DraftMism
     return DraftMismatchError("rebuilt trees differ from the scheduled drafts")
 
 
-def conv_gather_index(windows: np.ndarray, node_offsets: np.ndarray) -> np.ndarray:
-    """Rows of ``cat(histories, tree inputs)`` forming each node's conv window: ``[T, w + 1]`` int64.
-
-    ``windows`` is ``compile_trees(..., window=w).windows``: per node its last
-    ``w`` ancestors, oldest first, tree-local, ``-1 .. -w`` naming the newest ..
-    oldest committed history entry. In the source matrix request ``r``'s
-    history is rows ``r*w .. r*w + w - 1`` (oldest first) and node ``t`` of the
-    flat batch is row ``R*w + t``; the last column is the node itself.
-    """
-    windows = np.asarray(windows, dtype=np.int64)
-    num_nodes, w = windows.shape
-    num_requests = node_offsets.shape[0] - 1
-    request = np.repeat(np.arange(num_requests, dtype=np.int64), np.diff(node_offsets))
-    first = node_offsets[:-1][request][:, None]
-    index = np.where(windows >= 0, num_requests * w + first + windows, request[:, None] * w + w + windows)
-    own = num_requests * w + np.arange(num_nodes, dtype=np.int64)
-    return np.concatenate([index, own[:, None]], axis=1)
-
-
-def conv_commit_index(paths: np.ndarray, node_offsets: np.ndarray, w: int) -> np.ndarray:
-    """Rows of ``cat(histories, tree inputs)`` that form each request's new conv history: ``[R, w]``.
-
-    The new history is the last ``w`` entries of ``old history + accepted path``
-    (root included), oldest first; ``paths`` is ``[R, P]`` request-local, -1 padded.
-    """
-    paths = np.asarray(paths, dtype=np.int64)
-    num_requests = paths.shape[0]
-    lengths = (paths >= 0).sum(axis=1)
-    # Entry i of request r's sequence: history row r*w + i for i < w, else path node i - w.
-    seq = lengths[:, None] + np.arange(w, dtype=np.int64)[None, :]  # the last w entries
-    from_path = seq >= w
-    path_pos = np.clip(seq - w, 0, max(paths.shape[1] - 1, 0))
-    nodes = np.take_along_axis(paths, path_pos, axis=1) if paths.shape[1] else np.zeros_like(seq)
-    tree_row = num_requests * w + node_offsets[:-1][:, None] + nodes
-    history_row = np.arange(num_requests, dtype=np.int64)[:, None] * w + seq
-    return np.where(from_path, tree_row, history_row)
-
-
-def commit_paths(paths: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """``(paths padded with 0 as int32 [R, P], lengths int32 [R])`` for the GDN commit kernel."""
-    paths = np.asarray(paths)
-    valid = paths >= 0
-    return np.where(valid, paths, 0).astype(np.int32), valid.sum(axis=1).astype(np.int32)
-
-
 @dataclasses.dataclass
 class AcceptPlan:
-    """The outcome of a verification, in vLLM's terms."""
+    """The outcome of a verification, in vLLM's terms; the arrays are written by one Rust call
+    (:func:`ddtree.acceptance_layout_into`) into what the caller's allocator returned."""
 
     accepted: "ddtree.AcceptedBatch"
-    # [R_t, width] accepted draft tokens + bonus, -1 padded (vLLM's sampled_token_ids rows)
-    output_tokens: np.ndarray
-    kv_src_token: np.ndarray  # [M] flat scheduled-token index whose K/V moves ...
-    kv_dst_token: np.ndarray  # [M] ... to this flat scheduled-token index
+    output_tokens: np.ndarray  # [R_t, width] int32: accepted draft tokens + bonus, -1 padded (vLLM's rows)
+    kv_src: np.ndarray  # [M] int64: flat scheduled-token index whose K/V moves ...
+    kv_dst: np.ndarray  # [M] int64: ... to this flat scheduled-token index
+    # [num_tokens] int64: the target's hidden-state rows in the order the next drafter pass reads them. vLLM's
+    # DFlash proposer treats a request's verified rows as a chain (the first accepted + 1 are context, the rest
+    # ignored padding); each tree's root and accepted path first, in path order, then its other nodes, gives
+    # the drafter exactly the accepted path's hidden states at consecutive positions.
+    context_order: np.ndarray
+    paths: np.ndarray  # [R_t, P] int32: accepted tree-local nodes, root first, 0 padded (GDN commit)
+    path_lengths: np.ndarray  # [R_t] int32
+    commit_conv_index: Optional[np.ndarray] = None  # [R_t, w] int64: rows of each new conv history
 
 
-def accept(plan: VerifyPlan, node_target_tokens: np.ndarray, width: int) -> AcceptPlan:
-    """Walks the trees with the target's per-node tokens (flat ``[T]``).
+def accept(
+    plan: VerifyPlan,
+    node_target_tokens: np.ndarray,
+    width: int,
+    arrays: Callable[[ArraySpecs], Dict[str, np.ndarray]] = numpy_arrays,
+) -> AcceptPlan:
+    """Walks the trees with the target's per-node tokens (flat ``[T]``) and lays out what follows.
 
     ``width`` is the row width of vLLM's ``sampled_token_ids`` (max scheduled
     drafts + 1); accepted paths never exceed it because a request with ``b``
-    drafts has no node deeper than ``b``.
+    drafts has no node deeper than ``b`` (a longer one is a ValueError).
     """
     result = ddtree.accept_trees(plan.trees, np.ascontiguousarray(node_target_tokens, dtype=np.int64))
-    out = result.output_tokens
-    cols = min(out.shape[1], width)
-    if out.shape[1] > width and (out[:, width:] != PLACEHOLDER).any():
-        raise AssertionError("accepted path longer than the scheduled drafts")
-    rows = np.full((out.shape[0], width), PLACEHOLDER, dtype=np.int64)
-    rows[:, :cols] = out[:, :cols]
-    return AcceptPlan(
-        accepted=result,
-        output_tokens=rows,
-        kv_src_token=plan.token_index[result.kv_src],
-        kv_dst_token=plan.token_index[result.kv_dst],
-    )
+    num_trees, moves = int(plan.batch_index.shape[0]), int(result.kv_src.shape[0])
+    specs = {
+        "output_tokens": (np.int32, (num_trees, width)),
+        "kv_src": (np.int64, (moves,)),
+        "kv_dst": (np.int64, (moves,)),
+        "context_order": (np.int64, (plan.num_tokens,)),
+        "paths": (np.int32, (num_trees, int(result.paths.shape[1]))),
+        "path_lengths": (np.int32, (num_trees,)),
+    }
+    if plan.conv_window > 0:
+        specs["commit_conv_index"] = (np.int64, (num_trees, plan.conv_window))
+    out = arrays(specs)
+    ddtree.acceptance_layout_into(plan.trees, result, plan.query_starts, **out)
+    return AcceptPlan(accepted=result, **out)
 
 
 def emitted_logit_rows(
@@ -403,31 +425,6 @@ def row_output_tokens(
             paths.append(paths[parents[node]] + [int(tokens[node - 1])])
         rows.extend(committed + path for path in paths)
     return rows
-
-
-def drafter_context_order(plan: VerifyPlan, accepted: "ddtree.AcceptedBatch", num_tokens: int) -> np.ndarray:
-    """Row order of the target's hidden states for the next drafter pass: ``[num_tokens]``.
-
-    vLLM's DFlash proposer treats a request's verified rows as a chain: the
-    first ``accepted + 1`` are the committed context, the rest are "rejected"
-    padding it ignores. Putting each tree request's root and accepted path
-    first (in path order) and its other nodes after (in node order) gives the
-    drafter exactly the accepted path's hidden states at consecutive positions.
-    One sort for the whole batch (a tree's nodes are consecutive scheduled tokens).
-    """
-    order = np.arange(num_tokens, dtype=np.int64)
-    offsets = plan.trees.node_offsets.astype(np.int64)
-    sizes = np.diff(offsets)
-    tree = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
-    paths = np.asarray(accepted.paths, dtype=np.int64)
-    on_path = paths >= 0
-    # Sort key within a tree: a path node's place on the path, else the path length plus its node index.
-    key = on_path.sum(axis=1)[tree] + (np.arange(offsets[-1], dtype=np.int64) - offsets[tree])
-    rows, places = np.nonzero(on_path)
-    key[offsets[rows] + paths[rows, places]] = places
-    nodes = np.lexsort((key, tree))
-    order[plan.token_index] = plan.token_index[nodes]
-    return order
 
 
 def chain_as_tree_check(output_tokens: np.ndarray) -> np.ndarray:

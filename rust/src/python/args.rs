@@ -92,12 +92,17 @@ pub(crate) fn per_request_ints(
     if obj.is_instance_of::<PyInt>() {
         return Err(out_of_range_or_type(obj, arg));
     }
-    let values: Vec<i64> = obj.extract().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{arg}: expected an int or a sequence of {n} ints, got {}",
-            type_name(obj)
-        ))
-    })?;
+    // The common case inside an engine's step: a 1-D int64 array, read without a Python object per element.
+    let int64_array = obj.cast::<PyArrayDyn<i64>>().ok().filter(|a| a.ndim() == 1);
+    let values: Vec<i64> = match int64_array {
+        Some(array) => slice_of(array).into_owned(),
+        None => obj.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{arg}: expected an int or a sequence of {n} ints, got {}",
+                type_name(obj)
+            ))
+        })?,
+    };
     if values.len() != n {
         return Err(DdtreeError::shape(
             arg,

@@ -28,11 +28,13 @@ use crate::tree::{DraftDistribution, TokenId, Tree};
 mod args;
 mod build;
 mod classes;
+mod layout;
 mod verify;
 
 use args::*;
 use build::*;
 use classes::*;
+use layout::*;
 use verify::*;
 
 impl From<DdtreeError> for PyErr {
@@ -90,6 +92,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(accept, m)?)?;
     m.add_function(wrap_pyfunction!(accept_trees, m)?)?;
     m.add_function(wrap_pyfunction!(kv_move_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(verify_layout_into, m)?)?;
+    m.add_function(wrap_pyfunction!(acceptance_layout_into, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_BUDGET", limits::MAX_BUDGET)?;
     m.add("MAX_BATCH_NODES", limits::MAX_BATCH_NODES)?;
