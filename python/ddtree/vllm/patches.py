@@ -88,6 +88,23 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    would run without graphs. Upstream fix: capture sizes per uniform query
    length (vLLM's V2 runner captures one set per query length).
 
+9. ``PrometheusStatLogger.__init__`` and ``LoggingStatLogger.__init__``
+   (wrapped; they run in the front-end process, where vLLM's stat loggers
+   live): vLLM counts every tree node as a draft token, so its "acceptance
+   rate" is per node (2.5% for a run accepting 2.6 tokens per tree), and sizes
+   its per-position counters and log line by ``num_speculative_tokens``, the
+   budget (64 or 256 positions, all from the drafter's depth L on always 0).
+   For a ddtree engine the Prometheus logger's spec-decode part is
+   ``ddtree.vllm.metrics``'s subclass of vLLM's ``SpecDecodingProm`` (vLLM's
+   counters unchanged, plus ``vllm:spec_decode_ddtree_*``: trees, partial
+   trees, tree nodes, accepted tokens by depth 1..L, budget and depth gauges)
+   and the log line's is ``DDTreeSpecDecodingLogging`` (per-depth rates over
+   L, the per-node ratio named as such). Both read only the
+   ``SpecDecodingStats`` fields that already reach the front end; the engine
+   core is untouched. Upstream fix: spec-decode stats that know a method's
+   verified tokens (tree nodes) differ from its depth, e.g. per-position
+   counters sized by the drafter's depth and a per-method stats hook.
+
 Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
 backends are used through subclasses (``runner.py``, ``proposer.py``,
 ``sampler.py``, ``attention.py``).
@@ -630,8 +647,57 @@ def _tree_capture_sizes(original):
     return _set_cudagraph_sizes
 
 
+# ---- 9. spec-decode metrics read as trees ----------------------------------------------------------------
+def tree_shape(vllm_config: Any) -> tuple:
+    """(budget B, drafter depth L) of a ddtree engine; L falls back to B when it cannot be told."""
+    budget = int(vllm_config.speculative_config.num_speculative_tokens)
+    return budget, drafter_depth(vllm_config) or budget
+
+
+def _tree_metrics_prom(original):
+    """9: a ddtree engine's Prometheus logger builds DDTree's subclass of its own spec-decoding class."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        from vllm.v1.spec_decode.metrics import SpecDecodingProm
+
+        base = type(self)._spec_decoding_cls
+        if (
+            is_ddtree_config(vllm_config)
+            and vllm_config.speculative_config is not None
+            and isinstance(base, type)
+            and issubclass(base, SpecDecodingProm)
+        ):
+            from ddtree.vllm.metrics import spec_decoding_prom_factory
+
+            self._spec_decoding_cls = spec_decoding_prom_factory(base, type(self)._gauge_cls, *tree_shape(vllm_config))
+        return original(self, vllm_config, *args, **kwargs)
+
+    return __init__
+
+
+def _tree_metrics_log(original):
+    """9: a ddtree engine's periodic log line reads its spec-decode stats as trees."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        from vllm.v1.spec_decode.metrics import SpecDecodingLogging
+
+        current = getattr(self, "spec_decoding_logging", None)
+        if (
+            is_ddtree_config(vllm_config)
+            and vllm_config.speculative_config is not None
+            and type(current) is SpecDecodingLogging
+            and not current.is_diffusion
+        ):
+            from ddtree.vllm.metrics import DDTreeSpecDecodingLogging
+
+            self.spec_decoding_logging = DDTreeSpecDecodingLogging(*tree_shape(vllm_config))
+
+    return __init__
+
+
 def apply() -> None:
-    """Applies patches 1-3, 5a-c and 6-8 (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
+    """Applies patches 1-3, 5a-c and 6-9 (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
     global _APPLIED
     import vllm
 
@@ -646,6 +712,7 @@ def apply() -> None:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.platforms.interface import Platform
     from vllm.config import VllmConfig
+    from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
     _wrap_create_engine_config(EngineArgs)
     _wrap_validate_params(InputProcessor)
@@ -656,4 +723,6 @@ def apply() -> None:
     _wrap_once(MambaStateShapeCalculator, "gated_delta_net_state_shape", _single_slot_shape)
     _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
     _wrap_once(VllmConfig, "_set_cudagraph_sizes", _tree_capture_sizes)
+    _wrap_once(PrometheusStatLogger, "__init__", _tree_metrics_prom)
+    _wrap_once(LoggingStatLogger, "__init__", _tree_metrics_log)
     _APPLIED = True

@@ -1,0 +1,254 @@
+"""DDTree's spec-decode metrics in vLLM's front end (patch 9 of :mod:`ddtree.vllm.patches`).
+
+Where vLLM 0.25's numbers come from. The engine-core process's scheduler makes one ``SpecDecodingStats`` per step
+(``Scheduler.make_spec_decoding_stats``): for every request that verified drafts, ``observe_draft(num_draft_tokens,
+num_accepted_tokens)`` with ``num_draft_tokens`` = the draft tokens it scheduled (for ddtree: the tree's nodes, ``B``
+for a whole tree) and ``num_accepted_tokens`` = sampled tokens - 1 (the accepted path's length, at most the drafter's
+depth ``L``). It crosses to the front end inside ``SchedulerStats`` in ``EngineCoreOutputs`` (a plain dataclass to
+vLLM's msgpack encoder: every field arrives, the per-position lists included). There vLLM's
+``PrometheusStatLogger`` (``SpecDecodingProm``) and ``LoggingStatLogger`` (``SpecDecodingLogging``) read it.
+
+How vLLM's counters read for a ddtree engine (unchanged by this module):
+
+* ``vllm:spec_decode_num_drafts``: trees verified;
+* ``vllm:spec_decode_num_draft_tokens``: tree nodes verified (``B`` per whole tree);
+* ``vllm:spec_decode_num_accepted_tokens``: accepted path tokens, so the mean acceptance length is
+  ``1 + accepted / drafts`` (the bonus token included, as vLLM's own log line computes it);
+* ``accepted / draft_tokens``, vLLM's "acceptance rate", is per tree node: 86 accepted of 54 trees of 64 nodes
+  reads 2.5% for a mean acceptance length of 2.6;
+* ``vllm:spec_decode_num_accepted_tokens_per_pos{position=p}``: trees whose accepted path reached depth ``p + 1``
+  (right), with ``B`` positions of which those from ``L`` on are always 0.
+
+What is added, computed in the front end from those fields alone (nothing new crosses the process boundary; the
+engine core is untouched): ``vllm:spec_decode_ddtree_*`` counters of trees, partial trees, tree nodes and accepted
+tokens by depth ``1..L``, and gauges of the budget and depth (:class:`DDTreeSpecDecodingProm`); and a log line
+that gives the per-depth rates over ``L`` depths and calls the per-node ratio what it is
+(:class:`DDTreeSpecDecodingLogging`). A partial tree is one verified with fewer nodes than the budget (the scheduler
+cut it: ``max_model_len``, the step's token budget); it is read from ``num_draft_tokens_per_pos[B - 1]``, the
+number of drafts with ``B`` tokens, which vLLM fills but never reads.
+
+Input that does not have the expected shape (lists longer or shorter than ``B``, missing or non-integer values)
+is counted as far as it goes and never raises here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+import prometheus_client
+from vllm.logger import init_logger
+from vllm.v1.metrics.utils import create_metric_per_engine
+from vllm.v1.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
+
+logger = init_logger(__name__)
+
+PREFIX = "vllm:spec_decode_ddtree_"
+TREES = PREFIX + "num_trees"
+PARTIAL_TREES = PREFIX + "num_partial_trees"
+TREE_NODES = PREFIX + "num_tree_nodes"
+ACCEPTED_PER_DEPTH = PREFIX + "num_accepted_tokens_per_depth"
+BUDGET = PREFIX + "budget"
+DRAFT_DEPTH = PREFIX + "draft_depth"
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeCounts:
+    """One ``SpecDecodingStats`` read as trees."""
+
+    trees: int
+    partial_trees: int  # verified with fewer nodes than the budget
+    nodes: int
+    accepted: int
+    accepted_per_depth: Tuple[int, ...]  # [L]: [d - 1] = trees whose accepted path reached depth d
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer count (0 for anything else: None, NaN, text, negatives)."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return n if n > 0 else 0
+
+
+def _items(values: Any) -> List[Any]:
+    if values is None or isinstance(values, (str, bytes)):
+        return []
+    try:
+        return list(values)
+    except TypeError:
+        return []
+
+
+def tree_counts(stats: Any, budget: int, depth: int) -> TreeCounts:
+    """Reads one step's ``SpecDecodingStats`` of a ddtree engine (budget ``B``, drafter depth ``L``) as trees."""
+    trees = _count(getattr(stats, "num_drafts", 0))
+    accepted = [_count(v) for v in _items(getattr(stats, "num_accepted_tokens_per_pos", None))[:depth]]
+    accepted += [0] * (depth - len(accepted))
+    drafted = _items(getattr(stats, "num_draft_tokens_per_pos", None))
+    # Drafts with all B tokens are whole trees; a list too short to say counts none as partial.
+    partial = max(trees - _count(drafted[budget - 1]), 0) if budget >= 1 and len(drafted) >= budget else 0
+    return TreeCounts(
+        trees=trees,
+        partial_trees=partial,
+        nodes=_count(getattr(stats, "num_draft_tokens", 0)),
+        accepted=_count(getattr(stats, "num_accepted_tokens", 0)),
+        accepted_per_depth=tuple(accepted),
+    )
+
+
+_WARNED: set = set()
+
+
+def _warn_once(kind: str, detail: str) -> None:
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        logger.warning("DDTree: spec-decode stats not counted (%s); this warning is shown once", detail)
+
+
+# ---- Prometheus ---------------------------------------------------------------------------------------------
+class _DDTreeProm:
+    """vLLM's ``SpecDecodingProm`` (its counters unchanged) plus DDTree's tree metrics, same labels.
+
+    Mixed into the logger's own spec-decoding class (``SpecDecodingProm``, or Ray's subclass), whose
+    ``_counter_cls`` it uses; gauges use the logger's ``_gauge_cls``.
+    """
+
+    def __init__(
+        self,
+        speculative_config: Any,
+        labelnames: List[str],
+        per_engine_labelvalues: Dict[int, List[object]],
+        is_diffusion: bool = False,
+        *,
+        budget: int,
+        depth: int,
+        gauge_cls: Any = prometheus_client.Gauge,
+    ):
+        super().__init__(speculative_config, labelnames, per_engine_labelvalues, is_diffusion=is_diffusion)
+        self.ddtree_budget, self.ddtree_depth = budget, depth
+        self.ddtree_enabled = bool(self.spec_decoding_enabled and not is_diffusion)
+        if not self.ddtree_enabled:
+            return
+
+        def counter(name: str, doc: str) -> Dict[int, Any]:
+            metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        self.counter_ddtree_trees = counter(TREES, "Number of draft trees verified (DDTree).")
+        self.counter_ddtree_partial_trees = counter(
+            PARTIAL_TREES, "Number of draft trees verified with fewer nodes than the budget (DDTree)."
+        )
+        self.counter_ddtree_tree_nodes = counter(TREE_NODES, "Number of draft tree nodes verified (DDTree).")
+        per_depth = self._counter_cls(
+            name=ACCEPTED_PER_DEPTH,
+            documentation="Draft trees whose accepted path reached each depth (DDTree).",
+            labelnames=labelnames + ["depth"],
+        )
+        self.counter_ddtree_accepted_per_depth = {
+            idx: [per_depth.labels(*lv, str(d)) for d in range(1, depth + 1)]
+            for idx, lv in per_engine_labelvalues.items()
+        }
+        for name, doc, value in (
+            (BUDGET, "Draft tree budget: nodes verified per whole tree (DDTree).", budget),
+            (DRAFT_DEPTH, "Drafter depth: deepest tree node, most tokens accepted per tree (DDTree).", depth),
+        ):
+            gauge = gauge_cls(name=name, documentation=doc, multiprocess_mode="mostrecent", labelnames=labelnames)
+            for child in create_metric_per_engine(gauge, per_engine_labelvalues).values():
+                child.set(value)
+
+    def observe(self, spec_decoding_stats: Any, engine_idx: int = 0) -> None:
+        super().observe(spec_decoding_stats, engine_idx)
+        if not self.ddtree_enabled:
+            return
+        try:
+            counts = tree_counts(spec_decoding_stats, self.ddtree_budget, self.ddtree_depth)
+            if engine_idx not in self.counter_ddtree_trees:
+                _warn_once("engine", f"unknown engine index {engine_idx!r}")
+                return
+            self.counter_ddtree_trees[engine_idx].inc(counts.trees)
+            self.counter_ddtree_partial_trees[engine_idx].inc(counts.partial_trees)
+            self.counter_ddtree_tree_nodes[engine_idx].inc(counts.nodes)
+            for child, n in zip(self.counter_ddtree_accepted_per_depth[engine_idx], counts.accepted_per_depth):
+                child.inc(n)
+        except Exception as error:  # metrics never take the front end down
+            _warn_once(type(error).__name__, f"{type(error).__name__}: {error}")
+
+
+@functools.lru_cache(maxsize=None)
+def _prom_class(base: type) -> type:
+    return type("DDTree" + base.__name__, (_DDTreeProm, base), {"__module__": __name__})
+
+
+DDTreeSpecDecodingProm = _prom_class(SpecDecodingProm)
+
+
+def spec_decoding_prom_factory(base: type, gauge_cls: Any, budget: int, depth: int):
+    """What a ddtree engine's ``PrometheusStatLogger`` builds instead of ``base`` (same call signature)."""
+    return functools.partial(_prom_class(base), budget=budget, depth=depth, gauge_cls=gauge_cls)
+
+
+# ---- log line -----------------------------------------------------------------------------------------------
+class DDTreeSpecDecodingLogging(SpecDecodingLogging):
+    """vLLM's periodic "SpecDecoding metrics" line, read as trees.
+
+    Same first fields as vLLM's (mean acceptance length, accepted throughput); then trees and partial trees, the
+    mean nodes per tree against the budget, per-depth acceptance rates over the drafter's ``L`` depths (vLLM prints
+    ``B`` positions), and vLLM's "Avg Draft acceptance rate" under its real meaning, accepted per tree node.
+    """
+
+    def __init__(self, budget: int, depth: int):
+        self.budget, self.depth = budget, depth
+        super().__init__(is_diffusion=False)
+
+    def reset(self) -> None:
+        super().reset()
+        self.observed = 0
+        self.trees = self.partial_trees = self.nodes = self.accepted = 0
+        self.accepted_per_depth = np.zeros(self.depth, dtype=np.int64)
+
+    def observe(self, spec_decoding_stats: Any) -> None:
+        try:
+            counts = tree_counts(spec_decoding_stats, self.budget, self.depth)
+        except Exception as error:  # metrics never take the front end down
+            _warn_once(type(error).__name__, f"{type(error).__name__}: {error}")
+            return
+        self.observed += 1
+        self.trees += counts.trees
+        self.partial_trees += counts.partial_trees
+        self.nodes += counts.nodes
+        self.accepted += counts.accepted
+        self.accepted_per_depth += np.asarray(counts.accepted_per_depth, dtype=np.int64)
+
+    def log(self, log_fn=logger.info) -> None:
+        if not self.observed or not self.trees:
+            self.reset()
+            return
+        elapsed = time.monotonic() - self.last_log_time
+        throughput = self.accepted / elapsed if elapsed > 0 else 0.0
+        rates = ", ".join(f"{r:.3f}" for r in self.accepted_per_depth / self.trees)
+        log_fn(
+            "SpecDecoding metrics: "
+            "Mean acceptance length: %.2f, "
+            "Accepted throughput: %.2f tokens/s, "
+            "Accepted: %d tokens, "
+            "Trees: %d (partial: %d), "
+            "Mean tree nodes: %.1f of budget %d, "
+            "Per-depth acceptance rate (depth 1-%d): %s, "
+            "Accepted per tree node: %.1f%%",
+            1 + self.accepted / self.trees,
+            throughput,
+            self.accepted,
+            self.trees,
+            self.partial_trees,
+            self.nodes / self.trees,
+            self.budget,
+            self.depth,
+            rates,
+            100.0 * self.accepted / self.nodes if self.nodes else float("nan"),
+        )
+        self.reset()
