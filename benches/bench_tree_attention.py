@@ -144,7 +144,7 @@ def main() -> int:
     import numpy as np
     import triton
 
-    (pta,) = import_kernels("paged_tree_attention", log=log)
+    pta, reference = import_kernels("paged_attention_triton", "paged_attention_reference", log=log)
     start = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
     log(f"# paged tree attention: single pass vs split-KV ({props.name}, {props.multi_processor_count} SMs)")
@@ -181,7 +181,7 @@ def main() -> int:
         ref_diff = None
         if batch == 1:
             on_cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in inputs.items()}
-            want = pta.paged_tree_attention_reference(**on_cpu).float().to(DEVICE)
+            want = reference.paged_tree_attention_reference(**on_cpu).float().to(DEVICE)
             ref_diff = max((o.float() - want).abs().max().item() for o in (out_single, out_split))
             ok = ok and ref_diff < 3e-2
         if not ok:

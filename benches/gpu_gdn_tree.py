@@ -44,7 +44,7 @@ def elapsed() -> float:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-gdn_tree, gdn_tree_triton, tree_topology = import_kernels("gdn_tree", "gdn_tree_triton", "tree_topology", log=log)
+gdn_tree, gdn_tree_triton, tree_topology = import_kernels("gdn_reference", "gdn_triton", "topology", log=log)
 import triton  # noqa: E402
 
 HK, HV, DK, DV = 16, 48, 128, 128

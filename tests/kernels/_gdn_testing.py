@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from ddtree.kernels.gdn_tree import chain_gated_delta_rule
-from ddtree.kernels.tree_topology import root_path
+from ddtree.kernels.gdn_reference import chain_gated_delta_rule
+from ddtree.kernels.topology import root_path
 
 
 def chain_parents(num_nodes: int) -> list:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _gdn_testing import random_gdn_inputs, random_parents, reference_causal_conv, tree_parents
-from ddtree.kernels.gdn_tree import (
+from ddtree.kernels.gdn_reference import (
     QWEN3_6_27B_GDN,
     GdnModelShape,
     chain_gated_delta_rule,
@@ -21,7 +21,7 @@ from ddtree.kernels.gdn_tree import (
     tree_gated_delta_rule_batched,
     verification_memory_bytes,
 )
-from ddtree.kernels.tree_topology import root_path
+from ddtree.kernels.topology import root_path
 
 GDN_ARGS = ("q", "k", "v", "g", "beta")
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _gdn_testing import chain_parents, random_parents, reference_causal_conv, star_parents, tree_parents
-from ddtree.kernels.gdn_tree import commit_conv_history, tree_causal_conv1d, tree_causal_conv1d_batched
-from ddtree.kernels.tree_topology import root_path
+from ddtree.kernels.gdn_reference import commit_conv_history, tree_causal_conv1d, tree_causal_conv1d_batched
+from ddtree.kernels.topology import root_path
 
 CHANNELS = 7
 

@@ -16,9 +16,9 @@ from _gdn_testing import (
     star_parents,
     tree_parents,
 )
-from ddtree.kernels import gdn_tree
-from ddtree.kernels.gdn_tree import chain_gated_delta_rule, tree_gated_delta_rule, tree_gated_delta_rule_batched
-from ddtree.kernels.tree_topology import root_path
+from ddtree.kernels import gdn_reference as gdn_tree
+from ddtree.kernels.gdn_reference import chain_gated_delta_rule, tree_gated_delta_rule, tree_gated_delta_rule_batched
+from ddtree.kernels.topology import root_path
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 

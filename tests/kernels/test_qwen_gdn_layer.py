@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from _gdn_testing import leaves, random_parents
-from ddtree.kernels.gdn_tree import commit_gdn_state, tree_causal_conv1d, tree_gated_delta_rule
-from ddtree.kernels.tree_topology import root_path
+from ddtree.kernels.gdn_reference import commit_gdn_state, tree_causal_conv1d, tree_gated_delta_rule
+from ddtree.kernels.topology import root_path
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402

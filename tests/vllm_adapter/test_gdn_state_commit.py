@@ -52,7 +52,7 @@ def _root_path(parents, node):
 
 def _oracle(history, x_path, weight, bias, a_path, b_path, a_log, dt_bias, state):
     """Outputs along one root path and the final state (fp64, token by token)."""
-    from ddtree.kernels.gdn_tree import chain_gated_delta_rule
+    from ddtree.kernels.gdn_reference import chain_gated_delta_rule
 
     seq = torch.cat([history.T, x_path]).double()  # [W - 1 + P, C], oldest first
     conv = torch.stack([(seq[i : i + WIDTH].T * weight.double()).sum(-1) for i in range(x_path.shape[0])])

@@ -28,7 +28,7 @@ def test_drafting_continues_near_max_model_len_while_the_drafters_depth_fits():
 def test_kv_moves_share_one_index_across_the_layers_of_a_group():
     """The runner moves the accepted nodes' K/V in every target attention layer with one block/offset index
     per KV-cache group; each layer ends as a move of its own would leave it."""
-    from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged
+    from ddtree.kernels.kv_moves import apply_kv_moves_paged
     from ddtree.vllm.runner import DDTreeGPUModelRunner
 
     gen = torch.Generator().manual_seed(0)

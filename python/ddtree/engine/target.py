@@ -36,13 +36,13 @@ from torch import nn
 
 import ddtree
 from ddtree.errors import DDTreeError
-from ddtree.kernels.gdn_tree import (
+from ddtree.kernels.gdn_reference import (
     TreeDeltaRuleCache,
     commit_gdn_state_batched,
     tree_causal_conv1d_batched,
     tree_gated_delta_rule_batched,
 )
-from ddtree.kernels.tree_attention import apply_kv_moves
+from ddtree.kernels.kv_moves import apply_kv_moves
 
 
 class UnsupportedModelError(DDTreeError, ValueError):

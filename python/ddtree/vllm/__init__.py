@@ -13,6 +13,6 @@ Modules: ``config`` (translation/validation, no vLLM import), ``step``
 (torch, no vLLM import), and the vLLM side: ``patches`` (every patch, version
 check), ``plugin``, ``worker``, ``runner``, ``proposer``, ``sampler``,
 ``attention`` (the backend around
-:mod:`ddtree.kernels.paged_tree_attention`). Nothing here imports vLLM at
+:mod:`ddtree.kernels.paged_attention_triton`). Nothing here imports vLLM at
 package import time.
 """

@@ -3,7 +3,7 @@
 vLLM 0.25.1 has no tree attention (TREE_ATTN was removed in 0.22, and the
 surviving ``unified_attention(qq_bias=...)`` shares one bias across the
 batch). This backend is vLLM's Triton backend with one change: when the step
-verifies trees, ``forward`` runs :func:`ddtree.kernels.paged_tree_attention.paged_tree_attention`,
+verifies trees, ``forward`` runs :func:`ddtree.kernels.paged_attention_triton.paged_tree_attention`,
 which masks each tree request with its own ancestor bitmasks and keeps every
 other sequence (prefills, chunks, plain decodes) causal, all in one launch.
 Steps without trees take the stock Triton path unchanged. Under CUDA graphs, steps in
@@ -30,7 +30,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from ddtree.kernels.paged_tree_attention import paged_tree_attention
+from ddtree.kernels.paged_attention_triton import paged_tree_attention
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ request (the committed state, exactly as without speculation) and:
 * *verify* (inside the layer's forward, :func:`verify_tree_tokens`): every tree
   node's conv window is gathered along its root path from the committed conv
   history and its ancestors' inputs; every node's output comes from the WY form
-  of the delta rule over its root path (:func:`ddtree.kernels.gdn_tree_triton.tree_gdn_verify`),
+  of the delta rule over its root path (:func:`ddtree.kernels.gdn_triton.tree_gdn_verify`),
   which reads the committed state and writes nothing per node. The layer keeps
   what the commit needs (:class:`PendingCommit`): the nodes' conv inputs, raw
   keys, per-node deltas and root-path log decays -- activations of this step
@@ -107,7 +107,7 @@ def tree_conv(
 ) -> torch.Tensor:
     """Causal depthwise conv of every tree node along its own root path; fp32 math, ``x.dtype`` out.
 
-    The torch form of :func:`ddtree.kernels.gdn_tree_triton.tree_conv_qkv` (one launch instead of about
+    The torch form of :func:`ddtree.kernels.gdn_triton.tree_conv_qkv` (one launch instead of about
     ten), kept as its test reference.
 
     Args:
@@ -157,7 +157,7 @@ def verify_tree_tokens(
     receives the outputs instead of a new tensor. Three launches: conv (:func:`tree_conv_qkv`), the int32
     slots (once per step) and the tree kernel; the torch form of the conv is :func:`tree_conv`.
     """
-    from ddtree.kernels.gdn_tree_triton import tree_conv_qkv, tree_gdn_verify
+    from ddtree.kernels.gdn_triton import tree_conv_qkv, tree_gdn_verify
 
     num_tokens = x.shape[0]
     if num_tokens != step.num_tree_tokens or slots.shape[0] != step.num_requests:
@@ -196,7 +196,7 @@ def verify_tree_tokens(
 
 def commit_layer(pending: PendingCommit, plan: GdnCommitPlan) -> None:
     """Writes the accepted paths' conv history and recurrent state into the layer's slots (in place)."""
-    from ddtree.kernels.gdn_tree_triton import tree_conv_commit, tree_gdn_commit
+    from ddtree.kernels.gdn_triton import tree_conv_commit, tree_gdn_commit
 
     tree_conv_commit(pending.x, pending.conv_state, pending.slots, plan.conv_index)
     tree_gdn_commit(

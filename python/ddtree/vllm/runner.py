@@ -34,7 +34,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ddtree.vllm.attention import DDTreeAttentionBackend, TreeAttentionInputs, set_tree_inputs
-from ddtree.kernels.paged_tree_attention import apply_kv_moves_indexed, kv_move_index
+from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending, get_gdn_step, set_gdn_step
 from ddtree.vllm.graphs import CapturedCommits, TreeStepBuffers

@@ -7,15 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _gdn_testing import random_parents, tree_parents
-from ddtree.kernels.tree_attention import (
-    apply_kv_moves,
-    kv_compaction_plan,
+from ddtree.kernels.attention_reference import (
     tree_attention,
     tree_attention_batched,
     tree_attention_mask,
     tree_positions,
 )
-from ddtree.kernels.tree_topology import root_path
+from ddtree.kernels.kv_moves import apply_kv_moves, kv_compaction_plan
+from ddtree.kernels.topology import root_path
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
 

@@ -1,42 +1,15 @@
-"""Paged tree attention: vLLM's KV-cache layout, one launch for a mixed batch.
+"""Paged tree attention, the Triton kernel: one launch for a mixed batch in vLLM's KV-cache layout.
 
-Every sequence of the batch is either *plain* (causal over its own keys:
-prefills, chunked prefills, decodes without a tree) or a *tree* (its queries
-are a draft tree's nodes: each attends to the whole committed prefix and to
-its own ancestors-or-self). Different requests carry different trees.
+The visibility rule and the cache layout are those of :mod:`.paged_attention_reference` (its torch oracle).
+:func:`paged_tree_attention` runs on CPU under ``TRITON_INTERPRET=1`` (set before import). No vLLM import: the
+vLLM adapter (``ddtree.vllm.attention``) calls it.
 
-The keys of a sequence are read from the paged cache, where vLLM has already
-written this step's K/V (node j of a tree at the slot of flat position
-``context_len + j``). A key at index ``k`` of sequence ``s`` is visible to its
-query ``q`` (index within the step's queries) when::
-
-    k <= context_len + q                                   (causal), and
-    tree(s) is None or k < context_len or bit(q, k - context_len)
-
-with ``bit(i, j)`` bit ``j % 32`` of word ``j // 32`` of row
-``row_start[s] + i`` of ``ancestor_bits`` (the Rust core's
-``CompiledBatch.ancestor_bits``). Nodes are in pop order (parents first), so
-ancestors always precede and the causal bound never hides one.
-
-Layout (vLLM's Triton/FlashAttention backends): ``key_cache`` and
-``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
-views (``kv_cache.unbind(1)`` of ``[num_blocks, 2, block_size, H, D]``).
-
-:func:`paged_tree_attention_reference` is the torch oracle;
-:func:`paged_tree_attention` the Triton kernel (runs on CPU under
-``TRITON_INTERPRET=1``, set before import); :func:`apply_kv_moves_paged`
-commits an accepted path's K/V in the same cache layout. No vLLM import: the
-vLLM adapter (``ddtree.vllm.attention``) calls these.
-
-Grid: one program per (sequence, block of ``BLOCK_Q`` queries, KV head), its
-rows the block's queries times the KV head's ``QUERIES_PER_KV`` query heads
-(GQA). When that grid is too small to fill the GPU and the keys are long
-(few sequences, long contexts), the key range of each program is split
-(flash-decoding): ``num_kv_splits`` programs per (sequence, query block, KV
-head) each take a tile-aligned chunk and write fp32 partials (running max,
-sum of exponentials, unnormalised output), and a merge kernel over the
-unsplit grid combines them with a log-sum-exp merge. The split count is
-chosen on the host (:func:`choose_num_kv_splits`) from host-known sizes.
+Grid: one program per (sequence, block of ``BLOCK_Q`` queries, KV head), its rows the block's queries times the KV
+head's ``QUERIES_PER_KV`` query heads (GQA). When that grid is too small to fill the GPU and the keys are long (few
+sequences, long contexts), the key range of each program is split (flash-decoding): ``num_kv_splits`` programs per
+(sequence, query block, KV head) each take a tile-aligned chunk and write fp32 partials (running max, sum of
+exponentials, unnormalised output), and a merge kernel over the unsplit grid combines them with a log-sum-exp
+merge. The split count is chosen on the host (:func:`choose_num_kv_splits`) from host-known sizes.
 """
 
 from __future__ import annotations
@@ -45,58 +18,6 @@ import math
 from typing import Optional
 
 import torch
-
-
-def _bit_visible(ancestor_bits: torch.Tensor, row: int, j: torch.Tensor) -> torch.Tensor:
-    words = ancestor_bits[row].to(torch.int64) & 0xFFFFFFFF
-    word = words[j // 32]
-    return ((word >> (j % 32)) & 1).bool()
-
-
-def paged_tree_attention_reference(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    row_start: torch.Tensor,
-    ancestor_bits: Optional[torch.Tensor],
-    scale: float,
-) -> torch.Tensor:
-    """Torch reference: ``[num_tokens, num_heads, head_size]`` in ``query.dtype``."""
-    num_tokens, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    block_size = key_cache.shape[1]
-    out = torch.zeros_like(query)
-    qsl = query_start_loc.tolist()
-    for s in range(len(qsl) - 1):
-        q0, q1 = qsl[s], qsl[s + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        seq_len = int(seq_lens[s])
-        ctx = seq_len - q_len
-        kpos = torch.arange(seq_len, device=query.device)
-        blocks = block_table[s, kpos // block_size].long()
-        offs = kpos % block_size
-        keys = key_cache[blocks, offs].float().repeat_interleave(group, dim=1)  # [S, H, D]
-        values = value_cache[blocks, offs].float().repeat_interleave(group, dim=1)
-        q = query[q0:q1].float()
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        visible = kpos[None, :] <= (ctx + torch.arange(q_len, device=query.device))[:, None]
-        start = int(row_start[s])
-        if start >= 0:
-            assert ancestor_bits is not None
-            j = (kpos - ctx).clamp(min=0)
-            in_tree = kpos >= ctx
-            for i in range(q_len):
-                bits = _bit_visible(ancestor_bits, start + i, j)
-                visible[i] &= ~in_tree | bits
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
-    return out
 
 
 try:  # Triton is optional for the CPU parts of the adapter.
@@ -503,40 +424,3 @@ def paged_tree_attention(
 
 def default_scale(head_size: int) -> float:
     return 1.0 / math.sqrt(head_size)
-
-
-# --------------------------------------------------------------- KV commit
-# After verification, node ``a_i`` of the accepted path ``[0, a_1, ..., a_m]``
-# must sit at the slot of position ``start + i``; vLLM's scheduler then commits
-# exactly ``m + 1`` tokens (``num_computed_tokens -= num_rejected``) and later
-# steps overwrite the rest. The Rust core's move plan lists ``(a_i, i)`` for
-# ``a_i != i``; ``a_i >= i`` and all sources are read before any write, so the
-# plan is safe in one gather/scatter.
-
-
-def apply_kv_moves_paged(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copies K and V of ``src_slots`` onto ``dst_slots`` in place.
-
-    ``kv_cache`` is one layer's ``[num_blocks, 2, block_size, num_kv_heads,
-    head_size]`` tensor (any stride order: indexing is logical); slots are
-    ``block * block_size + offset`` as in vLLM's slot mapping.
-    """
-    if src_slots.numel() == 0:
-        return
-    apply_kv_moves_indexed(kv_cache, kv_move_index(src_slots, dst_slots, kv_cache.shape[2]))
-
-
-def kv_move_index(src_slots: torch.Tensor, dst_slots: torch.Tensor, block_size: int) -> tuple:
-    """``(src_block, src_offset, dst_block, dst_offset)`` of a move plan, computed once for every layer that
-    shares the slot mapping and block size (a step moves the same slots in each attention layer)."""
-    src_slots = src_slots.to(torch.int64)
-    dst_slots = dst_slots.to(torch.int64)
-    return src_slots // block_size, src_slots % block_size, dst_slots // block_size, dst_slots % block_size
-
-
-def apply_kv_moves_indexed(kv_cache: torch.Tensor, index: tuple) -> None:
-    """:func:`apply_kv_moves_paged` with the block/offset index of :func:`kv_move_index`: one gather and one
-    scatter."""
-    src_block, src_off, dst_block, dst_off = index
-    # Advanced indexing on dims 0 and 2 gathers [M, 2, H, D] before the scatter.
-    kv_cache[dst_block, :, dst_off] = kv_cache[src_block, :, src_off]

@@ -6,22 +6,20 @@ position, so RoPE sees the same positions as a sequential decode of any root
 path) and attends to the whole prefix plus its ancestors-or-self. After
 verification, the K/V of the accepted path ``[0, a1, ..., am]`` must end up
 at positions ``P .. P + m`` -- the slots the first ``m + 1`` tree nodes were
-written to -- which :func:`kv_compaction_plan` / :func:`apply_kv_moves` do.
+written to -- which :mod:`.kv_moves` does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
-from .tree_topology import (
+from .topology import (
     IndexLike,
     ancestor_or_self_mask,
-    as_index_tensor,
     tree_depths,
-    validate_accepted_path,
     validate_batched_parents,
     validate_node_offsets,
     validate_parents,
@@ -129,55 +127,3 @@ def tree_attention_batched(
             )
         )
     return torch.cat(outputs)
-
-
-def kv_compaction_plan(
-    accepted_path: IndexLike, node_slots: IndexLike, parents: IndexLike
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Moves ``(src, dst)`` that put the accepted path's K/V at consecutive positions.
-
-    Args:
-        accepted_path: ``[0, a1, ..., am]``.
-        node_slots: ``[N]`` cache slot each tree node's K/V was written to;
-            node ``i`` was written at position ``P + i`` so ``node_slots[j]``
-            is also the slot of position ``P + j`` (works for paged caches).
-        parents: ``[N]``, to check the path.
-
-    Returns:
-        ``src, dst`` int64 ``[M]`` with ``M <= m``: accepted node ``a_j`` moves
-        from ``node_slots[a_j]`` to ``node_slots[j]``; no-op moves are dropped.
-        A move may read a slot a later move writes (path ``[0, 2, ...]``:
-        ``2 -> 1`` then ``a_2 -> 2``), so all reads must happen before any
-        write -- or moves must run in ascending order, since ``a_j >= j``
-        means a slot is only overwritten after it has been read.
-    """
-    parents = validate_parents(parents)
-    path = validate_accepted_path(accepted_path, parents)
-    slots = as_index_tensor(node_slots, "node_slots")
-    if slots.numel() != parents.numel():
-        raise ValueError(f"node_slots must have shape [N] = [{parents.numel()}], got {list(slots.shape)}")
-    src = slots[path]
-    dst = slots[: path.numel()]
-    moved = src != dst
-    return src[moved], dst[moved]
-
-
-def apply_kv_moves(cache: torch.Tensor, src: IndexLike, dst: IndexLike) -> torch.Tensor:
-    """Apply a move plan in place on a flat slot-major cache ``[num_slots, ...]`` and return it.
-
-    Gathers every source first, then scatters, so overlapping plans are safe.
-    """
-    src = as_index_tensor(src, "src", device=cache.device)
-    dst = as_index_tensor(dst, "dst", device=cache.device)
-    if src.shape != dst.shape:
-        raise ValueError(f"src and dst must both have shape [M], got {list(src.shape)} and {list(dst.shape)}")
-    if src.numel() == 0:
-        return cache
-    if int(torch.cat([src, dst]).min()) < 0 or int(torch.cat([src, dst]).max()) >= cache.shape[0]:
-        raise ValueError(
-            f"src and dst must be slot indices in [0, {cache.shape[0]}), got src={src.tolist()} dst={dst.tolist()}"
-        )
-    if torch.unique(dst).numel() != dst.numel():
-        raise ValueError(f"dst must not repeat a slot, got {dst.tolist()}")
-    cache[dst] = cache[src]  # advanced indexing copies the sources before the scatter
-    return cache

@@ -1,6 +1,6 @@
 r"""Triton kernels for exact tree verification of Gated DeltaNet (GDN) layers.
 
-Math (see :mod:`ddtree.kernels.gdn_tree` for the derivation): per request and
+Math (see :mod:`ddtree.kernels.gdn_reference` for the derivation): per request and
 value head, with ``M`` the ancestor-or-self mask of the request's tree,
 ``G = M g`` (log decay summed along root paths), ``D = M * exp(G_i - G_j)``,
 ``L = strictly_lower(D * beta_i * K K^T)``::
@@ -86,7 +86,7 @@ Limits
 * The tree conv (:func:`tree_conv_qkv`) is one kernel per layer: gather of each node's ``W``-row window
   along its root path from the committed history and the step's inputs, the depthwise conv, bias and
   SiLU, written straight into contiguous q, k and v (the torch form,
-  :func:`ddtree.kernels.gdn_tree.tree_causal_conv1d_batched` or ``ddtree.vllm.gdn.tree_conv``, takes
+  :func:`ddtree.kernels.gdn_reference.tree_causal_conv1d_batched` or ``ddtree.vllm.gdn.tree_conv``, takes
   about ten launches).
 
 Import this module only where Triton is available; it is not imported by
@@ -103,8 +103,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn_tree import _check_gdn_inputs, _require_shape
-from .tree_topology import IndexLike, validate_batched_parents, validate_node_offsets
+from .gdn_reference import _check_gdn_inputs, _require_shape
+from .topology import IndexLike, validate_batched_parents, validate_node_offsets
 
 PRECISIONS = ("tf32x3", "ieee", "tf32")
 

@@ -47,8 +47,8 @@ def check_fp32_trees_against_reference(
 ) -> None:
     """Random, single-node, chain, star and random trees (sizes cross the block boundaries) in one
     batch, GQA ratio 3."""
-    from ddtree.kernels.gdn_tree import tree_gated_delta_rule_batched
-    from ddtree.kernels.gdn_tree_triton import tree_gated_delta_rule_triton
+    from ddtree.kernels.gdn_reference import tree_gated_delta_rule_batched
+    from ddtree.kernels.gdn_triton import tree_gated_delta_rule_triton
 
     gen = torch.Generator().manual_seed(0)
     makers = {"random": lambda n: random_parents(n, gen), "chain": chain_parents, "star": star_parents}
@@ -77,14 +77,14 @@ def check_fp32_trees_against_reference(
 
 def check_bf16_raw_gating_pool_and_commit(device: str) -> None:
     """bf16 q/k/v with raw gate projections, a vLLM-layout state pool read by index, and the WY commit."""
-    from ddtree.kernels.gdn_tree import commit_recurrent_state, tree_gated_delta_rule_batched
-    from ddtree.kernels.gdn_tree_triton import (
+    from ddtree.kernels.gdn_reference import commit_recurrent_state, tree_gated_delta_rule_batched
+    from ddtree.kernels.gdn_triton import (
         ancestor_bits_from_parents,
         pad_accepted_paths,
         tree_gdn_commit,
         tree_gdn_verify,
     )
-    from ddtree.kernels.tree_topology import root_path
+    from ddtree.kernels.topology import root_path
 
     gen = torch.Generator().manual_seed(1)
     trees = [random_parents(40, gen), chain_parents(5), [-1, 0, 0, 1, 2, 2]]
@@ -146,7 +146,7 @@ def check_bf16_raw_gating_pool_and_commit(device: str) -> None:
 def check_tree_conv_qkv_against_torch_form(device: str) -> None:
     """The fused conv (gather along root paths + conv + bias + SiLU, split into q, k, v) equals the torch form,
     for both conv-state layouts, strided rows, no bias or activation, bf16 and fp32."""
-    from ddtree.kernels.gdn_tree_triton import tree_conv_qkv
+    from ddtree.kernels.gdn_triton import tree_conv_qkv
     from ddtree.vllm.gdn import tree_conv
 
     gen = torch.Generator().manual_seed(3)
@@ -221,7 +221,7 @@ def run_all_checks(device: str) -> None:
 def test_triton_kernels_in_interpreter_mode_match_reference():
     env = child_env(TESTS_DIR, interpret=True)
     script = (
-        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); import test_gdn_tree_triton as t; "
+        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); import test_gdn_triton as t; "
         "import torch; torch.set_num_threads(1); t.run_all_checks('cpu')"
     )
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
@@ -237,8 +237,8 @@ def test_triton_kernels_on_gpu_match_reference():
 
 
 def test_ancestor_bits_match_the_dense_mask():
-    from ddtree.kernels.gdn_tree_triton import ancestor_bits_from_parents
-    from ddtree.kernels.tree_topology import ancestor_or_self_mask
+    from ddtree.kernels.gdn_triton import ancestor_bits_from_parents
+    from ddtree.kernels.topology import ancestor_or_self_mask
 
     gen = torch.Generator().manual_seed(2)
     trees = [random_parents(70, gen), chain_parents(40), star_parents(33), [-1]]
@@ -268,7 +268,7 @@ def test_ancestor_bits_match_the_dense_mask():
 def test_verify_refuses_block_settings_a_compiled_kernel_cannot_take(options, message):
     """The interpreter runs a tl.dot with K < 16 that the GPU compiler rejects: the wrapper must refuse it
     first, on any device, with the setting's name."""
-    from ddtree.kernels.gdn_tree_triton import ancestor_bits_from_parents, tree_gdn_verify
+    from ddtree.kernels.gdn_triton import ancestor_bits_from_parents, tree_gdn_verify
 
     _, stacked, states, offsets, parents = _batch([chain_parents(3)], 1, 1, 16, 16)
     bits = ancestor_bits_from_parents(parents, offsets)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddtree.kernels.tree_topology import (
+from ddtree.kernels.topology import (
     ancestor_or_self_mask,
     root_path,
     tree_depths,

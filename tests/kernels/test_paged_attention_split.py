@@ -18,11 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ddtree.kernels.paged_tree_attention import (  # noqa: E402
-    _MIN_KEYS_PER_SPLIT,
-    choose_num_kv_splits,
-    paged_tree_attention_reference,
-)
+from ddtree.kernels.paged_attention_reference import paged_tree_attention_reference  # noqa: E402
+from ddtree.kernels.paged_attention_triton import _MIN_KEYS_PER_SPLIT, choose_num_kv_splits  # noqa: E402
 
 from _paged_cache import random_paged_cache  # noqa: E402
 from _triton_interpreter import child_env  # noqa: E402
@@ -149,7 +146,7 @@ def test_split_count_follows_the_device_size():
 
 def test_rejects_a_split_count_below_one():
     pytest.importorskip("triton")
-    from ddtree.kernels.paged_tree_attention import paged_tree_attention
+    from ddtree.kernels.paged_attention_triton import paged_tree_attention
 
     inputs, max_q = build_batch([(40, 1)])
     with pytest.raises(ValueError, match="num_kv_splits=0"):
@@ -165,10 +162,11 @@ import numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 import _triton_interpreter
 _triton_interpreter.patch_triton_interpreter_for_numpy2()
-from test_paged_tree_attention_split import build_batch, random_tree, star_then_chain
-from ddtree.kernels import paged_tree_attention as pta
-from ddtree.kernels.paged_tree_attention import paged_tree_attention, paged_tree_attention_reference
-from test_paged_tree_attention_split import CHECKS
+from test_paged_attention_split import build_batch, random_tree, star_then_chain
+from ddtree.kernels import paged_attention_triton as pta
+from ddtree.kernels.paged_attention_reference import paged_tree_attention_reference
+from ddtree.kernels.paged_attention_triton import paged_tree_attention
+from test_paged_attention_split import CHECKS
 
 selected = set(sys.argv[2].split(","))
 results = {}

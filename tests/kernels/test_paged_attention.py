@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ddtree  # noqa: E402
-from ddtree.kernels.tree_attention import tree_attention  # noqa: E402
-from ddtree.kernels.paged_tree_attention import apply_kv_moves_paged  # noqa: E402
-from ddtree.kernels.paged_tree_attention import paged_tree_attention_reference  # noqa: E402
+from ddtree.kernels.attention_reference import tree_attention  # noqa: E402
+from ddtree.kernels.kv_moves import apply_kv_moves_paged  # noqa: E402
+from ddtree.kernels.paged_attention_reference import paged_tree_attention_reference  # noqa: E402
 
 from _paged_cache import random_paged_cache  # noqa: E402
 from _triton_interpreter import child_env  # noqa: E402
@@ -146,8 +146,9 @@ sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "cpu":
     import _triton_interpreter
     _triton_interpreter.patch_triton_interpreter_for_numpy2()
-from test_paged_tree_attention import make_batch
-from ddtree.kernels.paged_tree_attention import paged_tree_attention, paged_tree_attention_reference
+from test_paged_attention import make_batch
+from ddtree.kernels.paged_attention_reference import paged_tree_attention_reference
+from ddtree.kernels.paged_attention_triton import paged_tree_attention
 device = sys.argv[2]
 for seed, dtype, heads in [(0, torch.float32, (4, 2, 32)), (5, torch.float32, (6, 2, 24)), (9, torch.float32, (2, 2, 64))]:
     if device == "cuda":

@@ -75,7 +75,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .tree_topology import (
+from .topology import (
     IndexLike,
     ancestor_or_self_mask,
     validate_accepted_path,
