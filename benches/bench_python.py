@@ -11,6 +11,7 @@ best time of each and the reference/core ratio. The issue's goals, at budget
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
 
@@ -71,7 +72,8 @@ def first_child_targets(tree) -> np.ndarray:
     return out
 
 
-def run(budgets, batch: int, repeat: int, threads: int) -> None:
+def run(budgets, batch: int, repeat: int, threads: int) -> list:
+    results = []
     rng = np.random.default_rng(0)
     executor = ddtree.Executor(threads) if threads > 1 else None
     print(
@@ -110,6 +112,18 @@ def run(budgets, batch: int, repeat: int, threads: int) -> None:
                     f"{budget:>6} {requests:>8} {what:<22} {ref_s * 1e6:>10.1f}us {core_s * 1e6:>10.1f}us "
                     f"{ref_s / core_s:>7.0f}x"
                 )
+                results.append(
+                    {
+                        "budget": budget,
+                        "requests": requests,
+                        "what": what,
+                        "threads": threads,
+                        "reference_us": round(ref_s * 1e6, 2),
+                        "ddtree_us": round(core_s * 1e6, 2),
+                        "ratio": round(ref_s / core_s, 1),
+                    }
+                )
+    return results
 
 
 def main() -> None:
@@ -118,8 +132,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="Executor threads for the batched calls")
+    parser.add_argument("--json", help="also write the rows to this file (JSON)")
     args = parser.parse_args()
-    run(args.budgets, args.batch, args.repeat, args.threads)
+    rows = run(args.budgets, args.batch, args.repeat, args.threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "machine": platform.platform(), "python": platform.python_version()}, f, indent=1)
 
 
 if __name__ == "__main__":

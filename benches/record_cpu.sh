@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Runs the CPU benchmarks and records them with the commit and the machine:
-#   bash benches/record_cpu.sh            -> benches/results/cpu-<commit>.md
+#   bash benches/record_cpu.sh            -> benches/results/cpu-<commit>/ (README.md, and JSON of each run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 commit=$(git rev-parse --short HEAD)
-out="benches/results/cpu-${commit}.md"
+dir="benches/results/cpu-${commit}"
+out="${dir}/README.md"
+mkdir -p "$dir"
 {
   echo "# CPU benchmarks at ${commit}"
   echo
@@ -15,12 +17,12 @@ out="benches/results/cpu-${commit}.md"
   echo
   echo "## python benches/bench_python.py --repeat 15 (serial)"
   echo '```'
-  .venv/bin/python benches/bench_python.py --repeat 15
+  .venv/bin/python benches/bench_python.py --repeat 15 --json "$dir/bench_python_serial.json"
   echo '```'
   echo
   echo "## python benches/bench_python.py --repeat 15 --threads 2 --budgets 64 256"
   echo '```'
-  .venv/bin/python benches/bench_python.py --repeat 15 --threads 2 --budgets 64 256
+  .venv/bin/python benches/bench_python.py --repeat 15 --threads 2 --budgets 64 256 --json "$dir/bench_python_threads2.json"
   echo '```'
   echo
   echo "## cargo bench --bench tree (criterion; time per call, throughput in tree nodes)"
