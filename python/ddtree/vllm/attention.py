@@ -10,10 +10,10 @@ Steps without trees take the stock Triton path unchanged. Under CUDA graphs, ste
 which every request verifies a whole tree replay FULL graphs (the builder declares
 UNIFORM_BATCH support); the runner keeps the tree inputs at fixed addresses.
 
-The per-step tree inputs are published by the model runner
-(:func:`set_tree_inputs`) after it builds the verification plan and before
-vLLM builds the attention metadata; the builder attaches them to this
-backend's metadata and the runner clears them once the forward is done.
+The per-step tree inputs reach the builder through :mod:`ddtree.vllm.context`
+(published by the model runner after it builds the verification plan and
+before vLLM builds the attention metadata, withdrawn once the forward is done);
+the builder attaches them to this backend's metadata.
 """
 
 from __future__ import annotations
@@ -31,28 +31,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from ddtree.kernels.paged_attention_triton import paged_tree_attention
-
-
-@dataclasses.dataclass
-class TreeAttentionInputs:
-    """The GPU side of one step's verification plan."""
-
-    row_start: torch.Tensor  # [num_reqs] int32, -1 for sequences without a tree
-    ancestor_bits: torch.Tensor  # [T, words] int32
-    num_reqs: int
-    num_tokens: int
-
-
-_CURRENT: Optional[TreeAttentionInputs] = None
-
-
-def set_tree_inputs(inputs: Optional[TreeAttentionInputs]) -> None:
-    global _CURRENT
-    _CURRENT = inputs
-
-
-def get_tree_inputs() -> Optional[TreeAttentionInputs]:
-    return _CURRENT
+from ddtree.vllm.context import TreeAttentionInputs, published
 
 
 @dataclasses.dataclass
@@ -68,7 +47,8 @@ class DDTreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = get_tree_inputs()
+        step = published()
+        tree = step.attention if step is not None else None
         if tree is not None:
             if (
                 tree.num_reqs != common_attn_metadata.num_reqs

@@ -219,16 +219,3 @@ def commit_pending(step: GdnTreeStep, plan: GdnCommitPlan) -> int:
         count += 1
     step.pending.clear()
     return count
-
-
-_CURRENT: Optional[GdnTreeStep] = None
-
-
-def set_gdn_step(step: Optional[GdnTreeStep]) -> None:
-    """Published by the runner for the step's forward (None: no tree tokens in this step)."""
-    global _CURRENT
-    _CURRENT = step
-
-
-def get_gdn_step() -> Optional[GdnTreeStep]:
-    return _CURRENT

@@ -445,9 +445,10 @@ def _tree_aware_forward_core(original):
     """5d: tree tokens through DDTree's verification, everything else through vLLM's code."""
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
-        from ddtree.vllm.gdn import get_gdn_step
+        from ddtree.vllm.context import published
 
-        step = get_gdn_step()
+        current = published()
+        step = current.gdn if current is not None else None
         if step is None:
             return original(self, mixed_qkv, b, a, core_attn_out)
         return _gdn_forward_core_with_trees(self, original, step, mixed_qkv, b, a, core_attn_out)

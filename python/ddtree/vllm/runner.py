@@ -33,10 +33,12 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from ddtree.vllm.attention import DDTreeAttentionBackend, TreeAttentionInputs, set_tree_inputs
+from ddtree.vllm import context
+from ddtree.vllm.attention import DDTreeAttentionBackend
+from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
-from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending, get_gdn_step, set_gdn_step
+from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import CapturedCommits, TreeStepBuffers
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify
@@ -135,6 +137,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_gpu: Optional[Dict[str, torch.Tensor]] = None
         self._ddtree_flat_positions: Optional[torch.Tensor] = None
         self._ddtree_plan_extras: Optional[Dict[str, np.ndarray]] = None
+        # The step's GDN layout, kept from publication to the commit after acceptance (None: no tree step).
+        self._ddtree_gdn_step: Optional[GdnTreeStep] = None
         self._ddtree_proposed = False
         self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0, self.ddtree_cfg.budget + 1)
         self._ddtree_kv_layers: Optional[List[tuple]] = None
@@ -190,8 +194,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_flat_positions = None
         self._ddtree_whole_trees = False
         self._ddtree_full_graph = None
-        set_tree_inputs(None)
-        set_gdn_step(None)
+        context.withdraw()
+        self._ddtree_gdn_step = None
         if spec_decode_metadata is None:
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
@@ -350,8 +354,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return out
         finally:
             self._ddtree_in_dummy_run = False
-            set_tree_inputs(None)
-            set_gdn_step(None)
+            context.withdraw()
+            self._ddtree_gdn_step = None
             if saved_drafts is not None:
                 self.num_decode_draft_tokens.cpu[: saved_drafts.shape[0]] = saved_drafts
 
@@ -359,26 +363,27 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """Publishes a tree layout (views of :class:`TreeStepBuffers`) to the attention backend and, for GDN
         targets, to the GDN layers; returns the GDN step (None: no GDN layers). ``num_tokens`` counts the step's
         scheduled tokens, ``token_index`` places the tree tokens among them."""
-        set_tree_inputs(
-            TreeAttentionInputs(
-                row_start=layout["row_start"],
-                ancestor_bits=layout["ancestor_bits"],
-                num_reqs=num_reqs,
-                num_tokens=num_tokens,
-            )
-        )
-        if self._ddtree_conv_window == 0:
-            return None
-        step = GdnTreeStep(
-            token_index=token_index,
-            other_index=other_index,
-            node_offsets=layout["node_offsets"],
+        attention = TreeAttentionInputs(
+            row_start=layout["row_start"],
             ancestor_bits=layout["ancestor_bits"],
-            conv_index=layout["conv_index"],
-            num_requests=num_trees,
-            num_tree_tokens=int(token_index.shape[0]),
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
         )
-        set_gdn_step(step)
+        step = None
+        if self._ddtree_conv_window > 0:
+            step = GdnTreeStep(
+                token_index=token_index,
+                other_index=other_index,
+                node_offsets=layout["node_offsets"],
+                ancestor_bits=layout["ancestor_bits"],
+                conv_index=layout["conv_index"],
+                num_requests=num_trees,
+                num_tree_tokens=int(token_index.shape[0]),
+            )
+        context.publish(PublishedStep(attention=attention, gdn=step))
+        # The runner keeps the GDN step past the forward: the commit after acceptance reads what its layers
+        # recorded.
+        self._ddtree_gdn_step = step
         return step
 
     def _ddtree_stage_dummy_step(self, num_trees: int):
@@ -398,7 +403,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
-            set_tree_inputs(None)
+            context.withdraw()
 
     # ---- acceptance ----------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
@@ -428,8 +433,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return gpu
 
     def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> None:
-        step = get_gdn_step()
-        set_gdn_step(None)
+        step = self._ddtree_gdn_step
+        self._ddtree_gdn_step = None
         if self._ddtree_conv_window == 0:
             return
         if step is None:
@@ -498,7 +503,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             return super().sample_tokens(grammar_output)
         finally:
-            set_gdn_step(None)
+            self._ddtree_gdn_step = None
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.
                 self.drafter.context_order = None
