@@ -33,7 +33,7 @@ import torch
 
 import ddtree
 from ddtree.vllm.staging import StepStaging
-from ddtree.vllm.step import TreeStore, accept, layout_specs, plan_verify
+from ddtree.vllm.step import TreeStore, accept, acceptance_specs, layout_specs, plan_verify
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "vllm_adapter"))
 import layout_oracle  # noqa: E402
@@ -97,16 +97,7 @@ def run(budget: int, batch: int, repeat: int, rng) -> dict:
     def rust_layouts():
         out = plan_staging.host_arrays(layout_specs(batch, batch, nodes, words, WINDOW))
         ddtree.verify_layout_into(trees, rows, starts, query, logit, **out)
-        moves = int(accepted.kv_src.shape[0])
-        specs = {
-            "output_tokens": (np.int32, (batch, width)),
-            "kv_src": (np.int64, (moves,)),
-            "kv_dst": (np.int64, (moves,)),
-            "context_order": (np.int64, (total,)),
-            "paths": (np.int32, tuple(accepted.paths.shape)),
-            "path_lengths": (np.int32, (batch,)),
-            "commit_conv_index": (np.int64, (batch, WINDOW)),
-        }
+        specs = acceptance_specs(accepted, width, total, WINDOW)
         ddtree.acceptance_layout_into(trees, accepted, query, **accept_staging.host_arrays(specs))
 
     def whole_step():

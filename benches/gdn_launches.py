@@ -30,7 +30,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, verify_tree_tokens  # noqa: E402
-from ddtree.vllm.step import layout_specs, numpy_arrays  # noqa: E402
+from ddtree.vllm.step import acceptance_specs, layout_specs, numpy_arrays  # noqa: E402
 
 # Ops that only make a new view or read metadata: no kernel on a GPU.
 NO_LAUNCH = {
@@ -156,18 +156,7 @@ def main() -> None:
     targets = np.full(nodes, -1, dtype=np.int64)
     targets[offsets[1]] = trees.tokens[trees.token_offsets[1]]
     accepted = ddtree.accept_trees(trees, targets)
-    moves = int(accepted.kv_src.shape[0])
-    after = numpy_arrays(
-        {
-            "output_tokens": (np.int32, (len(budgets), accepted.output_tokens.shape[1])),
-            "kv_src": (np.int64, (moves,)),
-            "kv_dst": (np.int64, (moves,)),
-            "context_order": (np.int64, (nodes,)),
-            "paths": (np.int32, tuple(accepted.paths.shape)),
-            "path_lengths": (np.int32, (len(budgets),)),
-            "commit_conv_index": (np.int64, (len(budgets), width - 1)),
-        }
-    )
+    after = numpy_arrays(acceptance_specs(accepted, accepted.output_tokens.shape[1], nodes, width - 1))
     ddtree.acceptance_layout_into(trees, accepted, offsets[:-1], **after)
     plan = GdnCommitPlan(
         node_offsets=step.node_offsets,

@@ -330,20 +330,26 @@ def accept(
     drafts has no node deeper than ``b`` (a longer one is a ValueError).
     """
     result = ddtree.accept_trees(plan.trees, np.ascontiguousarray(node_target_tokens, dtype=np.int64))
-    num_trees, moves = int(plan.batch_index.shape[0]), int(result.kv_src.shape[0])
+    out = arrays(acceptance_specs(result, width, plan.num_tokens, plan.conv_window))
+    ddtree.acceptance_layout_into(plan.trees, result, plan.query_starts, **out)
+    return AcceptPlan(accepted=result, **out)
+
+
+def acceptance_specs(accepted: "ddtree.AcceptedBatch", width: int, num_tokens: int, conv_window: int) -> ArraySpecs:
+    """The arrays :func:`ddtree.acceptance_layout_into` writes for ``accepted``: chain rows of ``width``, a
+    step of ``num_tokens`` tokens, GDN commit rows for a conv window of ``conv_window`` (0: none)."""
+    num_trees, moves = int(accepted.paths.shape[0]), int(accepted.kv_src.shape[0])
     specs = {
         "output_tokens": (np.int32, (num_trees, width)),
         "kv_src": (np.int64, (moves,)),
         "kv_dst": (np.int64, (moves,)),
-        "context_order": (np.int64, (plan.num_tokens,)),
-        "paths": (np.int32, (num_trees, int(result.paths.shape[1]))),
+        "context_order": (np.int64, (num_tokens,)),
+        "paths": (np.int32, tuple(accepted.paths.shape)),
         "path_lengths": (np.int32, (num_trees,)),
     }
-    if plan.conv_window > 0:
-        specs["commit_conv_index"] = (np.int64, (num_trees, plan.conv_window))
-    out = arrays(specs)
-    ddtree.acceptance_layout_into(plan.trees, result, plan.query_starts, **out)
-    return AcceptPlan(accepted=result, **out)
+    if conv_window > 0:
+        specs["commit_conv_index"] = (np.int64, (num_trees, conv_window))
+    return specs
 
 
 def emitted_logit_rows(
