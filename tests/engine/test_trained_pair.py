@@ -50,6 +50,34 @@ def test_trees_accept_more_than_the_chain(decoded):
     assert small > 1.15 * chain and large > small, (chain, small, large)
 
 
+def test_acceptance_by_depth_splits_into_the_drafters_top1_path_and_after_a_sibling(decoded):
+    """A chain never leaves the drafter's top-1; a tree's acceptance is the two parts' sum, and this pair's trees
+    gain by accepting tokens that were not the drafter's top-1."""
+    for name in ("chain", "ddtree-64"):
+        for stats in decoded[name]["stats"]:
+            trials, depth = stats.depth_trials, stats.accepted_at_depth
+            for d in range(len(depth)):
+                assert trials.on_top1_accepted[d] + trials.after_sibling_accepted[d] == depth[d], (name, d)
+                assert trials.on_top1_accepted[d] <= trials.on_top1_reached[d]
+                assert trials.after_sibling_accepted[d] <= trials.after_sibling_reached[d]
+            assert trials.on_top1_reached[0] == stats.steps  # every step tries depth 1 from the root
+            if name == "chain":
+                assert sum(trials.after_sibling_reached) == 0 and sum(trials.accepted_off_top1) == 0
+    assert sum(sum(s.depth_trials.accepted_off_top1) for s in decoded["ddtree-64"]["stats"]) > 0
+
+
+def test_depth_trials_count_each_depth_once_per_step():
+    from ddtree.engine import DepthTrials
+
+    trials = DepthTrials(4)
+    trials.record([0, 2, 0], draft_depth=4)  # top-1, a sibling, then a top-1 token; depth 4 rejected
+    trials.record([], draft_depth=2)  # nothing accepted in a draft 2 deep
+    trials.record([1], draft_depth=1)  # a sibling at depth 1, the draft's only depth
+    assert trials.on_top1_reached == [3, 1, 0, 0] and trials.on_top1_accepted == [2, 1, 0, 0]
+    assert trials.after_sibling_reached == [0, 0, 1, 1] and trials.after_sibling_accepted == [0, 0, 1, 0]
+    assert trials.accepted_off_top1 == [1, 1, 0, 0]
+
+
 def test_demo_decodes_with_the_pair(capsys):
     assert cli_main(["demo", "--budget", "16", "--pair", PAIR, "--new-tokens", "12", "--budgets", "16"]) == 0
     out = capsys.readouterr().out

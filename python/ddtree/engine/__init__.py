@@ -10,8 +10,8 @@ and commit, ``drafter.py`` for the DFlash drafter and its checkpoint format.
 """
 
 from .drafter import DFlashDraftModel, DrafterContext
-from .drafting import MODES, DFlashDraftProposer, DraftProposer, draft_tree, empty_tree
-from .engine import GenerationConfig, GenerationResult, RequestStats, SpeculativeEngine, generate
+from .drafting import MODES, DFlashDraftProposer, DraftProposer, draft_tree, draft_tree_with_ranks, empty_tree
+from .engine import DepthTrials, GenerationConfig, GenerationResult, RequestStats, SpeculativeEngine, generate
 from .sampling import SamplingSettings, processed_probs, target_tokens
 from .target import RequestState, TargetModel, TreeForwardOutput, TreeInput, UnsupportedModelError
 from .validation import EngineInputError
@@ -19,6 +19,7 @@ from .validation import EngineInputError
 __all__ = [
     "MODES",
     "DFlashDraftModel",
+    "DepthTrials",
     "DFlashDraftProposer",
     "DraftProposer",
     "DrafterContext",
@@ -34,6 +35,7 @@ __all__ = [
     "TreeInput",
     "UnsupportedModelError",
     "draft_tree",
+    "draft_tree_with_ranks",
     "empty_tree",
     "generate",
     "processed_probs",

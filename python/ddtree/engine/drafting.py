@@ -7,7 +7,7 @@ the real one.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -86,12 +86,23 @@ def draft_tree(mode: str, draft_logits: torch.Tensor, budget: int) -> ddtree.Tre
     * ``ddtree``: the ``budget`` most probable prefixes under the drafter's
       factorized distribution, from its top-``min(budget, V)`` tokens per position.
     """
+    return draft_tree_with_ranks(mode, draft_logits, budget)[0]
+
+
+def draft_tree_with_ranks(mode: str, draft_logits: torch.Tensor, budget: int) -> Tuple[ddtree.Tree, np.ndarray]:
+    """:func:`draft_tree` and each node's rank among the drafter's candidates at its depth (``[n + 1]``, the
+    root 0): 0 is the drafter's top-1 token, so a path of rank-0 nodes is the DFlash chain's own proposal."""
     depth, vocab = draft_logits.shape
     if mode == "ar" or depth == 0:
-        return empty_tree()
+        return empty_tree(), np.zeros(1, dtype=np.int64)
     log_probs = draft_logits.float().log_softmax(dim=-1)
     width = 1 if mode == "chain" else max(1, min(budget, vocab))
     top = log_probs.topk(width, dim=-1)  # sorted, as build_tree requires
     values = np.ascontiguousarray(top.values.cpu().numpy(), dtype=np.float32)
     ids = np.ascontiguousarray(top.indices.cpu().numpy(), dtype=np.int64)
-    return ddtree.build_tree(values, ids, depth if mode == "chain" else budget)
+    tree = ddtree.build_tree(values, ids, depth if mode == "chain" else budget)
+    ranks = np.zeros(len(tree), dtype=np.int64)
+    if len(tree) > 1:
+        candidates = ids[tree.depths[1:].astype(np.int64) - 1]  # [n, width]: each node's depth's candidates
+        ranks[1:] = (candidates == tree.tokens[:, None]).argmax(axis=1)
+    return tree, ranks

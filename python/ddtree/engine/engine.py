@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ import torch
 import ddtree
 
 from .drafter import DFlashDraftModel
-from .drafting import DFlashDraftProposer, DraftProposer, draft_tree, empty_tree
+from .drafting import DFlashDraftProposer, DraftProposer, draft_tree_with_ranks, empty_tree
 from .progress import ProgressBar
 from .sampling import SamplingSettings, target_tokens
 from .target import RequestState, TargetModel, TreeInput
@@ -66,6 +66,7 @@ class RequestStats:
 
     acceptance_lengths: tau per verification step, accepted draft tokens + 1 (bonus).
     accepted_at_depth: ``[L]``, entry ``d - 1`` counts steps that accepted >= d draft tokens.
+    depth_trials: acceptance at each depth split by the path that led there (see :class:`DepthTrials`).
     total_seconds: wall time from the start of ``generate`` to this request's
         last token (prefill included; batch-mates share the steps).
     """
@@ -74,6 +75,7 @@ class RequestStats:
     generated_tokens: int = 0
     acceptance_lengths: List[int] = field(default_factory=list)
     accepted_at_depth: List[int] = field(default_factory=list)
+    depth_trials: "DepthTrials" = field(default_factory=lambda: DepthTrials(0))
     verified_nodes: int = 0
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -98,6 +100,60 @@ class RequestStats:
             f"tau {self.mean_acceptance_length:.2f}, {self.tokens_per_second:.1f} tok/s "
             f"(prefill {self.prefill_seconds:.2f} s), accepted at depth 1..L: [{depth}]"
         )
+
+
+@dataclass
+class DepthTrials:
+    """Acceptance at each depth, split by the accepted path that reached the depth before it.
+
+    ``on_top1``: the path so far is the drafter's own top-1 at every depth (the DFlash chain's proposal);
+    ``after_sibling``: the path took a token that was not the drafter's top-1 at some earlier depth, where
+    only a tree could go. Entry ``d - 1`` of ``*_reached`` counts steps whose path reached depth ``d - 1`` and
+    whose draft went at least ``d`` deep; ``*_accepted`` those that then accepted a node at depth ``d``;
+    ``accepted_off_top1`` the accepted depth-``d`` nodes that were not the drafter's top-1 there.
+    """
+
+    depth: int
+    on_top1_reached: List[int] = field(default_factory=list)
+    on_top1_accepted: List[int] = field(default_factory=list)
+    after_sibling_reached: List[int] = field(default_factory=list)
+    after_sibling_accepted: List[int] = field(default_factory=list)
+    accepted_off_top1: List[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("on_top1_reached", "on_top1_accepted", "after_sibling_reached", "after_sibling_accepted"):
+            setattr(self, name, list(getattr(self, name)) or [0] * self.depth)
+        self.accepted_off_top1 = list(self.accepted_off_top1) or [0] * self.depth
+
+    def record(self, path_ranks: Sequence[int], draft_depth: int) -> None:
+        """One step: the ranks of the accepted path's nodes (root excluded), the draft's depth."""
+        branched = False
+        for d in range(min(draft_depth, self.depth)):
+            accepted = d < len(path_ranks)
+            if branched:
+                self.after_sibling_reached[d] += 1
+                self.after_sibling_accepted[d] += accepted
+            else:
+                self.on_top1_reached[d] += 1
+                self.on_top1_accepted[d] += accepted
+            if not accepted:
+                return
+            if path_ranks[d] != 0:
+                self.accepted_off_top1[d] += 1
+                branched = True
+
+    def add(self, other: "DepthTrials") -> None:
+        for name in (
+            "on_top1_reached",
+            "on_top1_accepted",
+            "after_sibling_reached",
+            "after_sibling_accepted",
+            "accepted_off_top1",
+        ):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, count in enumerate(theirs):
+                mine[d] += count
 
 
 @dataclass
@@ -199,6 +255,7 @@ class SpeculativeEngine:
             stats=RequestStats(
                 prompt_tokens=len(prompt),
                 accepted_at_depth=[0] * (self.proposer.num_draft_positions if uses_drafter else 0),
+                depth_trials=DepthTrials(self.proposer.num_draft_positions if uses_drafter else 0),
             ),
             tokens=[int(t) for t in prompt],
         )
@@ -230,18 +287,20 @@ class SpeculativeEngine:
                     r.stats.prefill_seconds = now
                     progress.update(r.emit([int(first[0])], config.stop_token_ids, now))
 
-    def _propose(self, r: _Request, config: GenerationConfig) -> ddtree.Tree:
-        """The tree to verify for one request, never deeper than its remaining tokens allow."""
+    def _propose(self, r: _Request, config: GenerationConfig) -> Tuple[ddtree.Tree, np.ndarray, int]:
+        """The tree to verify for one request, never deeper than its remaining tokens allow; with each node's
+        rank among the drafter's candidates and the draft's depth."""
         # A step emits accepted + 1 tokens, so depth <= remaining - 1 wastes no verification.
         depth = 0 if config.mode == "ar" else min(self.proposer.num_draft_positions, r.limit - r.generated - 1)
         if depth <= 0:
-            return empty_tree()
+            return empty_tree(), np.zeros(1, dtype=np.int64), 0
         logits = self.proposer.draft_logits(r.drafter_state, r.tokens, depth)
-        return draft_tree(config.mode, logits, config.budget)
+        return (*draft_tree_with_ranks(config.mode, logits, config.budget), depth)
 
     def _step(self, active: List[_Request], config: GenerationConfig, started: float, progress) -> None:
         feature_layers = self._feature_layers(config)
-        trees = [self._propose(r, config) for r in active]
+        proposals = [self._propose(r, config) for r in active]
+        trees = [tree for tree, _, _ in proposals]
         inputs = [TreeInput.from_tree(tree, r.tokens[-1], r.target_state.cached_len) for tree, r in zip(trees, active)]
         output = self.target.forward_trees([r.target_state for r in active], inputs, feature_layers)
 
@@ -254,7 +313,7 @@ class SpeculativeEngine:
         self.target.commit([r.target_state for r in active], output, paths)
 
         now = time.perf_counter() - started
-        for index, (r, tree, path, bonus) in enumerate(zip(active, trees, paths, bonuses)):
+        for index, (r, (tree, ranks, depth), path, bonus) in enumerate(zip(active, proposals, paths, bonuses)):
             if feature_layers:
                 rows = output.request_rows(index)
                 self.proposer.add_context(
@@ -262,6 +321,7 @@ class SpeculativeEngine:
                 )
             accepted = [int(tree.tokens[node - 1]) for node in path[1:]]
             self._record_step(r.stats, len(accepted), len(tree))
+            r.stats.depth_trials.record([int(ranks[node]) for node in path[1:]], depth)
             progress.update(r.emit(accepted + [int(bonus)], config.stop_token_ids, now))
 
     @staticmethod

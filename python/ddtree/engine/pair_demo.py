@@ -51,6 +51,7 @@ def run_modes(
             "tau": sum(lengths) / len(lengths) if lengths and mode != "ar" else 1.0,
             "steps": len(lengths),
             "seconds": seconds,
+            "stats": [r.stats for r in outputs],
         }
     return results
 

@@ -14,6 +14,7 @@ Everything is measured on the checkpoints as saved (reloaded from disk by transf
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -46,7 +47,7 @@ def engine_acceptance(
     mean), ``tau_per_prompt``, ``steps``, ``seconds``, ``lossless`` (outputs equal the reference)
     and ``accepted_at_depth``. Budgets left when ``deadline`` passes are skipped (reported).
     """
-    from ddtree.engine import GenerationConfig, SpeculativeEngine
+    from ddtree.engine import DepthTrials, GenerationConfig, SpeculativeEngine
 
     engine = SpeculativeEngine(target, drafter)
     results: Dict = {"modes": {}, "skipped": []}
@@ -64,8 +65,10 @@ def engine_acceptance(
         out = engine.generate(list(prompts), GenerationConfig(mode=mode, budget=budget, max_new_tokens=new_tokens))
         lengths = [length for r in out for length in r.stats.acceptance_lengths]
         depth = np.zeros(drafter.num_draft_positions, dtype=np.int64)
+        trials = DepthTrials(drafter.num_draft_positions)
         for r in out:
             depth[: len(r.stats.accepted_at_depth)] += np.asarray(r.stats.accepted_at_depth, dtype=np.int64)
+            trials.add(r.stats.depth_trials)
         entry = {
             "tau": float(np.mean(lengths)),
             "tau_per_prompt": [round(r.stats.mean_acceptance_length, 3) for r in out],
@@ -73,6 +76,7 @@ def engine_acceptance(
             "seconds": round(time.perf_counter() - started, 2),
             "lossless": all(r.output_ids == ref for r, ref in zip(out, results["reference"])),
             "accepted_at_depth": depth.tolist(),
+            "depth_trials": dataclasses.asdict(trials),
         }
         results["modes"][name] = entry
         log(
