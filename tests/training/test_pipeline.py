@@ -50,6 +50,9 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
         "40",
         "--drafter-labels",
         "target",
+        "--drafter-snapshots",
+        "0.34",
+        "0.67",
     ]
     metrics = pipeline.run(pipeline.build_parser().parse_args(argv))
     assert metrics["target"]["steps"] == 4 and metrics["drafter"]["steps"] == 3
@@ -59,6 +62,8 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
     # short continuations: drafter rows are cut to their length (raw windows too)
     assert metrics["drafter"]["generated_shape"] == [2, 48] and metrics["drafter"]["seq_len"] == 48
     assert metrics["drafter"]["labels"] == "target"
+    # drafters of increasing strength from one run: after 1 and 2 of the 3 steps
+    assert metrics["drafter"]["snapshots"] == ["drafter-34", "drafter-67"]
     assert "error" not in metrics["eval"], metrics["eval"].get("error")
     assert set(metrics["eval"]["modes"]) == {"chain"} | {f"ddtree-{b}" for b in card.BUDGETS}
     assert all(m["lossless"] for m in metrics["eval"]["modes"].values())
@@ -69,6 +74,8 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
     assert all(os.path.getsize(os.path.join(out, f)) <= pipeline.PART_BYTES for f in files)
     with tarfile.open(os.path.join(out, "models.tar.00")) as tar:
         names = set(tar.getnames())
+        weights = {d: tar.extractfile(f"{d}/model.safetensors").read() for d in ("drafter-34", "drafter-67", "drafter")}
+    assert len(set(weights.values())) == 3  # three different drafters
     assert {
         "README.md",
         "target/config.json",
@@ -76,6 +83,8 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
         "target/tokenizer.json",
         "drafter/config.json",
         "drafter/model.safetensors",
+        "drafter-34/model.safetensors",
+        "drafter-67/config.json",
     } <= names
     with open(os.path.join(out, "metrics.json")) as handle:
         assert json.load(handle)["eval"]["modes"]["chain"]["tau"] >= 1.0

@@ -136,11 +136,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=500,
         help="log the held-out engine-equivalent chain tau every N drafter steps (0: only at the end)",
     )
+    run.add_argument(
+        "--drafter-snapshots",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also save the drafter after these fractions of its steps (e.g. 0.25 0.5) as drafter-25/, "
+        "drafter-50/, ...: drafters of increasing strength for benches/tree_gain.py",
+    )
     run.add_argument("--eval-prompts", type=int, default=16)
     run.add_argument("--eval-tokens", type=int, default=128)
     run.add_argument("--eval-threads", type=int, default=0, help="CPU threads for the fp32 reference (0: all)")
     run.add_argument("--eval-device", default=None, help="device of the engine evaluation (default: cuda if any)")
     return parser
+
+
+def save_snapshot(drafter, models_dir: str, fraction: float, log) -> str:
+    """The drafter as it is now, rounded to bf16 like the final one, as ``drafter-<percent>/``; its name."""
+    import copy
+
+    name = f"drafter-{round(fraction * 100):02d}"
+    snapshot = copy.deepcopy(drafter)
+    model.round_to_bf16_(snapshot)
+    snapshot.to(torch.bfloat16).save_pretrained(os.path.join(models_dir, name))
+    log(f"[drafter] snapshot after {fraction:.0%} of the planned steps: {name}/")
+    return name
 
 
 def _split_tar(directory: str, names: List[str], out_dir: str) -> List[str]:
@@ -367,6 +387,7 @@ def run(args) -> Dict:
             f"[drafter] DFlash {model.count_parameters(drafter):,} parameters, block {drafter.block_size}, "
             f"target layers {drafter.target_layer_ids}, gamma {gamma}"
         )
+        snapshots: List[str] = []
         heldout_prompts = [p["ids"] for p in dataset.prompts[: args.eval_prompts]]
         heldout = (
             heldout_prompts,
@@ -390,6 +411,8 @@ def run(args) -> Dict:
             heldout=heldout,
             eval_every=args.drafter_eval_every,
             labels=args.drafter_labels,
+            snapshots=args.drafter_snapshots,
+            on_snapshot=lambda fraction: snapshots.append(save_snapshot(drafter, models_dir, fraction, log)),
         )
         model.round_to_bf16_(drafter)
         drafter.to(torch.bfloat16).save_pretrained(drafter_dir)
@@ -411,6 +434,7 @@ def run(args) -> Dict:
             "generated": 0 if generated is None else int(generated.shape[0]),
             "generated_shape": None if generated is None else list(generated.shape),
             "labels": args.drafter_labels,
+            "snapshots": snapshots,
             "first_loss": loop.history[0]["loss"] if loop.history else None,
             "final_loss": loop.history[-1]["loss"] if loop.history else None,
             "final_tf_tau": loop.history[-1].get("tf_tau") if loop.history else None,
@@ -449,7 +473,8 @@ def run(args) -> Dict:
             handle.write(text)
     with open(os.path.join(args.out, "metrics.json"), "w") as handle:
         json.dump(metrics, handle, indent=1)
-    parts = _split_tar(models_dir, ["README.md", "target", "drafter"], args.out)
+    saved = (metrics.get("drafter") or {}).get("snapshots") or []
+    parts = _split_tar(models_dir, ["README.md", "target", "drafter", *saved], args.out)
     missing = card.missing_fields(metrics)
     log(
         f"done in {metrics['wall_seconds']} s; wrote {parts}; chain tau "

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -342,8 +342,14 @@ def train_drafter(
     heldout=None,
     eval_every: int = 500,
     labels: str = "text",
+    snapshots: Sequence[float] = (),
+    on_snapshot: Optional[Callable[[float], None]] = None,
 ) -> StepLoop:
     """DFlash training (module :mod:`.dflash`) with the target frozen.
+
+    ``snapshots``: fractions of the planned steps (e.g. 0.25, 0.5) at which ``on_snapshot(fraction)`` is
+    called with the drafter's weights as they are after that many steps (drafters of increasing strength
+    from one run, for measuring how the tree's gain depends on the chain's).
 
     Each batch: ``raw_fraction`` of the rows are raw train-split windows, the rest are drawn from
     ``generated`` (target continuations); rows are cut to ``settings.seq_len`` (or to the length of
@@ -380,7 +386,12 @@ def train_drafter(
             parts.append(generated[pick, :seq_len])
         return torch.cat(parts).to(device)
 
+    pending = sorted(f for f in snapshots if 0.0 < f < 1.0)
+
     def step() -> Dict:
+        # Snapshots once the step count is planned (after calibration), before this step's update.
+        while pending and loop.total_steps and loop.step >= round(pending[0] * loop.total_steps):
+            on_snapshot(pending.pop(0))
         tokens = batch_tokens()
         anchors = dflash.sample_anchors(
             tokens.shape[0], tokens.shape[1], num_anchors, drafter.block_size, generator
