@@ -58,7 +58,7 @@ class DDTreeStats:
         self.nodes = 0
         self.accepted = 0
         self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
-        # Host (CPU) seconds DDTree adds, by part; GPU waits are outside the timed blocks.
+        # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit); GPU waits are outside the timed blocks.
         self.host_seconds: Dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -411,8 +411,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         plan, accept, gpu = self._ddtree_plan, self._ddtree_accept, self._ddtree_accept_gpu
         self._ddtree_accept_gpu = None
         if plan is not None and accept is not None:
-            self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
-            self._ddtree_commit_gdn(gpu)
+            # Host time of the commit's launches (KV moves per attention layer, two per GDN layer): under FULL
+            # graphs they are the step's largest host work outside the replay.
+            with self.ddtree_stats.timed("commit"):
+                self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
+                self._ddtree_commit_gdn(gpu)
             self.drafter.context_order = gpu["context_order"]
             self.drafter.flat_positions = self._ddtree_flat_positions
             self.ddtree_stats.observe(plan, accept)
