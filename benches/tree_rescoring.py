@@ -1,7 +1,7 @@
 """Would re-scoring a sibling's subtree restore a tree's gain? A measured prototype, offline, in one run.
 
-    python benches/tree_rescoring.py [--pair tests/fixtures/models] [--num-prompts 16] [--budgets 16 64]
-        [--penalties 0 -0.25 -0.5 -1 -2] [--json FILE]
+    python benches/tree_rescoring.py [--pair tests/fixtures/models] [--drafter DIR] [--num-prompts 16]
+        [--budgets 16 64] [--penalties 0 -0.25 -0.5 -1 -2] [--json FILE]
 
 DFlash predicts every depth conditioned on its own most likely path, so once a tree's path takes a sibling (a
 token that was not the drafter's top-1), the drafter's distributions for the depths below describe a context that
@@ -99,7 +99,7 @@ def walk(accepted_at: list, first: int, last: int, depth: int) -> list:
 
 
 @torch.no_grad()
-def drafter_positions(pair: str, num_prompts: int):
+def drafter_positions(pair: str, drafter_dir: str, num_prompts: int):
     """Per prompt: the drafter's log-probs ``[A, L, V]`` at every bonus position and the true next tokens."""
     from transformers import AutoModelForCausalLM
 
@@ -109,7 +109,7 @@ def drafter_positions(pair: str, num_prompts: int):
 
     data = load_pair_prompts(pair)
     target = AutoModelForCausalLM.from_pretrained(os.path.join(pair, "target"), dtype=torch.float32).eval()
-    drafter = DFlashDraftModel.from_pretrained(os.path.join(pair, "drafter"), dtype=torch.float32, device="cpu")
+    drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32, device="cpu")
     hook = TargetFeatures(target, drafter.target_layer_ids)
     bs = drafter.block_size
     out = []
@@ -130,6 +130,7 @@ def drafter_positions(pair: str, num_prompts: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pair", default=os.path.join(ROOT, "tests", "fixtures", "models"))
+    parser.add_argument("--drafter", help="the drafter's directory (default: PAIR/drafter; e.g. a snapshot)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--penalties", type=float, nargs="+", default=[0.0, -0.25, -0.5, -1.0, -2.0])
@@ -138,7 +139,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(ROOT, "python"))
     torch.set_num_threads(1)
     started = time.perf_counter()
-    prompts, depth = drafter_positions(args.pair, args.num_prompts)
+    prompts, depth = drafter_positions(args.pair, args.drafter or os.path.join(args.pair, "drafter"), args.num_prompts)
     print(f"drafter at {sum(p[0].shape[0] for p in prompts)} positions of {len(prompts)} prompts, depth {depth}: "
           f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
     rows, width = [], max(args.budgets)
