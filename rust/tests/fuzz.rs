@@ -4,8 +4,9 @@
 //! minimal input and keeps it in `fuzz.proptest-regressions`.
 
 use ddtree::{
-    accept_trees, build_trees, compile_trees, BatchDistribution, CompiledTree, DraftDistribution,
-    Executor, TreeBuilder, TreeWalker,
+    accept_trees, acceptance_layout_into, build_trees, compile_trees, verify_layout_into,
+    AcceptanceLayout, BatchDistribution, CompiledTree, DraftDistribution, Executor, StepPlacement,
+    TreeBuilder, TreeWalker, VerifyLayout,
 };
 use proptest::prelude::*;
 
@@ -83,5 +84,93 @@ proptest! {
             let _ = accept_trees(&batch, &targets[..take]);
             let _ = accept_trees(&batch, &targets);
         }
+    }
+}
+
+/// An output length near `n`: exact, one short, one long or empty.
+fn near(n: usize, how: u8) -> usize {
+    match how % 4 {
+        0 => n,
+        1 => n.saturating_sub(1),
+        2 => n + 1,
+        _ => 0,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    /// The step layouts with raw placements (any row, start and index) and outputs sized right, wrong or empty:
+    /// `Ok` or an `Err`, never a panic.
+    #[test]
+    fn layouts_never_panic(
+        (requests, depth, width, mut lp) in (1usize..4, 1usize..5, 1usize..5).prop_flat_map(|(r, d, w)| {
+            (Just(r), Just(d), Just(w), prop::collection::vec(-12.0f32..0.0, r * d * w))
+        }),
+        budgets in prop::collection::vec(0usize..40, 1..4),
+        place in prop::collection::vec(prop_oneof![6 => 0i64..40, 1 => any::<i64>()], 0..20),
+        sizing in prop::collection::vec(prop_oneof![3 => Just(0u8), 1 => any::<u8>()], 12),
+        words in 0usize..4,
+        window in prop_oneof![4 => 0usize..5, 1 => 60usize..70],
+        num_rows in 0usize..8,
+        out_width in 0usize..8,
+        num_tokens in 0usize..300,
+        targets in prop::collection::vec(prop_oneof![3 => 0i64..20, 1 => any::<i64>()], 0..200),
+    ) {
+        sort_rows(&mut lp, width);
+        // Valid drafts (distinct ids per row), so the layouts' own checks are what the raw parts hit.
+        let ids: Vec<i64> = (0..requests * depth * width).map(|i| (i % width) as i64 * 3 + (i / width % 3) as i64).collect();
+        let budgets: Vec<usize> = (0..requests).map(|i| budgets[i % budgets.len()]).collect();
+        let dist = BatchDistribution { log_probs: &lp, token_ids: &ids, requests, depth, width };
+        let Ok(batch) = build_trees(&dist, &budgets, &Executor::new(1).unwrap()) else { return Ok(()) };
+        let (r, t) = (batch.requests(), batch.total_nodes());
+        let pick = |k: usize| -> Vec<i64> { (0..r).map(|i| place.get(k * 5 + i).copied().unwrap_or(i as i64)).collect() };
+        let (rows, starts, query, logit) = (pick(0), pick(1), pick(2), pick(3));
+        let conv_width = if window > 0 { window + 1 } else { 0 };
+        let mut token_index = vec![0; near(t, sizing[0])];
+        let mut logit_rows = vec![0; near(t, sizing[1])];
+        let mut positions = vec![0; near(t, sizing[2])];
+        let mut bits = vec![0u32; near(t, sizing[3]) * words];
+        let mut row_start = vec![0; num_rows];
+        let mut offsets = vec![0; near(r + 1, sizing[4])];
+        let mut conv = vec![0; near(t, sizing[5]) * conv_width];
+        let place = StepPlacement { rows: &rows, starts: &starts, query_starts: &query, logit_starts: &logit };
+        let out = VerifyLayout {
+            token_index: &mut token_index,
+            logit_rows: &mut logit_rows,
+            positions: &mut positions,
+            ancestor_bits: &mut bits,
+            words,
+            row_start: &mut row_start,
+            node_offsets: &mut offsets,
+            conv_index: &mut conv,
+            window,
+        };
+        let _ = verify_layout_into(&batch, place, out);
+
+        let take = targets.len().min(t);
+        let Ok(accepted) = accept_trees(&batch, &targets[..take]) else { return Ok(()) };
+        let m = accepted.kv_src.len();
+        let mut output_tokens = vec![0; near(r, sizing[6]) * out_width];
+        let (mut src, mut dst) = (vec![0; near(m, sizing[7])], vec![0; near(m, sizing[8])]);
+        let mut order = vec![0; num_tokens];
+        let path_width = accepted.width;
+        let mut paths = vec![0; near(r, sizing[9]) * path_width];
+        let mut lengths = vec![0; near(r, sizing[10])];
+        let commit_window = window.min(8);
+        let mut commit = vec![0; near(r, sizing[11]) * commit_window];
+        let out = AcceptanceLayout {
+            output_tokens: &mut output_tokens,
+            out_width,
+            kv_src: &mut src,
+            kv_dst: &mut dst,
+            context_order: &mut order,
+            paths: &mut paths,
+            path_width,
+            path_lengths: &mut lengths,
+            commit_conv_index: &mut commit,
+            window: commit_window,
+        };
+        let _ = acceptance_layout_into(&batch, &accepted, &query, out);
     }
 }
