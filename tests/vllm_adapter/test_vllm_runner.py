@@ -46,3 +46,79 @@ def test_kv_moves_share_one_index_across_the_layers_of_a_group():
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
     assert not torch.equal(caches[0], caches[1])  # the layers really differ
+
+
+def _tree_lists(store, req_ids, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(len(req_ids), 3, 30)) * 2.0
+    ids = np.argsort(-logits, axis=-1)[..., :4]
+    log_probs = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), ids, axis=-1)
+    return store.propose(req_ids, log_probs.astype(np.float32), ids.astype(np.int64))
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
+    """A prefill, a whole tree and a cut tree in one step: the Rust layout lands in the fixed-address buffers,
+    positions become start + depth for tree tokens only, the published step names the tree and other tokens."""
+    import numpy as np
+
+    from ddtree.vllm import context
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.graphs import TreeStepBuffers
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.staging import StepStaging
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    cpu = torch.device("cpu")
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_cfg = DDTreeConfig(budget=6, draft_len=3, top_k=None)
+    runner.drafter = SimpleNamespace(store=TreeStore(6))
+    lists = _tree_lists(runner.drafter.store, ["a", "b"])
+    runner.input_batch = SimpleNamespace(req_ids=["p", "a", "b"], num_computed_tokens_cpu=np.array([0, 20, 30]))
+    runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([-1, 6, 4]))
+    runner._ddtree_conv_window = 3
+    runner._ddtree_buffers = TreeStepBuffers(cpu, max_requests=4, max_tokens=40, tree_size=7, conv_width=4)
+    runner._ddtree_plan_staging = StepStaging(cpu)
+    runner._ddtree_plan_extras = runner._ddtree_gdn_step = None
+    runner.positions = torch.arange(17)
+    runner.uses_mrope = mrope
+    if mrope:
+        runner.mrope_positions = SimpleNamespace(gpu=torch.stack([torch.arange(17) * k for k in (1, 2, 3)]))
+    scheduled = {"a": lists[0], "b": lists[1][:4]}  # b's tree cut to 4 drafts by the scheduler
+    output = SimpleNamespace(total_num_scheduled_tokens=17, scheduled_spec_decode_tokens=scheduled)
+    try:
+        assert runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3) == (
+            "indices",
+            "metadata",
+        )
+        plan = runner._ddtree_plan
+        runner.drafter.store = TreeStore(6)
+        _tree_lists(runner.drafter.store, ["a", "b"])
+        want = plan_verify(
+            runner.drafter.store, ["p", "a", "b"], np.array([0, 20, 30]), np.array([5, 7, 5]), scheduled,
+            conv_window=3, words=1,
+        )  # fmt: skip
+        depths = np.concatenate([want.trees.depths[:7], want.trees.depths[7:]])
+        expected = np.arange(17)
+        expected[5:12], expected[12:17] = 20 + depths[:7], 30 + depths[7:]
+        assert runner.positions.tolist() == expected.tolist()
+        assert runner._ddtree_flat_positions.tolist() == list(range(17))
+        buffers = runner._ddtree_buffers
+        assert buffers.row_start[:3].tolist() == [-1, 0, 7]
+        assert torch.equal(buffers.ancestor_bits[:12], torch.from_numpy(want.ancestor_bits))
+        assert torch.equal(buffers.conv_index[:12], torch.from_numpy(want.conv_index))
+        step = context.published()
+        assert (step.attention.num_reqs, step.attention.num_tokens) == (3, 17)
+        assert step.gdn.token_index.tolist() == list(range(5, 17)) and step.gdn.other_index.tolist() == list(range(5))
+        assert runner._ddtree_gdn_step is step.gdn and runner._ddtree_whole_trees is False
+        assert plan.logit_rows_gpu.tolist() == list(range(1, 13)) and plan.batch_index_gpu.tolist() == [1, 2]
+        if mrope:
+            sections = runner.mrope_positions.gpu
+            for k in range(3):
+                roots = np.repeat([5 * (k + 1), 12 * (k + 1)], [7, 5])
+                assert sections[k, 5:17].tolist() == (roots + depths).tolist()
+                assert sections[k, :5].tolist() == [i * (k + 1) for i in range(5)]
+    finally:
+        context.withdraw()
