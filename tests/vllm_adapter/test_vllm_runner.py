@@ -122,3 +122,28 @@ def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
                 assert sections[k, :5].tolist() == [i * (k + 1) for i in range(5)]
     finally:
         context.withdraw()
+
+
+def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdrew_it(monkeypatch):
+    from ddtree.vllm import context, runner as runner_module
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    committed = []
+    monkeypatch.setattr(runner_module, "commit_pending", lambda step, plan: committed.append((step, plan.paths)))
+    monkeypatch.setattr(runner_module, "commit_layer", lambda pending, plan: committed.append((pending, plan.paths)))
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner._ddtree_conv_window, runner._ddtree_full_graph = 3, None
+    step = SimpleNamespace(node_offsets="offsets", pending={"layer.0": "recorded"})
+    runner._ddtree_gdn_step = step
+    context.withdraw()  # the forward is over: only the runner's reference remains
+    gpu = {"paths": "paths", "path_lengths": "lengths", "commit_conv_index": "conv"}
+    runner._ddtree_commit_gdn(gpu)
+    assert committed == [(step, "paths")] and runner._ddtree_gdn_step is None
+    # A FULL replay commits what the graph's capture recorded, layer by layer.
+    runner._ddtree_gdn_step, runner._ddtree_full_graph = step, 130
+    runner._ddtree_captured = SimpleNamespace(replayed=lambda size: {"layer.0": f"captured-{size}"})
+    runner._ddtree_commit_gdn(gpu)
+    assert committed[-1] == ("captured-130", "paths")
+    # A hybrid step without a GDN step is a bug, said as such.
+    with pytest.raises(RuntimeError, match="without a GDN tree step"):
+        runner._ddtree_commit_gdn(gpu)
