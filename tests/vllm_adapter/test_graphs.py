@@ -151,3 +151,46 @@ def test_dispatch_is_vllms_own_in_piecewise_mode_and_in_dummy_runs(monkeypatch):
     runner._ddtree_in_dummy_run = True
     runner._determine_batch_execution_and_padding(num_tokens=65, num_reqs=1, force_uniform_decode=True)
     assert seen["force_uniform_decode"] is True and runner._ddtree_full_graph is None
+
+
+def test_commit_graphs_commit_eagerly_once_per_size_then_replay_with_each_steps_paths():
+    """The first FULL commit of a size runs (and compiles) eagerly, then is captured; later steps of that size
+    replay it, reading the accepted paths copied into the graphs' own buffers (a stand-in capture records the work
+    and replays it by calling it, as a graph replays its kernels on the captured addresses)."""
+    from ddtree.vllm.gdn import GdnCommitPlan
+    from ddtree.vllm.graphs import CommitGraphs
+
+    captured, seen = [], []
+
+    def capture(work):
+        captured.append(work)
+        return work
+
+    def commit_layer(pending, plan):
+        seen.append((pending, plan.paths.tolist(), plan.path_lengths.tolist(), plan.conv_index.tolist()))
+
+    graphs = CommitGraphs(CPU, max_requests=4, path_width=3, conv_window=2, capture=capture)
+    offsets = torch.tensor([0, 5, 9], dtype=torch.int32)
+
+    def plan(first, length):
+        return GdnCommitPlan(
+            node_offsets=offsets,
+            paths=torch.tensor([[0, first, 0], [0, 0, 0]], dtype=torch.int32),
+            path_lengths=torch.tensor([length, 1], dtype=torch.int32),
+            conv_index=torch.tensor([[1, 4 + first], [2, 3]]),
+        )
+
+    layers = {"layer.0": "pending-0", "layer.1": "pending-1"}
+    graphs.commit(10, layers, plan(2, 2), commit_layer)
+    assert len(captured) == 1 and graphs.replayed == 0 and len(seen) == 2  # eager, then captured
+    seen.clear()
+    graphs.commit(10, layers, plan(3, 2), commit_layer)  # a replay sees this step's paths
+    assert graphs.replayed == 1 and len(captured) == 1
+    assert [s[0] for s in seen] == ["pending-0", "pending-1"]
+    assert seen[0][1:] == ([[0, 3, 0], [0, 0, 0]], [2, 1], [[1, 7], [2, 3]])
+    graphs.commit(5, layers, plan(1, 2), commit_layer)  # another size: eager and captured on its own
+    assert len(captured) == 2 and graphs.replayed == 1
+    with pytest.raises(ValueError, match="does not fit"):
+        graphs.commit(
+            10, layers, GdnCommitPlan(offsets, torch.zeros(2, 5, dtype=torch.int32), None, None), commit_layer
+        )

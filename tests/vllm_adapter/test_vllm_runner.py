@@ -132,7 +132,8 @@ def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdre
     monkeypatch.setattr(runner_module, "commit_pending", lambda step, plan: committed.append((step, plan.paths)))
     monkeypatch.setattr(runner_module, "commit_layer", lambda pending, plan: committed.append((pending, plan.paths)))
     runner = object.__new__(DDTreeGPUModelRunner)
-    runner._ddtree_conv_window, runner._ddtree_full_graph = 3, None
+    monkeypatch.delenv("DDTREE_COMMIT_GRAPHS", raising=False)
+    runner._ddtree_conv_window, runner._ddtree_full_graph, runner._ddtree_commit_graphs = 3, None, None
     step = SimpleNamespace(node_offsets="offsets", pending={"layer.0": "recorded"})
     runner._ddtree_gdn_step = step
     context.withdraw()  # the forward is over: only the runner's reference remains
@@ -144,6 +145,12 @@ def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdre
     runner._ddtree_captured = SimpleNamespace(replayed=lambda size: {"layer.0": f"captured-{size}"})
     runner._ddtree_commit_gdn(gpu)
     assert committed[-1] == ("captured-130", "paths")
+    # DDTREE_COMMIT_GRAPHS=1 needs CUDA graphs: off a GPU the commit stays layer by layer.
+    monkeypatch.setenv("DDTREE_COMMIT_GRAPHS", "1")
+    runner.device = torch.device("cpu")
+    runner._ddtree_gdn_step = step
+    runner._ddtree_commit_gdn(gpu)
+    assert committed[-1] == ("captured-130", "paths") and len(committed) == 3 and runner._ddtree_commit_graphs is None
     # A hybrid step without a GDN step is a bug, said as such.
     with pytest.raises(RuntimeError, match="without a GDN tree step"):
         runner._ddtree_commit_gdn(gpu)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import ddtree
-from ddtree.vllm.gdn import GdnTreeStep, PendingCommit
+from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, PendingCommit
 import ddtree.vllm.step
 from ddtree.vllm.step import layout_specs
 
@@ -151,3 +151,68 @@ class CapturedCommits:
                 "capture recorded no GDN commit inputs"
             )
         return commits
+
+
+def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Captures ``work`` (nothing runs) into a CUDA graph on ``device``; returns its replay."""
+
+    def capture(work: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        # Thread-local capture: a launch from another thread of the process (vLLM's output thread) must not
+        # invalidate it.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            work()
+        return graph.replay
+
+    return capture
+
+
+class CommitGraphs:
+    """The GDN commit after a FULL tree step as one CUDA graph per FULL graph size (experimental).
+
+    After a FULL replay the commit is two Triton launches per GDN layer (96 at Qwen3.6-27B), each paying
+    Python's launch cost. Its inputs already sit at fixed addresses: what the FULL graph's capture recorded per
+    layer (:class:`CapturedCommits`), the layers' state caches and the tree offsets in :class:`TreeStepBuffers`;
+    the accepted paths are copied into buffers owned here. The first commit of a size runs eagerly (it compiles
+    the kernels and commits); the graph is then captured (capturing runs nothing) and replayed from the next step
+    of that size on. ``capture`` is :func:`cuda_graph_capture` on a GPU (tests pass a stand-in).
+    """
+
+    def __init__(self, device, max_requests: int, path_width: int, conv_window: int, capture):
+        self.device = torch.device(device)
+        self.paths = torch.zeros((max_requests, path_width), dtype=torch.int32, device=self.device)
+        self.path_lengths = torch.ones((max_requests,), dtype=torch.int32, device=self.device)
+        self.conv_index = torch.zeros((max_requests, conv_window), dtype=torch.int64, device=self.device)
+        self._capture = capture
+        self._replays: Dict[int, Callable[[], None]] = {}
+        self.replayed = 0
+
+    def commit(self, num_tokens: int, commits: Dict[str, PendingCommit], plan: GdnCommitPlan, commit_layer) -> None:
+        """Commits every layer of a FULL step of ``num_tokens`` tokens (``commit_layer(pending, plan)`` per layer)."""
+        num_requests, path_width = plan.paths.shape
+        if num_requests > self.paths.shape[0] or path_width != self.paths.shape[1]:
+            raise ValueError(
+                f"DDTree: a commit of {num_requests} paths of width {path_width} does not fit the commit graphs' "
+                f"{self.paths.shape[0]} x {self.paths.shape[1]}"
+            )
+        self.paths[:num_requests].copy_(plan.paths)
+        self.path_lengths[:num_requests].copy_(plan.path_lengths)
+        self.conv_index[:num_requests].copy_(plan.conv_index)
+        fixed = GdnCommitPlan(
+            node_offsets=plan.node_offsets,
+            paths=self.paths[:num_requests],
+            path_lengths=self.path_lengths[:num_requests],
+            conv_index=self.conv_index[:num_requests],
+        )
+
+        def work() -> None:
+            for pending in commits.values():
+                commit_layer(pending, fixed)
+
+        replay = self._replays.get(num_tokens)
+        if replay is not None:
+            replay()
+            self.replayed += 1
+            return
+        work()
+        self._replays[num_tokens] = self._capture(work)

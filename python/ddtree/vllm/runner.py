@@ -23,6 +23,7 @@ Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Dict, List, Optional
 
@@ -39,7 +40,7 @@ from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
-from ddtree.vllm.graphs import CapturedCommits, TreeStepBuffers
+from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, cuda_graph_capture
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify
 
@@ -53,6 +54,7 @@ class DDTreeStats:
         self.tree_size = tree_size  # budget + 1
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
+        self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph (DDTREE_COMMIT_GRAPHS=1)
         self.trees = 0
         self.partial_trees = 0  # trees verified with fewer nodes than the budget (max_model_len, token budget)
         self.nodes = 0
@@ -86,6 +88,7 @@ class DDTreeStats:
         return {
             "verify_steps": self.steps,
             "full_graph_steps": self.full_graph_steps,
+            "commit_graph_steps": self.commit_graph_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
             "mean_draft_nodes": self.nodes / trees,
@@ -157,6 +160,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_conv_window + 1 if self._ddtree_conv_window else 0,
         )
         self._ddtree_captured = CapturedCommits()
+        # Experimental, off unless DDTREE_COMMIT_GRAPHS=1: the GDN commit of FULL steps as CUDA graphs (made at
+        # the first commit, when the accepted paths' width is known).
+        self._ddtree_commit_graphs: Optional[CommitGraphs] = None
         # This step: do all running requests verify whole trees (a FULL graph may replay it), and which
         # FULL graph (its size in tokens) replayed it.
         self._ddtree_whole_trees = False
@@ -450,12 +456,32 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         )
         if self._ddtree_full_graph is not None:
             # A FULL graph replayed the layers: their commit inputs are where its capture recorded them.
-            for pending in self._ddtree_captured.replayed(self._ddtree_full_graph).values():
+            commits = self._ddtree_captured.replayed(self._ddtree_full_graph)
+            graphs = self._ddtree_commit_graphs_for(commit)
+            if graphs is not None:
+                before = graphs.replayed
+                graphs.commit(self._ddtree_full_graph, commits, commit, commit_layer)
+                self.ddtree_stats.commit_graph_steps += graphs.replayed - before
+                return
+            for pending in commits.values():
                 commit_layer(pending, commit)
             return
         if not step.pending:
             raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
         commit_pending(step, commit)
+
+    def _ddtree_commit_graphs_for(self, commit: GdnCommitPlan) -> Optional[CommitGraphs]:
+        """The commit graphs when DDTREE_COMMIT_GRAPHS=1 on a GPU (None: commit layer by layer)."""
+        if self._ddtree_commit_graphs is None and os.environ.get("DDTREE_COMMIT_GRAPHS") == "1":
+            if self.device.type == "cuda":
+                self._ddtree_commit_graphs = CommitGraphs(
+                    self.device,
+                    self.max_num_reqs,
+                    int(commit.paths.shape[1]),
+                    self._ddtree_conv_window,
+                    cuda_graph_capture(self.device),
+                )
+        return self._ddtree_commit_graphs
 
     def _target_kv_layers(self) -> List[tuple]:
         """(kv_cache_group_id, kv cache tensor) of each target attention layer, shared caches once."""
