@@ -110,12 +110,16 @@ class DDTreeRejectionSampler(nn.Module):
         width = metadata.max_spec_len + 1
         counts = np.asarray(metadata.num_draft_tokens, dtype=np.int64) + 1
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        rows_per_req = torch.from_numpy(counts).to(logits.device)
+        num_rows = int(counts.sum())
+        rows_per_req = []  # made on first use: an all-greedy step needs no per-row settings
 
         def per_row(t):
             if t is None:
                 return None
-            return t[:num_reqs].repeat_interleave(rows_per_req, dim=0)
+            if not rows_per_req:
+                rows_per_req.append(torch.from_numpy(counts).to(logits.device))
+            # The host knows the output size: no device sync to count it.
+            return t[:num_reqs].repeat_interleave(rows_per_req[0], dim=0, output_size=num_rows)
 
         sample_logits = self._constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs)
         min_p = None
