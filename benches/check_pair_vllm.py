@@ -2,7 +2,7 @@
 
     python3 benches/check_pair_vllm.py MODELS_DIR METRICS_JSON     (MODELS_DIR holds target/ and drafter/)
 
-Needs the vLLM bundle (../shared/gpu/README.md) and VLLM_USE_FLASHINFER_SAMPLER=0. Runs the target plain
+Needs vLLM 0.25.1 and VLLM_USE_FLASHINFER_SAMPLER=0. Runs the target plain
 and with vLLM's own DFlash ({"method": "dflash", num_speculative_tokens 15}), bf16, eager, and prints per
 prompt the common prefix with the reference and vLLM's acceptance counters. Not run yet (written CPU-side).
 """
