@@ -39,6 +39,13 @@ ENGINES = {
     "ddtree16": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16},
     "ddtree64": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
     "ddtree256": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256},
+    # The experimental GDN commit graphs (DDTREE_COMMIT_GRAPHS=1): 96 commit launches per step at this shape.
+    "ddtree64-commitgraphs": {
+        "method": "ddtree",
+        "num_speculative_tokens": 15,
+        "ddtree_budget": 64,
+        "env": {"DDTREE_COMMIT_GRAPHS": "1"},
+    },
 }
 
 
@@ -145,7 +152,8 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
     import torch
     from vllm import LLM, SamplingParams
 
-    spec = ENGINES[name]
+    spec = dict(ENGINES[name]) if ENGINES[name] else None
+    os.environ.update(spec.pop("env", {}) if spec else {})  # the engine runs in this process
     kw = dict(
         model=os.path.join(ROOT, "target"),
         load_format="dummy",
@@ -201,6 +209,8 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
             row["verify_steps"] = steps
             row["mean_acceptance_length"] = after["mean_acceptance_length"]
             row["host_ms_per_verify_step"] = after["host_ms_per_verify_step"]
+            for counter in ("full_graph_steps", "commit_graph_steps"):
+                row[counter] = after.get(counter, 0) - before.get(counter, 0)
         res["steps"][bs] = row
         print(f"{name} bs={bs}: {row}", flush=True)
         if bs in profile_batches:

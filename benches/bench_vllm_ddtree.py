@@ -45,6 +45,7 @@ def child(args):
     max_batch = max(int(b) for b in args.batches.split(","))
     budget = spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0)) if spec else 0
     graph_mode = spec.pop("cudagraph_mode", None) if spec else None
+    os.environ.update(spec.pop("env", {}) if spec else {})  # e.g. DDTREE_COMMIT_GRAPHS (the engine is in-process)
     kw = dict(
         model=args.target,
         skip_tokenizer_init=True,
@@ -123,6 +124,7 @@ def child(args):
             summary = llm.collective_rpc("ddtree_summary")[0]
             row["host_ms_per_verify_step"] = summary["host_ms_per_verify_step"]
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
+            row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
         rows.append(row)
         # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
@@ -154,7 +156,8 @@ def main():
         "--engines",
         default="",
         help="comma-separated engine names, run in that order (default: none, "
-        "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only)",
+        "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-commitgraphs: "
+        "DDTREE_COMMIT_GRAPHS=1)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -178,6 +181,8 @@ def main():
         engines.append((f"ddtree-{b}", tree))
         # The same engine with PIECEWISE graphs only (tree steps' attention and GDN run eagerly between pieces).
         engines.append((f"ddtree-{b}-piecewise", dict(tree, cudagraph_mode="PIECEWISE")))
+        # The same engine with the experimental GDN commit graphs.
+        engines.append((f"ddtree-{b}-commitgraphs", dict(tree, env={"DDTREE_COMMIT_GRAPHS": "1"})))
     wanted = args.engines.split(",") if args.engines else default_engines
     known = dict(engines)
     unknown = [name for name in wanted if name not in known]
