@@ -139,6 +139,12 @@ class Server:
         self.log.close()
 
 
+def make_client(server: Server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url("/v1"), api_key="EMPTY", timeout=300, max_retries=0)
+
+
 def wait_idle(server: Server, timeout: float = 60.0) -> Dict[str, Optional[float]]:
     """Waits until no request runs or waits and the KV cache is empty; returns the last readings."""
     deadline, reading = time.monotonic() + timeout, {}
@@ -239,17 +245,17 @@ def check_disconnect(client, server, data, args) -> Dict:
     return {"ok": received == 3 and idle["idle"] and bool(after.choices[0].text), "chunks": received, **idle}
 
 
-def check_soak(client_factory, server, data, args) -> Dict:
+def check_soak(client, server, data, args) -> Dict:
     stop_at = time.monotonic() + args.soak_s
     counts = {"requests": 0, "errors": 0, "tokens": 0}
     errors: List[str] = []
     lock = threading.Lock()
 
     def worker(seed: int) -> None:
-        rng, client = random.Random(seed), client_factory()
+        rng, user = random.Random(seed), make_client(server)  # one client per simulated user
         while time.monotonic() < stop_at:
             try:
-                response = client.completions.create(
+                response = user.completions.create(
                     model=MODEL_NAME,
                     prompt=rng.choice(data["prompts"]),
                     max_tokens=rng.randint(16, 128),
@@ -338,27 +344,21 @@ CHECKS: Dict[str, Callable] = {
 
 
 def run_engine(engine: str, args, data, results: Dict, save: Callable[[], None]) -> None:
-    from openai import OpenAI
-
     entry = results["engines"].setdefault(engine, {"checks": {}})
     command = serve_command(args.pair, engine, args.budget, args.port)
     entry["command"] = command
     server = Server(command, args.port, os.path.join(args.out, f"serve_{engine}.log"))
 
-    def client_factory():
-        return OpenAI(base_url=server.url("/v1"), api_key="EMPTY", timeout=300, max_retries=0)
-
     try:
         entry["start_seconds"] = round(server.wait_ready(args.start_timeout), 1)
         save()
-        client = client_factory()
+        client = make_client(server)
         for name, check in CHECKS.items():
             if name == "metrics" and engine != "ddtree":
                 continue
             started = time.monotonic()
             try:
-                first = client_factory if name == "soak" else client
-                outcome = check(first, server, data, args)
+                outcome = check(client, server, data, args)
             except Exception as error:  # a failed check is reported, the others still run
                 outcome = {"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}
             outcome["seconds"] = round(time.monotonic() - started, 1)

@@ -81,7 +81,7 @@ def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
     runner._ddtree_conv_window = 3
     runner._ddtree_buffers = TreeStepBuffers(cpu, max_requests=4, max_tokens=40, tree_size=7, conv_width=4)
     runner._ddtree_plan_staging = StepStaging(cpu)
-    runner._ddtree_plan_extras = runner._ddtree_gdn_step = None
+    runner._ddtree_gdn_step = None
     runner.positions = torch.arange(17)
     runner.uses_mrope = mrope
     if mrope:

@@ -131,21 +131,13 @@ def hf_greedy(
     Prompts of one length run as one batch without padding; otherwise one by one.
     """
     from .model import load_target
+    from .train import greedy_continuations
 
     model = load_target(target_dir, dtype=dtype, device=device)
-    model.generation_config.eos_token_id = None  # never stop, never suppress EOS: as the engine reference
     batches = [list(prompts)] if len({len(p) for p in prompts}) == 1 else [[p] for p in prompts]
     outputs: List[List[int]] = []
     for batch in batches:
-        ids = torch.tensor([list(p) for p in batch], device=device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-        outputs.extend(row[ids.shape[1] :].tolist() for row in out)
+        outputs.extend(greedy_continuations(model, batch, new_tokens, pad_id, torch.device(device)))
     del model
     return outputs
 

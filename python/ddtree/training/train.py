@@ -299,8 +299,8 @@ def generate_sequences(
 
 @torch.no_grad()
 def greedy_continuations(model, prompts, new_tokens: int, pad_id: int, device: torch.device) -> List[List[int]]:
-    """The target's fp32 greedy continuations of ``prompts`` (equal lengths; no stop): what the
-    engine's ``ar`` mode outputs, so :func:`dflash.teacher_forced_chain` on them is the engine's chain tau."""
+    """The target's greedy continuations of ``prompts`` (equal lengths; no stop; in fp32: what the
+    engine's ``ar`` mode outputs, so :func:`dflash.teacher_forced_chain` on them is the engine's chain tau)."""
     model.eval()
     model.generation_config.eos_token_id = None
     ids = torch.tensor([list(p) for p in prompts], device=device)

@@ -28,12 +28,7 @@ import torch
 import ddtree
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, PendingCommit
 import ddtree.vllm.step
-from ddtree.vllm.step import layout_specs
-
-
-def ancestor_words(tree_size: int) -> int:
-    """32-bit words of one ancestor bitmask row for trees of up to ``tree_size`` nodes."""
-    return (tree_size + 31) // 32
+from ddtree.vllm.step import ancestor_words, layout_specs
 
 
 class TreeStepBuffers:

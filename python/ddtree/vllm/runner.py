@@ -119,6 +119,19 @@ def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool
     input_batch.sampling_metadata = input_batch._make_sampling_metadata()
 
 
+def fill_plan_extras(extras: Dict[str, np.ndarray], plan: VerifyPlan, total: int) -> None:
+    """Fills the runner's arrays that ride in the plan's upload (see ``_ddtree_plan_arrays``)."""
+    if "mrope_root_index" in extras:
+        # Every M-RoPE section of a tree token is its root's plus the node's depth (for text the three sections
+        # of a decode position are equal; taking the root's keeps a multimodal offset).
+        extras["mrope_root_index"][:] = np.repeat(plan.query_starts, plan.num_nodes)
+        extras["depths"][:] = plan.trees.depths
+    if "other_index" in extras:
+        keep = np.ones(total, dtype=bool)
+        keep[plan.token_index] = False
+        extras["other_index"][:] = np.flatnonzero(keep)
+
+
 def gdn_conv_window(model_config) -> int:
     """``W - 1`` of a hybrid target's GDN conv, from its HF config."""
     text = model_config.hf_text_config
@@ -139,7 +152,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept: Optional[AcceptPlan] = None
         self._ddtree_accept_gpu: Optional[Dict[str, torch.Tensor]] = None
         self._ddtree_flat_positions: Optional[torch.Tensor] = None
-        self._ddtree_plan_extras: Optional[Dict[str, np.ndarray]] = None
         # The step's GDN layout, kept from publication to the commit after acceptance (None: no tree step).
         self._ddtree_gdn_step: Optional[GdnTreeStep] = None
         self._ddtree_proposed = False
@@ -213,6 +225,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def _ddtree_prepare(self, scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs):
         total = scheduler_output.total_num_scheduled_tokens
         hybrid = self._ddtree_conv_window > 0
+        extras: Dict[str, np.ndarray] = {}  # the runner's own arrays in the same upload (filled below)
         plan = plan_verify(
             self.drafter.store,
             self.input_batch.req_ids[:num_reqs],
@@ -221,14 +234,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             scheduler_output.scheduled_spec_decode_tokens,
             conv_window=self._ddtree_conv_window,
             words=self._ddtree_buffers.words,
-            arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid),
+            arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid, extras),
         )
         if plan is None:
-            self._ddtree_plan_extras = None
             return logits_indices, spec_decode_metadata
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
-        self._ddtree_fill_plan_extras(plan, total)
+        fill_plan_extras(extras, plan, total)
         gpu = self._ddtree_plan_staging.upload_host()
         layout = self._ddtree_buffers.load(
             gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"), gpu.get("conv_index")
@@ -254,32 +266,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
 
-    def _ddtree_plan_arrays(self, specs, total: int, hybrid: bool) -> Dict[str, np.ndarray]:
-        """Views of the plan staging's pinned buffer for the plan (the Rust core writes them) and for what the
-        runner adds: M-RoPE's root rows and depths, and the non-tree tokens of a hybrid target's mixed step."""
+    def _ddtree_plan_arrays(self, specs, total: int, hybrid: bool, extras: Dict) -> Dict[str, np.ndarray]:
+        """Views of the plan staging's pinned buffer for the plan (returned: the Rust core writes them) and, into
+        ``extras``, for what the runner adds: M-RoPE's root rows and depths, and the non-tree tokens of a hybrid
+        target's mixed step."""
         num_tree_tokens = specs["token_index"][1][0]
-        extras = {}
+        extra_specs = {}
         if self.uses_mrope:
-            extras["mrope_root_index"] = (np.int64, (num_tree_tokens,))
-            extras["depths"] = (np.int64, (num_tree_tokens,))
+            extra_specs["mrope_root_index"] = (np.int64, (num_tree_tokens,))
+            extra_specs["depths"] = (np.int64, (num_tree_tokens,))
         if hybrid and num_tree_tokens < total:
-            extras["other_index"] = (np.int64, (total - num_tree_tokens,))
-        views = self._ddtree_plan_staging.host_arrays({**specs, **extras})
-        self._ddtree_plan_extras = {name: views.pop(name) for name in extras}
+            extra_specs["other_index"] = (np.int64, (total - num_tree_tokens,))
+        views = self._ddtree_plan_staging.host_arrays({**specs, **extra_specs})
+        extras.update((name, views.pop(name)) for name in extra_specs)
         return views
-
-    def _ddtree_fill_plan_extras(self, plan: VerifyPlan, total: int) -> None:
-        extras = self._ddtree_plan_extras
-        self._ddtree_plan_extras = None
-        if "mrope_root_index" in extras:
-            # Every M-RoPE section of a tree token is its root's plus the node's depth (for text the three
-            # sections of a decode position are equal; taking the root's keeps a multimodal offset).
-            extras["mrope_root_index"][:] = np.repeat(plan.query_starts, plan.num_nodes)
-            extras["depths"][:] = plan.trees.depths
-        if "other_index" in extras:
-            keep = np.ones(total, dtype=bool)
-            keep[plan.token_index] = False
-            extras["other_index"][:] = np.flatnonzero(keep)
 
     def _ddtree_check_spec_rows(self, plan: VerifyPlan, num_reqs: int) -> None:
         # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as

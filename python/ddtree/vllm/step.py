@@ -222,6 +222,11 @@ def plan_verify(
     return _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays)
 
 
+def ancestor_words(tree_size: int) -> int:
+    """32-bit words of one ancestor bitmask row for trees of up to ``tree_size`` nodes."""
+    return (tree_size + 31) // 32
+
+
 def layout_specs(num_rows: int, num_trees: int, num_nodes: int, words: int, conv_window: int) -> ArraySpecs:
     """The arrays :func:`ddtree.verify_layout_into` writes: ``num_trees`` trees of ``num_nodes`` nodes in all,
     in a batch of ``num_rows`` rows."""
@@ -244,7 +249,7 @@ def _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_star
     sizes = np.diff(node_offsets)
     total, num_trees = int(node_offsets[-1]), len(rows)
     if words is None:
-        words = (int(sizes.max()) + 31) // 32
+        words = ancestor_words(int(sizes.max()))
     out = arrays(
         {
             "batch_index": (np.int64, (num_trees,)),
