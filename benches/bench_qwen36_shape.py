@@ -7,8 +7,8 @@ Target: ``Qwen3_5ForConditionalGeneration`` with Qwen3.6-27B's text config (64 l
 rotary 0.25 with M-RoPE sections [11, 11, 10], vocab 248320, fp32 recurrent state); drafter: the released
 DFlash drafter's shape (5 layers, block 16, target layers [1, 16, 31, 46, 61]). ``load_format="dummy"``
 for both, so the drafter is never accepted and every step emits one token: steps/s = tokens/s per sequence.
-Every engine runs under CUDA graphs as vLLM does by default (vLLM's chain: FULL decode graphs and PIECEWISE;
-ddtree: PIECEWISE); ``--eager`` runs every engine eagerly. Each engine runs in its own subprocess.
+Every engine runs under CUDA graphs as vLLM does by default (FULL_AND_PIECEWISE for vLLM's chain and for
+ddtree, whose whole-tree steps replay FULL graphs); ``--eager`` runs every engine eagerly. Each engine runs in its own subprocess.
 
 Per engine it prints and writes (DIR/bench_qwen36_shape.json):
 * recurrent-state memory reserved per request (the engine's own KV-cache spec: GDN layers x state blocks
@@ -145,6 +145,17 @@ def state_memory(worker) -> dict:
     return {"gdn_layers": layers, "state_blocks_per_request": blocks, "reserved_bytes": reserved, "state_bytes": exact}
 
 
+def partial_path(out: str, name: str) -> str:
+    return os.path.join(out, f"engine_{name}.partial.json")
+
+
+def write_partial(out: str, name: str, res: dict) -> None:
+    """The engine's rows so far, written as soon as each exists (stdout is lost when the parent kills us)."""
+    if out:
+        with open(partial_path(out, name), "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -182,6 +193,7 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
     cache = llm.llm_engine.vllm_config.cache_config
     res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
     res["state_memory"] = llm.collective_rpc(state_memory)[0]
+    write_partial(profile_dir, name, res)
     gen = torch.Generator().manual_seed(0)
     for bs in batches:
         prompts = [
@@ -213,6 +225,7 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
         res["steps"][bs] = row
         print(f"{name} bs={bs}: {row}", flush=True)
+        write_partial(profile_dir, name, res)  # the parent keeps these rows if a later batch runs out of time
         if bs in profile_batches:
             # 16 more steps under the profiler: per-kernel GPU time of one step's parts (drafter, GDN, attention).
             profile_generate(
@@ -222,6 +235,17 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
                 os.path.join(profile_dir, f"profile_{name}_tp{tp}_b{bs}.txt"),
             )
     return res
+
+
+def keep_partial(out: str, name: str, results: dict, how: str) -> None:
+    """Keeps the rows an engine wrote before it timed out or died (marked ``how``: True) in the results file."""
+    if not os.path.exists(partial_path(out, name)):
+        return
+    with open(partial_path(out, name)) as f:
+        results[name] = dict(json.load(f), **{how: True})
+    print(f"{name}: kept the batches written before it {how.replace('_', ' ')}: {sorted(results[name]['steps'])}")
+    with open(os.path.join(out, "bench_qwen36_shape.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def main() -> None:
@@ -283,6 +307,7 @@ def main() -> None:
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
             if line is None:
                 print(f"{name}: no result (rc {proc.returncode}); log tail:\n{open(log_path).read()[-3000:]}")
+                keep_partial(args.out, name, results, "failed")
                 continue
             results[name] = json.loads(line[len("RESULT-JSON ") :])
             print(f"{name}: done in {time.time() - t:.0f} s", flush=True)
@@ -290,6 +315,7 @@ def main() -> None:
                 json.dump(results, f, indent=1)
         except subprocess.TimeoutExpired:
             print(f"{name}: TIMEOUT after {args.timeout} s; log tail:\n{open(log_path).read()[-3000:]}", flush=True)
+            keep_partial(args.out, name, results, "timed_out")
     with open(os.path.join(args.out, "bench_qwen36_shape.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"{'engine':<11}{'state MB/req':>13}{'blocks':>7}{'KV blocks':>10}  ms/step by batch   host ms/step")

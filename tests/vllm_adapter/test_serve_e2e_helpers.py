@@ -69,3 +69,9 @@ def test_the_pairs_tokenizer_has_a_chat_template():
         [{"role": "user", "content": "def fibonacci(n):"}], tokenize=False, add_generation_prompt=True
     )
     assert text == "# user:\ndef fibonacci(n):\n# assistant:\n"
+
+
+def test_refusals_expected_differ_by_engine():
+    # Plain vLLM serves structured outputs; only a ddtree server refuses them. Both refuse an oversized max_tokens.
+    assert serve.expected_refusal_statuses("ddtree") == {"structured_output": 400, "max_tokens": 400}
+    assert serve.expected_refusal_statuses("plain") == {"structured_output": 200, "max_tokens": 400}

@@ -1,0 +1,31 @@
+"""benches/bench_qwen36_shape.py keeps the batches an engine finished when that engine later times out or dies
+(its child's stdout is lost then; only the rows it wrote to disk survive)."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
+import bench_qwen36_shape as bench  # noqa: E402
+
+
+def test_rows_written_before_a_timeout_reach_the_results(tmp_path):
+    row = {"ms_per_step": 41.06, "verify_steps": 63}
+    bench.write_partial(str(tmp_path), "ddtree64", {"engine": "ddtree64", "steps": {"1": row}})
+    results = {"dflash": {"engine": "dflash", "steps": {}}}
+    bench.keep_partial(str(tmp_path), "ddtree64", results, "timed_out")
+    assert results["ddtree64"]["steps"] == {"1": row} and results["ddtree64"]["timed_out"] is True
+    saved = json.loads((tmp_path / "bench_qwen36_shape.json").read_text())
+    assert set(saved) == {"dflash", "ddtree64"} and saved["ddtree64"]["steps"]["1"] == row
+
+
+def test_an_engine_that_wrote_nothing_adds_no_row(tmp_path):
+    results = {}
+    bench.keep_partial(str(tmp_path), "ddtree64", results, "failed")
+    assert results == {} and not (tmp_path / "bench_qwen36_shape.json").exists()
+
+
+def test_without_an_output_folder_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bench.write_partial("", "ddtree64", {"steps": {}})
+    assert list(tmp_path.iterdir()) == []
