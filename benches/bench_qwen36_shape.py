@@ -39,12 +39,12 @@ ENGINES = {
     "ddtree16": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16},
     "ddtree64": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
     "ddtree256": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256},
-    # The experimental GDN commit graphs (DDTREE_COMMIT_GRAPHS=1): 96 commit launches per step at this shape.
-    "ddtree64-commitgraphs": {
+    # Without the GDN commit graphs (DDTREE_COMMIT_GRAPHS=0): 96 commit launches per step at this shape.
+    "ddtree64-layercommit": {
         "method": "ddtree",
         "num_speculative_tokens": 15,
         "ddtree_budget": 64,
-        "env": {"DDTREE_COMMIT_GRAPHS": "1"},
+        "env": {"DDTREE_COMMIT_GRAPHS": "0"},
     },
 }
 

@@ -156,8 +156,8 @@ def main():
         "--engines",
         default="",
         help="comma-separated engine names, run in that order (default: none, "
-        "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-commitgraphs: "
-        "DDTREE_COMMIT_GRAPHS=1)",
+        "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-layercommit: "
+        "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -181,8 +181,8 @@ def main():
         engines.append((f"ddtree-{b}", tree))
         # The same engine with PIECEWISE graphs only (tree steps' attention and GDN run eagerly between pieces).
         engines.append((f"ddtree-{b}-piecewise", dict(tree, cudagraph_mode="PIECEWISE")))
-        # The same engine with the experimental GDN commit graphs.
-        engines.append((f"ddtree-{b}-commitgraphs", dict(tree, env={"DDTREE_COMMIT_GRAPHS": "1"})))
+        # The same engine without the GDN commit graphs (the commit layer by layer, two launches per GDN layer).
+        engines.append((f"ddtree-{b}-layercommit", dict(tree, env={"DDTREE_COMMIT_GRAPHS": "0"})))
     wanted = args.engines.split(",") if args.engines else default_engines
     known = dict(engines)
     unknown = [name for name in wanted if name not in known]

@@ -11,6 +11,7 @@ from ddtree.vllm.config import (
     DDTreeConfig,
     DDTreeConfigError,
     check_target,
+    commit_graphs_enabled,
     cudagraph_mode_choice,
     engine_overrides,
     fit_batch_limits,
@@ -301,3 +302,16 @@ def test_capture_sizes_hold_every_whole_number_of_trees():
 def test_vllm_default_capture_sizes_match_vllms_own_list():
     assert vllm_default_capture_sizes(512) == [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
     assert vllm_default_capture_sizes(6) == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "env, on", [({}, True), ({"DDTREE_COMMIT_GRAPHS": "1"}, True), ({"DDTREE_COMMIT_GRAPHS": " 0"}, False)]
+)
+def test_commit_graphs_are_on_unless_turned_off(env, on):
+    assert commit_graphs_enabled(env) is on
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "", "2"])
+def test_commit_graphs_setting_refuses_other_values(value):
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_GRAPHS must be 1 .* or 0 .*got '"):
+        commit_graphs_enabled({"DDTREE_COMMIT_GRAPHS": value})

@@ -132,8 +132,8 @@ def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdre
     monkeypatch.setattr(runner_module, "commit_pending", lambda step, plan: committed.append((step, plan.paths)))
     monkeypatch.setattr(runner_module, "commit_layer", lambda pending, plan: committed.append((pending, plan.paths)))
     runner = object.__new__(DDTreeGPUModelRunner)
-    monkeypatch.delenv("DDTREE_COMMIT_GRAPHS", raising=False)
     runner._ddtree_conv_window, runner._ddtree_full_graph, runner._ddtree_commit_graphs = 3, None, None
+    runner._ddtree_commit_graphs_on = False  # DDTREE_COMMIT_GRAPHS=0
     step = SimpleNamespace(node_offsets="offsets", pending={"layer.0": "recorded"})
     runner._ddtree_gdn_step = step
     context.withdraw()  # the forward is over: only the runner's reference remains
@@ -145,8 +145,8 @@ def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdre
     runner._ddtree_captured = SimpleNamespace(replayed=lambda size: {"layer.0": f"captured-{size}"})
     runner._ddtree_commit_gdn(gpu)
     assert committed[-1] == ("captured-130", "paths")
-    # DDTREE_COMMIT_GRAPHS=1 needs CUDA graphs: off a GPU the commit stays layer by layer.
-    monkeypatch.setenv("DDTREE_COMMIT_GRAPHS", "1")
+    # Commit graphs (the default) need CUDA graphs: off a GPU the commit stays layer by layer.
+    runner._ddtree_commit_graphs_on = True
     runner.device = torch.device("cpu")
     runner._ddtree_gdn_step = step
     runner._ddtree_commit_gdn(gpu)

@@ -42,6 +42,8 @@ ADDITIONAL_CONFIG_KEY = "ddtree"
 WORKER_CLS = "ddtree.vllm.worker.DDTreeWorker"
 ATTENTION_BACKEND = "CUSTOM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+#: "0" commits the GDN state of FULL tree steps layer by layer instead of through one CUDA graph per FULL size.
+COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -205,6 +207,20 @@ def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict
     if v2 is not None and v2.strip().lower() in ("1", "true"):
         raise DDTreeConfigError(f"method 'ddtree' runs on vLLM's V1 model runner; unset {V2_RUNNER_ENV} or set it to 0")
     return changes
+
+
+def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the GDN commit after a FULL tree step replays a CUDA graph (on unless DDTREE_COMMIT_GRAPHS=0).
+
+    Measured at the Qwen3.6-27B shape on one H200: the commit's host time per step 3.4-4.9 ms layer by layer
+    (96 Triton launches), 0.29 ms as a graph (benches/results/gpu-h200-27b-shape-7ec2cc3).
+    """
+    value = environ.get(COMMIT_GRAPHS_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise DDTreeConfigError(
+            f"{COMMIT_GRAPHS_ENV} must be 1 (commit graphs, the default) or 0 (commit layer by layer), got {value!r}"
+        )
+    return value == "1"
 
 
 #: vLLM's CUDA-graph modes a ddtree engine runs. A step in which every request verifies a whole tree of a

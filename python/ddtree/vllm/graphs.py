@@ -163,7 +163,7 @@ def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], No
 
 
 class CommitGraphs:
-    """The GDN commit after a FULL tree step as one CUDA graph per FULL graph size (experimental).
+    """The GDN commit after a FULL tree step as one CUDA graph per FULL graph size.
 
     After a FULL replay the commit is two Triton launches per GDN layer (96 at Qwen3.6-27B), each paying
     Python's launch cost. Its inputs already sit at fixed addresses: what the FULL graph's capture recorded per

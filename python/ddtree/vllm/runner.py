@@ -23,7 +23,6 @@ Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Dict, List, Optional
 
@@ -38,7 +37,7 @@ from ddtree.vllm import context
 from ddtree.vllm.attention import DDTreeAttentionBackend
 from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
-from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig
+from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig, commit_graphs_enabled
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, cuda_graph_capture
 from ddtree.vllm.staging import StepStaging
@@ -54,7 +53,7 @@ class DDTreeStats:
         self.tree_size = tree_size  # budget + 1
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
-        self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph (DDTREE_COMMIT_GRAPHS=1)
+        self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
         self.trees = 0
         self.partial_trees = 0  # trees verified with fewer nodes than the budget (max_model_len, token budget)
         self.nodes = 0
@@ -172,8 +171,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_conv_window + 1 if self._ddtree_conv_window else 0,
         )
         self._ddtree_captured = CapturedCommits()
-        # Experimental, off unless DDTREE_COMMIT_GRAPHS=1: the GDN commit of FULL steps as CUDA graphs (made at
-        # the first commit, when the accepted paths' width is known).
+        # The GDN commit of FULL steps as CUDA graphs (made at the first commit of each size, when the accepted
+        # paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
+        self._ddtree_commit_graphs_on = commit_graphs_enabled()
         self._ddtree_commit_graphs: Optional[CommitGraphs] = None
         # This step: do all running requests verify whole trees (a FULL graph may replay it), and which
         # FULL graph (its size in tokens) replayed it.
@@ -471,8 +471,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         commit_pending(step, commit)
 
     def _ddtree_commit_graphs_for(self, commit: GdnCommitPlan) -> Optional[CommitGraphs]:
-        """The commit graphs when DDTREE_COMMIT_GRAPHS=1 on a GPU (None: commit layer by layer)."""
-        if self._ddtree_commit_graphs is None and os.environ.get("DDTREE_COMMIT_GRAPHS") == "1":
+        """The commit graphs on a GPU unless DDTREE_COMMIT_GRAPHS=0 (None: commit layer by layer)."""
+        if self._ddtree_commit_graphs is None and self._ddtree_commit_graphs_on:
             if self.device.type == "cuda":
                 self._ddtree_commit_graphs = CommitGraphs(
                     self.device,
