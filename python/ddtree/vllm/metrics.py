@@ -40,11 +40,11 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import prometheus_client
-from vllm.logger import init_logger
+from ddtree.vllm.log import get_logger
 from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 PREFIX = "vllm:spec_decode_ddtree_"
 TREES = PREFIX + "num_trees"

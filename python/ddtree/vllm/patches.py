@@ -183,9 +183,9 @@ def check_version(version: str) -> None:
 
 
 def _log():
-    from vllm.logger import init_logger
+    from ddtree.vllm.log import get_logger
 
-    return init_logger("ddtree.vllm")
+    return get_logger(__name__)
 
 
 # ---- 1. configuration --------------------------------------------------------------------------

@@ -19,6 +19,6 @@ def register() -> None:
     try:
         patches.apply()
     except patches.UnsupportedVLLMVersion as err:
-        from vllm.logger import init_logger
+        from ddtree.vllm.log import get_logger
 
-        init_logger("ddtree.vllm").warning("ddtree plugin inactive: %s", err)
+        get_logger(__name__).warning("ddtree plugin inactive: %s", err)

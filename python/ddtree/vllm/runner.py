@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
-from vllm.logger import init_logger
+from ddtree.vllm.log import get_logger
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -43,7 +43,7 @@ from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, c
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class DDTreeStats:
