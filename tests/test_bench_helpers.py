@@ -1,5 +1,6 @@
-"""benches/bench_qwen36_shape.py keeps the batches an engine finished when that engine later times out or dies
-(its child's stdout is lost then; only the rows it wrote to disk survive)."""
+"""The GPU benches' CPU-side helpers: bench_qwen36_shape.py keeps the batches an engine finished when that engine
+later times out or dies (its child's stdout is lost then; only the rows it wrote to disk survive), and
+gpu_profile.py keeps its timelines compressed."""
 
 import json
 import sys
@@ -29,3 +30,15 @@ def test_without_an_output_folder_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     bench.write_partial("", "ddtree64", {"steps": {}})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_profile_traces_are_kept_compressed(tmp_path):
+    import gzip
+
+    import gpu_profile
+
+    raw = tmp_path / "trace.json"
+    raw.write_text('{"traceEvents": []}')
+    kept = gpu_profile.compress(str(raw))
+    assert kept == str(raw) + ".gz" and not raw.exists()
+    assert gzip.open(kept).read() == b'{"traceEvents": []}'
