@@ -281,6 +281,8 @@ SWEEP = [
     dict(block_t=16, block_c=64, block_v=128, num_warps=8),
     dict(block_t=32, block_c=64, block_v=64),
     dict(block_t=16, block_c=32, block_v=64),
+    dict(block_t=16, block_c=32, block_v=128),
+    dict(block_t=16, block_c=64, block_v=64, num_warps=8),
     dict(block_t=16, block_c=64, block_v=64, block_kc=64),
     dict(precision="tf32"),
     dict(precision="ieee"),
@@ -418,7 +420,7 @@ def report(check_rows: list, main_rows: list, sweep_rows: list) -> str:
         "",
         "Times in microseconds per GDN layer call (eager = CUDA events around Python launches, "
         "graph = CUDA-graph replay). Tree kernel at default settings (tf32x3, BT=16, BC=64, BKC=32, 4 warps, "
-        "BV by heuristic: 32 at batch 1, else 64).",
+        "BV by heuristic: 64, 128 from 16 requests of 48 heads on).",
         "",
         "| budget | batch | tree verify eager | tree verify graph | tree commit graph | ancestor bits eager "
         "| vLLM chain-16 eager | vLLM chain-16 graph | tree/vLLM (graph) |",

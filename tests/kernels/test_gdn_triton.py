@@ -281,3 +281,20 @@ def test_verify_refuses_block_settings_a_compiled_kernel_cannot_take(options, me
             torch.zeros(1, dtype=torch.int32),
             **options,
         )
+
+
+@pytest.mark.parametrize(
+    "requests, heads, head_v_dim, block_v",
+    [
+        (1, 48, 128, 64),  # Qwen3.6-27B, batch 1: 64 beat 32 and 128 (gpu-gdn-tree-b78fcae)
+        (8, 48, 128, 64),  # batch 8: 64 beat 128
+        (32, 48, 128, 128),  # batch 32: 128 beat 64
+        (16, 48, 128, 128),  # the switch: 768 request-heads
+        (15, 48, 128, 64),
+        (1, 4, 8, 16),  # tiny heads: one block covers the head (the smallest tl.dot width)
+    ],
+)
+def test_default_value_block_follows_the_h200_sweep(requests, heads, head_v_dim, block_v):
+    from ddtree.kernels.gdn_triton import _default_block_v
+
+    assert _default_block_v(requests * heads, head_v_dim) == block_v

@@ -74,7 +74,7 @@ Limits
 * The row blocks of one program are sequential (``ceil(N / BT)`` steps, 17 at
   N = 257 with BT = 16) and every step re-reads the earlier column tiles, so
   one program does ``O(N^2)`` work; with few requests the grid is only
-  ``R * Hv * Dv / BV`` programs (48 x 4 at batch 1). Splitting Dv repeats
+  ``R * Hv * Dv / BV`` programs (48 x 2 at batch 1). Splitting Dv repeats
   the ``N x N`` key products per split, and the 3 value heads of a GQA group
   repeat them too (they differ only in decays and betas).
 * ``G`` is written by every value-column program of a head (identical
@@ -531,13 +531,18 @@ def ancestor_bits_from_parents(
 
 
 def _default_block_v(num_programs_without_split: int, head_v_dim: int) -> int:
-    """At most 64 value columns per program (BV = 128 spills ~0.8 KB at 4 warps on sm_90); split Dv
-    further until the grid has about two programs per SM (H200: 132 SMs), but keep BV >= 32: each
-    split recomputes the N x N key products."""
-    block_v = min(64, _next_power_of_two(head_v_dim))
-    while block_v > 32 and num_programs_without_split * (head_v_dim // block_v) < 264:
-        block_v //= 2
-    return block_v
+    """Value columns per program, chosen from the block sweep at Qwen3.6-27B's GDN shape on an H200 (CUDA-graph
+    times per layer call, ``benches/results/gpu-gdn-tree-b78fcae``): 64 beat 32 at batch 1 (65 nodes: 68.5 vs
+    75.6 us; 257 nodes: 355 vs 401 us) and beat 128 at batch 1 and 8; 128 beat 64 at batch 32 (65 nodes: 912 vs
+    1014 us; 257 nodes: 5079 vs 5606 us), where the grid fills the GPU anyway and a split repeats the N x N key
+    products. The switch sits at 768 request-heads (16 requests of 48 value heads), between the measured 8 and 32.
+    """
+    block_v = 128 if num_programs_without_split >= WIDE_BLOCK_V_FROM else 64
+    return min(block_v, _next_power_of_two(head_v_dim))
+
+
+#: Request-heads (requests x value heads) from which one program takes 128 value columns instead of 64.
+WIDE_BLOCK_V_FROM = 768
 
 
 def tree_gdn_verify(
