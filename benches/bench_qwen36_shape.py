@@ -13,7 +13,8 @@ ddtree, whose whole-tree steps replay FULL graphs); ``--eager`` runs every engin
 Per engine it prints and writes (DIR/bench_qwen36_shape.json):
 * recurrent-state memory reserved per request (the engine's own KV-cache spec: GDN layers x state blocks
   per request x page size) and the KV-cache capacity vLLM reports;
-* per batch size: ms per decoding step (64 tokens per request after a warm-up);
+* per batch size: ms per step (a 64-token generate / 64, prefill included, as earlier records) and ms per decode
+  step (the same generate less a prefill-only one of the same prompts, / 63);
 * ddtree: host (CPU) milliseconds per verification step, by part (plan, accept, tree build, commit plan).
 """
 
@@ -156,6 +157,20 @@ def write_partial(out: str, name: str, res: dict) -> None:
             json.dump(res, f, indent=1)
 
 
+def timed_generate(llm, prompts, max_tokens: int):
+    """(seconds, outputs) of one greedy ``generate`` of ``max_tokens`` per prompt, the GPU drained on both sides."""
+    import torch
+    from vllm import SamplingParams
+
+    torch.cuda.synchronize()
+    started = time.time()
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+    )
+    torch.cuda.synchronize()
+    return time.time() - started, outs
+
+
 def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -200,19 +215,18 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
             {"prompt_token_ids": torch.randint(1000, 200000, (PROMPT_LEN,), generator=gen).tolist()} for _ in range(bs)
         ]
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        # The prompts' prefill alone (one token each; prefix caching is off, so the timed run prefills again):
+        # subtracted from the timed run, it leaves the decode steps' cost.
+        prefill_seconds, _ = timed_generate(llm, prompts, 1)
         before = llm.collective_rpc("ddtree_summary")[0] if name.startswith("ddtree") else None
-        torch.cuda.synchronize()
-        t = time.time()
-        outs = llm.generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, ignore_eos=True), use_tqdm=False
-        )
-        torch.cuda.synchronize()
-        seconds = time.time() - t
+        seconds, outs = timed_generate(llm, prompts, OUT_TOKENS)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row = {
             "seconds": round(seconds, 3),
             "tokens": tokens,
             "ms_per_step": round(1e3 * seconds / OUT_TOKENS, 2),
+            "prefill_seconds": round(prefill_seconds, 3),
+            "ms_per_decode_step": round(1e3 * (seconds - prefill_seconds) / (OUT_TOKENS - 1), 2),
             "tokens_per_s": round(tokens / seconds, 1),
         }
         if before is not None:
@@ -235,6 +249,16 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
                 os.path.join(profile_dir, f"profile_{name}_tp{tp}_b{bs}.txt"),
             )
     return res
+
+
+def step_summary(row: dict, chain_row) -> str:
+    """``ms/step (ms/decode step, x the chain's decode step)`` of one batch size; the ratio needs the chain's row
+    of the same run."""
+    decode = row.get("ms_per_decode_step")
+    ratio = ""
+    if decode and chain_row and chain_row.get("ms_per_decode_step"):
+        ratio = f", {decode / chain_row['ms_per_decode_step']:.2f}x"
+    return f"{row['ms_per_step']} ({decode}{ratio})"
 
 
 def keep_partial(out: str, name: str, results: dict, how: str) -> None:
@@ -318,10 +342,14 @@ def main() -> None:
             keep_partial(args.out, name, results, "timed_out")
     with open(os.path.join(args.out, "bench_qwen36_shape.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{'engine':<11}{'state MB/req':>13}{'blocks':>7}{'KV blocks':>10}  ms/step by batch   host ms/step")
+    print(
+        f"{'engine':<11}{'state MB/req':>13}{'blocks':>7}{'KV blocks':>10}  "
+        "ms/step (ms/decode step, x the chain's) by batch   host ms/step"
+    )
+    chain = results.get("dflash", {}).get("steps", {})
     for name, res in results.items():
         mem = res["state_memory"]
-        steps = "  ".join(f"bs{bs}: {row['ms_per_step']}" for bs, row in res["steps"].items())
+        steps = "  ".join(f"bs{bs}: {step_summary(row, chain.get(bs))}" for bs, row in res["steps"].items())
         host = {bs: row.get("host_ms_per_verify_step") for bs, row in res["steps"].items()}
         print(
             f"{name:<11}{mem['reserved_bytes'] / 2**20:>13.1f}{mem['state_blocks_per_request']:>7}"

@@ -42,3 +42,10 @@ def test_profile_traces_are_kept_compressed(tmp_path):
     kept = gpu_profile.compress(str(raw))
     assert kept == str(raw) + ".gz" and not raw.exists()
     assert gzip.open(kept).read() == b'{"traceEvents": []}'
+
+
+def test_step_summary_gives_the_ratio_to_the_chain_of_the_same_run():
+    row = {"ms_per_step": 32.09, "ms_per_decode_step": 30.0}
+    assert bench.step_summary(row, {"ms_per_step": 21.79, "ms_per_decode_step": 20.0}) == "32.09 (30.0, 1.50x)"
+    assert bench.step_summary(row, None) == "32.09 (30.0)"
+    assert bench.step_summary({"ms_per_step": 41.06}, None) == "41.06 (None)"  # a record from before decode timing
