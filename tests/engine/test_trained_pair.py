@@ -22,10 +22,10 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def pair():
-    from transformers import AutoModelForCausalLM
+    from ddtree.engine.target import load_causal_lm
 
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_pretrained(os.path.join(PAIR, "target"), dtype=torch.float32)
+    target = load_causal_lm(os.path.join(PAIR, "target"), torch.float32)
     drafter = DFlashDraftModel.from_pretrained(os.path.join(PAIR, "drafter"), dtype=torch.float32, device="cpu")
     return SpeculativeEngine(target, drafter), load_pair_prompts(PAIR)
 

@@ -222,13 +222,13 @@ def main() -> int:
     if not args.results and not args.bench:
         ap.error("give --results and/or --bench")
     import torch
-    from transformers import AutoModelForCausalLM
+    from ddtree.engine.target import load_causal_lm
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     with open(os.path.join(args.model, "prompts.json")) as f:
         given = json.load(f)
     target = os.path.join(args.model, "target")
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = load_causal_lm(target, torch.float32).eval()
     if args.bench:
         lines = [
             f"fp32 reference of {target}; gap tolerance {args.gap_tol}; bench outputs {args.bench}",

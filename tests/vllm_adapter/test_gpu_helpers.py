@@ -166,7 +166,7 @@ def test_harness_runs_the_fp32_judge_on_its_own_results(tmp_path):
     from pathlib import Path
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from ddtree.engine.target import load_causal_lm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
     import fp32_reference
@@ -174,7 +174,7 @@ def test_harness_runs_the_fp32_judge_on_its_own_results(tmp_path):
 
     pair = Path(__file__).resolve().parents[1] / "fixtures" / "models"
     given = json.loads((pair / "prompts.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).eval()
+    model = load_causal_lm(str(pair / "target"), torch.float32).eval()
     want, _ = fp32_reference.greedy_reference(model, prompts(4096, given)["batch1"][0], 3, {})
     rows = {"plain": [want], "ddtree64": [want[:2] + [(want[2] + 1) % 4096]]}  # ddtree leaves it at position 2
     results = {name: {"scenarios": {"batch1": {"rows": [{"tokens": r} for r in toks]}}} for name, toks in rows.items()}
@@ -193,12 +193,12 @@ def test_fp32_reference_judges_the_benchs_kept_outputs(tmp_path):
     """--bench: each engine's outputs (the pair's prompts cycled to the batch size) against the fp32 greedy
     reference; a token changed where the reference is sure is a real divergence."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from ddtree.engine.target import load_causal_lm
 
     ref = _fp32_reference()
     with open("tests/fixtures/models/prompts.json") as f:
         prompts = json.load(f)["batch32"][:2]
-    model = AutoModelForCausalLM.from_pretrained("tests/fixtures/models/target", dtype=torch.float32).eval()
+    model = load_causal_lm("tests/fixtures/models/target", torch.float32).eval()
     greedy = [ref.greedy_reference(model, p, 6, {}) for p in prompts]
     exact = [tokens for tokens, _ in greedy]
     sure = max(range(6), key=lambda i: greedy[1][1][i])  # the reference's widest gap in row 1

@@ -82,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = _load_tokenizer(args.target, required=bool(args.prompt or args.prompt_file))
         prompts = _prompt_ids(args, tokenizer)
 
-        from transformers import AutoModelForCausalLM
+        from ddtree.engine.target import load_causal_lm
 
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=DTYPES[args.dtype]).to(args.device)
+        target = load_causal_lm(args.target, DTYPES[args.dtype]).to(args.device)
         drafter: Optional[DFlashDraftModel] = None
         if args.mode != "ar":
             drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=target.dtype, device=args.device)

@@ -60,7 +60,9 @@ def run_pair_demo(pair_dir: str, num_prompts: int, new_tokens: int, budgets: Seq
     data = load_pair_prompts(pair_dir)
     prompts = data["prompts"][:num_prompts]
     target_dir, drafter_dir = os.path.join(pair_dir, "target"), os.path.join(pair_dir, "drafter")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from ddtree.engine.target import load_causal_lm
 
     if device == "cpu":
         # A 10M-parameter model's ops are too small for intra-op threads to pay off: on 2 cores one thread
@@ -68,7 +70,7 @@ def run_pair_demo(pair_dir: str, num_prompts: int, new_tokens: int, budgets: Seq
         torch.set_num_threads(1)
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device)
+    target = load_causal_lm(target_dir, torch.float32).to(device)
     drafter = DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32, device=device)
     engine = SpeculativeEngine(target, drafter)
     print(

@@ -515,3 +515,21 @@ class TargetModel:
                 state.gdn[index] = GdnState(conv_history=history[request], recurrent=recurrent[request].float())
         for state, path in zip(states, paths):
             state.cached_len += len(path)
+
+
+def load_causal_lm(directory: str, dtype: torch.dtype = torch.float32):
+    """``AutoModelForCausalLM.from_pretrained(directory)`` with the checkpoint's config read by transformers' own
+    config class for its model type.
+
+    Building a vLLM engine config registers vLLM's own config classes for some model types (``qwen3_5`` among
+    them) with transformers' ``AutoConfig``; from then on ``AutoModelForCausalLM`` reads such a checkpoint into
+    vLLM's class and fails to build the model ("Qwen3_5Config has no attribute vocab_size") in that process.
+    """
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = AutoConfig.from_pretrained(directory).model_type
+    native = getattr(transformers, CONFIG_MAPPING_NAMES.get(model_type, ""), None)
+    config = native.from_pretrained(directory) if native is not None else None
+    return AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=dtype)

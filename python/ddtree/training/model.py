@@ -169,10 +169,9 @@ def save_tokenizer(tokenizer_json: str, directory: str, text_config=None) -> Non
 
 def load_target(directory: str, dtype=torch.float32, device="cpu"):
     """The saved target as ``Qwen3_5ForCausalLM`` through transformers' own loader (eval mode)."""
-    from transformers import AutoModelForCausalLM
+    from ddtree.engine.target import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    return model.to(device).eval()
+    return load_causal_lm(directory, dtype).to(device).eval()
 
 
 def round_to_bf16_(model) -> None:
