@@ -40,6 +40,8 @@ ENGINES = {
     "ddtree16": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16},
     "ddtree64": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
     "ddtree256": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256},
+    # A budget schedule: 64 below 8 drafting requests (FULL graphs), 16 from 8 on (PIECEWISE steps).
+    "ddtree64to16": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}},
     # Without the GDN commit graphs (DDTREE_COMMIT_GRAPHS=0): 96 commit launches per step at this shape.
     "ddtree64-layercommit": {
         "method": "ddtree",

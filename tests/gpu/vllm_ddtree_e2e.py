@@ -14,6 +14,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree16    method "ddtree", budget 16 (ddtree64 likewise)
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
+  ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (PIECEWISE steps)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
@@ -117,6 +118,8 @@ ENGINES = {
     "ddtree64-tp2": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, tp=2),
     "plain-tp2": dict(spec=None, tp=2),
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
+    # A budget schedule: 64 (FULL graphs) below 8 drafting requests, 16 (PIECEWISE) from 8 on.
+    "ddtree64to16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}}),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         num_gpu_blocks_override=160,

@@ -1,5 +1,6 @@
 """Translation and validation of method "ddtree" (pure Python, no vLLM needed)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ from ddtree.vllm.config import (
     WORKER_CLS,
     DDTreeConfig,
     DDTreeConfigError,
+    budget_description,
     check_target,
     commit_graphs_enabled,
     cudagraph_mode_choice,
@@ -315,3 +317,46 @@ def test_commit_graphs_are_on_unless_turned_off(env, on):
 def test_commit_graphs_setting_refuses_other_values(value):
     with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_GRAPHS must be 1 .* or 0 .*got '"):
         commit_graphs_enabled({"DDTREE_COMMIT_GRAPHS": value})
+
+
+def test_a_budget_schedule_by_batch_size():
+    spec, cfg = parse_spec_config(dict(BASE, ddtree_budget={"1": 64, "8": 32, "32": 16}))
+    assert spec["num_speculative_tokens"] == 64 and cfg.budget == 64  # the largest sizes vLLM's draft slots
+    assert cfg.budget_schedule == ((1, 64), (8, 32), (32, 16)) and cfg.budgets == (16, 32, 64)
+    assert [cfg.budget_for(n) for n in (1, 7, 8, 31, 32, 500)] == [64, 64, 32, 32, 16, 16]
+    assert DDTreeConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # through additional_config
+    # One budget at every size is no schedule.
+    assert parse_spec_config(dict(BASE, ddtree_budget={"1": 64, "4": 64}))[1].budget_schedule is None
+    assert parse_spec_config(BASE)[1].budget_for(100) == 64
+
+
+@pytest.mark.parametrize(
+    "budget, match",
+    [
+        ({}, "at least one entry"),
+        ({"8": 32}, r"must start at batch size 1 \(got batch sizes \[8\]\)"),
+        ({"1": 64, "x": 32}, r"ddtree_budget's batch size 'x' must be a positive integer"),
+        ({"1": 64, "0": 32}, r"batch size '0' must be a positive integer"),
+        ({"1": 64, "8": 0}, r"ddtree_budget\['8'\] must be a positive integer"),
+        ({"1": 64, "8": 2048}, r"ddtree_budget\['8'\] must be at most 1024"),
+        ({"1": 64, "8": 8}, r"ddtree_budget=8 is smaller than the drafter's depth num_speculative_tokens=15"),
+    ],
+)
+def test_budget_schedules_that_cannot_serve_are_refused(budget, match):
+    with pytest.raises(DDTreeConfigError, match=match):
+        parse_spec_config(dict(BASE, ddtree_budget=budget))
+
+
+def test_a_schedules_smallest_budget_must_hold_the_drafters_depth():
+    _, cfg = parse_spec_config(dict(BASE, ddtree_budget={"1": 64, "16": 12}, num_speculative_tokens=None))
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_budget=12 is smaller than the drafter's depth 15"):
+        resolve_draft_len(cfg, 16)
+    assert resolve_draft_len(cfg, 13).draft_len == 12
+
+
+def test_the_start_up_line_states_a_schedule_and_what_runs_in_full_graphs():
+    assert budget_description(parse_spec_config(BASE)[1]) == "64"
+    text = budget_description(parse_spec_config(dict(BASE, ddtree_budget={"1": 64, "8": 16}))[1])
+    assert (
+        text == "64 from 1, 16 from 8 requests (FULL CUDA graphs for steps of budget 64; smaller budgets run PIECEWISE)"
+    )

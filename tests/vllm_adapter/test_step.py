@@ -274,3 +274,25 @@ def test_whole_trees_reuse_the_proposal_and_plan_the_same():
     lists = [driver.records["a"].tokens.tolist(), driver.records["b"].tokens.tolist()]
     plan = plan_verify(driver, ["a", "b"], np.array([4, 9]), np.array([8, 4]), {"a": lists[0], "b": lists[1][:3]})
     assert plan.trees is not again and plan.num_nodes.tolist() == [8, 4]
+
+
+def test_a_step_budget_below_the_stores_and_what_counts_as_cut():
+    """A budget schedule's smaller budget builds smaller trees; only trees the scheduler shortened count as cut."""
+    rng = np.random.default_rng(3)
+    store = TreeStore(budget=10)
+    lists, lp, ids = propose_with(store, rng, ["a", "b"], budget=6)
+    assert [len(x) for x in lists] == [6, 6]
+    assert np.array_equal(store.records["a"].tokens, ddtree.build_tree(lp[0], ids[0], 6).tokens)
+    scheduled = {"a": lists[0], "b": lists[1][:4]}  # b cut to 4 by the scheduler
+    plan = plan_verify(store, ["a", "b"], np.array([5, 9]), np.array([7, 5]), scheduled)
+    assert plan.num_nodes.tolist() == [7, 5] and plan.proposed_budgets.tolist() == [6, 6]
+    assert plan.num_cut_trees == 1
+    with pytest.raises(ValueError, match=r"a step's budget must be in 1\.\.10 .* got 11"):
+        store.propose(["c"], lp[:1], ids[:1], budget=11)
+
+
+def propose_with(store, rng, req_ids, budget, depth=5, width=4):
+    dists = [random_distribution(rng, depth, width) for _ in req_ids]
+    lp = np.stack([d[0] for d in dists])
+    ids = np.stack([d[1] for d in dists])
+    return store.propose(req_ids, lp, ids, budget=budget), lp, ids

@@ -163,7 +163,12 @@ def test_bad_stats_do_not_crash_the_front_end(config, monkeypatch):
 def test_tree_counts_reads_whatever_arrives():
     counts = metrics.tree_counts(step_stats([(64, 3), (10, 1), (64, 0)]), BUDGET, DEPTH)
     assert counts == metrics.TreeCounts(
-        trees=3, partial_trees=1, nodes=138, accepted=4, accepted_per_depth=(2, 1, 1) + (0,) * (DEPTH - 3)
+        trees=3,
+        partial_trees=1,
+        nodes=138,
+        accepted=4,
+        accepted_per_depth=(2, 1, 1) + (0,) * (DEPTH - 3),
+        budget_in_use=64,
     )
     assert metrics.tree_counts(None, BUDGET, DEPTH) == metrics.TreeCounts(0, 0, 0, 0, (0,) * DEPTH)
     odd = SimpleNamespace(
@@ -171,6 +176,17 @@ def test_tree_counts_reads_whatever_arrives():
     )
     assert metrics.tree_counts(odd, BUDGET, 5).accepted_per_depth == (3, 0, 0, 0, 0)
     assert metrics.tree_counts(odd, BUDGET, 5).partial_trees == 0
+
+
+def test_tree_counts_under_a_budget_schedule():
+    # Budgets 16/32/64 (the largest sizes vLLM's lists): trees of 16 and 32 nodes are whole, 10 and 40 were cut.
+    stats = step_stats([(32, 2), (32, 1), (16, 0), (10, 1), (40, 3)])
+    counts = metrics.tree_counts(stats, (16, 32, 64), DEPTH)
+    assert (counts.trees, counts.partial_trees, counts.nodes) == (5, 2, 130)
+    assert counts.budget_in_use == 32  # most of the step's whole trees
+    # Read with the largest budget alone, every tree below 64 nodes would count as cut.
+    assert metrics.tree_counts(stats, 64, DEPTH).partial_trees == 5
+    assert metrics.budget_tuple(64) == (64,) and metrics.budget_tuple([64, 16, 32, 16]) == (16, 32, 64)
 
 
 def test_log_line_reads_trees_over_the_drafters_depth(config):
@@ -231,3 +247,15 @@ def test_the_per_position_lists_survive_vllms_msgpack():
     assert received.spec_decoding_stats == sent
     assert received.spec_decoding_stats.num_draft_tokens_per_pos[BUDGET - 1] == 2
     assert metrics.tree_counts(received.spec_decoding_stats, BUDGET, DEPTH).partial_trees == 1
+
+
+def test_the_front_end_reads_a_schedules_budgets_from_the_engine_config():
+    from ddtree.vllm.patches import tree_shape
+
+    def engine_config(schedule):
+        settings = {"draft_len": 15, "budget_schedule": schedule}
+        spec = SimpleNamespace(num_speculative_tokens=64, draft_model_config=None)
+        return SimpleNamespace(speculative_config=spec, additional_config={"ddtree": settings})
+
+    assert tree_shape(engine_config([[1, 64], [8, 16]])) == ((16, 64), 15)  # lists: after a JSON round trip
+    assert tree_shape(engine_config(None)) == (64, 15)

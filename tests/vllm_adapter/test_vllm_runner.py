@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,3 +155,21 @@ def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdre
     # A hybrid step without a GDN step is a bug, said as such.
     with pytest.raises(RuntimeError, match="without a GDN tree step"):
         runner._ddtree_commit_gdn(gpu)
+
+
+def test_stats_count_cut_trees_against_their_proposal_and_steps_by_budget():
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.step import TreeStore, accept, plan_verify
+
+    rng = np.random.default_rng(1)
+    store = TreeStore(budget=10)
+    lp = rng.normal(size=(2, 5, 4)).astype(np.float32)
+    lp = -np.sort(-(lp - np.log(np.exp(lp).sum(-1, keepdims=True) + 1.0)), axis=-1)  # top-k order, below 0
+    ids = np.tile(np.arange(4, dtype=np.int32), (2, 5, 1))
+    lists = store.propose(["a", "b"], lp, ids, budget=6)  # a schedule's smaller budget: whole trees of 7 nodes
+    stats = DDTreeStats(5, tree_size=11)
+    plan = plan_verify(store, ["a", "b"], np.array([3, 3]), np.array([7, 4]), {"a": lists[0], "b": lists[1][:3]})
+    stats.observe(plan, accept(plan, np.zeros(plan.num_tokens, dtype=np.int64), 7))
+    summary = stats.summary()
+    assert summary["trees"] == 2 and summary["partial_trees"] == 1  # b was cut; a is whole at budget 6
+    assert summary["steps_by_budget"] == {6: 1}

@@ -78,19 +78,46 @@ class DDTreeConfigError(DDTreeError, ValueError):
     """An invalid ``method: "ddtree"`` configuration; the message says why."""
 
 
+#: ``((smallest batch size, budget), ...)``, ascending by batch size and starting at 1.
+BudgetSchedule = Tuple[Tuple[int, int], ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class DDTreeConfig:
-    budget: int
+    budget: int  # the largest budget: it sizes vLLM's draft slots, the tree buffers and the FULL graphs
     draft_len: Optional[int]  # L; None until resolved from the drafter's block_size
     top_k: Optional[int]  # None: min(budget, vocab), resolved against the vocab
     num_threads: int = 1
+    budget_schedule: Optional[BudgetSchedule] = None  # None: ``budget`` at every batch size
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DDTreeConfig":
-        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls) if f.name in data})
+        fields = {f.name: data.get(f.name) for f in dataclasses.fields(cls) if f.name in data}
+        if fields.get("budget_schedule") is not None:  # lists after a JSON round trip
+            fields["budget_schedule"] = tuple((int(size), int(budget)) for size, budget in fields["budget_schedule"])
+        return cls(**fields)
+
+    def budget_for(self, num_requests: int) -> int:
+        """The tree budget of a step in which ``num_requests`` requests draft: the schedule's entry for the
+        largest batch size that is at most ``num_requests``."""
+        if not self.budget_schedule:
+            return self.budget
+        chosen = self.budget_schedule[0][1]
+        for size, budget in self.budget_schedule:
+            if size > num_requests:
+                break
+            chosen = budget
+        return chosen
+
+    @property
+    def budgets(self) -> Tuple[int, ...]:
+        """Every budget a step can use, ascending."""
+        if not self.budget_schedule:
+            return (self.budget,)
+        return tuple(sorted({budget for _, budget in self.budget_schedule}))
 
     def width(self, vocab_size: int) -> int:
         """K, the drafter candidates per position."""
@@ -106,6 +133,41 @@ def _positive_int(name: str, value: Any, maximum: Optional[int] = None) -> int:
     if maximum is not None and value > maximum:
         raise DDTreeConfigError(f"{name} must be at most {maximum}, got {value}")
     return value
+
+
+def parse_budget(value: Any) -> Tuple[int, Optional[BudgetSchedule]]:
+    """``ddtree_budget``: a budget, or a schedule ``{"<batch size>": budget, ...}`` (from batch size 1 on; a step
+    of ``n`` drafting requests takes the entry of the largest batch size <= ``n``). Returns the largest budget and
+    the schedule (None when one budget serves every batch size)."""
+    if not isinstance(value, Mapping):
+        return _positive_int("ddtree_budget", value, MAX_BUDGET), None
+    if not value:
+        raise DDTreeConfigError("ddtree_budget as a schedule needs at least one entry, like {\"1\": 64}")
+    schedule: Dict[int, int] = {}
+    for key, budget in value.items():
+        size = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        size = _positive_int(f"ddtree_budget's batch size {key!r}", size)
+        if size in schedule:
+            raise DDTreeConfigError(f"ddtree_budget names batch size {size} twice")
+        schedule[size] = _positive_int(f"ddtree_budget[{key!r}]", budget, MAX_BUDGET)
+    if 1 not in schedule:
+        raise DDTreeConfigError(
+            f"ddtree_budget's schedule must start at batch size 1 (got batch sizes {sorted(schedule)}), "
+            "so that every step has a budget"
+        )
+    entries = tuple(sorted(schedule.items()))
+    largest = max(schedule.values())
+    if all(budget == largest for _, budget in entries):
+        return largest, None
+    return largest, entries
+
+
+def budget_description(cfg: DDTreeConfig) -> str:
+    """``64``, or a schedule as ``64 from 1 request, 32 from 8, 16 from 32`` (with the FULL-graph note)."""
+    if not cfg.budget_schedule:
+        return str(cfg.budget)
+    steps = ", ".join(f"{b} from {n}" for n, b in cfg.budget_schedule)
+    return f"{steps} requests (FULL CUDA graphs for steps of budget {cfg.budget}; smaller budgets run PIECEWISE)"
 
 
 def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeConfig]:
@@ -130,15 +192,16 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
         )
     if "ddtree_budget" not in spec:
         raise DDTreeConfigError("method 'ddtree' needs ddtree_budget (the number of tree nodes verified per step)")
-    budget = _positive_int("ddtree_budget", spec["ddtree_budget"], MAX_BUDGET)
+    budget, schedule = parse_budget(spec["ddtree_budget"])
+    smallest = min(b for _, b in schedule) if schedule else budget
     draft_len = spec.get("num_speculative_tokens")
     if draft_len is not None:
         draft_len = _positive_int(
             "num_speculative_tokens (the drafter's depth L = DFlash block_size - 1)", draft_len, MAX_DRAFT_LEN
         )
-        if budget < draft_len:
+        if smallest < draft_len:
             raise DDTreeConfigError(
-                f"ddtree_budget={budget} is smaller than the drafter's depth num_speculative_tokens={draft_len}; "
+                f"ddtree_budget={smallest} is smaller than the drafter's depth num_speculative_tokens={draft_len}; "
                 "this adapter sizes the drafter's buffers by the budget, so it needs budget >= depth"
             )
     top_k = spec.get("ddtree_top_k")
@@ -148,7 +211,10 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
     vllm_spec = {k: v for k, v in spec.items() if not k.startswith("ddtree_")}
     vllm_spec["method"] = "dflash"
     vllm_spec["num_speculative_tokens"] = budget
-    return vllm_spec, DDTreeConfig(budget=budget, draft_len=draft_len, top_k=top_k, num_threads=num_threads)
+    cfg = DDTreeConfig(
+        budget=budget, draft_len=draft_len, top_k=top_k, num_threads=num_threads, budget_schedule=schedule
+    )
+    return vllm_spec, cfg
 
 
 #: Engine settings the adapter needs: (EngineArgs attribute, required value,
@@ -367,9 +433,9 @@ def resolve_draft_len(cfg: DDTreeConfig, drafter_block_size: Optional[int]) -> D
                 "cannot tell the drafter's depth: its config has no block_size; "
                 "set num_speculative_tokens to its block size - 1"
             )
-        if cfg.budget < from_block:
+        if cfg.budgets[0] < from_block:
             raise DDTreeConfigError(
-                f"ddtree_budget={cfg.budget} is smaller than the drafter's depth {from_block} (block_size - 1); "
+                f"ddtree_budget={cfg.budgets[0]} is smaller than the drafter's depth {from_block} (block_size - 1); "
                 "this adapter needs budget >= depth"
             )
         return dataclasses.replace(cfg, draft_len=from_block)

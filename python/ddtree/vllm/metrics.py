@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import prometheus_client
@@ -52,6 +52,7 @@ PARTIAL_TREES = PREFIX + "num_partial_trees"
 TREE_NODES = PREFIX + "num_tree_nodes"
 ACCEPTED_PER_DEPTH = PREFIX + "num_accepted_tokens_per_depth"
 BUDGET = PREFIX + "budget"
+BUDGET_IN_USE = PREFIX + "budget_in_use"
 DRAFT_DEPTH = PREFIX + "draft_depth"
 
 
@@ -60,10 +61,18 @@ class TreeCounts:
     """One ``SpecDecodingStats`` read as trees."""
 
     trees: int
-    partial_trees: int  # verified with fewer nodes than the budget
+    partial_trees: int  # verified with fewer nodes than any budget of the engine (cut by the scheduler)
     nodes: int
     accepted: int
     accepted_per_depth: Tuple[int, ...]  # [L]: [d - 1] = trees whose accepted path reached depth d
+    budget_in_use: Optional[int] = None  # the budget most of the step's whole trees had (None: no whole tree)
+
+
+def budget_tuple(budget: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+    """An engine's budgets, ascending: one, or a budget schedule's; the largest sizes vLLM's draft slots."""
+    if isinstance(budget, int):
+        return (budget,)
+    return tuple(sorted({int(b) for b in budget}))
 
 
 def _count(value: Any) -> int:
@@ -84,20 +93,30 @@ def _items(values: Any) -> List[Any]:
         return []
 
 
-def tree_counts(stats: Any, budget: int, depth: int) -> TreeCounts:
-    """Reads one step's ``SpecDecodingStats`` of a ddtree engine (budget ``B``, drafter depth ``L``) as trees."""
+def tree_counts(stats: Any, budget: Union[int, Sequence[int]], depth: int) -> TreeCounts:
+    """Reads one step's ``SpecDecodingStats`` of a ddtree engine as trees: ``budget`` is the engine's budget
+    ``B`` (or a schedule's budgets, the largest sizing the lists), ``depth`` the drafter's ``L``."""
+    budgets = budget_tuple(budget)
+    largest = budgets[-1]
     trees = _count(getattr(stats, "num_drafts", 0))
     accepted = [_count(v) for v in _items(getattr(stats, "num_accepted_tokens_per_pos", None))[:depth]]
     accepted += [0] * (depth - len(accepted))
     drafted = _items(getattr(stats, "num_draft_tokens_per_pos", None))
-    # Drafts with all B tokens are whole trees; a list too short to say counts none as partial.
-    partial = max(trees - _count(drafted[budget - 1]), 0) if budget >= 1 and len(drafted) >= budget else 0
+    # drafted[p] counts drafts with more than p tokens, so drafts of exactly b tokens are drafted[b - 1] -
+    # drafted[b]: whole trees of each budget. A list too short to say counts none as partial.
+    whole: Dict[int, int] = {}
+    if largest >= 1 and len(drafted) >= largest:
+        at_least = [_count(v) for v in drafted[:largest]] + [0]
+        whole = {b: max(at_least[b - 1] - at_least[b], 0) for b in budgets}
+    partial = max(trees - sum(whole.values()), 0) if whole else 0
+    in_use = max(whole, key=lambda b: (whole[b], b)) if any(whole.values()) else None
     return TreeCounts(
         trees=trees,
         partial_trees=partial,
         nodes=_count(getattr(stats, "num_draft_tokens", 0)),
         accepted=_count(getattr(stats, "num_accepted_tokens", 0)),
         accepted_per_depth=tuple(accepted),
+        budget_in_use=in_use,
     )
 
 
@@ -125,12 +144,12 @@ class _DDTreeProm:
         per_engine_labelvalues: Dict[int, List[object]],
         is_diffusion: bool = False,
         *,
-        budget: int,
+        budget: Union[int, Sequence[int]],
         depth: int,
         gauge_cls: Any = prometheus_client.Gauge,
     ):
         super().__init__(speculative_config, labelnames, per_engine_labelvalues, is_diffusion=is_diffusion)
-        self.ddtree_budget, self.ddtree_depth = budget, depth
+        self.ddtree_budget, self.ddtree_depth = budget_tuple(budget), depth
         self.ddtree_enabled = bool(self.spec_decoding_enabled and not is_diffusion)
         if not self.ddtree_enabled:
             return
@@ -141,7 +160,7 @@ class _DDTreeProm:
 
         self.counter_ddtree_trees = counter(TREES, "Number of draft trees verified (DDTree).")
         self.counter_ddtree_partial_trees = counter(
-            PARTIAL_TREES, "Number of draft trees verified with fewer nodes than the budget (DDTree)."
+            PARTIAL_TREES, "Number of draft trees verified with fewer nodes than proposed (DDTree)."
         )
         self.counter_ddtree_tree_nodes = counter(TREE_NODES, "Number of draft tree nodes verified (DDTree).")
         per_depth = self._counter_cls(
@@ -153,13 +172,18 @@ class _DDTreeProm:
             idx: [per_depth.labels(*lv, str(d)) for d in range(1, depth + 1)]
             for idx, lv in per_engine_labelvalues.items()
         }
+        largest = self.ddtree_budget[-1]
         for name, doc, value in (
-            (BUDGET, "Draft tree budget: nodes verified per whole tree (DDTree).", budget),
+            (BUDGET, "Draft tree budget: nodes verified per whole tree, the largest of a schedule (DDTree).", largest),
+            (BUDGET_IN_USE, "The budget of the last step's whole trees (a budget schedule's choice; DDTree).", largest),
             (DRAFT_DEPTH, "Drafter depth: deepest tree node, most tokens accepted per tree (DDTree).", depth),
         ):
             gauge = gauge_cls(name=name, documentation=doc, multiprocess_mode="mostrecent", labelnames=labelnames)
-            for child in create_metric_per_engine(gauge, per_engine_labelvalues).values():
+            children = create_metric_per_engine(gauge, per_engine_labelvalues)
+            for child in children.values():
                 child.set(value)
+            if name == BUDGET_IN_USE:
+                self.gauge_ddtree_budget_in_use = children
 
     def observe(self, spec_decoding_stats: Any, engine_idx: int = 0) -> None:
         super().observe(spec_decoding_stats, engine_idx)
@@ -175,6 +199,8 @@ class _DDTreeProm:
             self.counter_ddtree_tree_nodes[engine_idx].inc(counts.nodes)
             for child, n in zip(self.counter_ddtree_accepted_per_depth[engine_idx], counts.accepted_per_depth):
                 child.inc(n)
+            if counts.budget_in_use is not None:
+                self.gauge_ddtree_budget_in_use[engine_idx].set(counts.budget_in_use)
         except Exception as error:  # metrics never take the front end down
             _warn_once(type(error).__name__, f"{type(error).__name__}: {error}")
 
@@ -187,7 +213,7 @@ def _prom_class(base: type) -> type:
 DDTreeSpecDecodingProm = _prom_class(SpecDecodingProm)
 
 
-def spec_decoding_prom_factory(base: type, gauge_cls: Any, budget: int, depth: int):
+def spec_decoding_prom_factory(base: type, gauge_cls: Any, budget: Union[int, Sequence[int]], depth: int):
     """What a ddtree engine's ``PrometheusStatLogger`` builds instead of ``base`` (same call signature)."""
     return functools.partial(_prom_class(base), budget=budget, depth=depth, gauge_cls=gauge_cls)
 
@@ -201,8 +227,8 @@ class DDTreeSpecDecodingLogging(SpecDecodingLogging):
     ``B`` positions), and vLLM's "Avg Draft acceptance rate" under its real meaning, accepted per tree node.
     """
 
-    def __init__(self, budget: int, depth: int):
-        self.budget, self.depth = budget, depth
+    def __init__(self, budget: Union[int, Sequence[int]], depth: int):
+        self.budget, self.depth = budget_tuple(budget), depth
         super().__init__(is_diffusion=False)
 
     def reset(self) -> None:
@@ -237,7 +263,7 @@ class DDTreeSpecDecodingLogging(SpecDecodingLogging):
             "Accepted throughput: %.2f tokens/s, "
             "Accepted: %d tokens, "
             "Trees: %d (partial: %d), "
-            "Mean tree nodes: %.1f of budget %d, "
+            "Mean tree nodes: %.1f of budget %s, "
             "Per-depth acceptance rate (depth 1-%d): %s, "
             "Accepted per tree node: %.1f%%",
             1 + self.accepted / self.trees,
@@ -246,7 +272,7 @@ class DDTreeSpecDecodingLogging(SpecDecodingLogging):
             self.trees,
             self.partial_trees,
             self.nodes / self.trees,
-            self.budget,
+            "/".join(str(b) for b in reversed(self.budget)),
             self.depth,
             rates,
             100.0 * self.accepted / self.nodes if self.nodes else float("nan"),

@@ -650,9 +650,13 @@ def _tree_capture_sizes(original):
 
 # ---- 9. spec-decode metrics read as trees ----------------------------------------------------------------
 def tree_shape(vllm_config: Any) -> tuple:
-    """(budget B, drafter depth L) of a ddtree engine; L falls back to B when it cannot be told."""
+    """(budgets, drafter depth L) of a ddtree engine: its budget ``B``, or a budget schedule's budgets (the
+    largest is ``B``); L falls back to B when it cannot be told."""
     budget = int(vllm_config.speculative_config.num_speculative_tokens)
-    return budget, drafter_depth(vllm_config) or budget
+    settings = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+    schedule = settings.get("budget_schedule") if isinstance(settings, dict) else None
+    budgets = tuple(sorted({int(b) for _, b in schedule} | {budget})) if schedule else budget
+    return budgets, drafter_depth(vllm_config) or budget
 
 
 def _tree_metrics_prom(original):

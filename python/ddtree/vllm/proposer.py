@@ -123,7 +123,10 @@ class DDTreeProposer(DFlashProposer):
             log_probs = np.ascontiguousarray(host[..., : self.top_k])
             token_ids = np.ascontiguousarray(host[..., self.top_k :]).view(np.int32)
             self.last_req_ids = req_ids
-            self.last_drafts = self.store.propose(req_ids, log_probs, token_ids, build=self.builds_drafts)
+            # A budget schedule picks this step's budget by how many requests draft (every rank sees the same).
+            self.last_drafts = self.store.propose(
+                req_ids, log_probs, token_ids, build=self.builds_drafts, budget=self.cfg.budget_for(batch_size)
+            )
             out = np.zeros((batch_size, self.budget), dtype=np.int64)
             for r, drafts in enumerate(self.last_drafts):
                 out[r, : len(drafts)] = drafts

@@ -37,7 +37,7 @@ from ddtree.vllm import context
 from ddtree.vllm.attention import DDTreeAttentionBackend
 from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
-from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig, commit_graphs_enabled
+from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig, budget_description, commit_graphs_enabled
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, cuda_graph_capture
 from ddtree.vllm.staging import StepStaging
@@ -55,12 +55,13 @@ class DDTreeStats:
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
         self.trees = 0
-        self.partial_trees = 0  # trees verified with fewer nodes than the budget (max_model_len, token budget)
+        self.partial_trees = 0  # trees verified with fewer nodes than proposed (cut: max_model_len, token budget)
         self.nodes = 0
         self.accepted = 0
         self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
         # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit); GPU waits are outside the timed blocks.
         self.host_seconds: Dict[str, float] = {}
+        self.steps_by_budget: Dict[int, int] = {}  # verify steps by the budget their trees were proposed with
 
     @contextlib.contextmanager
     def timed(self, part: str):
@@ -75,7 +76,13 @@ class DDTreeStats:
         self.steps += 1
         self.trees += acc.shape[0]
         self.nodes += int(plan.num_nodes.sum() - plan.num_nodes.shape[0])
-        self.partial_trees += int((plan.num_nodes < self.tree_size).sum())
+        if plan.proposed_budgets is not None:
+            self.partial_trees += plan.num_cut_trees
+            if plan.proposed_budgets.size:  # which budget the step's trees were proposed with (a schedule's choice)
+                budget = int(plan.proposed_budgets.max())
+                self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
+        else:
+            self.partial_trees += int((plan.num_nodes < self.tree_size).sum())
         self.accepted += int(acc.sum())
         counts = np.bincount(acc, minlength=self.accepted_per_depth.shape[0])
         # accepted_per_depth[d] = trees whose accepted path reached depth d
@@ -90,6 +97,7 @@ class DDTreeStats:
             "commit_graph_steps": self.commit_graph_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
+            "steps_by_budget": dict(sorted(self.steps_by_budget.items())),
             "mean_draft_nodes": self.nodes / trees,
             "mean_acceptance_length": 1.0 + self.accepted / trees,
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
@@ -191,8 +199,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
             serve_builtin_logitsprocs(self.input_batch, vllm_config, self.device, PIN_MEMORY)
         logger.info(
-            "DDTree: budget %d, drafter depth %s, top-K %s",
-            self.ddtree_cfg.budget,
+            "DDTree: budget %s, drafter depth %s, top-K %s",
+            budget_description(self.ddtree_cfg),
             self.ddtree_cfg.draft_len,
             getattr(getattr(self, "drafter", None), "top_k", None),
         )

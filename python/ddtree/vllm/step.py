@@ -42,6 +42,7 @@ class DraftRecord:
     token_ids: np.ndarray  # [L, K] int64
     tokens: Optional[np.ndarray]  # [n] int64, the tree's draft tokens in pop order (None: not built here)
     token_list: Optional[List[int]] = None  # the same tokens as the list handed to vLLM's scheduler
+    budget: int = 0  # the budget the tree was proposed with (a verified tree with fewer nodes was cut)
 
 
 class TreeStore:
@@ -64,10 +65,16 @@ class TreeStore:
         return len(self.records)
 
     def propose(
-        self, req_ids: Sequence[str], log_probs: np.ndarray, token_ids: np.ndarray, build: bool = True
+        self,
+        req_ids: Sequence[str],
+        log_probs: np.ndarray,
+        token_ids: np.ndarray,
+        build: bool = True,
+        budget: Optional[int] = None,
     ) -> List[List[int]]:
         """Builds every request's tree in one call; returns the draft token lists.
 
+        ``budget``: this step's (from a budget schedule; default the store's, the largest).
         ``build=False`` (tensor-parallel ranks other than the one whose drafts
         vLLM's scheduler takes) only keeps the distributions: such a rank
         builds its trees at verification, from the scheduled drafts' count,
@@ -75,14 +82,17 @@ class TreeStore:
         """
         if len(req_ids) != log_probs.shape[0]:
             raise ValueError(f"{len(req_ids)} request ids for {log_probs.shape[0]} distributions")
+        budget = self.budget if budget is None else budget
+        if not 1 <= budget <= self.budget:
+            raise ValueError(f"a step's budget must be in 1..{self.budget} (the engine's largest), got {budget}")
         if len(req_ids) == 0:
             return []
         self.last_batch = None
         if not build:
             for r, req_id in enumerate(req_ids):
-                self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], None)
+                self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], None, budget=budget)
             return [[] for _ in req_ids]
-        batch = ddtree.build_trees(log_probs, token_ids, self.budget, self.executor)
+        batch = ddtree.build_trees(log_probs, token_ids, budget, self.executor)
         self.last_batch = (tuple(req_ids), batch)
         tokens = batch.tokens
         offsets = batch.token_offsets
@@ -90,7 +100,7 @@ class TreeStore:
         for r, req_id in enumerate(req_ids):
             own = tokens[offsets[r] : offsets[r + 1]]
             own_list = own.tolist()
-            self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], own, own_list)
+            self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], own, own_list, budget)
             lists.append(own_list)
         return lists
 
@@ -136,6 +146,14 @@ class VerifyPlan:
     num_tokens: int  # the step's scheduled tokens
     conv_index: Optional[np.ndarray] = None  # [T, w + 1] int64 (hybrid targets): rows of cat(histories, inputs)
     conv_window: int = 0
+    proposed_budgets: Optional[np.ndarray] = None  # [R_t] int64: each tree's budget at proposal
+
+    @property
+    def num_cut_trees(self) -> int:
+        """Trees verified with fewer nodes than they were proposed with (the scheduler cut them)."""
+        if self.proposed_budgets is None:
+            return 0
+        return int((self.num_nodes < self.proposed_budgets + 1).sum())
 
     @property
     def words(self) -> int:
@@ -219,7 +237,9 @@ def plan_verify(
         drafts = np.fromiter(itertools.chain.from_iterable(scheduled), dtype=np.int64, count=int(budgets.sum()))
         if not np.array_equal(trees.tokens, drafts):
             raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees)
-    return _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays)
+    plan = _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays)
+    plan.proposed_budgets = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
+    return plan
 
 
 def ancestor_words(tree_size: int) -> int:
