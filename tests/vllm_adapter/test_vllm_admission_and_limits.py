@@ -160,3 +160,36 @@ def test_a_refused_request_is_a_400_without_a_server_traceback(caplog):
     assert response.status_code == 400
     body = response.json()["error"]
     assert "structured outputs" in body["message"] and body.get("param") in ("structured_outputs", None)
+
+
+def test_a_budget_schedule_passes_vllms_own_config_validation(h200_platform):
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply()
+    config = _pair_args({"1": 64, "8": 16}).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert config.speculative_config.num_speculative_tokens == 64  # the largest budget sizes vLLM's draft slots
+    assert [tuple(e) for e in config.additional_config["ddtree"]["budget_schedule"]] == [(1, 64), (8, 16)]
+
+
+def test_a_drafter_with_sliding_window_layers_is_refused_before_loading(h200_platform, tmp_path):
+    """The released Qwen3.6-27B drafter's layer_types: four sliding-window layers and one full one."""
+    import json
+    import shutil
+
+    from vllm.usage.usage_lib import UsageContext
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(f"{PAIR}/drafter", drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config.update(
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+        use_sliding_window=True,
+        sliding_window=2048,
+    )
+    (drafter / "config.json").write_text(json.dumps(config))
+    patches.apply()
+    args = _pair_args(64)
+    args.speculative_config = dict(args.speculative_config, model=str(drafter))
+    with pytest.raises(DDTreeConfigError, match=r"sliding-window attention layers \(\[0"):
+        args.create_engine_config(UsageContext.OPENAI_API_SERVER)

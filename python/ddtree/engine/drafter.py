@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
+from ddtree.drafter_config import check_drafter_layers
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
@@ -230,6 +231,7 @@ class DFlashDraftModel(nn.Module):
         architectures = raw.get("architectures") or []
         if ARCHITECTURE not in architectures:
             raise ValueError(f"{config_path}: architectures {architectures} does not name {ARCHITECTURE}")
+        check_drafter_layers(config_path, raw.get("layer_types"), raw.get("use_sliding_window"))
         config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
         model = cls(config)
         weights = {}

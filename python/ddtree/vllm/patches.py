@@ -119,6 +119,7 @@ import functools
 import os
 from typing import Any, Optional
 
+from ddtree.drafter_config import UnsupportedDrafterError, check_drafter_layers
 from ddtree.errors import DDTreeError
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -244,6 +245,14 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
     if spec is None or spec.method != "dflash":
         raise DDTreeConfigError("method 'ddtree' needs a DFlash drafter (vLLM did not detect one)")
     draft_hf = spec.draft_model_config.hf_config
+    try:
+        check_drafter_layers(
+            f"speculative_config model {spec.draft_model_config.model!r}",
+            getattr(draft_hf, "layer_types", None),
+            getattr(draft_hf, "use_sliding_window", None),
+        )
+    except UnsupportedDrafterError as error:  # one error type for every refused configuration
+        raise DDTreeConfigError(str(error)) from None
     cfg = resolve_draft_len(cfg, _drafter_block_size(draft_hf))
     model = vllm_config.model_config
     text = getattr(model, "hf_text_config", None)

@@ -1,0 +1,40 @@
+"""What ddtree reads from a DFlash drafter's ``config.json`` before running it, shared by the reference engine
+and the vLLM adapter.
+
+Sliding-window layers: the released Qwen3.6-27B DFlash drafter has ``layer_types`` = four ``sliding_attention``
+layers (window 2048, causal among the block's tokens in z-lab's reference code) and one ``full_attention`` layer.
+Neither ddtree's reference drafter (every layer full, non-causal) nor vLLM 0.25's DFlash drafter (it refuses mixed
+sliding/full drafters when it builds them) runs such layers as trained; run as full attention they would draft
+differently from what the drafter learned (the output would stay exact, since every draft is verified, but its
+acceptance would silently drop). So such a drafter is refused with the reason, before any weights load.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+from ddtree.errors import DDTreeError
+
+
+class UnsupportedDrafterError(DDTreeError, ValueError):
+    """A drafter whose layers ddtree cannot run as they were trained."""
+
+
+def sliding_window_layers(layer_types: Optional[Sequence[Any]], use_sliding_window: Optional[bool] = None) -> List[int]:
+    """Indices of the layers ``layer_types`` marks ``sliding_attention`` (none when ``use_sliding_window`` is False,
+    the Qwen switch that keeps a window size with the feature off)."""
+    if use_sliding_window is False or not layer_types:
+        return []
+    return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+
+
+def check_drafter_layers(where: str, layer_types: Optional[Sequence[Any]], use_sliding_window: Optional[bool]) -> None:
+    """Refuses a drafter with sliding-window layers (``where`` names it in the message)."""
+    sliding = sliding_window_layers(layer_types, use_sliding_window)
+    if sliding:
+        raise UnsupportedDrafterError(
+            f"{where}: the drafter has sliding-window attention layers ({sliding} of {len(layer_types)} are "
+            "'sliding_attention' in layer_types), which ddtree does not run yet: run as full attention they would "
+            "draft unlike the trained drafter and lower acceptance without any error. Use a drafter whose layers "
+            "are all full attention."
+        )
