@@ -145,6 +145,12 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--draft-len", type=int, default=15)
+    ap.add_argument(
+        "--schedule",
+        type=json.loads,
+        default=None,
+        help='a budget schedule as JSON, e.g. \'{"1": 256, "8": 64}\': adds the engine "ddtree-schedule"',
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
     ap.add_argument("--timeout", type=int, default=400)
@@ -183,6 +189,14 @@ def main():
         engines.append((f"ddtree-{b}-piecewise", dict(tree, cudagraph_mode="PIECEWISE")))
         # The same engine without the GDN commit graphs (the commit layer by layer, two launches per GDN layer).
         engines.append((f"ddtree-{b}-layercommit", dict(tree, env={"DDTREE_COMMIT_GRAPHS": "0"})))
+    if args.schedule is not None:
+        engines.append(
+            (
+                "ddtree-schedule",
+                {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": args.schedule},
+            )
+        )
+        default_engines.append("ddtree-schedule")
     wanted = args.engines.split(",") if args.engines else default_engines
     known = dict(engines)
     unknown = [name for name in wanted if name not in known]
