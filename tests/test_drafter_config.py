@@ -1,4 +1,5 @@
-"""Drafters ddtree cannot run as trained are refused before their weights load (ddtree.drafter_config)."""
+"""Sliding-window drafter layers: the vLLM adapter refuses them before loading (ddtree.drafter_config); the
+reference engine runs them as trained (causal, windowed)."""
 
 import json
 import shutil
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.drafter_config import UnsupportedDrafterError, check_drafter_layers, sliding_window_layers
+from ddtree.drafter_config import check_drafter_layers, sliding_window_layers
 
 PAIR_DRAFTER = Path(__file__).resolve().parent / "fixtures" / "models" / "drafter"
 RELEASED_27B = ["sliding_attention"] * 4 + ["full_attention"]  # the Qwen3.6-27B DFlash drafter's layer_types
@@ -19,16 +20,17 @@ def test_which_layers_slide():
     check_drafter_layers("x", ["full_attention"] * 5, True)  # nothing to refuse
 
 
-def test_the_reference_engine_refuses_a_sliding_window_drafter(tmp_path):
-    torch = pytest.importorskip("torch")  # noqa: F841
+def test_the_reference_engine_loads_a_sliding_window_drafter_with_its_layers_as_trained(tmp_path):
+    pytest.importorskip("torch")
     from ddtree.engine import DFlashDraftModel
 
     drafter = tmp_path / "drafter"
     shutil.copytree(PAIR_DRAFTER, drafter)
     config = json.loads((drafter / "config.json").read_text())
     layers = config["num_hidden_layers"]
-    config.update(layer_types=["sliding_attention"] * layers, use_sliding_window=True, sliding_window=2048)
+    kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    config.update(layer_types=kinds, use_sliding_window=True, sliding_window=2048)
     (drafter / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedDrafterError, match=r"config.json: the drafter has sliding-window attention layers"):
-        DFlashDraftModel.from_pretrained(str(drafter))
-    assert DFlashDraftModel.from_pretrained(str(PAIR_DRAFTER)) is not None  # the pair's drafter is all full
+    model = DFlashDraftModel.from_pretrained(str(drafter))
+    attention = [(layer.self_attn.causal, layer.self_attn.window) for layer in model.layers]
+    assert attention == [(True, 2048)] * (layers - 1) + [(False, None)]

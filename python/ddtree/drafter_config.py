@@ -1,12 +1,11 @@
-"""What ddtree reads from a DFlash drafter's ``config.json`` before running it, shared by the reference engine
-and the vLLM adapter.
+"""What the vLLM adapter checks in a DFlash drafter's ``config.json`` before vLLM builds it.
 
 Sliding-window layers: the released Qwen3.6-27B DFlash drafter has ``layer_types`` = four ``sliding_attention``
 layers (window 2048, causal among the block's tokens in z-lab's reference code) and one ``full_attention`` layer.
-Neither ddtree's reference drafter (every layer full, non-causal) nor vLLM 0.25's DFlash drafter (it refuses mixed
-sliding/full drafters when it builds them) runs such layers as trained; run as full attention they would draft
-differently from what the drafter learned (the output would stay exact, since every draft is verified, but its
-acceptance would silently drop). So such a drafter is refused with the reason, before any weights load.
+vLLM 0.25's DFlash drafter refuses mixed sliding/full drafters when it builds them (after the target has loaded),
+and its V1 proposer assumes one KV-cache group and one causality for every draft layer, so the adapter refuses such
+a drafter up front, with the reason. The reference engine runs these layers as trained
+(:func:`ddtree.engine.drafter.layer_attention`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def check_drafter_layers(where: str, layer_types: Optional[Sequence[Any]], use_s
     if sliding:
         raise UnsupportedDrafterError(
             f"{where}: the drafter has sliding-window attention layers ({sliding} of {len(layer_types)} are "
-            "'sliding_attention' in layer_types), which ddtree does not run yet: run as full attention they would "
-            "draft unlike the trained drafter and lower acceptance without any error. Use a drafter whose layers "
-            "are all full attention."
+            "'sliding_attention' in layer_types), which vLLM 0.25's DFlash drafter cannot build and ddtree's vLLM "
+            "adapter does not run yet (run as full attention they would draft unlike the trained drafter). Use a "
+            "drafter whose layers are all full attention; ddtree's reference engine (ddtree generate) runs this one."
         )

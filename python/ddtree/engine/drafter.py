@@ -9,10 +9,12 @@ A DFlash drafter is a few Qwen3 decoder layers that predict a whole block of
 * context: the target's hidden states at ``target_layer_ids`` (HF
   ``hidden_states[l + 1]``) of every committed token, concatenated and
   projected by ``hidden_norm(fc(.))`` to one vector per token;
-* every layer's attention lets each block token attend (bidirectionally, no
-  causal mask) to the context tokens' keys/values -- ``k_proj``/``v_proj`` of
-  the projected context, with ``k_norm`` and RoPE at the context positions --
-  followed by the block's own keys/values;
+* every layer's attention lets each block token attend to the context tokens'
+  keys/values -- ``k_proj``/``v_proj`` of the projected context, with ``k_norm``
+  and RoPE at the context positions -- followed by the block's own keys/values:
+  all of them in a ``full_attention`` layer (no causal mask), in a
+  ``sliding_attention`` layer (``layer_types``; the released Qwen3.6-27B drafter
+  has four) only earlier positions within ``sliding_window``;
 * the output at block slot ``i >= 1`` goes through the target's ``lm_head`` to
   give the distribution of the token at ``cached_len + i``.
 
@@ -35,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
-from ddtree.drafter_config import check_drafter_layers
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
@@ -62,11 +63,41 @@ class DrafterContext:
     length: int = 0
 
 
-class DFlashAttention(nn.Module):
-    """Qwen3 attention whose keys/values are ``[context, block]`` and which is not causal."""
+def layer_attention(config: Qwen3Config, layer_index: int):
+    """``(causal, window)`` of drafter layer ``layer_index``, as the released drafters define them: a
+    ``sliding_attention`` layer (``layer_types``) is causal and sees the last ``sliding_window`` positions; a
+    ``full_attention`` layer sees every key, the block's later tokens included. A config-wide ``is_causal``
+    overrides causality for every layer."""
+    layer_types = getattr(config, "layer_types", None)
+    sliding = bool(layer_types) and layer_types[layer_index] == "sliding_attention"
+    forced = getattr(config, "is_causal", None)
+    causal = sliding if forced is None else bool(forced)
+    window = getattr(config, "sliding_window", None) if sliding else None
+    return causal, window
 
-    def __init__(self, config: Qwen3Config):
+
+def visible_keys(num_queries: int, num_keys: int, causal: bool, window: Optional[int], device) -> torch.Tensor:
+    """``[N, C + N]`` bool: which keys each block query sees. Keys are the context's ``C`` positions then the
+    block's, so key ``k`` and query ``i`` sit at positions ``k`` and ``C + i``."""
+    queries = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    keys = torch.arange(num_keys, device=device)[None, :]
+    visible = torch.ones((num_queries, num_keys), dtype=torch.bool, device=device)
+    if causal:
+        visible &= keys <= queries
+    if window is not None:
+        visible &= queries - keys < window
+        if not causal:
+            visible &= keys - queries < window
+    return visible
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values are ``[context, block]``: not causal (full-attention layers), or causal
+    within a sliding window (``sliding_attention`` layers)."""
+
+    def __init__(self, config: Qwen3Config, layer_index: int = 0):
         super().__init__()
+        self.causal, self.window = layer_attention(config, layer_index)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -87,7 +118,7 @@ class DFlashAttention(nn.Module):
         return keys.transpose(0, 1), values.transpose(0, 1)
 
     def forward(self, hidden, cos, sin, context_keys, context_values) -> torch.Tensor:
-        """``hidden [N, H]`` (the block) -> ``[N, H]``; every block token sees all keys."""
+        """``hidden [N, H]`` (the block) -> ``[N, H]``; a full layer's block tokens see every key."""
         num_tokens = hidden.shape[0]
         query = self.q_norm(self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim))
         query = apply_rotary(query, cos, sin).transpose(0, 1)  # [Hq, N, D]
@@ -96,15 +127,18 @@ class DFlashAttention(nn.Module):
         keys = torch.cat([context_keys, block_keys], dim=1).repeat_interleave(group, dim=0)
         values = torch.cat([context_values, block_values], dim=1).repeat_interleave(group, dim=0)
         scores = query @ keys.transpose(1, 2) * self.head_dim**-0.5
+        if self.causal or self.window is not None:
+            visible = visible_keys(num_tokens, keys.shape[1], self.causal, self.window, scores.device)
+            scores = scores.masked_fill(~visible, float("-inf"))
         weights = scores.float().softmax(dim=-1).to(query.dtype)
         out = (weights @ values).transpose(0, 1).reshape(num_tokens, -1)
         return self.o_proj(out)
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, layer_index: int = 0):
         super().__init__()
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = DFlashAttention(config, layer_index)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -134,7 +168,7 @@ class DFlashDraftModel(nn.Module):
         self.mask_token_id = int(dflash["mask_token_id"])
         self.target_layer_ids = [int(i) for i in dflash["target_layer_ids"]]
         hidden = config.hidden_size
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.fc = nn.Linear(hidden * len(self.target_layer_ids), hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -231,7 +265,6 @@ class DFlashDraftModel(nn.Module):
         architectures = raw.get("architectures") or []
         if ARCHITECTURE not in architectures:
             raise ValueError(f"{config_path}: architectures {architectures} does not name {ARCHITECTURE}")
-        check_drafter_layers(config_path, raw.get("layer_types"), raw.get("use_sliding_window"))
         config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
         model = cls(config)
         weights = {}
