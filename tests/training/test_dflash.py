@@ -186,3 +186,14 @@ def test_target_greedy_labels(tiny_pair):
     )
     assert torch.equal(greedy_labels[0, 1], text_labels[0, 1])  # anchor 19: labels 20.. are all greedy output
     assert greedy_labels[0, 0].tolist() == labels[0, 4:19].tolist()
+
+
+def test_training_refuses_a_drafter_whose_layers_are_causal_or_windowed(tiny_pair):
+    # The training mask is DFlash's full block attention; a sliding-window layer would train unlike it infers.
+    _, target, drafter = tiny_pair
+    drafter = copy.deepcopy(drafter)
+    drafter.layers[0].self_attn.causal, drafter.layers[0].self_attn.window = True, 2048
+    features = torch.randn(1, 48, drafter.fc.in_features)
+    tokens = torch.randint(3, target.config.vocab_size, (1, 48))
+    with pytest.raises(ValueError, match=r"causal or sliding-window layers is not supported \(layers \[0\]\)"):
+        dflash.dflash_step_logits(drafter, target, tokens, features, torch.tensor([[1]]))

@@ -105,6 +105,13 @@ def drafter_block_hidden(
     ``k_proj/v_proj(hidden_norm(fc(features)))`` (no per-layer input norm), block keys/values come
     from the layer's normed input.
     """
+    masked = [i for i, layer in enumerate(drafter.layers) if layer.self_attn.causal or layer.self_attn.window]
+    if masked:
+        raise ValueError(
+            f"training drafters with causal or sliding-window layers is not supported (layers {masked}): the "
+            "training mask is DFlash's full, bidirectional block attention; train a drafter whose layer_types "
+            "are all full_attention"
+        )
     batch, seq_len, _ = features.shape
     context = drafter.hidden_norm(drafter.fc(features))  # [B, T, H]
     context_positions = torch.arange(seq_len, device=features.device)[None].expand(batch, -1)
