@@ -18,16 +18,39 @@ def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> No
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # with_stack: the host syncs (nonzero, item, blocking copies) are attributed to the Python lines that make
+    # them (verbose: without it torch 2.11 records empty stacks).
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, experimental_config=stacks
+    ) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     averages = prof.key_averages()
     with open(path, "w") as handle:
         handle.write(averages.table(sort_by="cuda_time_total", row_limit=row_limit) + "\n")
         handle.write(averages.table(sort_by="cpu_time_total", row_limit=row_limit) + "\n")
+        handle.write("Operations that can wait for the GPU, by the Python lines that made them:\n")
+        handle.write(syncs_by_stack(prof, row_limit))
     raw = os.path.splitext(path)[0] + ".trace.json"
     prof.export_chrome_trace(raw)
     compress(raw)
+
+
+#: Operations whose host side can block until the GPU catches up (a data-dependent size, a scalar, a copy).
+SYNCING_OPS = ("aten::nonzero", "aten::item", "aten::_local_scalar_dense", "cudaMemcpyAsync", "cudaStreamSynchronize")
+
+
+def syncs_by_stack(prof, row_limit: int = 40) -> str:
+    """One line per (syncing op, Python call site), most CPU time first: where a step waits for the GPU."""
+    events = [e for e in prof.key_averages(group_by_stack_n=8) if e.key in SYNCING_OPS]
+    events.sort(key=lambda e: e.cpu_time_total, reverse=True)
+    lines = []
+    for event in events[:row_limit]:
+        frames = [frame for frame in event.stack if ".py(" in frame][:4]
+        where = " <- ".join(frames) or "(no Python frame)"
+        lines.append(f"{event.key:<26} calls {event.count:>6}  CPU ms {event.cpu_time_total / 1e3:>9.2f}  {where}\n")
+    return "".join(lines)
 
 
 def compress(path: str) -> str:

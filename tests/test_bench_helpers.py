@@ -1,10 +1,12 @@
 """The GPU benches' CPU-side helpers: bench_qwen36_shape.py keeps the batches an engine finished when that engine
 later times out or dies (its child's stdout is lost then; only the rows it wrote to disk survive), and
-gpu_profile.py keeps its timelines compressed."""
+gpu_profile.py lists where a step waits for the GPU and keeps its timelines compressed."""
 
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 import bench_qwen36_shape as bench  # noqa: E402
@@ -49,3 +51,21 @@ def test_step_summary_gives_the_ratio_to_the_chain_of_the_same_run():
     assert bench.step_summary(row, {"ms_per_step": 21.79, "ms_per_decode_step": 20.0}) == "32.09 (30.0, 1.50x)"
     assert bench.step_summary(row, None) == "32.09 (30.0)"
     assert bench.step_summary({"ms_per_step": 41.06}, None) == "41.06 (None)"  # a record from before decode timing
+
+
+def test_syncing_ops_are_listed_with_the_python_line_that_made_them():
+    torch = pytest.importorskip("torch")
+    import gpu_profile
+    from torch.profiler import ProfilerActivity, profile
+
+    def wait_for_the_device():
+        x = torch.arange(10)
+        (x > 3).nonzero()
+        return x.sum().item()
+
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=stacks) as prof:
+        wait_for_the_device()
+    table = gpu_profile.syncs_by_stack(prof)
+    assert "aten::nonzero" in table and "aten::item" in table
+    assert "wait_for_the_device" in table  # attributed to this test's function, not left anonymous
