@@ -167,7 +167,7 @@ def test_stats_count_cut_trees_against_their_proposal_and_steps_by_budget():
     lp = -np.sort(-(lp - np.log(np.exp(lp).sum(-1, keepdims=True) + 1.0)), axis=-1)  # top-k order, below 0
     ids = np.tile(np.arange(4, dtype=np.int32), (2, 5, 1))
     lists = store.propose(["a", "b"], lp, ids, budget=6)  # a schedule's smaller budget: whole trees of 7 nodes
-    stats = DDTreeStats(5, tree_size=11)
+    stats = DDTreeStats(5)
     plan = plan_verify(store, ["a", "b"], np.array([3, 3]), np.array([7, 4]), {"a": lists[0], "b": lists[1][:3]})
     stats.observe(plan, accept(plan, np.zeros(plan.num_tokens, dtype=np.int64), 7))
     summary = stats.summary()

@@ -46,7 +46,7 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     # The runner's state the sampler touches, with the runner's own acceptance upload.
     runner = type("FakeRunner", (), {"ddtree_accept": DDTreeGPUModelRunner.ddtree_accept})()
     runner._ddtree_plan, runner._ddtree_accept = plan, None
-    runner.ddtree_stats = DDTreeStats(15, tree_size=7)
+    runner.ddtree_stats = DDTreeStats(15)
     runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
     runner._ddtree_conv_window = 0
     runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddtree.errors import DDTreeError
 
@@ -115,14 +115,17 @@ class DDTreeConfig:
     @property
     def budgets(self) -> Tuple[int, ...]:
         """Every budget a step can use, ascending."""
-        if not self.budget_schedule:
-            return (self.budget,)
-        return tuple(sorted({budget for _, budget in self.budget_schedule}))
+        return schedule_budgets(self.budget, self.budget_schedule)
 
     def width(self, vocab_size: int) -> int:
         """K, the drafter candidates per position."""
         k = self.top_k if self.top_k is not None else self.budget
         return max(1, min(k, self.budget, vocab_size))
+
+
+def schedule_budgets(budget: int, schedule: Optional[Sequence[Sequence[int]]]) -> Tuple[int, ...]:
+    """Every budget of an engine whose largest is ``budget``, ascending (a schedule's, or ``budget`` alone)."""
+    return tuple(sorted({int(b) for _, b in schedule or ()} | {budget}))
 
 
 def _positive_int(name: str, value: Any, maximum: Optional[int] = None) -> int:
@@ -193,7 +196,7 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
     if "ddtree_budget" not in spec:
         raise DDTreeConfigError("method 'ddtree' needs ddtree_budget (the number of tree nodes verified per step)")
     budget, schedule = parse_budget(spec["ddtree_budget"])
-    smallest = min(b for _, b in schedule) if schedule else budget
+    smallest = schedule_budgets(budget, schedule)[0]
     draft_len = spec.get("num_speculative_tokens")
     if draft_len is not None:
         draft_len = _positive_int(

@@ -134,6 +134,7 @@ from ddtree.vllm.config import (
     override_reason,
     parse_spec_config,
     resolve_draft_len,
+    schedule_budgets,
     tree_capture_sizes,
     unsupported_sampling_reasons,
 )
@@ -664,7 +665,7 @@ def tree_shape(vllm_config: Any) -> tuple:
     budget = int(vllm_config.speculative_config.num_speculative_tokens)
     settings = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
     schedule = settings.get("budget_schedule") if isinstance(settings, dict) else None
-    budgets = tuple(sorted({int(b) for _, b in schedule} | {budget})) if schedule else budget
+    budgets = schedule_budgets(budget, schedule) if schedule else budget
     return budgets, drafter_depth(vllm_config) or budget
 
 

@@ -49,8 +49,7 @@ logger = get_logger(__name__)
 class DDTreeStats:
     """Counters beyond vLLM's spec-decode metrics (which stay right on their own)."""
 
-    def __init__(self, depth: int, tree_size: int):
-        self.tree_size = tree_size  # budget + 1
+    def __init__(self, depth: int):
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
@@ -76,13 +75,10 @@ class DDTreeStats:
         self.steps += 1
         self.trees += acc.shape[0]
         self.nodes += int(plan.num_nodes.sum() - plan.num_nodes.shape[0])
-        if plan.proposed_budgets is not None:
-            self.partial_trees += plan.num_cut_trees
-            if plan.proposed_budgets.size:  # which budget the step's trees were proposed with (a schedule's choice)
-                budget = int(plan.proposed_budgets.max())
-                self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
-        else:
-            self.partial_trees += int((plan.num_nodes < self.tree_size).sum())
+        self.partial_trees += plan.num_cut_trees
+        if plan.proposed_budgets.size:  # which budget the step's trees were proposed with (a schedule's choice)
+            budget = int(plan.proposed_budgets.max())
+            self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
         self.accepted += int(acc.sum())
         counts = np.bincount(acc, minlength=self.accepted_per_depth.shape[0])
         # accepted_per_depth[d] = trees whose accepted path reached depth d
@@ -162,7 +158,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The step's GDN layout, kept from publication to the commit after acceptance (None: no tree step).
         self._ddtree_gdn_step: Optional[GdnTreeStep] = None
         self._ddtree_proposed = False
-        self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0, self.ddtree_cfg.budget + 1)
+        self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0)
         self._ddtree_kv_layers: Optional[List[tuple]] = None
         # One host-to-device copy per phase and step (the plan's arrays; the acceptance's).
         self._ddtree_plan_staging = StepStaging(self.device)

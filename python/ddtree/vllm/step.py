@@ -144,15 +144,13 @@ class VerifyPlan:
     num_nodes: np.ndarray  # [R_t] int64: b + 1 (root included)
     query_starts: np.ndarray  # [R_t] int64: each tree's root among the step's scheduled tokens
     num_tokens: int  # the step's scheduled tokens
+    proposed_budgets: np.ndarray  # [R_t] int64: each tree's budget at proposal
     conv_index: Optional[np.ndarray] = None  # [T, w + 1] int64 (hybrid targets): rows of cat(histories, inputs)
     conv_window: int = 0
-    proposed_budgets: Optional[np.ndarray] = None  # [R_t] int64: each tree's budget at proposal
 
     @property
     def num_cut_trees(self) -> int:
         """Trees verified with fewer nodes than they were proposed with (the scheduler cut them)."""
-        if self.proposed_budgets is None:
-            return 0
         return int((self.num_nodes < self.proposed_budgets + 1).sum())
 
     @property
@@ -237,9 +235,10 @@ def plan_verify(
         drafts = np.fromiter(itertools.chain.from_iterable(scheduled), dtype=np.int64, count=int(budgets.sum()))
         if not np.array_equal(trees.tokens, drafts):
             raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees)
-    plan = _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays)
-    plan.proposed_budgets = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
-    return plan
+    proposed = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
+    return _lay_out(
+        trees, rows, proposed, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays
+    )
 
 
 def ancestor_words(tree_size: int) -> int:
@@ -263,7 +262,9 @@ def layout_specs(num_rows: int, num_trees: int, num_nodes: int, words: int, conv
     return specs
 
 
-def _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays):
+def _lay_out(
+    trees, rows, proposed_budgets, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays
+):
     """The plan's arrays, written by one Rust call into what ``arrays`` allocates."""
     node_offsets = trees.node_offsets
     sizes = np.diff(node_offsets)
@@ -288,6 +289,7 @@ def _lay_out(trees, rows, num_reqs, num_computed_tokens, query_start, logit_star
         num_nodes=sizes.astype(np.int64),
         query_starts=query_starts,
         num_tokens=int(query_start[-1]),
+        proposed_budgets=proposed_budgets,
         conv_index=out.pop("conv_index", None),
         conv_window=conv_window,
         **out,
