@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from gpu_profile import profile_generate
+from gpu_profile import enable_scopes, profile_generate
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -177,6 +177,8 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+    if profile_batches:
+        enable_scopes()
     import torch
     from vllm import LLM, SamplingParams
 
@@ -206,6 +208,8 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
         "init_s": round(time.time() - t0, 1),
         "steps": {},
         "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+        # vLLM's chain overlaps scheduling with the GPU when this is on; ddtree turns it off.
+        "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
     }
     cache = llm.llm_engine.vllm_config.cache_config
     res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}

@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 
-from gpu_profile import profile_generate
+from gpu_profile import enable_scopes, profile_generate
 
 
 def child(args):
@@ -66,6 +66,8 @@ def child(args):
     from ddtree.vllm.tiny_models import engine_kwargs_for
 
     kw.update(engine_kwargs_for(args.target))
+    if args.profile_batches:
+        enable_scopes()
     started = time.time()
     llm = LLM(**kw)
     init_s = time.time() - started
@@ -117,6 +119,7 @@ def child(args):
             "ms_per_step": 1000.0 * dt / steps,
             "repeats": args.repeats,
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
             "engine_start_s": round(init_s, 1),
         }
         if spec is not None and spec.get("method") == "ddtree":

@@ -69,3 +69,27 @@ def test_syncing_ops_are_listed_with_the_python_line_that_made_them():
     table = gpu_profile.syncs_by_stack(prof)
     assert "aten::nonzero" in table and "aten::item" in table
     assert "wait_for_the_device" in table  # attributed to this test's function, not left anonymous
+
+
+def test_busy_time_is_the_union_of_overlapping_intervals():
+    import gpu_profile
+
+    assert gpu_profile.busy_microseconds([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert gpu_profile.busy_microseconds([]) == 0
+
+
+def test_named_ranges_are_tabled_and_other_ops_left_out():
+    torch = pytest.importorskip("torch")
+    import gpu_profile
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            with record_function("ddtree: plan"):
+                torch.arange(10).sum()
+        with record_function("gpu_model_runner: sample"):
+            pass
+    table = gpu_profile.scopes_table(prof.key_averages())
+    assert "ddtree: plan" in table and "calls     3" in table
+    assert "gpu_model_runner: sample" in table and "aten::arange" not in table
+    assert "no GPU events" in gpu_profile.gpu_busy_line(prof.events())

@@ -22,6 +22,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
+from vllm.v1.utils import record_function_or_nullcontext
 
 from ddtree.vllm.config import DDTreeConfig
 from ddtree.vllm.step import TreeStore
@@ -117,7 +118,9 @@ class DDTreeProposer(DFlashProposer):
             # Restore vLLM's view of the draft length (the budget).
             self.num_speculative_tokens = self.budget
         assert self._capture is not None, "DDTree: the drafter's logits were not captured"
-        host = self._capture.view(batch_size, self.draft_len, 2 * self.top_k).cpu().numpy()
+        # The step's second wait for the GPU (the drafter's tail): its own profiler range.
+        with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
+            host = self._capture.view(batch_size, self.draft_len, 2 * self.top_k).cpu().numpy()
         self._capture = None
         with self.runner.ddtree_stats.timed("build"):
             log_probs = np.ascontiguousarray(host[..., : self.top_k])

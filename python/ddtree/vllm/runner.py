@@ -31,6 +31,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 from ddtree.vllm.log import get_logger
 from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.utils import record_function_or_nullcontext
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ddtree.vllm import context
@@ -64,9 +65,12 @@ class DDTreeStats:
 
     @contextlib.contextmanager
     def timed(self, part: str):
+        # Also a profiler range ("ddtree: <part>") when vLLM's custom profiling scopes are on
+        # (VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), beside vLLM's own "gpu_model_runner: ..." ranges.
         start = time.perf_counter()
         try:
-            yield
+            with record_function_or_nullcontext(f"ddtree: {part}"):
+                yield
         finally:
             self.host_seconds[part] = self.host_seconds.get(part, 0.0) + time.perf_counter() - start
 

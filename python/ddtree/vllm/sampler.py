@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.utils import record_function_or_nullcontext
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
@@ -141,7 +142,9 @@ class DDTreeRejectionSampler(nn.Module):
         out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
         result = None
         if plan is not None:
-            node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
+            # The step's first wait for the GPU (the verify's tail): its own profiler range.
+            with record_function_or_nullcontext("ddtree: wait for the target's tokens"):
+                node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
             out[plan.batch_index_gpu] = runner.ddtree_accept(plan, node_tokens, width)["output_tokens"]
             result = runner._ddtree_accept
         logprobs = None
