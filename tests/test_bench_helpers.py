@@ -92,4 +92,26 @@ def test_named_ranges_are_tabled_and_other_ops_left_out():
     table = gpu_profile.scopes_table(prof.key_averages())
     assert "ddtree: plan" in table and "calls     3" in table
     assert "gpu_model_runner: sample" in table and "aten::arange" not in table
-    assert "no GPU events" in gpu_profile.gpu_busy_line(prof.events())
+
+
+def test_gpu_idle_time_is_charged_to_the_innermost_host_range():
+    import gpu_profile
+
+    def event(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = [
+        event("kernel", "gemm", 0, 10),
+        event("gpu_user_annotation", "gpu side of a range", 0, 100),  # not GPU work
+        event("user_annotation", "gpu_model_runner: preprocess", 5, 60),
+        event("user_annotation", "ddtree: plan", 20, 10),
+        event("kernel", "tree", 40, 20),
+        event("gpu_memcpy", "copy", 90, 10),
+    ]
+    busy, span, idle = gpu_profile.idle_by_range(trace)
+    assert (busy, span) == (40, 100)
+    # Gap 10-40: preprocess 10-20 and 30-40, plan 20-30; gap 60-90: preprocess to 65, then outside every range.
+    assert idle == {"gpu_model_runner: preprocess": 25, "ddtree: plan": 10, "(no range)": 25}
+    table = gpu_profile.idle_table(trace, tokens=5)
+    assert "GPU busy 0.04 ms of a 0.10 ms span (40.0%)" in table and "ddtree: plan" in table
+    assert gpu_profile.idle_table([], tokens=5).startswith("GPU busy: no GPU work")

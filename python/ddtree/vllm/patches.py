@@ -105,6 +105,18 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    verified tokens (tree nodes) differ from its depth, e.g. per-position
    counters sized by the drafter's depth and a per-method stats hook.
 
+10. ``GDNAttentionMetadataBuilder.build`` (wrapped, in the worker process of
+    a hybrid target only, see :func:`apply_worker_patches`): in a step where
+    every request verifies a tree, the GDN metadata is written by
+    ``ddtree.vllm.gdn_metadata.whole_tree_metadata`` -- the same buffers and
+    values as vLLM's FULL-graph branch, without the host-side classification
+    (masks, ``.item()``, ``nonzero``) that vLLM repeats for each of the
+    target's GDN KV-cache groups (12 at Qwen3.6-27B's shape). vLLM's chain
+    hides that host work behind the GPU with asynchronous scheduling, which a
+    ddtree step cannot use, so there it is GPU idle time. Every other step is
+    vLLM's build. Upstream fix: a GDN builder that supports
+    ``update_block_table`` (the groups differ only in their state indices).
+
 Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
 backends are used through subclasses (``runner.py``, ``proposer.py``,
 ``sampler.py``, ``attention.py``).
@@ -542,12 +554,36 @@ def _zeros_rows(like, rows: int):
 
 
 def apply_worker_patches(vllm_config: Any) -> None:
-    """Patch 5d, in a ddtree worker whose target is a hybrid GDN model."""
+    """Patches 5d and 10, in a ddtree worker whose target is a hybrid GDN model."""
     if not getattr(vllm_config.model_config, "is_hybrid", False):
         return
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     _wrap_once(QwenGatedDeltaNetAttention, "_forward_core", _tree_aware_forward_core)
+    _wrap_once(GDNAttentionMetadataBuilder, "build", _whole_tree_gdn_build)
+
+
+def _whole_tree_gdn_build(original):
+    """10: whole-tree steps' GDN metadata without vLLM's per-group host classification."""
+    from ddtree.vllm.gdn_metadata import whole_tree_metadata
+
+    def build(
+        self,
+        common_prefix_len,
+        common_attn_metadata,
+        num_accepted_tokens=None,
+        num_decode_draft_tokens_cpu=None,
+        fast_build=False,
+    ):
+        metadata = whole_tree_metadata(self, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu)
+        if metadata is not None:
+            return metadata
+        return original(
+            self, common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu, fast_build
+        )
+
+    return build
 
 
 # ---- 6. scheduled-token reservation for drafting -----------------------------------------------
@@ -712,7 +748,7 @@ def _tree_metrics_log(original):
 
 
 def apply() -> None:
-    """Applies patches 1-3, 5a-c and 6-9 (4 and 5d are applied by the worker). Raises on unsupported vLLM."""
+    """Applies patches 1-3, 5a-c and 6-9 (4, 5d and 10 are applied by the worker). Raises on unsupported vLLM."""
     global _APPLIED
     import vllm
 

@@ -1,0 +1,89 @@
+"""vLLM's GDN attention metadata for a step in which every request verifies a tree, built without host syncs.
+
+vLLM builds GDN metadata once per KV-cache group and step (Qwen3.6-27B: 12 groups of 4 GDN layers), and its
+builder cannot reuse one group's build for the next (``supports_update_block_table`` is False). Each build
+classifies the batch on the host (boolean masks, ``.item()``, ``nonzero``) before it writes the builder's
+CUDA-graph buffers. vLLM's own chain hides that work behind the GPU with asynchronous scheduling; a ddtree step
+cannot (the trees are built on the host between the drafter and the verification), so every host millisecond
+there is a millisecond the GPU waits (profile: ``benches/results/gpu-h200-27b-shape-a6a3e3e``).
+
+A step whose scheduled tokens are all tree tokens is one shape only: ``B`` spec-decode requests, no decodes,
+no prefills. For it :func:`whole_tree_metadata` writes exactly what vLLM's ``GDNAttentionMetadataBuilder.build``
+writes in its FULL-graph branch (the same buffers, the same values) and returns metadata equal field by field;
+``tests/vllm_adapter/test_gdn_metadata.py`` checks that against vLLM's own ``build`` on the same inputs. Any
+other step (prefills, chunks, padded requests, shapes beyond the builder's graph buffers) returns None and
+vLLM's build runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ddtree.vllm.context import published
+
+
+def whole_tree_step_requests(num_decode_draft_tokens_cpu: Optional[torch.Tensor], num_reqs: int) -> Optional[int]:
+    """``num_reqs`` when the published step verifies a tree in every one of the batch's ``num_reqs`` requests
+    and every one of them is a spec decode to vLLM (None otherwise)."""
+    current = published()
+    step = current.gdn if current is not None else None
+    if step is None or step.other_index is not None or step.num_requests != num_reqs:
+        return None
+    if num_decode_draft_tokens_cpu is None or num_decode_draft_tokens_cpu.shape[0] < num_reqs:
+        return None
+    drafts = num_decode_draft_tokens_cpu[:num_reqs]
+    # vLLM's build treats a batch whose requests all have zero drafts as plain decodes.
+    if not bool((drafts >= 0).all()) or int(drafts.sum()) == 0:
+        return None
+    return num_reqs
+
+
+def whole_tree_metadata(builder, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu):
+    """vLLM's GDN metadata for a whole-tree step (see the module), or None to let vLLM build it."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+
+    m = common_attn_metadata
+    if not (builder.use_spec_decode and builder.use_full_cuda_graph) or num_accepted_tokens is None:
+        return None
+    num_reqs = whole_tree_step_requests(num_decode_draft_tokens_cpu, m.num_reqs)
+    if num_reqs is None:
+        return None
+    num_tokens = int(m.query_start_loc_cpu[num_reqs])
+    if num_reqs > builder.decode_cudagraph_max_bs or num_tokens > builder.decode_cudagraph_max_bs:
+        return None
+    block_table = mamba_get_block_table_tensor(
+        m.block_table_tensor, m.seq_lens, builder.kv_cache_spec, builder.vllm_config.cache_config.mamba_cache_mode
+    )
+    # The FULL-graph branch of vLLM's build, for B spec decodes and nothing else.
+    states = builder.spec_state_indices_tensor[:num_reqs]
+    states.copy_(block_table[:num_reqs, : builder.num_spec + 1], non_blocking=True)
+    masks = builder.spec_sequence_masks[:num_reqs]
+    masks.fill_(True)
+    spec_tokens = min(num_reqs * (builder.num_spec + 1), num_tokens)
+    token_index = builder.spec_token_indx[:spec_tokens]
+    torch.arange(spec_tokens, dtype=token_index.dtype, device=token_index.device, out=token_index)
+    query_start = builder.spec_query_start_loc[: num_reqs + 1]
+    query_start.copy_(m.query_start_loc[: num_reqs + 1], non_blocking=True)
+    accepted = builder.num_accepted_tokens[:num_reqs]
+    accepted.copy_(num_accepted_tokens[:num_reqs], non_blocking=True)
+    return GDNAttentionMetadata(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_spec_decodes=num_reqs,
+        num_spec_decode_tokens=num_tokens,
+        num_actual_tokens=m.num_actual_tokens,
+        has_initial_state=None,
+        spec_query_start_loc=query_start,
+        non_spec_query_start_loc=None,
+        spec_state_indices_tensor=states,
+        non_spec_state_indices_tensor=None,
+        spec_sequence_masks=masks,
+        spec_token_indx=token_index,
+        non_spec_token_indx=builder.non_spec_token_indx[:0],
+        num_accepted_tokens=accepted,
+    )
