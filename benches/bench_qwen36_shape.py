@@ -173,7 +173,16 @@ def timed_generate(llm, prompts, max_tokens: int):
     return time.time() - started, outs
 
 
-def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False) -> dict:
+def set_whole_tree_gdn_metadata(worker, on: bool) -> bool:
+    """(collective_rpc) Turns patch 10 on or off in a worker; returns the previous setting."""
+    from ddtree.vllm import gdn_metadata
+
+    return gdn_metadata.set_active(on)
+
+
+def run_engine(
+    name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False, ab_gdn_metadata=False
+) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
@@ -241,8 +250,19 @@ def run_engine(name: str, batches, tp: int = 1, profile_dir: str = "", profile_b
             row["verify_steps"] = steps
             row["mean_acceptance_length"] = after["mean_acceptance_length"]
             row["host_ms_per_verify_step"] = after["host_ms_per_verify_step"]
-            for counter in ("full_graph_steps", "commit_graph_steps"):
+            for counter in ("full_graph_steps", "commit_graph_steps", "whole_tree_gdn_metadata_builds"):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
+        if ab_gdn_metadata and before is not None:
+            # The same engine and prompts with vLLM's GDN metadata build in every step (patch 10 off): an A/B
+            # in one process, so the difference is the patch's and not the host's or the run's.
+            llm.collective_rpc(set_whole_tree_gdn_metadata, args=(False,))
+            try:
+                off_seconds, _ = timed_generate(llm, prompts, OUT_TOKENS)
+            finally:
+                llm.collective_rpc(set_whole_tree_gdn_metadata, args=(True,))
+            row["ms_per_decode_step_vllm_gdn_metadata"] = round(
+                1e3 * (off_seconds - prefill_seconds) / (OUT_TOKENS - 1), 2
+            )
         res["steps"][bs] = row
         print(f"{name} bs={bs}: {row}", flush=True)
         write_partial(profile_dir, name, res)  # the parent keeps these rows if a later batch runs out of time
@@ -298,11 +318,16 @@ def main() -> None:
         help="batch sizes to run 16 more steps of under torch.profiler (profile_<engine>_tp<tp>_b<B>.txt "
         "in --out; rank 0 only)",
     )
+    ap.add_argument(
+        "--ab-gdn-metadata",
+        action="store_true",
+        help="ddtree engines time each batch once more with vLLM's GDN metadata build (patch 10 off), same process",
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
         profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
-        result = run_engine(args.child, batches, args.tp, args.out, profile_batches, args.eager)
+        result = run_engine(args.child, batches, args.tp, args.out, profile_batches, args.eager, args.ab_gdn_metadata)
         print("RESULT-JSON " + json.dumps(result), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
@@ -328,7 +353,8 @@ def main() -> None:
                         "--profile-batches",
                         args.profile_batches,
                     ]
-                    + (["--eager"] if args.eager else []),
+                    + (["--eager"] if args.eager else [])
+                    + (["--ab-gdn-metadata"] if args.ab_gdn_metadata else []),
                     stdout=subprocess.PIPE,
                     stderr=log,
                     text=True,

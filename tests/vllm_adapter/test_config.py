@@ -14,6 +14,7 @@ from ddtree.vllm.config import (
     budget_description,
     check_target,
     commit_graphs_enabled,
+    whole_tree_gdn_metadata_enabled,
     cudagraph_mode_choice,
     engine_overrides,
     fit_batch_limits,
@@ -317,6 +318,19 @@ def test_commit_graphs_are_on_unless_turned_off(env, on):
 def test_commit_graphs_setting_refuses_other_values(value):
     with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_GRAPHS must be 1 .* or 0 .*got '"):
         commit_graphs_enabled({"DDTREE_COMMIT_GRAPHS": value})
+
+
+@pytest.mark.parametrize(
+    "env, on",
+    [({}, True), ({"DDTREE_WHOLE_TREE_GDN_METADATA": "1"}, True), ({"DDTREE_WHOLE_TREE_GDN_METADATA": "0 "}, False)],
+)
+def test_whole_tree_gdn_metadata_is_on_unless_turned_off(env, on):
+    assert whole_tree_gdn_metadata_enabled(env) is on
+
+
+def test_whole_tree_gdn_metadata_setting_refuses_other_values():
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_WHOLE_TREE_GDN_METADATA must be 1 .* or 0 .*got 'on'"):
+        whole_tree_gdn_metadata_enabled({"DDTREE_WHOLE_TREE_GDN_METADATA": "on"})
 
 
 def test_a_budget_schedule_by_batch_size():

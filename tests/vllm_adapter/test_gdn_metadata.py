@@ -144,12 +144,14 @@ def test_the_patched_build_serves_whole_tree_steps_and_delegates_the_rest():
         return "vllm"
 
     build = patches._whole_tree_gdn_build(original)
+    served = gdn_metadata.builds
     query_lens, drafts = [5, 5], torch.tensor([4, 4], dtype=torch.int32)
     accepted = torch.ones(2, dtype=torch.int32)
     m = common_metadata(query_lens, [50, 60], [3, 4])
     assert build(fake_builder(), 0, m, accepted, drafts) == "vllm" and len(calls) == 1  # nothing published
     publish_trees(query_lens)
     assert build(fake_builder(), 0, m, accepted, drafts).num_spec_decodes == 2 and len(calls) == 1
+    assert gdn_metadata.builds == served + 1  # counted: a GPU run's summary shows the path was taken
 
 
 @pytest.mark.parametrize(
@@ -171,3 +173,16 @@ def test_other_steps_are_left_to_vllm(case):
         builder = fake_builder(max_bs=8)
     m = common_metadata(query_lens, [50, 60], [3, 4])
     assert gdn_metadata.whole_tree_metadata(builder, m, torch.ones(2, dtype=torch.int32), drafts) is None
+
+
+def test_turned_off_in_process_every_build_is_vllms():
+    query_lens, drafts = [5, 5], torch.tensor([4, 4], dtype=torch.int32)
+    m = common_metadata(query_lens, [50, 60], [3, 4])
+    publish_trees(query_lens)
+    previous = gdn_metadata.set_active(False)
+    try:
+        assert previous is True
+        assert gdn_metadata.whole_tree_metadata(fake_builder(), m, torch.ones(2, dtype=torch.int32), drafts) is None
+    finally:
+        gdn_metadata.set_active(True)
+    assert gdn_metadata.whole_tree_metadata(fake_builder(), m, torch.ones(2, dtype=torch.int32), drafts) is not None

@@ -44,6 +44,7 @@ ATTENTION_BACKEND = "CUSTOM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 #: "0" commits the GDN state of FULL tree steps layer by layer instead of through one CUDA graph per FULL size.
 COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
+WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -288,6 +289,18 @@ def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     if value not in ("0", "1"):
         raise DDTreeConfigError(
             f"{COMMIT_GRAPHS_ENV} must be 1 (commit graphs, the default) or 0 (commit layer by layer), got {value!r}"
+        )
+    return value == "1"
+
+
+def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether whole-tree steps build vLLM's GDN metadata without its host classification (patch 10; on unless
+    DDTREE_WHOLE_TREE_GDN_METADATA=0, which leaves every build to vLLM)."""
+    value = environ.get(WHOLE_TREE_GDN_METADATA_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise DDTreeConfigError(
+            f"{WHOLE_TREE_GDN_METADATA_ENV} must be 1 (ddtree's whole-tree GDN metadata, the default) or 0 "
+            f"(vLLM's build every step), got {value!r}"
         )
     return value == "1"
 

@@ -23,6 +23,20 @@ import torch
 
 from ddtree.vllm.context import published
 
+#: Off: every build is vLLM's (the benches flip it between two timed runs of one engine, an A/B in one process;
+#: ``DDTREE_WHOLE_TREE_GDN_METADATA=0`` does not install the patch at all).
+active = True
+#: GDN metadata builds this process served (one per GDN KV-cache group and whole-tree step): shows that a run
+#: took this path (``DDTreeGPUModelRunner.ddtree_summary``).
+builds = 0
+
+
+def set_active(on: bool) -> bool:
+    """Turns the whole-tree path on or off in this process; returns the previous setting."""
+    global active
+    previous, active = active, bool(on)
+    return previous
+
 
 def whole_tree_step_requests(num_decode_draft_tokens_cpu: Optional[torch.Tensor], num_reqs: int) -> Optional[int]:
     """``num_reqs`` when the published step verifies a tree in every one of the batch's ``num_reqs`` requests
@@ -46,7 +60,7 @@ def whole_tree_metadata(builder, common_attn_metadata, num_accepted_tokens, num_
     from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 
     m = common_attn_metadata
-    if not (builder.use_spec_decode and builder.use_full_cuda_graph) or num_accepted_tokens is None:
+    if not active or not (builder.use_spec_decode and builder.use_full_cuda_graph) or num_accepted_tokens is None:
         return None
     num_reqs = whole_tree_step_requests(num_decode_draft_tokens_cpu, m.num_reqs)
     if num_reqs is None:
@@ -69,6 +83,8 @@ def whole_tree_metadata(builder, common_attn_metadata, num_accepted_tokens, num_
     query_start.copy_(m.query_start_loc[: num_reqs + 1], non_blocking=True)
     accepted = builder.num_accepted_tokens[:num_reqs]
     accepted.copy_(num_accepted_tokens[:num_reqs], non_blocking=True)
+    global builds
+    builds += 1
     return GDNAttentionMetadata(
         num_prefills=0,
         num_prefill_tokens=0,

@@ -114,7 +114,8 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     target's GDN KV-cache groups (12 at Qwen3.6-27B's shape). vLLM's chain
     hides that host work behind the GPU with asynchronous scheduling, which a
     ddtree step cannot use, so there it is GPU idle time. Every other step is
-    vLLM's build. Upstream fix: a GDN builder that supports
+    vLLM's build. ``DDTREE_WHOLE_TREE_GDN_METADATA=0`` leaves every build to
+    vLLM. Upstream fix: a GDN builder that supports
     ``update_block_table`` (the groups differ only in their state indices).
 
 Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
@@ -149,6 +150,7 @@ from ddtree.vllm.config import (
     schedule_budgets,
     tree_capture_sizes,
     unsupported_sampling_reasons,
+    whole_tree_gdn_metadata_enabled,
 )
 
 SUPPORTED = ((0, 25, 0), (0, 26, 0))  # [min, max)
@@ -561,7 +563,8 @@ def apply_worker_patches(vllm_config: Any) -> None:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     _wrap_once(QwenGatedDeltaNetAttention, "_forward_core", _tree_aware_forward_core)
-    _wrap_once(GDNAttentionMetadataBuilder, "build", _whole_tree_gdn_build)
+    if whole_tree_gdn_metadata_enabled():
+        _wrap_once(GDNAttentionMetadataBuilder, "build", _whole_tree_gdn_build)
 
 
 def _whole_tree_gdn_build(original):

@@ -556,4 +556,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return DraftTokenIds(list(req_ids), [list(d) for d in drafts])
 
     def ddtree_summary(self) -> Dict[str, object]:
-        return self.ddtree_stats.summary()
+        from ddtree.vllm import gdn_metadata
+
+        return dict(self.ddtree_stats.summary(), whole_tree_gdn_metadata_builds=gdn_metadata.builds)
