@@ -115,3 +115,12 @@ def test_gpu_idle_time_is_charged_to_the_innermost_host_range():
     table = gpu_profile.idle_table(trace, tokens=5)
     assert "GPU busy 0.04 ms of a 0.10 ms span (40.0%)" in table and "ddtree: plan" in table
     assert gpu_profile.idle_table([], tokens=5).startswith("GPU busy: no GPU work")
+
+
+def test_host_ms_cover_only_the_timed_steps():
+    before = {"verify_steps": 10, "host_ms_per_verify_step": {"commit": 60.0, "plan": 0.5}}  # a 600 ms capture
+    after = {"verify_steps": 30, "host_ms_per_verify_step": {"commit": 20.2, "plan": 0.5, "build": 0.1}}
+    timed = bench.timed_host_ms(before, after)
+    assert timed["commit"] == pytest.approx(0.3) and timed["plan"] == pytest.approx(0.5)
+    assert timed["build"] == pytest.approx(0.15)  # a part first timed in this run
+    assert bench.timed_host_ms(after, after) == {}

@@ -5,7 +5,9 @@ builder cannot reuse one group's build for the next (``supports_update_block_tab
 classifies the batch on the host (boolean masks, ``.item()``, ``nonzero``) before it writes the builder's
 CUDA-graph buffers. vLLM's own chain hides that work behind the GPU with asynchronous scheduling; a ddtree step
 cannot (the trees are built on the host between the drafter and the verification), so every host millisecond
-there is a millisecond the GPU waits (profile: ``benches/results/gpu-h200-27b-shape-a6a3e3e``).
+there is a millisecond the GPU waits (``benches/results/gpu-h200-27b-shape-05fced2``: vLLM's GDN builds were the
+largest host phase the GPU waited on; ``gpu-h200-gdn-metadata-ffa8839``: this path took a batch-1 step at the
+27B shape from 35.46 to 33.44 ms, in one engine).
 
 A step whose scheduled tokens are all tree tokens is one shape only: ``B`` spec-decode requests, no decodes,
 no prefills. For it :func:`whole_tree_metadata` writes exactly what vLLM's ``GDNAttentionMetadataBuilder.build``
