@@ -180,8 +180,24 @@ def set_whole_tree_gdn_metadata(worker, on: bool) -> bool:
     return gdn_metadata.set_active(on)
 
 
+def set_device_accept(worker, on: bool) -> bool:
+    """(collective_rpc) Walks the trees on the device (DDTREE_DEVICE_ACCEPT) or on the host; returns the previous
+    setting."""
+    runner = worker.model_runner
+    previous, runner._ddtree_device_accept = runner._ddtree_device_accept, bool(on)
+    return previous
+
+
+#: ``--ab NAME``: each ddtree batch is timed once more in the same engine with NAME switched to the other
+#: setting (the first timing has the engine's own setting): the setter and the setting of the second run.
+AB_SWITCHES = {
+    "gdn-metadata": (set_whole_tree_gdn_metadata, False),
+    "device-accept": (set_device_accept, True),
+}
+
+
 def run_engine(
-    name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False, ab_gdn_metadata=False
+    name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False, ab: str = ""
 ) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -253,19 +269,26 @@ def run_engine(
             row["verify_steps"] = steps
             row["mean_acceptance_length"] = after["mean_acceptance_length"]
             row["host_ms_per_verify_step"] = timed_host_ms(before, after)
-            for counter in ("full_graph_steps", "commit_graph_steps", "whole_tree_gdn_metadata_builds"):
+            for counter in (
+                "full_graph_steps",
+                "commit_graph_steps",
+                "device_accept_steps",
+                "whole_tree_gdn_metadata_builds",
+            ):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
-        if ab_gdn_metadata and before is not None:
-            # The same engine and prompts with vLLM's GDN metadata build in every step (patch 10 off): an A/B
-            # in one process, so the difference is the patch's and not the host's or the run's.
-            llm.collective_rpc(set_whole_tree_gdn_metadata, args=(False,))
+        if ab and before is not None:
+            # The same engine and prompts with one switch turned: an A/B in one process, so the difference is the
+            # switch's and not the host's or the run's.
+            setter, setting = AB_SWITCHES[ab]
+            previous = llm.collective_rpc(setter, args=(setting,))[0]
             try:
-                off_seconds, _ = timed_generate(llm, prompts, OUT_TOKENS)
+                switched, _ = timed_generate(llm, prompts, OUT_TOKENS)
             finally:
-                llm.collective_rpc(set_whole_tree_gdn_metadata, args=(True,))
-            row["ms_per_decode_step_vllm_gdn_metadata"] = round(
-                1e3 * (off_seconds - prefill_seconds) / (OUT_TOKENS - 1), 2
-            )
+                llm.collective_rpc(setter, args=(previous,))
+            row["ab"] = {
+                "switch": f"{ab}={'on' if setting else 'off'}",
+                "ms_per_decode_step": round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2),
+            }
         res["steps"][bs] = row
         print(f"{name} bs={bs}: {row}", flush=True)
         write_partial(profile_dir, name, res)  # the parent keeps these rows if a later batch runs out of time
@@ -338,15 +361,17 @@ def main() -> None:
         "in --out; rank 0 only)",
     )
     ap.add_argument(
-        "--ab-gdn-metadata",
-        action="store_true",
-        help="ddtree engines time each batch once more with vLLM's GDN metadata build (patch 10 off), same process",
+        "--ab",
+        default="",
+        choices=["", *AB_SWITCHES],
+        help="ddtree engines time each batch once more in the same process with this switch turned: gdn-metadata "
+        "(patch 10 off), device-accept (the tree walk on the device)",
     )
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
         profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
-        result = run_engine(args.child, batches, args.tp, args.out, profile_batches, args.eager, args.ab_gdn_metadata)
+        result = run_engine(args.child, batches, args.tp, args.out, profile_batches, args.eager, args.ab)
         print("RESULT-JSON " + json.dumps(result), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
@@ -373,7 +398,7 @@ def main() -> None:
                         args.profile_batches,
                     ]
                     + (["--eager"] if args.eager else [])
-                    + (["--ab-gdn-metadata"] if args.ab_gdn_metadata else []),
+                    + (["--ab", args.ab] if args.ab else []),
                     stdout=subprocess.PIPE,
                     stderr=log,
                     text=True,

@@ -15,6 +15,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
   ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (PIECEWISE steps)
+  ddtree64-device   budget 64 with the tree walk on the device (DDTREE_DEVICE_ACCEPT=1)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
@@ -120,6 +121,10 @@ ENGINES = {
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
     # A budget schedule: 64 (FULL graphs) below 8 drafting requests, 16 (PIECEWISE) from 8 on.
     "ddtree64to16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}}),
+    # The tree walk on the device (DDTREE_DEVICE_ACCEPT=1; off by default until this engine has run on a GPU).
+    "ddtree64-device": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, env={"DDTREE_DEVICE_ACCEPT": "1"}
+    ),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         num_gpu_blocks_override=160,
@@ -566,7 +571,7 @@ def main():
             log(f"{name}: SKIPPED, {left:.0f}s left of the {args.deadline}s deadline", fh)
             continue
         timeout = int(min(args.timeout, left))
-        env_c = env
+        env_c = dict(env, **ENGINES.get(name, {}).get("env", {}))
         child_log = os.path.join(args.out, f"engine_{name}.log")
         try:
             with open(child_log, "w") as clog:

@@ -14,6 +14,7 @@ from ddtree.vllm.config import (
     budget_description,
     check_target,
     commit_graphs_enabled,
+    device_accept_enabled,
     whole_tree_gdn_metadata_enabled,
     cudagraph_mode_choice,
     engine_overrides,
@@ -331,6 +332,18 @@ def test_whole_tree_gdn_metadata_is_on_unless_turned_off(env, on):
 def test_whole_tree_gdn_metadata_setting_refuses_other_values():
     with pytest.raises(DDTreeConfigError, match=r"DDTREE_WHOLE_TREE_GDN_METADATA must be 1 .* or 0 .*got 'on'"):
         whole_tree_gdn_metadata_enabled({"DDTREE_WHOLE_TREE_GDN_METADATA": "on"})
+
+
+@pytest.mark.parametrize(
+    "env, on", [({}, False), ({"DDTREE_DEVICE_ACCEPT": "1"}, True), ({"DDTREE_DEVICE_ACCEPT": "0"}, False)]
+)
+def test_the_device_walk_is_off_unless_turned_on(env, on):
+    assert device_accept_enabled(env) is on
+
+
+def test_device_walk_setting_refuses_other_values():
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_DEVICE_ACCEPT must be 0 .* or 1 .*got 'yes'"):
+        device_accept_enabled({"DDTREE_DEVICE_ACCEPT": "yes"})
 
 
 def test_a_budget_schedule_by_batch_size():

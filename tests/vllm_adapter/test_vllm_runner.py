@@ -59,18 +59,13 @@ def _tree_lists(store, req_ids, seed=0):
     return store.propose(req_ids, log_probs.astype(np.float32), ids.astype(np.int64))
 
 
-@pytest.mark.parametrize("mrope", [False, True])
-def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
-    """A prefill, a whole tree and a cut tree in one step: the Rust layout lands in the fixed-address buffers,
-    positions become start + depth for tree tokens only, the published step names the tree and other tokens."""
-    import numpy as np
-
-    from ddtree.vllm import context
+def _mixed_hybrid_step(mrope=False, device_accept=False):
+    """A runner (no vLLM engine) about to prepare a prefill, a whole tree and a cut tree of a hybrid target."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import TreeStepBuffers
     from ddtree.vllm.runner import DDTreeGPUModelRunner
     from ddtree.vllm.staging import StepStaging
-    from ddtree.vllm.step import TreeStore, plan_verify
+    from ddtree.vllm.step import TreeStore
 
     cpu = torch.device("cpu")
     runner = object.__new__(DDTreeGPUModelRunner)
@@ -83,12 +78,24 @@ def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
     runner._ddtree_buffers = TreeStepBuffers(cpu, max_requests=4, max_tokens=40, tree_size=7, conv_width=4)
     runner._ddtree_plan_staging = StepStaging(cpu)
     runner._ddtree_gdn_step = None
+    runner._ddtree_device_accept = device_accept
     runner.positions = torch.arange(17)
     runner.uses_mrope = mrope
     if mrope:
         runner.mrope_positions = SimpleNamespace(gpu=torch.stack([torch.arange(17) * k for k in (1, 2, 3)]))
     scheduled = {"a": lists[0], "b": lists[1][:4]}  # b's tree cut to 4 drafts by the scheduler
     output = SimpleNamespace(total_num_scheduled_tokens=17, scheduled_spec_decode_tokens=scheduled)
+    return runner, scheduled, output
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
+    """A prefill, a whole tree and a cut tree in one step: the Rust layout lands in the fixed-address buffers,
+    positions become start + depth for tree tokens only, the published step names the tree and other tokens."""
+    from ddtree.vllm import context
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    runner, scheduled, output = _mixed_hybrid_step(mrope)
     try:
         assert runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3) == (
             "indices",
@@ -173,3 +180,49 @@ def test_stats_count_cut_trees_against_their_proposal_and_steps_by_budget():
     summary = stats.summary()
     assert summary["trees"] == 2 and summary["partial_trees"] == 1  # b was cut; a is whole at budget 6
     assert summary["steps_by_budget"] == {6: 1}
+
+
+def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
+    """DDTREE_DEVICE_ACCEPT: the plan uploads the device walk's inputs, the walk gives what the Rust acceptance
+    gives, and the statistics count the step once its copy has landed."""
+    from ddtree.vllm import context
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.step import accept
+
+    runner, _, output = _mixed_hybrid_step(device_accept=True)
+    runner.max_num_reqs, runner.device = 4, torch.device("cpu")
+    runner._ddtree_counts_host = None
+    runner._ddtree_device_counts = None
+    runner.ddtree_stats = DDTreeStats(3)
+    try:
+        runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
+    finally:
+        context.withdraw()
+    plan = runner._ddtree_plan
+    assert plan.device_trees is not None
+    wants_logprobs = SimpleNamespace(max_num_logprobs=2)
+    assert runner.ddtree_device_accepts(plan, SimpleNamespace(max_num_logprobs=None))
+    assert not runner.ddtree_device_accepts(plan, wants_logprobs)  # their rows come from the host walk's paths
+    # Each node's target token: the first child's draft token where it has one (deep acceptance), else a miss.
+    target = np.full(plan.num_tree_tokens, 999, dtype=np.int64)
+    trees = plan.trees
+    for j in range(2):
+        lo = int(trees.node_offsets[j])
+        for i in range(int(trees.node_offsets[j + 1]) - 1, lo, -1):  # later children first: the first one wins
+            target[lo + trees.parents[i]] = trees.tokens[trees.token_offsets[j] + i - lo - 1]
+    host = accept(plan, target, 7)
+    gpu = runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
+    assert runner._ddtree_accept is None and runner._ddtree_accept_gpu is gpu
+    assert np.array_equal(gpu["output_tokens"].numpy(), host.output_tokens)
+    assert np.array_equal(gpu["context_order"].numpy(), host.context_order)
+    assert np.array_equal(gpu["commit_conv_index"].numpy(), host.commit_conv_index)
+    runner._ddtree_device_counts = (plan, runner._ddtree_counts_to_host(gpu["path_lengths"]))
+    runner._ddtree_count_device_step()
+    expected = DDTreeStats(3)
+    expected.observe(plan, host)
+    expected.device_accept_steps = 1
+    counted = {k: v for k, v in runner.ddtree_stats.summary().items() if k != "host_ms_per_verify_step"}
+    assert counted == {k: v for k, v in expected.summary().items() if k != "host_ms_per_verify_step"}
+    assert runner.ddtree_stats.accepted > 0
+    runner._ddtree_count_device_step()  # nothing pending: nothing counted twice
+    assert runner.ddtree_stats.steps == 1 and runner.ddtree_stats.device_accept_steps == 1

@@ -5,12 +5,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_device_accept import device_trees
 
 vllm = pytest.importorskip("vllm")
 
 
-def test_rejection_sampler_emits_vllm_chain_rows():
-    """The sampler on CPU tensors with a fake runner: tree walk, chain format, plain rows."""
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rejection_sampler_emits_vllm_chain_rows(on_device):
+    """The sampler on CPU tensors with a fake runner: tree walk (the Rust core's, or the device walk of
+    DDTREE_DEVICE_ACCEPT), chain format, plain rows."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from ddtree.vllm.sampler import DDTreeRejectionSampler
@@ -44,8 +47,11 @@ def test_rejection_sampler_emits_vllm_chain_rows():
     from ddtree.vllm.staging import StepStaging
 
     # The runner's state the sampler touches, with the runner's own acceptance upload.
-    runner = type("FakeRunner", (), {"ddtree_accept": DDTreeGPUModelRunner.ddtree_accept})()
+    methods = ("ddtree_accept", "ddtree_device_accepts", "ddtree_accept_on_device")
+    runner = type("FakeRunner", (), {name: getattr(DDTreeGPUModelRunner, name) for name in methods})()
     runner._ddtree_plan, runner._ddtree_accept = plan, None
+    runner._ddtree_device_accept = on_device
+    plan.device_trees = device_trees(plan) if on_device else None
     runner.ddtree_stats = DDTreeStats(15)
     runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
     runner._ddtree_conv_window = 0
@@ -80,13 +86,16 @@ def test_rejection_sampler_emits_vllm_chain_rows():
         want.append(19)
         assert out[row, : len(want)].tolist() == want
         assert (out[row, len(want) :] == -1).all()
+    staged = runner._ddtree_accept_gpu
+    assert torch.equal(staged["output_tokens"], out[1:])
+    assert staged["context_order"].shape == (13,)
+    if on_device:  # nothing went through the host: no acceptance plan, no upload
+        assert runner._ddtree_accept is None and runner._ddtree_accept_staging.uploads == 0
+        return
     assert runner._ddtree_accept is not None
     # The acceptance's arrays reached the device side in one upload, in the runner's layout.
-    staged = runner._ddtree_accept_gpu
     assert runner._ddtree_accept_staging.uploads == 1
-    assert torch.equal(staged["output_tokens"], out[1:])
     assert staged["kv_src"].tolist() == runner._ddtree_accept.kv_src.tolist()
-    assert staged["context_order"].shape == (13,)
 
     def replan():
         """The same trees again (plan_verify consumed the proposal), installed in the runner."""

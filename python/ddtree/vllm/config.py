@@ -45,6 +45,7 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 #: "0" commits the GDN state of FULL tree steps layer by layer instead of through one CUDA graph per FULL size.
 COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
 WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
+DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -301,6 +302,18 @@ def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> 
         raise DDTreeConfigError(
             f"{WHOLE_TREE_GDN_METADATA_ENV} must be 1 (ddtree's whole-tree GDN metadata, the default) or 0 "
             f"(vLLM's build every step), got {value!r}"
+        )
+    return value == "1"
+
+
+def device_accept_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the trees are walked on the device (``ddtree.vllm.device_accept``) instead of by the Rust core on
+    the host. Off unless DDTREE_DEVICE_ACCEPT=1: CPU-tested against the Rust walk, not yet run on a GPU."""
+    value = environ.get(DEVICE_ACCEPT_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise DDTreeConfigError(
+            f"{DEVICE_ACCEPT_ENV} must be 0 (the Rust walk on the host, the default) or 1 (the walk on the device), "
+            f"got {value!r}"
         )
     return value == "1"
 

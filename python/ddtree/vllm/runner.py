@@ -38,7 +38,14 @@ from ddtree.vllm import context
 from ddtree.vllm.attention import DDTreeAttentionBackend
 from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
-from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY, DDTreeConfig, budget_description, commit_graphs_enabled
+from ddtree.vllm import device_accept
+from ddtree.vllm.config import (
+    ADDITIONAL_CONFIG_KEY,
+    DDTreeConfig,
+    budget_description,
+    commit_graphs_enabled,
+    device_accept_enabled,
+)
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, cuda_graph_capture
 from ddtree.vllm.staging import StepStaging
@@ -54,6 +61,7 @@ class DDTreeStats:
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
+        self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.trees = 0
         self.partial_trees = 0  # trees verified with fewer nodes than proposed (cut: max_model_len, token budget)
         self.nodes = 0
@@ -75,7 +83,11 @@ class DDTreeStats:
             self.host_seconds[part] = self.host_seconds.get(part, 0.0) + time.perf_counter() - start
 
     def observe(self, plan: VerifyPlan, accept: AcceptPlan) -> None:
-        acc = accept.accepted.accepted
+        self.observe_counts(plan, accept.accepted.accepted)
+
+    def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
+        """One verify step whose trees accepted ``acc`` ``[R]`` drafts each."""
+        acc = np.asarray(acc, dtype=np.int64)
         self.steps += 1
         self.trees += acc.shape[0]
         self.nodes += int(plan.num_nodes.sum() - plan.num_nodes.shape[0])
@@ -95,6 +107,7 @@ class DDTreeStats:
             "verify_steps": self.steps,
             "full_graph_steps": self.full_graph_steps,
             "commit_graph_steps": self.commit_graph_steps,
+            "device_accept_steps": self.device_accept_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
             "steps_by_budget": dict(sorted(self.steps_by_budget.items())),
@@ -133,6 +146,9 @@ def fill_plan_extras(extras: Dict[str, np.ndarray], plan: VerifyPlan, total: int
         # of a decode position are equal; taking the root's keeps a multimodal offset).
         extras["mrope_root_index"][:] = np.repeat(plan.query_starts, plan.num_nodes)
         extras["depths"][:] = plan.trees.depths
+    if "node_parents" in extras:  # the device walk's inputs (DDTREE_DEVICE_ACCEPT)
+        device_accept.node_arrays(plan.trees, extras)
+        extras["tree_query_starts"][:] = plan.query_starts
     if "other_index" in extras:
         keep = np.ones(total, dtype=bool)
         keep[plan.token_index] = False
@@ -182,6 +198,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The GDN commit of FULL steps as CUDA graphs (made at the first commit of each size, when the accepted
         # paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
+        # The trees walked on the device (DDTREE_DEVICE_ACCEPT=1; the benches toggle it in-process for an A/B)
+        # and the accepted counts of the last such step, read once its copy to the host is done.
+        self._ddtree_device_accept = device_accept_enabled()
+        self._ddtree_device_counts: Optional[tuple] = None
+        self._ddtree_counts_host: Optional[torch.Tensor] = None
+        self._ddtree_counts_landed = None
         self._ddtree_commit_graphs: Optional[CommitGraphs] = None
         # This step: do all running requests verify whole trees (a FULL graph may replay it), and which
         # FULL graph (its size in tokens) replayed it.
@@ -271,6 +293,15 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         )
         plan.logit_rows_gpu = gpu["logit_rows"]
         plan.batch_index_gpu = gpu["batch_index"]
+        plan.device_trees = None
+        if "node_parents" in gpu:
+            plan.device_trees = device_accept.DeviceTrees(
+                **{name: gpu[name] for name in device_accept.NODE_ARRAYS},
+                node_offsets=gpu["node_offsets"].to(torch.int64),
+                query_starts=gpu["tree_query_starts"],
+                token_index=gpu["token_index"],
+                ancestor_bits=gpu["ancestor_bits"],
+            )
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
 
@@ -285,6 +316,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             extra_specs["depths"] = (np.int64, (num_tree_tokens,))
         if hybrid and num_tree_tokens < total:
             extra_specs["other_index"] = (np.int64, (total - num_tree_tokens,))
+        if self._ddtree_device_accept:
+            extra_specs.update((name, (np.int64, (num_tree_tokens,))) for name in device_accept.NODE_ARRAYS)
+            extra_specs["tree_query_starts"] = (np.int64, (specs["batch_index"][1][0],))
         views = self._ddtree_plan_staging.host_arrays({**specs, **extra_specs})
         extras.update((name, views.pop(name)) for name in extra_specs)
         return views
@@ -424,7 +458,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         out = super()._sample(logits, spec_decode_metadata)
         plan, accept, gpu = self._ddtree_plan, self._ddtree_accept, self._ddtree_accept_gpu
         self._ddtree_accept_gpu = None
-        if plan is not None and accept is not None:
+        if plan is not None and gpu is not None:
             # Host time of the commit's launches (KV moves per attention layer, two per GDN layer): under FULL
             # graphs they are the step's largest host work outside the replay.
             with self.ddtree_stats.timed("commit"):
@@ -432,7 +466,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 self._ddtree_commit_gdn(gpu)
             self.drafter.context_order = gpu["context_order"]
             self.drafter.flat_positions = self._ddtree_flat_positions
-            self.ddtree_stats.observe(plan, accept)
+            if accept is not None:
+                self.ddtree_stats.observe(plan, accept)
+            else:  # walked on the device: counted once the copy below has landed (sample_tokens)
+                self._ddtree_device_counts = (plan, self._ddtree_counts_to_host(gpu["path_lengths"]))
             self.ddtree_stats.full_graph_steps += self._ddtree_full_graph is not None
         else:
             self.drafter.context_order = None
@@ -448,6 +485,56 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             gpu = self._ddtree_accept_staging.upload_host()
         self._ddtree_accept_gpu = gpu
         return gpu
+
+    def ddtree_device_accepts(self, plan: VerifyPlan, sampling_metadata) -> bool:
+        """Whether this step's trees are walked on the device: switched on, the plan carries the device walk's
+        inputs, and no request wants logprobs (their rows come from the host walk's paths)."""
+        return (
+            self._ddtree_device_accept
+            and getattr(plan, "device_trees", None) is not None
+            and sampling_metadata.max_num_logprobs is None
+        )
+
+    def ddtree_accept_on_device(
+        self, plan: VerifyPlan, node_tokens: torch.Tensor, width: int
+    ) -> Dict[str, torch.Tensor]:
+        """:meth:`ddtree_accept` without the host: the walk and its layout as device tensors
+        (:func:`ddtree.vllm.device_accept.accept_on_device`). Called by the rejection sampler."""
+        with self.ddtree_stats.timed("accept"):
+            gpu = device_accept.accept_on_device(
+                plan.device_trees,
+                node_tokens,
+                width,
+                int(plan.trees.draft_depth) + 1,
+                plan.num_tokens,
+                plan.conv_window,
+            )
+        self._ddtree_accept = None
+        self._ddtree_accept_gpu = gpu
+        return gpu
+
+    def _ddtree_counts_to_host(self, path_lengths: torch.Tensor):
+        """A copy of the accepted path lengths on its way to the host, and the event that says it landed."""
+        if self._ddtree_counts_host is None:  # pinned once, reused: a step's counts are read before the next's
+            on_gpu = self.device.type == "cuda"
+            self._ddtree_counts_host = torch.empty(self.max_num_reqs, dtype=torch.int32, pin_memory=on_gpu)
+            self._ddtree_counts_landed = torch.cuda.Event() if on_gpu else None
+        host = self._ddtree_counts_host[: path_lengths.shape[0]]
+        host.copy_(path_lengths, non_blocking=True)
+        if self._ddtree_counts_landed is not None:
+            self._ddtree_counts_landed.record()
+        return host, self._ddtree_counts_landed
+
+    def _ddtree_count_device_step(self) -> None:
+        """Counts the last device-walked step in the statistics (its copy has landed by now, or is waited for)."""
+        pending, self._ddtree_device_counts = self._ddtree_device_counts, None
+        if pending is None:
+            return
+        plan, (host, done) = pending
+        if done is not None:
+            done.synchronize()
+        self.ddtree_stats.observe_counts(plan, host.numpy().astype(np.int64) - 1)
+        self.ddtree_stats.device_accept_steps += 1
 
     def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> None:
         step = self._ddtree_gdn_step
@@ -540,6 +627,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             return super().sample_tokens(grammar_output)
         finally:
+            # vLLM's bookkeeping has read this step's sampled tokens by now, so the counts' copy has landed.
+            self._ddtree_count_device_step()
             self._ddtree_gdn_step = None
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.

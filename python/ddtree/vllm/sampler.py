@@ -141,7 +141,12 @@ class DDTreeRejectionSampler(nn.Module):
         # Requests without a tree (no drafts, or the dummy run) emit their last row's token.
         out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
         result = None
-        if plan is not None:
+        if plan is not None and runner.ddtree_device_accepts(plan, sampling_metadata):
+            # Walked on the device: no wait here; the commit and the drafter are queued behind the verification.
+            out[plan.batch_index_gpu] = runner.ddtree_accept_on_device(plan, tokens[plan.logit_rows_gpu], width)[
+                "output_tokens"
+            ]
+        elif plan is not None:
             # The step's first wait for the GPU (the verify's tail): its own profiler range.
             with record_function_or_nullcontext("ddtree: wait for the target's tokens"):
                 node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
