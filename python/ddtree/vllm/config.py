@@ -280,42 +280,39 @@ def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict
     return changes
 
 
+def env_switch(environ: Mapping[str, str], name: str, default: str, meanings: Mapping[str, str]) -> bool:
+    """A 0/1 environment switch (``default`` when unset); any other value is refused with both meanings."""
+    value = environ.get(name, default).strip()
+    if value not in ("0", "1"):
+        first, second = default, "0" if default == "1" else "1"
+        raise DDTreeConfigError(
+            f"{name} must be {first} ({meanings[first]}, the default) or {second} ({meanings[second]}), got {value!r}"
+        )
+    return value == "1"
+
+
 def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the GDN commit after a FULL tree step replays a CUDA graph (on unless DDTREE_COMMIT_GRAPHS=0).
 
     Measured at the Qwen3.6-27B shape on one H200: the commit's host time per step 3.4-4.9 ms layer by layer
     (96 Triton launches), 0.29 ms as a graph (benches/results/gpu-h200-27b-shape-7ec2cc3).
     """
-    value = environ.get(COMMIT_GRAPHS_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise DDTreeConfigError(
-            f"{COMMIT_GRAPHS_ENV} must be 1 (commit graphs, the default) or 0 (commit layer by layer), got {value!r}"
-        )
-    return value == "1"
+    return env_switch(environ, COMMIT_GRAPHS_ENV, "1", {"1": "commit graphs", "0": "commit layer by layer"})
 
 
 def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether whole-tree steps build vLLM's GDN metadata without its host classification (patch 10; on unless
     DDTREE_WHOLE_TREE_GDN_METADATA=0, which leaves every build to vLLM)."""
-    value = environ.get(WHOLE_TREE_GDN_METADATA_ENV, "1").strip()
-    if value not in ("0", "1"):
-        raise DDTreeConfigError(
-            f"{WHOLE_TREE_GDN_METADATA_ENV} must be 1 (ddtree's whole-tree GDN metadata, the default) or 0 "
-            f"(vLLM's build every step), got {value!r}"
-        )
-    return value == "1"
+    meanings = {"1": "ddtree's whole-tree GDN metadata", "0": "vLLM's build every step"}
+    return env_switch(environ, WHOLE_TREE_GDN_METADATA_ENV, "1", meanings)
 
 
 def device_accept_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the trees are walked on the device (``ddtree.vllm.device_accept``) instead of by the Rust core on
     the host. Off unless DDTREE_DEVICE_ACCEPT=1: CPU-tested against the Rust walk, not yet run on a GPU."""
-    value = environ.get(DEVICE_ACCEPT_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise DDTreeConfigError(
-            f"{DEVICE_ACCEPT_ENV} must be 0 (the Rust walk on the host, the default) or 1 (the walk on the device), "
-            f"got {value!r}"
-        )
-    return value == "1"
+    return env_switch(
+        environ, DEVICE_ACCEPT_ENV, "0", {"0": "the Rust walk on the host", "1": "the walk on the device"}
+    )
 
 
 #: vLLM's CUDA-graph modes a ddtree engine runs. A step in which every request verifies a whole tree of a
