@@ -166,7 +166,8 @@ def main():
         default="",
         help="comma-separated engine names, run in that order (default: none, "
         "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-layercommit: "
-        "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer)",
+        "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-device: DDTREE_DEVICE_ACCEPT=1, the tree "
+        "walk on the device)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -192,6 +193,8 @@ def main():
         engines.append((f"ddtree-{b}-piecewise", dict(tree, cudagraph_mode="PIECEWISE")))
         # The same engine without the GDN commit graphs (the commit layer by layer, two launches per GDN layer).
         engines.append((f"ddtree-{b}-layercommit", dict(tree, env={"DDTREE_COMMIT_GRAPHS": "0"})))
+        # The same engine with the tree walk on the device (DDTREE_DEVICE_ACCEPT=1, off by default).
+        engines.append((f"ddtree-{b}-device", dict(tree, env={"DDTREE_DEVICE_ACCEPT": "1"})))
     if args.schedule is not None:
         engines.append(
             (
