@@ -294,7 +294,7 @@ def run_engine(
         write_partial(profile_dir, name, res)  # the parent keeps these rows if a later batch runs out of time
         if bs in profile_batches:
             # 16 more steps under the profiler: per-kernel GPU time of one step's parts (drafter, GDN, attention).
-            profile_generate(
+            res.setdefault("profiles", {})[bs] = profile_generate(
                 llm,
                 prompts,
                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),

@@ -133,7 +133,9 @@ def child(args):
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
             json.dump([list(o.outputs[0].token_ids) for o in outs], f)
         if b in profile_batches:
-            profile_generate(llm, prompts, params, os.path.join(args.out, f"profile_{args.name}_b{b}.txt"))
+            row["profile"] = profile_generate(
+                llm, prompts, params, os.path.join(args.out, f"profile_{args.name}_b{b}.txt")
+            )
     print("RESULT-JSON " + json.dumps(rows), flush=True)
 
 

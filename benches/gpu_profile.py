@@ -15,10 +15,11 @@ def enable_scopes() -> None:
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
 
 
-def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> None:
+def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> dict:
     """One more ``generate`` under torch.profiler. The top ops by GPU and by CPU time go to ``path``; the
     timeline (Chrome trace format, gzip) to ``path`` with ``.trace.json.gz`` in place of its extension: where
-    the GPU waits for the host between kernels shows there, not in the tables.
+    the GPU waits for the host between kernels shows there, not in the tables. Returns :func:`idle_summary` of
+    the timeline, for the bench's JSON.
 
     Works with vLLM's in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the benches set) and one
     GPU: a tensor-parallel engine's other ranks run in processes the profiler does not see.
@@ -44,10 +45,13 @@ def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> No
         handle.write(scopes_table(averages))
     raw = os.path.splitext(path)[0] + ".trace.json"
     prof.export_chrome_trace(raw)
-    with open(raw) as trace, open(path, "a") as handle:
+    with open(raw) as trace:
+        events = json.load(trace)["traceEvents"]
+    with open(path, "a") as handle:
         # Host times here are inflated by the profiler's Python tracing; the shares of idle time are the point.
-        handle.write("\n" + idle_table(json.load(trace)["traceEvents"], params.max_tokens))
+        handle.write("\n" + idle_table(events, params.max_tokens))
     compress(raw)
+    return idle_summary(events, params.max_tokens)
 
 
 #: Operations whose host side can block until the GPU catches up (a data-dependent size, a scalar, a copy).
@@ -124,6 +128,20 @@ def idle_by_range(trace_events, min_gap_us: float = 5.0):
             idle[name] = idle.get(name, 0.0) + hi - lo
     busy = sum(end - start for start, end in gpu)
     return busy, gpu[-1][1] - gpu[0][0], idle
+
+
+def idle_summary(trace_events, tokens: int, most: int = 8) -> dict:
+    """:func:`idle_by_range` in ms per output token (``tokens``: the generate's max_tokens): GPU busy, the span, and
+    the ``most`` host ranges the GPU waited in longest."""
+    busy, span, idle = idle_by_range(trace_events)
+    per_token = 1e3 * max(tokens, 1)
+    waited = sorted(idle.items(), key=lambda kv: -kv[1])[:most]
+    return {
+        "gpu_busy_ms_per_token": round(busy / per_token, 3),
+        "span_ms_per_token": round(span / per_token, 3),
+        "idle_ms_per_token_by_host_range": {name: round(us / per_token, 3) for name, us in waited},
+        "note": "profiled: Python tracing inflates host time (about 3x at the 27B shape)",
+    }
 
 
 def idle_table(trace_events, tokens: int) -> str:

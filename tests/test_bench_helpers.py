@@ -112,6 +112,9 @@ def test_gpu_idle_time_is_charged_to_the_innermost_host_range():
     assert (busy, span) == (40, 100)
     # Gap 10-40: preprocess 10-20 and 30-40, plan 20-30; gap 60-90: preprocess to 65, then outside every range.
     assert idle == {"gpu_model_runner: preprocess": 25, "ddtree: plan": 10, "(no range)": 25}
+    summary = gpu_profile.idle_summary(trace, tokens=5, most=2)
+    assert summary["gpu_busy_ms_per_token"] == 0.008 and summary["span_ms_per_token"] == 0.02
+    assert list(summary["idle_ms_per_token_by_host_range"]) == ["gpu_model_runner: preprocess", "(no range)"]
     table = gpu_profile.idle_table(trace, tokens=5)
     assert "GPU busy 0.04 ms of a 0.10 ms span (40.0%)" in table and "ddtree: plan" in table
     assert gpu_profile.idle_table([], tokens=5).startswith("GPU busy: no GPU work")
