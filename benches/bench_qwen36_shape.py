@@ -245,9 +245,10 @@ def run_engine(
         prompts = [
             {"prompt_token_ids": torch.randint(1000, 200000, (PROMPT_LEN,), generator=gen).tolist()} for _ in range(bs)
         ]
-        # Warm-up at this batch size: the first steps of a new batch size pay one-time costs (a ddtree engine's GDN
-        # commit-graph capture among them; about 0.6 s at this shape), which must not land in the timed run (it did in the batch-8 rows of
-        # ddtree engines with commit graphs in gpu-h200-27b-shape-7ec2cc3 and -05fced2).
+        # Warm-up at this batch size: the first steps of a new batch size pay one-time costs (a ddtree engine's
+        # GDN commit-graph capture among them; about 0.6 s at this shape), which must not land in the timed run
+        # (they did in the batch-8 rows of ddtree engines with commit graphs in gpu-h200-27b-shape-7ec2cc3 and
+        # -05fced2).
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         # The prompts' prefill alone (one token each; prefix caching is off, so the timed run prefills again):
         # subtracted from the timed run, it leaves the decode steps' cost.

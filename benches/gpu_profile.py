@@ -87,11 +87,6 @@ def scopes_table(averages) -> str:
     return "".join(lines) or "(none: scopes were off)\n"
 
 
-def busy_microseconds(intervals) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
-    return sum(end - start for start, end in merged(intervals))
-
-
 def merged(intervals):
     """The union of ``(start, end)`` intervals as sorted, disjoint intervals."""
     out = []

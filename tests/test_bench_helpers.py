@@ -74,8 +74,8 @@ def test_syncing_ops_are_listed_with_the_python_line_that_made_them():
 def test_busy_time_is_the_union_of_overlapping_intervals():
     import gpu_profile
 
-    assert gpu_profile.busy_microseconds([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
-    assert gpu_profile.busy_microseconds([]) == 0
+    assert gpu_profile.merged([(0, 10), (5, 15), (20, 25), (21, 22)]) == [[0, 15], [20, 25]]  # 20 us busy
+    assert gpu_profile.merged([]) == []
 
 
 def test_named_ranges_are_tabled_and_other_ops_left_out():

@@ -1,6 +1,6 @@
 """vLLM's GDN attention metadata for a step in which every request verifies a tree, built without host syncs.
 
-vLLM builds GDN metadata once per KV-cache group and step (Qwen3.6-27B: 12 groups of 4 GDN layers), and its
+vLLM builds GDN metadata once per KV-cache group and step (10 builds per step at Qwen3.6-27B's shape, measured), and its
 builder cannot reuse one group's build for the next (``supports_update_block_table`` is False). Each build
 classifies the batch on the host (boolean masks, ``.item()``, ``nonzero``) before it writes the builder's
 CUDA-graph buffers. vLLM's own chain hides that work behind the GPU with asynchronous scheduling; a ddtree step
@@ -40,20 +40,28 @@ def set_active(on: bool) -> bool:
     return previous
 
 
-def whole_tree_step_requests(num_decode_draft_tokens_cpu: Optional[torch.Tensor], num_reqs: int) -> Optional[int]:
-    """``num_reqs`` when the published step verifies a tree in every one of the batch's ``num_reqs`` requests
-    and every one of them is a spec decode to vLLM (None otherwise)."""
+#: The last verdict of :func:`is_whole_tree_step`, ``(step, num_reqs, verdict)``: vLLM builds every GDN group's
+#: metadata of a step in turn from the same inputs, so the tensor checks run once per step, not once per group.
+_last_verdict: tuple = (None, 0, False)
+
+
+def is_whole_tree_step(num_decode_draft_tokens_cpu: Optional[torch.Tensor], num_reqs: int) -> bool:
+    """Whether the published step verifies a tree in every one of the batch's ``num_reqs`` requests and every one
+    of them is a spec decode to vLLM."""
+    global _last_verdict
     current = published()
     step = current.gdn if current is not None else None
     if step is None or step.other_index is not None or step.num_requests != num_reqs:
-        return None
-    if num_decode_draft_tokens_cpu is None or num_decode_draft_tokens_cpu.shape[0] < num_reqs:
-        return None
-    drafts = num_decode_draft_tokens_cpu[:num_reqs]
-    # vLLM's build treats a batch whose requests all have zero drafts as plain decodes.
-    if not bool((drafts >= 0).all()) or int(drafts.sum()) == 0:
-        return None
-    return num_reqs
+        return False
+    if _last_verdict[0] is step and _last_verdict[1] == num_reqs:
+        return _last_verdict[2]
+    verdict = num_decode_draft_tokens_cpu is not None and num_decode_draft_tokens_cpu.shape[0] >= num_reqs
+    if verdict:
+        drafts = num_decode_draft_tokens_cpu[:num_reqs]
+        # vLLM's build treats a batch whose requests all have zero drafts as plain decodes.
+        verdict = bool((drafts >= 0).all()) and int(drafts.sum()) > 0
+    _last_verdict = (step, num_reqs, verdict)
+    return verdict
 
 
 def whole_tree_metadata(builder, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu):
@@ -64,8 +72,8 @@ def whole_tree_metadata(builder, common_attn_metadata, num_accepted_tokens, num_
     m = common_attn_metadata
     if not active or not (builder.use_spec_decode and builder.use_full_cuda_graph) or num_accepted_tokens is None:
         return None
-    num_reqs = whole_tree_step_requests(num_decode_draft_tokens_cpu, m.num_reqs)
-    if num_reqs is None:
+    num_reqs = m.num_reqs
+    if not is_whole_tree_step(num_decode_draft_tokens_cpu, num_reqs):
         return None
     num_tokens = int(m.query_start_loc_cpu[num_reqs])
     if num_reqs > builder.decode_cudagraph_max_bs or num_tokens > builder.decode_cudagraph_max_bs:

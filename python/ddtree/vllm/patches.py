@@ -111,7 +111,7 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     ``ddtree.vllm.gdn_metadata.whole_tree_metadata`` -- the same buffers and
     values as vLLM's FULL-graph branch, without the host-side classification
     (masks, ``.item()``, ``nonzero``) that vLLM repeats for each of the
-    target's GDN KV-cache groups (12 at Qwen3.6-27B's shape). vLLM's chain
+    target's GDN KV-cache groups (10 per step at Qwen3.6-27B's shape). vLLM's chain
     hides that host work behind the GPU with asynchronous scheduling, which a
     ddtree step cannot use, so there it is GPU idle time. Every other step is
     vLLM's build. ``DDTREE_WHOLE_TREE_GDN_METADATA=0`` leaves every build to

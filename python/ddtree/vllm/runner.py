@@ -38,7 +38,7 @@ from ddtree.vllm import context
 from ddtree.vllm.attention import DDTreeAttentionBackend
 from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
-from ddtree.vllm import device_accept
+from ddtree.vllm import device_accept, gdn_metadata
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
@@ -293,7 +293,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         )
         plan.logit_rows_gpu = gpu["logit_rows"]
         plan.batch_index_gpu = gpu["batch_index"]
-        plan.device_trees = None
         if "node_parents" in gpu:
             plan.device_trees = device_accept.DeviceTrees(
                 **{name: gpu[name] for name in device_accept.NODE_ARRAYS},
@@ -490,9 +489,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """Whether this step's trees are walked on the device: switched on, the plan carries the device walk's
         inputs, and no request wants logprobs (their rows come from the host walk's paths)."""
         return (
-            self._ddtree_device_accept
-            and getattr(plan, "device_trees", None) is not None
-            and sampling_metadata.max_num_logprobs is None
+            self._ddtree_device_accept and plan.device_trees is not None and sampling_metadata.max_num_logprobs is None
         )
 
     def ddtree_accept_on_device(
@@ -513,8 +510,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_gpu = gpu
         return gpu
 
-    def _ddtree_counts_to_host(self, path_lengths: torch.Tensor):
-        """A copy of the accepted path lengths on its way to the host, and the event that says it landed."""
+    def _ddtree_counts_to_host(self, path_lengths: torch.Tensor) -> torch.Tensor:
+        """A copy of the accepted path lengths on its way to the host (``_ddtree_counts_landed`` says when it
+        landed)."""
         if self._ddtree_counts_host is None:  # pinned once, reused: a step's counts are read before the next's
             on_gpu = self.device.type == "cuda"
             self._ddtree_counts_host = torch.empty(self.max_num_reqs, dtype=torch.int32, pin_memory=on_gpu)
@@ -523,16 +521,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         host.copy_(path_lengths, non_blocking=True)
         if self._ddtree_counts_landed is not None:
             self._ddtree_counts_landed.record()
-        return host, self._ddtree_counts_landed
+        return host
 
     def _ddtree_count_device_step(self) -> None:
         """Counts the last device-walked step in the statistics (its copy has landed by now, or is waited for)."""
         pending, self._ddtree_device_counts = self._ddtree_device_counts, None
         if pending is None:
             return
-        plan, (host, done) = pending
-        if done is not None:
-            done.synchronize()
+        plan, host = pending
+        if self._ddtree_counts_landed is not None:
+            self._ddtree_counts_landed.synchronize()
         self.ddtree_stats.observe_counts(plan, host.numpy().astype(np.int64) - 1)
         self.ddtree_stats.device_accept_steps += 1
 
@@ -645,6 +643,4 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return DraftTokenIds(list(req_ids), [list(d) for d in drafts])
 
     def ddtree_summary(self) -> Dict[str, object]:
-        from ddtree.vllm import gdn_metadata
-
         return dict(self.ddtree_stats.summary(), whole_tree_gdn_metadata_builds=gdn_metadata.builds)

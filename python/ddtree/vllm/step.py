@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -147,6 +147,11 @@ class VerifyPlan:
     proposed_budgets: np.ndarray  # [R_t] int64: each tree's budget at proposal
     conv_index: Optional[np.ndarray] = None  # [T, w + 1] int64 (hybrid targets): rows of cat(histories, inputs)
     conv_window: int = 0
+    # Set by the runner once the plan is on the device: the sampler's rows, the tree rows of the batch, and the
+    # device walk's inputs (``ddtree.vllm.device_accept.DeviceTrees``; None unless DDTREE_DEVICE_ACCEPT is on).
+    logit_rows_gpu: Optional[Any] = None
+    batch_index_gpu: Optional[Any] = None
+    device_trees: Optional[Any] = None
 
     @property
     def num_cut_trees(self) -> int:
