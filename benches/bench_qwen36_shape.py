@@ -49,6 +49,13 @@ ENGINES = {
         "ddtree_budget": 64,
         "env": {"DDTREE_COMMIT_GRAPHS": "0"},
     },
+    # The tree walk on the device and the trees built at the next verification (both off by default).
+    "ddtree64-late": {
+        "method": "ddtree",
+        "num_speculative_tokens": 15,
+        "ddtree_budget": 64,
+        "env": {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"},
+    },
 }
 
 
@@ -188,12 +195,39 @@ def set_device_accept(worker, on: bool) -> bool:
     return previous
 
 
-#: ``--ab NAME``: each ddtree batch is timed once more in the same engine with NAME switched to the other
-#: setting (the first timing has the engine's own setting): the setter and the setting of the second run.
+def set_late_trees(worker, on: bool) -> bool:
+    """(collective_rpc) Builds the trees at the next verification (DDTREE_LATE_TREES) or at proposal; returns the
+    previous setting."""
+    runner = worker.model_runner
+    previous, runner._ddtree_late_trees = runner._ddtree_late_trees, bool(on)
+    return previous
+
+
+#: ``--ab NAME[,NAME...]``: each ddtree batch is timed once more in the same engine per NAME, the switches turned
+#: one after the other and kept (the first timing has the engine's own settings): the setter and its setting.
 AB_SWITCHES = {
     "gdn-metadata": (set_whole_tree_gdn_metadata, False),
     "device-accept": (set_device_accept, True),
+    "late-trees": (set_late_trees, True),
+    "no-late-trees": (set_late_trees, False),
+    "no-device-accept": (set_device_accept, False),
 }
+
+
+def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
+    """ms per decode step with each switch of ``ab`` turned in turn (cumulatively), then every switch restored."""
+    rows, restore = [], []
+    try:
+        for name in ab.split(","):
+            setter, setting = AB_SWITCHES[name]
+            restore.append((setter, llm.collective_rpc(setter, args=(setting,))[0]))
+            switched, _ = timed_generate(llm, prompts, OUT_TOKENS)
+            ms = round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2)
+            rows.append({"switches": ab.split(",")[: len(rows) + 1], "ms_per_decode_step": ms})
+    finally:
+        for setter, previous in reversed(restore):
+            llm.collective_rpc(setter, args=(previous,))
+    return rows
 
 
 def run_engine(
@@ -274,22 +308,15 @@ def run_engine(
                 "full_graph_steps",
                 "commit_graph_steps",
                 "device_accept_steps",
+                "late_tree_steps",
+                "early_output_steps",
                 "whole_tree_gdn_metadata_builds",
             ):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
         if ab and before is not None:
-            # The same engine and prompts with one switch turned: an A/B in one process, so the difference is the
-            # switch's and not the host's or the run's.
-            setter, setting = AB_SWITCHES[ab]
-            previous = llm.collective_rpc(setter, args=(setting,))[0]
-            try:
-                switched, _ = timed_generate(llm, prompts, OUT_TOKENS)
-            finally:
-                llm.collective_rpc(setter, args=(previous,))
-            row["ab"] = {
-                "switch": f"{ab}={'on' if setting else 'off'}",
-                "ms_per_decode_step": round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2),
-            }
+            # The same engine and prompts with switches turned: an A/B in one process, so the difference is the
+            # switches' and not the host's or the run's.
+            row["ab"] = ab_timings(llm, prompts, ab, prefill_seconds)
         res["steps"][bs] = row
         print(f"{name} bs={bs}: {row}", flush=True)
         write_partial(profile_dir, name, res)  # the parent keeps these rows if a later batch runs out of time
@@ -364,11 +391,15 @@ def main() -> None:
     ap.add_argument(
         "--ab",
         default="",
-        choices=["", *AB_SWITCHES],
-        help="ddtree engines time each batch once more in the same process with this switch turned: gdn-metadata "
-        "(patch 10 off), device-accept (the tree walk on the device)",
+        help="comma-separated switches: ddtree engines time each batch once more per switch in the same process, "
+        "the switches turned one after the other and kept: gdn-metadata (patch 10 off), device-accept / "
+        "no-device-accept (the tree walk on the device / the host), late-trees / no-late-trees (trees built at the "
+        "next verification / at proposal)",
     )
     args = ap.parse_args()
+    unknown = [name for name in args.ab.split(",") if name and name not in AB_SWITCHES]
+    if unknown:
+        ap.error(f"--ab: unknown switches {unknown}; known: {sorted(AB_SWITCHES)}")
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
         profile_batches = {int(b) for b in args.profile_batches.split(",") if b}

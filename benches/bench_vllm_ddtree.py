@@ -169,7 +169,7 @@ def main():
         help="comma-separated engine names, run in that order (default: none, "
         "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-layercommit: "
         "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-device: DDTREE_DEVICE_ACCEPT=1, the tree "
-        "walk on the device)",
+        "walk on the device; ddtree-B-late: that and DDTREE_LATE_TREES=1, trees built at the next verification)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -197,6 +197,9 @@ def main():
         engines.append((f"ddtree-{b}-layercommit", dict(tree, env={"DDTREE_COMMIT_GRAPHS": "0"})))
         # The same engine with the tree walk on the device (DDTREE_DEVICE_ACCEPT=1, off by default).
         engines.append((f"ddtree-{b}-device", dict(tree, env={"DDTREE_DEVICE_ACCEPT": "1"})))
+        # ... and the trees built at the next verification (DDTREE_LATE_TREES=1, off by default).
+        late = {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"}
+        engines.append((f"ddtree-{b}-late", dict(tree, env=late)))
     if args.schedule is not None:
         engines.append(
             (

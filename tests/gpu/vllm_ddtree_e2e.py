@@ -16,6 +16,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
   ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (PIECEWISE steps)
   ddtree64-device   budget 64 with the tree walk on the device (DDTREE_DEVICE_ACCEPT=1)
+  ddtree64-late     the device walk plus trees built at the next verification (DDTREE_LATE_TREES=1)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
@@ -124,6 +125,11 @@ ENGINES = {
     # The tree walk on the device (DDTREE_DEVICE_ACCEPT=1; off by default until this engine has run on a GPU).
     "ddtree64-device": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, env={"DDTREE_DEVICE_ACCEPT": "1"}
+    ),
+    # ... and the trees built at the next verification (DDTREE_LATE_TREES=1; vLLM schedules placeholder drafts).
+    "ddtree64-late": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"},
     ),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
@@ -408,6 +414,23 @@ def scenario_exercised(sname, trees):
     return ok, note
 
 
+#: The adapter's switches and the counters that show their path ran (the engine's summary over all scenarios).
+SWITCH_COUNTERS = {
+    "DDTREE_DEVICE_ACCEPT": ("device_accept_steps",),
+    "DDTREE_LATE_TREES": ("late_tree_steps", "early_output_steps"),
+}
+
+
+def switched_paths_exercised(env, summary):
+    """``[(counter, passed)]``: an engine run with a switch on must show that the switch's path ran."""
+    return [
+        (counter, summary.get(counter, 0) > 0)
+        for switch, counters in SWITCH_COUNTERS.items()
+        if env.get(switch) == "1"
+        for counter in counters
+    ]
+
+
 def compare(ref_rows, rows, gap_tol):
     """(identical, tie_divergences, real_divergences, details)"""
     same = tie = real = 0
@@ -689,6 +712,10 @@ def main():
             )
         if res.get("ddtree_summary"):
             log(f"{name} ddtree summary: {res['ddtree_summary']}", fh)
+            for counter, passed in switched_paths_exercised(
+                ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"]
+            ):
+                verdict[f"{name}/{counter}"] = passed
 
     def mal(name):
         sc = results.get(name, {}).get("scenarios", {}).get("batch32", {})

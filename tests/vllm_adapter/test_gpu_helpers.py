@@ -232,6 +232,25 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
     assert scenario_exercised("batch32", None) is None
 
 
+def test_harness_fails_an_engine_whose_switched_path_did_not_run():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import ENGINES, switched_paths_exercised
+
+    late = ENGINES["ddtree64-late"]["env"]
+    ran = dict(device_accept_steps=40, late_tree_steps=40, early_output_steps=38)
+    assert switched_paths_exercised(late, ran) == [
+        ("device_accept_steps", True),
+        ("late_tree_steps", True),
+        ("early_output_steps", True),
+    ]
+    assert ("late_tree_steps", False) in switched_paths_exercised(late, dict(ran, late_tree_steps=0))
+    assert switched_paths_exercised(ENGINES["ddtree64-device"]["env"], {}) == [("device_accept_steps", False)]
+    assert switched_paths_exercised(ENGINES["ddtree64"].get("env", {}), {}) == []
+
+
 def test_harness_keeps_the_finished_scenarios_of_a_child_that_died(tmp_path):
     import io
     import sys

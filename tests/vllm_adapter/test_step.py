@@ -1,5 +1,7 @@
 """The adapter's per-step tree bookkeeping against vLLM's batch layout (numpy only)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -8,12 +10,15 @@ from hypothesis import strategies as st
 import ddtree
 from ddtree import reference
 from ddtree.vllm.step import (
+    PLACEHOLDER,
+    DeferredProposal,
     DraftMismatchError,
     TreeStore,
     accept,
     chain_as_tree_check,
     plan_verify,
     stop_token_rows,
+    tree_size,
 )
 
 
@@ -296,3 +301,77 @@ def propose_with(store, rng, req_ids, budget, depth=5, width=4):
     lp = np.stack([d[0] for d in dists])
     ids = np.stack([d[1] for d in dists])
     return store.propose(req_ids, lp, ids, budget=budget), lp, ids
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 80), st.integers(1, 5), st.integers(1, 6))
+def test_tree_size_is_what_the_builder_returns(seed, budget, depth, width):
+    """The placeholder count handed to vLLM's scheduler before any tree is built (late trees), against the builder,
+    -inf log-probs included (they are still prefixes)."""
+    rng = np.random.default_rng(seed)
+    lp, ids = random_distribution(rng, depth, width)
+    lp[rng.random(lp.shape) < 0.2] = -np.inf
+    lp = -np.sort(-lp, axis=-1)
+    assert len(ddtree.build_tree(lp, ids, budget).tokens) == tree_size(budget, width, depth)
+
+
+def _deferred(store, rng, req_ids, depth=5, width=4, budget=None):
+    """A late proposal: the top-K as the proposer copies it to the host ([R, L, 2K] float32, ids bit-cast)."""
+    dists = [random_distribution(rng, depth, width) for _ in req_ids]
+    lp, ids = np.stack([d[0] for d in dists]), np.stack([d[1] for d in dists])
+    host = np.concatenate([lp, ids.view(np.float32)], axis=-1)
+    landed = []
+    proposal = DeferredProposal(host, width, SimpleNamespace(synchronize=lambda: landed.append(True)))
+    return store.defer(req_ids, proposal, budget), lp, ids, host, landed
+
+
+def test_late_trees_plan_what_trees_built_at_proposal_plan():
+    """Placeholders go to vLLM's scheduler; at verification the trees are built from the settled top-K: the same
+    plan as trees built at proposal, a cut tree included, plus every draft token and where it goes."""
+    rng = np.random.default_rng(5)
+    late, early = TreeStore(budget=12), TreeStore(budget=12)
+    placeholders, lp, ids, host, landed = _deferred(late, rng, ["a", "b"])
+    lists = early.propose(["a", "b"], lp, ids)
+    assert placeholders == [[PLACEHOLDER] * 12] * 2 and [len(x) for x in lists] == [12, 12]
+    late.settle()
+    host[...] = np.nan  # the next proposal's copy overwrites the buffer: the records hold their own arrays
+    assert landed == [True] and late.deferred is None
+    scheduled_late = {"a": placeholders[0], "b": placeholders[1][:5]}
+    scheduled_early = {"a": lists[0], "b": lists[1][:5]}
+    args = (["p", "a", "b"], np.array([0, 7, 30]), np.array([4, 13, 6]))
+    mine = plan_verify(late, *args, scheduled_late, conv_window=3)
+    theirs = plan_verify(early, *args, scheduled_early, conv_window=3)
+    for field in ("token_index", "logit_rows", "positions", "ancestor_bits", "row_start", "conv_index"):
+        assert np.array_equal(getattr(mine, field), getattr(theirs, field)), field
+    assert theirs.draft_tokens is None and theirs.draft_step_index is None
+    assert mine.draft_step_index.tolist() == list(range(5, 17)) + list(range(18, 23))
+    assert mine.draft_tokens.tolist() == lists[0] + lists[1][:5]
+    assert mine.num_cut_trees == 1
+
+
+def test_late_trees_refuse_a_count_the_tree_cannot_have_and_a_second_unsettled_proposal():
+    rng = np.random.default_rng(6)
+    store = TreeStore(budget=40)
+    placeholders, *_ = _deferred(store, rng, ["a"], depth=2, width=3)
+    assert len(placeholders[0]) == 3 + 9  # every prefix there is: fewer than the budget
+    with pytest.raises(RuntimeError, match="not settled"):
+        _deferred(store, rng, ["b"])
+    with pytest.raises(DraftMismatchError, match="request a: its rebuilt tree has 12 draft nodes, 13 drafts"):
+        plan_verify(store, ["a"], np.array([9]), np.array([14]), {"a": [PLACEHOLDER] * 13})
+
+
+def test_settling_skips_requests_that_finished_and_keeps_unscheduled_ones():
+    """A request that finished before its verification is gone; one not scheduled in the next step keeps its
+    record (now with its own arrays) for the step that schedules it."""
+    rng = np.random.default_rng(7)
+    store = TreeStore(budget=6)
+    placeholders, lp, ids, host, _ = _deferred(store, rng, ["gone", "later"])
+    store.discard(["gone"])
+    store.settle()
+    host[...] = 0.0
+    assert set(store.records) == {"later"}
+    record = store.records["later"]
+    assert np.array_equal(record.log_probs, lp[1]) and np.array_equal(record.token_ids, ids[1])
+    again = TreeStore(budget=6)
+    want = again.propose(["later"], lp[1:], ids[1:])
+    plan = plan_verify(store, ["later"], np.array([3]), np.array([7]), {"later": placeholders[1]})
+    assert plan.draft_tokens.tolist() == want[0]

@@ -226,3 +226,94 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert runner.ddtree_stats.accepted > 0
     runner._ddtree_count_device_step()  # nothing pending: nothing counted twice
     assert runner.ddtree_stats.steps == 1 and runner.ddtree_stats.device_accept_steps == 1
+
+
+def _late_proposer(runner, store, batch_size, draft_len=3, top_k=4, seed=0):
+    """The proposer's late path (``_defer``) on a captured top-K, without a drafter model."""
+    from ddtree.vllm.proposer import DDTreeProposer
+
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy(rng.normal(size=(batch_size * draft_len, 30)) * 2.0)
+    values, ids = logits.topk(top_k, dim=-1)
+    log_probs = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).float()
+    proposer = object.__new__(DDTreeProposer)
+    proposer.store, proposer.runner, proposer.device = store, runner, torch.device("cpu")
+    proposer.draft_len, proposer.top_k, proposer.budget = draft_len, top_k, store.budget
+    proposer.cfg = runner.ddtree_cfg
+    proposer._late_host = None
+    proposer._capture = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+    return proposer, log_probs.view(batch_size, draft_len, top_k).numpy(), ids.view(batch_size, draft_len, top_k)
+
+
+def test_late_trees_write_the_tree_tokens_where_vllm_put_placeholders():
+    """DDTREE_LATE_TREES: the proposer returns without building; vLLM schedules placeholders (one tree cut); the
+    prepared step is the one trees built at proposal give, with the tree tokens written into the input ids."""
+    from ddtree.vllm import context
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.step import PLACEHOLDER, TreeStore
+
+    runner, scheduled_early, output = _mixed_hybrid_step()
+    runner.max_num_reqs, runner.ddtree_stats = 4, DDTreeStats(3)
+    runner.drafter.store = TreeStore(6)
+    proposer, log_probs, ids = _late_proposer(runner, runner.drafter.store, 2)
+    zeros = proposer._defer(["a", "b"], 2)
+    assert zeros.shape == (2, 6) and not zeros.any()
+    assert proposer.last_drafts == [[PLACEHOLDER] * 6] * 2 and proposer._capture is None
+    assert runner.drafter.store.deferred is not None  # nothing built yet
+    lists = TreeStore(6).propose(["a", "b"], log_probs, ids.numpy().astype(np.int64))
+    output.scheduled_spec_decode_tokens = {"a": proposer.last_drafts[0], "b": proposer.last_drafts[1][:4]}
+    input_ids = torch.full((17,), -1, dtype=torch.int32)
+    input_ids[[5, 12]] = torch.tensor([501, 502], dtype=torch.int32)  # the roots: vLLM's sampled tokens
+    runner.input_ids = SimpleNamespace(gpu=input_ids)
+    try:
+        runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
+    finally:
+        context.withdraw()
+    assert input_ids[5:17].tolist() == [501, *lists[0], 502, *lists[1][:4]]
+    assert input_ids[:5].tolist() == [-1] * 5  # the prefill's tokens are vLLM's
+    assert runner.ddtree_stats.late_tree_steps == 1
+    # The same step with trees built at proposal: the same layout.
+    early, _, early_output = _mixed_hybrid_step()
+    early.ddtree_stats = DDTreeStats(3)
+    early.drafter.store = TreeStore(6)
+    early_lists = early.drafter.store.propose(["a", "b"], log_probs, ids.numpy().astype(np.int64))
+    early_output.scheduled_spec_decode_tokens = {"a": early_lists[0], "b": early_lists[1][:4]}
+    try:
+        early._ddtree_prepare(early_output, np.array([5, 7, 5]), "indices", "metadata", 3)
+    finally:
+        context.withdraw()
+    assert torch.equal(early.positions, runner.positions) and early._ddtree_plan.draft_tokens is None
+    for field in ("token_index", "logit_rows", "ancestor_bits", "conv_index"):
+        assert np.array_equal(getattr(early._ddtree_plan, field), getattr(runner._ddtree_plan, field)), field
+    assert early.ddtree_stats.late_tree_steps == 0
+
+
+def test_bookkeeping_reads_the_early_copy_of_the_chain_rows(monkeypatch):
+    """vLLM's bookkeeping gets the host copy the sampler started (its own read would wait for the drafter), once,
+    and only for the tensor it was made from."""
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+
+    seen = []
+    monkeypatch.setattr(GPUModelRunner, "_bookkeeping_sync", lambda self, so, out, *a: seen.append(out))
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.use_async_scheduling, runner.device, runner.max_num_reqs = False, torch.device("cpu"), 4
+    runner._ddtree_output_host = runner._ddtree_output_early = None
+    runner.ddtree_stats = DDTreeStats(3)
+    rows = torch.tensor([[7, 8, -1], [9, -1, -1]], dtype=torch.int32)
+    runner.ddtree_output_to_host(rows)
+    output = SamplerOutput(sampled_token_ids=rows, logprobs_tensors=None)
+    runner._bookkeeping_sync("scheduler output", output, None, None, 6)
+    assert seen[-1].sampled_token_ids is not rows and torch.equal(seen[-1].sampled_token_ids, rows)
+    assert output.sampled_token_ids is rows and runner.ddtree_stats.early_output_steps == 1
+    runner._bookkeeping_sync("scheduler output", output, None, None, 6)  # used once
+    other = torch.zeros(2, 3, dtype=torch.int32)
+    runner.ddtree_output_to_host(rows)
+    runner._bookkeeping_sync("scheduler output", SamplerOutput(sampled_token_ids=other, logprobs_tensors=None))
+    assert seen[-2].sampled_token_ids is rows and seen[-1].sampled_token_ids is other
+    assert runner.ddtree_stats.early_output_steps == 1
+    runner.use_async_scheduling = True  # vLLM's asynchronous path reads the rows its own way
+    runner.ddtree_output_to_host(rows)
+    assert runner._ddtree_output_early is None

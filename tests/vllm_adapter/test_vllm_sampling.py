@@ -47,8 +47,10 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     from ddtree.vllm.staging import StepStaging
 
     # The runner's state the sampler touches, with the runner's own acceptance upload.
-    methods = ("ddtree_accept", "ddtree_device_accepts", "ddtree_accept_on_device")
+    methods = ("ddtree_accept", "ddtree_device_accepts", "ddtree_accept_on_device", "ddtree_output_to_host")
     runner = type("FakeRunner", (), {name: getattr(DDTreeGPUModelRunner, name) for name in methods})()
+    runner.use_async_scheduling, runner.device, runner.max_num_reqs = False, torch.device("cpu"), 4
+    runner._ddtree_output_host = runner._ddtree_output_early = None
     runner._ddtree_plan, runner._ddtree_accept = plan, None
     runner._ddtree_device_accept = on_device
     plan.device_trees = device_trees(plan) if on_device else None
@@ -70,6 +72,11 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     )
     out = sampler(md, None, logits, sampling).sampled_token_ids
     assert runner.ddtree_stats.host_seconds["accept"] > 0
+    if on_device:  # the chain rows' early copy for vLLM's bookkeeping, made before the drafter is queued
+        early_out, early_host = runner._ddtree_output_early
+        assert early_out is out and torch.equal(early_host, out) and early_host.data_ptr() != out.data_ptr()
+    else:  # the host walk already waited for the verification
+        assert runner._ddtree_output_early is None
     assert out.shape == (3, 7)
     assert out[0].tolist() == [11] + [-1] * 6
     for row, j in ((1, 0), (2, 1)):

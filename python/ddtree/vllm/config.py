@@ -46,6 +46,7 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
 WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
+LATE_TREES_ENV = "DDTREE_LATE_TREES"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -312,6 +313,18 @@ def device_accept_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     the host. Off unless DDTREE_DEVICE_ACCEPT=1: CPU-tested against the Rust walk, not yet run on a GPU."""
     return env_switch(
         environ, DEVICE_ACCEPT_ENV, "0", {"0": "the Rust walk on the host", "1": "the walk on the device"}
+    )
+
+
+def late_trees_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the drafter's proposal is turned into trees at the next verification instead of at proposal
+    (``DDTREE_LATE_TREES=1``; off by default until measured on a GPU).
+
+    Late, the drafter's top-K travels to the host while the engine schedules and prepares the next step, and vLLM's
+    scheduler gets placeholder drafts of each tree's size (all it needs); the trees are built, and their tokens
+    written into the step's input ids, right after vLLM's input preparation. See docs/async-scheduling.md."""
+    return env_switch(
+        environ, LATE_TREES_ENV, "0", {"0": "trees built at proposal", "1": "trees built at the next verification"}
     )
 
 

@@ -25,7 +25,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.utils import record_function_or_nullcontext
 
 from ddtree.vllm.config import DDTreeConfig
-from ddtree.vllm.step import TreeStore
+from ddtree.vllm.step import DeferredProposal, TreeStore
 
 
 def _tensor_parallel_rank() -> int:
@@ -60,6 +60,11 @@ class DDTreeProposer(DFlashProposer):
         # Draft token lists of the last propose(), in batch order.
         self.last_req_ids: List[str] = []
         self.last_drafts: List[List[int]] = []
+        # Late trees (the runner's DDTREE_LATE_TREES): the pinned buffer the top-K is copied into without a wait,
+        # the event that says it landed, and the device tensor returned to vLLM in place of drafts.
+        self._late_host: Optional[torch.Tensor] = None
+        self._late_landed = None
+        self._late_drafts: Optional[torch.Tensor] = None
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if not self._capturing:
@@ -118,6 +123,10 @@ class DDTreeProposer(DFlashProposer):
             # Restore vLLM's view of the draft length (the budget).
             self.num_speculative_tokens = self.budget
         assert self._capture is not None, "DDTree: the drafter's logits were not captured"
+        self.last_req_ids = req_ids
+        if self.runner.ddtree_late_trees:
+            with self.runner.ddtree_stats.timed("defer"):
+                return self._defer(req_ids, batch_size)
         # The step's second wait for the GPU (the drafter's tail): its own profiler range.
         with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
             host = self._capture.view(batch_size, self.draft_len, 2 * self.top_k).cpu().numpy()
@@ -125,7 +134,6 @@ class DDTreeProposer(DFlashProposer):
         with self.runner.ddtree_stats.timed("build"):
             log_probs = np.ascontiguousarray(host[..., : self.top_k])
             token_ids = np.ascontiguousarray(host[..., self.top_k :]).view(np.int32)
-            self.last_req_ids = req_ids
             # A budget schedule picks this step's budget by how many requests draft (every rank sees the same).
             self.last_drafts = self.store.propose(
                 req_ids, log_probs, token_ids, build=self.builds_drafts, budget=self.cfg.budget_for(batch_size)
@@ -134,3 +142,29 @@ class DDTreeProposer(DFlashProposer):
             for r, drafts in enumerate(self.last_drafts):
                 out[r, : len(drafts)] = drafts
         return torch.from_numpy(out).to(self.device, non_blocking=True)
+
+    def _defer(self, req_ids: List[str], batch_size: int) -> torch.Tensor:
+        """Late trees: the top-K goes to the host without a wait and the trees are built at the next verification
+        (``plan_verify``); vLLM's scheduler gets placeholder drafts of each tree's size. Returns zeros in place of
+        the drafts (vLLM keeps them; nothing reads their values in a synchronous step)."""
+        # Every rank: each builds its trees at verification from the same gathered top-K.
+        self.store.settle()  # the last deferred proposal leaves the pinned buffer before this copy overwrites it
+        rows, width = batch_size * self.draft_len, 2 * self.top_k
+        if self._late_host is None or self._late_host.shape[0] < rows:
+            on_gpu = self.device.type == "cuda"
+            capacity = max(rows, self.runner.max_num_reqs * self.draft_len)
+            self._late_host = torch.empty((capacity, width), dtype=torch.float32, pin_memory=on_gpu)
+            self._late_landed = torch.cuda.Event() if on_gpu else None
+            self._late_drafts = torch.zeros(
+                (self.runner.max_num_reqs, self.budget), dtype=torch.int64, device=self.device
+            )
+        host = self._late_host[:rows]
+        host.copy_(self._capture, non_blocking=True)
+        if self._late_landed is not None:
+            self._late_landed.record()
+        self._capture = None
+        proposal = DeferredProposal(
+            host.numpy().reshape(batch_size, self.draft_len, width), self.top_k, self._late_landed
+        )
+        self.last_drafts = self.store.defer(req_ids, proposal, budget=self.cfg.budget_for(batch_size))
+        return self._late_drafts[:batch_size]

@@ -23,6 +23,7 @@ Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Dict, List, Optional
 
@@ -45,6 +46,7 @@ from ddtree.vllm.config import (
     budget_description,
     commit_graphs_enabled,
     device_accept_enabled,
+    late_trees_enabled,
 )
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, cuda_graph_capture
@@ -62,6 +64,8 @@ class DDTreeStats:
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
+        self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
+        self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
         self.trees = 0
         self.partial_trees = 0  # trees verified with fewer nodes than proposed (cut: max_model_len, token budget)
         self.nodes = 0
@@ -108,6 +112,8 @@ class DDTreeStats:
             "full_graph_steps": self.full_graph_steps,
             "commit_graph_steps": self.commit_graph_steps,
             "device_accept_steps": self.device_accept_steps,
+            "late_tree_steps": self.late_tree_steps,
+            "early_output_steps": self.early_output_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
             "steps_by_budget": dict(sorted(self.steps_by_budget.items())),
@@ -205,6 +211,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_counts_host: Optional[torch.Tensor] = None
         self._ddtree_counts_landed = None
         self._ddtree_commit_graphs: Optional[CommitGraphs] = None
+        # Late trees (DDTREE_LATE_TREES=1; the benches toggle it in-process for an A/B): the proposer defers the
+        # tree build to the next verification; and, with the device walk, the step's chain rows travel to the host
+        # ahead of the drafter (``ddtree_output_to_host``), so vLLM's bookkeeping does not wait for the drafter.
+        self._ddtree_late_trees = late_trees_enabled()
+        self._ddtree_output_host: Optional[torch.Tensor] = None
+        self._ddtree_output_landed = None
+        self._ddtree_output_early: Optional[tuple] = None
         # This step: do all running requests verify whole trees (a FULL graph may replay it), and which
         # FULL graph (its size in tokens) replayed it.
         self._ddtree_whole_trees = False
@@ -233,10 +246,22 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if gone and hasattr(self, "drafter"):
             self.drafter.store.discard(gone)
-        return super()._update_states(scheduler_output)
+        with record_function_or_nullcontext("vllm: _update_states"):
+            return super()._update_states(scheduler_output)
+
+    # vLLM's preparation of a step, split into profiler ranges (on with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1): the
+    # GPU-idle time under "gpu_model_runner: preprocess" is charged to the part the host was in.
+    def _build_attention_metadata(self, *args, **kwargs):
+        with record_function_or_nullcontext("vllm: _build_attention_metadata"):
+            return super()._build_attention_metadata(*args, **kwargs)
+
+    def _preprocess(self, *args, **kwargs):
+        with record_function_or_nullcontext("vllm: _preprocess"):
+            return super()._preprocess(*args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        with record_function_or_nullcontext("vllm: _prepare_inputs"):
+            logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._ddtree_plan = None
         self._ddtree_accept = None
         self._ddtree_flat_positions = None
@@ -247,6 +272,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if spec_decode_metadata is None:
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
+        # Late trees: the last proposal's top-K is waited for here, after vLLM's scheduling and input preparation
+        # ran while the drafter did (a no-op otherwise).
+        with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
+            self.drafter.store.settle()
         with self.ddtree_stats.timed("plan"):
             return self._ddtree_prepare(
                 scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs
@@ -272,6 +301,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_check_spec_rows(plan, num_reqs)
         fill_plan_extras(extras, plan, total)
         gpu = self._ddtree_plan_staging.upload_host()
+        if plan.draft_tokens is not None:
+            # Placeholder drafts were scheduled (late trees): the tree tokens go where vLLM put the placeholders.
+            self.input_ids.gpu[gpu["draft_step_index"]] = gpu["draft_tokens"]
+            self.ddtree_stats.late_tree_steps += 1
         layout = self._ddtree_buffers.load(
             gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"), gpu.get("conv_index")
         )
@@ -491,6 +524,40 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return (
             self._ddtree_device_accept and plan.device_trees is not None and sampling_metadata.max_num_logprobs is None
         )
+
+    @property
+    def ddtree_late_trees(self) -> bool:
+        """Whether the proposer defers the tree build to the next verification (read by the proposer)."""
+        return self._ddtree_late_trees
+
+    def ddtree_output_to_host(self, out: torch.Tensor) -> None:
+        """Starts the copy of a device-walked step's chain rows to the host, before the drafter is queued: vLLM's
+        bookkeeping (``_bookkeeping_sync``) then waits for the verification only, not for the drafter behind it.
+        Called by the rejection sampler; a synchronous engine only (asynchronous scheduling reads them its way)."""
+        if self.use_async_scheduling:
+            return
+        if self._ddtree_output_host is None or self._ddtree_output_host.numel() < out.numel():
+            on_gpu = self.device.type == "cuda"
+            capacity = max(out.numel(), self.max_num_reqs * out.shape[1])
+            self._ddtree_output_host = torch.empty(capacity, dtype=out.dtype, pin_memory=on_gpu)
+            self._ddtree_output_landed = torch.cuda.Event() if on_gpu else None
+        host = self._ddtree_output_host[: out.numel()].view(out.shape)
+        host.copy_(out, non_blocking=True)
+        if self._ddtree_output_landed is not None:
+            self._ddtree_output_landed.record()
+        self._ddtree_output_early = (out, host)
+
+    def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
+        """vLLM's bookkeeping, reading the chain rows from their early copy when the sampler made one (vLLM's own
+        read, ``parse_output``'s ``.cpu()``, would wait for everything queued, the drafter included)."""
+        early, self._ddtree_output_early = self._ddtree_output_early, None
+        if early is not None and early[0] is sampler_output.sampled_token_ids:
+            if self._ddtree_output_landed is not None:
+                with record_function_or_nullcontext("ddtree: wait for the chain rows"):
+                    self._ddtree_output_landed.synchronize()
+            sampler_output = dataclasses.replace(sampler_output, sampled_token_ids=early[1])
+            self.ddtree_stats.early_output_steps += 1
+        return super()._bookkeeping_sync(scheduler_output, sampler_output, *args, **kwargs)
 
     def ddtree_accept_on_device(
         self, plan: VerifyPlan, node_tokens: torch.Tensor, width: int

@@ -146,6 +146,7 @@ class DDTreeRejectionSampler(nn.Module):
             out[plan.batch_index_gpu] = runner.ddtree_accept_on_device(plan, tokens[plan.logit_rows_gpu], width)[
                 "output_tokens"
             ]
+            runner.ddtree_output_to_host(out)
         elif plan is not None:
             # The step's first wait for the GPU (the verify's tail): its own profiler range.
             with record_function_or_nullcontext("ddtree: wait for the target's tokens"):

@@ -38,11 +38,34 @@ PLACEHOLDER = -1
 class DraftRecord:
     """One request's proposal: its draft distribution and the tree it produced."""
 
-    log_probs: np.ndarray  # [L, K] float32
-    token_ids: np.ndarray  # [L, K] int64
+    log_probs: Optional[np.ndarray]  # [L, K] float32 (None: deferred, until :meth:`TreeStore.settle`)
+    token_ids: Optional[np.ndarray]  # [L, K] int64 or int32 (None: deferred)
     tokens: Optional[np.ndarray]  # [n] int64, the tree's draft tokens in pop order (None: not built here)
     token_list: Optional[List[int]] = None  # the same tokens as the list handed to vLLM's scheduler
     budget: int = 0  # the budget the tree was proposed with (a verified tree with fewer nodes was cut)
+
+
+def tree_size(budget: int, top_k: int, draft_len: int) -> int:
+    """Draft nodes of the tree the Rust builder returns for ``budget``: the ``budget`` most probable prefixes, or
+    every prefix there is (``top_k`` choices at each of ``draft_len`` depths) when there are fewer."""
+    total, level = 0, 1
+    for _ in range(draft_len):
+        level *= top_k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
+@dataclasses.dataclass
+class DeferredProposal:
+    """A batch's top-K on its way to the host: ``host`` ``[R, L, 2K]`` float32 (log-probs, then the ids' int32
+    bits), valid once ``landed`` (an object with ``synchronize()``, e.g. a CUDA event; None: already there)."""
+
+    host: np.ndarray
+    top_k: int
+    landed: Any = None
+    req_ids: Tuple[str, ...] = ()
 
 
 class TreeStore:
@@ -61,8 +84,55 @@ class TreeStore:
         # (every request scheduled whole, none added) reuses them instead of building them again.
         self.last_batch: Optional[Tuple[Tuple[str, ...], "ddtree.TreeBatch"]] = None
 
+        # A proposal whose top-K is still on its way to the host (:meth:`defer`): its records get their arrays
+        # at :meth:`settle`.
+        self.deferred: Optional[DeferredProposal] = None
+
     def __len__(self) -> int:
         return len(self.records)
+
+    def defer(
+        self, req_ids: Sequence[str], proposal: "DeferredProposal", budget: Optional[int] = None
+    ) -> List[List[int]]:
+        """Keeps a proposal whose top-K is still being copied to the host; returns each request's placeholder
+        drafts (``PLACEHOLDER`` x the size of the tree it will get: all vLLM's scheduler needs).
+
+        The trees are built at the verification (:func:`plan_verify`), after :meth:`settle`. The caller settles the
+        previous deferred proposal before it queues the copy that overwrites that proposal's host buffer.
+        """
+        budget = self._step_budget(budget)
+        if self.deferred is not None:
+            raise RuntimeError("DDTree: a deferred proposal was not settled before the next one (a bug)")
+        if len(req_ids) != proposal.host.shape[0]:
+            raise ValueError(f"{len(req_ids)} request ids for {proposal.host.shape[0]} deferred distributions")
+        self.last_batch = None
+        self.deferred = proposal
+        size = tree_size(budget, proposal.top_k, proposal.host.shape[1])
+        for req_id in req_ids:
+            self.records[req_id] = DraftRecord(None, None, None, budget=budget)
+        proposal.req_ids = tuple(req_ids)
+        return [[PLACEHOLDER] * size for _ in req_ids]
+
+    def settle(self) -> None:
+        """Waits for the deferred proposal's copy (if any) and gives its remaining records their own arrays."""
+        proposal, self.deferred = self.deferred, None
+        if proposal is None:
+            return
+        if proposal.landed is not None:
+            proposal.landed.synchronize()
+        k = proposal.top_k
+        log_probs, token_ids = proposal.host[..., :k], proposal.host[..., k:].view(np.int32)
+        for r, req_id in enumerate(proposal.req_ids):
+            record = self.records.get(req_id)
+            if record is not None and record.log_probs is None:
+                record.log_probs = np.array(log_probs[r])  # copies: the host buffer is reused by the next proposal
+                record.token_ids = np.array(token_ids[r])
+
+    def _step_budget(self, budget: Optional[int]) -> int:
+        budget = self.budget if budget is None else budget
+        if not 1 <= budget <= self.budget:
+            raise ValueError(f"a step's budget must be in 1..{self.budget} (the engine's largest), got {budget}")
+        return budget
 
     def propose(
         self,
@@ -82,9 +152,7 @@ class TreeStore:
         """
         if len(req_ids) != log_probs.shape[0]:
             raise ValueError(f"{len(req_ids)} request ids for {log_probs.shape[0]} distributions")
-        budget = self.budget if budget is None else budget
-        if not 1 <= budget <= self.budget:
-            raise ValueError(f"a step's budget must be in 1..{self.budget} (the engine's largest), got {budget}")
+        budget = self._step_budget(budget)
         if len(req_ids) == 0:
             return []
         self.last_batch = None
@@ -147,6 +215,10 @@ class VerifyPlan:
     proposed_budgets: np.ndarray  # [R_t] int64: each tree's budget at proposal
     conv_index: Optional[np.ndarray] = None  # [T, w + 1] int64 (hybrid targets): rows of cat(histories, inputs)
     conv_window: int = 0
+    # Placeholder drafts were scheduled (late trees): every draft node's index among the step's tokens and its token,
+    # for the runner to write into the input ids (None: vLLM's input ids already hold the drafts).
+    draft_step_index: Optional[np.ndarray] = None  # [T - R_t] int64
+    draft_tokens: Optional[np.ndarray] = None  # [T - R_t] int32
     # Set by the runner once the plan is on the device: the sampler's rows, the tree rows of the batch, and the
     # device walk's inputs (``ddtree.vllm.device_accept.DeviceTrees``; None unless DDTREE_DEVICE_ACCEPT is on).
     logit_rows_gpu: Optional[Any] = None
@@ -195,6 +267,7 @@ def plan_verify(
         DraftMismatchError: scheduled drafts that are not a prefix of the
             request's recorded tree (never verified silently).
     """
+    store.settle()  # a deferred proposal's arrays (the runner waits here, in its own profiler range, first)
     num_reqs = len(req_ids)
     num_scheduled_tokens = np.asarray(num_scheduled_tokens, dtype=np.int64)[:num_reqs]
     num_computed_tokens = np.asarray(num_computed_tokens, dtype=np.int64)[:num_reqs]
@@ -226,11 +299,14 @@ def plan_verify(
 
     budgets = num_drafts[rows]
     tree_ids = [req_ids[i] for i in rows]
+    # Placeholder drafts (a late proposal's, see TreeStore.defer): vLLM holds only their count; the tokens are the
+    # trees built here, and the runner writes them into the step's input ids.
+    placeholders = np.fromiter((d[0] == PLACEHOLDER for d in scheduled), dtype=bool, count=len(scheduled))
     trees = _proposed_trees(store, tree_ids, records, budgets)
     if trees is not None:
         # The proposal's own trees: the scheduled drafts must be the lists handed to vLLM (compared as lists).
         if any(list(d) != r.token_list for d, r in zip(scheduled, records)):
-            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees)
+            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, placeholders)
     else:
         trees = ddtree.build_trees(
             np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records]), budgets, store.executor
@@ -238,11 +314,27 @@ def plan_verify(
         # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
         # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
         drafts = np.fromiter(itertools.chain.from_iterable(scheduled), dtype=np.int64, count=int(budgets.sum()))
-        if not np.array_equal(trees.tokens, drafts):
-            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees)
+        if placeholders.any():
+            known = np.repeat(~placeholders, budgets)
+            same = np.array_equal(np.diff(trees.token_offsets), budgets)
+            same = same and np.array_equal(trees.tokens[known], drafts[known])
+        else:
+            same = np.array_equal(trees.tokens, drafts)
+        if not same:
+            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, placeholders)
     proposed = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
     return _lay_out(
-        trees, rows, proposed, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays
+        trees,
+        rows,
+        proposed,
+        num_reqs,
+        num_computed_tokens,
+        query_start,
+        logit_start,
+        conv_window,
+        words,
+        arrays,
+        bool(placeholders.any()),
     )
 
 
@@ -268,23 +360,36 @@ def layout_specs(num_rows: int, num_trees: int, num_nodes: int, words: int, conv
 
 
 def _lay_out(
-    trees, rows, proposed_budgets, num_reqs, num_computed_tokens, query_start, logit_start, conv_window, words, arrays
+    trees,
+    rows,
+    proposed_budgets,
+    num_reqs,
+    num_computed_tokens,
+    query_start,
+    logit_start,
+    conv_window,
+    words,
+    arrays,
+    placeholder_drafts=False,
 ):
-    """The plan's arrays, written by one Rust call into what ``arrays`` allocates."""
+    """The plan's arrays, written by one Rust call into what ``arrays`` allocates (with ``placeholder_drafts``,
+    also every draft token and its index among the step's tokens)."""
     node_offsets = trees.node_offsets
     sizes = np.diff(node_offsets)
     total, num_trees = int(node_offsets[-1]), len(rows)
     if words is None:
         words = ancestor_words(int(sizes.max()))
-    out = arrays(
-        {
-            "batch_index": (np.int64, (num_trees,)),
-            **layout_specs(num_reqs, num_trees, total, words, conv_window),
-        }
-    )
+    specs = {"batch_index": (np.int64, (num_trees,)), **layout_specs(num_reqs, num_trees, total, words, conv_window)}
+    if placeholder_drafts:
+        specs["draft_step_index"] = (np.int64, (total - num_trees,))
+        specs["draft_tokens"] = (np.int32, (total - num_trees,))
+    out = arrays(specs)
     batch_index = out.pop("batch_index")
     batch_index[:] = rows
     query_starts = query_start[batch_index]
+    draft_step_index, draft_tokens = out.pop("draft_step_index", None), out.pop("draft_tokens", None)
+    if placeholder_drafts:
+        draft_step_index[:], draft_tokens[:] = draft_token_layout(trees, query_starts)
     ddtree.verify_layout_into(
         trees, batch_index, num_computed_tokens[batch_index], query_starts, logit_start[batch_index], **out
     )
@@ -297,8 +402,18 @@ def _lay_out(
         proposed_budgets=proposed_budgets,
         conv_index=out.pop("conv_index", None),
         conv_window=conv_window,
+        draft_step_index=draft_step_index,
+        draft_tokens=draft_tokens,
         **out,
     )
+
+
+def draft_token_layout(trees: "ddtree.TreeBatch", query_starts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``(step_index, tokens)`` of every draft node: tree ``t``'s ``j``-th draft (pop order) is the step's token
+    ``query_starts[t] + j + 1`` (its root first, then the drafts in the order vLLM scheduled them)."""
+    counts = np.diff(trees.token_offsets).astype(np.int64)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(trees.token_offsets[:-1], counts)
+    return np.repeat(np.asarray(query_starts, dtype=np.int64), counts) + within + 1, trees.tokens
 
 
 def _proposed_trees(
@@ -313,11 +428,18 @@ def _proposed_trees(
     return last[1] if whole else None
 
 
-def _draft_mismatch(req_ids, records, scheduled_spec_tokens, trees) -> DraftMismatchError:
+def _draft_mismatch(req_ids, records, scheduled_spec_tokens, trees, placeholders) -> DraftMismatchError:
     """The first request whose scheduled drafts are not its rebuilt tree, and why."""
-    if trees.tokens.shape[0] != sum(len(scheduled_spec_tokens[r]) for r in req_ids):
-        return DraftMismatchError("rebuilt trees do not have the scheduled number of nodes")
+    sizes = np.diff(trees.token_offsets)
+    for j, req_id in enumerate(req_ids):
+        if sizes[j] != len(scheduled_spec_tokens[req_id]):
+            return DraftMismatchError(
+                f"request {req_id}: its rebuilt tree has {sizes[j]} draft nodes, "
+                f"{len(scheduled_spec_tokens[req_id])} drafts were scheduled"
+            )
     for j, (req_id, record) in enumerate(zip(req_ids, records)):
+        if placeholders[j]:
+            continue  # vLLM holds only the count
         drafts = np.asarray(scheduled_spec_tokens[req_id], dtype=np.int64)
         built, b = record.tokens, drafts.shape[0]
         if built is not None and (b > built.shape[0] or not np.array_equal(drafts, built[:b])):
