@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree.vllm import device_accept
-from ddtree.vllm.step import TreeStore, accept, plan_verify
+from ddtree.vllm.step import TreeStore, accept, emitted_logit_rows, plan_verify
 
 
 def random_distribution(rng, depth, width, vocab=12):
@@ -85,6 +85,18 @@ def test_the_device_walk_equals_the_rust_acceptance(seed, conv_window):
     assert np.array_equal(src[real], rust.kv_src) and np.array_equal(dst[real], rust.kv_dst)
     assert set(src[~real].tolist()) <= set(plan.query_starts.tolist())
     assert not set(dst[real].tolist()) & set(plan.query_starts.tolist())  # no real move writes a root
+    # Each emitted token's logits row (logprobs), in vLLM's layout, rows of requests without a tree included.
+    num_reqs = int(plan.row_start.shape[0])
+    last_rows = rng.permutation(plan.num_tokens + 5)[:num_reqs]
+    rows = device_accept.emitted_logit_rows(
+        device_trees(plan).node_offsets,
+        torch.from_numpy(plan.logit_rows),
+        torch.from_numpy(plan.batch_index),
+        ours,
+        torch.from_numpy(last_rows),
+        width,
+    )
+    assert np.array_equal(rows.numpy(), emitted_logit_rows(plan, rust.accepted, last_rows, width))
 
 
 def test_padding_moves_leave_the_cache_as_the_real_moves_alone():

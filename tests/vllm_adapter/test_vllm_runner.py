@@ -200,9 +200,10 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
         context.withdraw()
     plan = runner._ddtree_plan
     assert plan.device_trees is not None
-    wants_logprobs = SimpleNamespace(max_num_logprobs=2)
-    assert runner.ddtree_device_accepts(plan, SimpleNamespace(max_num_logprobs=None))
-    assert not runner.ddtree_device_accepts(plan, wants_logprobs)  # their rows come from the host walk's paths
+    assert runner.ddtree_device_accepts(plan)
+    runner._ddtree_device_accept = False  # switched off after planning (an in-process A/B): the host walks
+    assert not runner.ddtree_device_accepts(plan)
+    runner._ddtree_device_accept = True
     # Each node's target token: the first child's draft token where it has one (deep acceptance), else a miss.
     target = np.full(plan.num_tree_tokens, 999, dtype=np.int64)
     trees = plan.trees

@@ -17,7 +17,7 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from ddtree.vllm.sampler import DDTreeRejectionSampler
-    from ddtree.vllm.step import TreeStore, plan_verify
+    from ddtree.vllm.step import TreeStore, accept, plan_verify
 
     rng = np.random.default_rng(0)
     store = TreeStore(budget=6)
@@ -112,6 +112,7 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
         )
         fresh.logit_rows_gpu = torch.from_numpy(fresh.logit_rows)
         fresh.batch_index_gpu = torch.from_numpy(fresh.batch_index)
+        fresh.device_trees = device_trees(fresh) if on_device else None
         runner._ddtree_plan = fresh
         return fresh
 
@@ -162,7 +163,9 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
         result.sampled_token_ids, vocab, logprobs_tensors=result.logprobs_tensors
     )
     log_softmax = logits.log_softmax(dim=-1)
-    paths = runner._ddtree_accept.accepted.paths
+    # The paths of the walk (the host's, here, for the device walk too), on the greedy tokens of the nodes.
+    paths = accept(plan, logits[torch.from_numpy(plan.logit_rows)].argmax(-1).numpy(), 7).accepted.paths
+    assert (runner._ddtree_accept is None) is on_device  # the logprob rows came from the walk's own side
     expected_rows = [[0]]  # request "p": its only row
     for j in range(2):
         path = [int(p) for p in paths[j] if p >= 0]

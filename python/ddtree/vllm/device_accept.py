@@ -142,3 +142,24 @@ def accept_on_device(
         history = torch.arange(num_trees, device=device)[:, None] * conv_window + entry
         out["commit_conv_index"] = torch.where(entry >= conv_window, from_path, history)
     return out
+
+
+def emitted_logit_rows(
+    node_offsets: torch.Tensor,
+    logit_rows: torch.Tensor,
+    batch_index: torch.Tensor,
+    accepted: Dict[str, torch.Tensor],
+    last_rows: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """:func:`ddtree.vllm.step.emitted_logit_rows` on the device, from :func:`accept_on_device`'s ``paths`` and
+    ``path_lengths``: the logits row of each emitted token in vLLM's ``[num_reqs, width]`` layout (token ``j`` of a
+    tree request from its path's node ``j``; everything else from the request's last row, ``last_rows [R]``)."""
+    rows = last_rows.to(torch.int64)[:, None].repeat(1, width)
+    paths, lengths = accepted["paths"].to(torch.int64), accepted["path_lengths"].to(torch.int64)
+    cols = min(width, paths.shape[1])
+    k = torch.arange(cols, device=paths.device)
+    nodes = node_offsets[:-1, None].to(torch.int64) + paths[:, :cols]
+    fallback = rows[batch_index, :cols]
+    rows[batch_index, :cols] = torch.where(k[None, :] < lengths[:, None], logit_rows[nodes], fallback)
+    return rows

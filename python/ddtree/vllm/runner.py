@@ -518,12 +518,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_gpu = gpu
         return gpu
 
-    def ddtree_device_accepts(self, plan: VerifyPlan, sampling_metadata) -> bool:
-        """Whether this step's trees are walked on the device: switched on, the plan carries the device walk's
-        inputs, and no request wants logprobs (their rows come from the host walk's paths)."""
-        return (
-            self._ddtree_device_accept and plan.device_trees is not None and sampling_metadata.max_num_logprobs is None
-        )
+    def ddtree_device_accepts(self, plan: VerifyPlan) -> bool:
+        """Whether this step's trees are walked on the device: switched on, and the plan carries the device walk's
+        inputs (uploaded when the switch was on at planning)."""
+        return self._ddtree_device_accept and plan.device_trees is not None
 
     @property
     def ddtree_late_trees(self) -> bool:

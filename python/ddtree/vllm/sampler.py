@@ -32,6 +32,7 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 
+from ddtree.vllm import device_accept
 from ddtree.vllm.node_sampling import sample_rows
 from ddtree.vllm.step import emitted_logit_rows, row_output_tokens, stop_token_rows
 
@@ -140,12 +141,11 @@ class DDTreeRejectionSampler(nn.Module):
         out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
         # Requests without a tree (no drafts, or the dummy run) emit their last row's token.
         out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
-        result = None
-        if plan is not None and runner.ddtree_device_accepts(plan, sampling_metadata):
+        result = walked = None
+        if plan is not None and runner.ddtree_device_accepts(plan):
             # Walked on the device: no wait here; the commit and the drafter are queued behind the verification.
-            out[plan.batch_index_gpu] = runner.ddtree_accept_on_device(plan, tokens[plan.logit_rows_gpu], width)[
-                "output_tokens"
-            ]
+            walked = runner.ddtree_accept_on_device(plan, tokens[plan.logit_rows_gpu], width)
+            out[plan.batch_index_gpu] = walked["output_tokens"]
             runner.ddtree_output_to_host(out)
         elif plan is not None:
             # The step's first wait for the GPU (the verify's tail): its own profiler range.
@@ -155,7 +155,9 @@ class DDTreeRejectionSampler(nn.Module):
             result = runner._ddtree_accept
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(runner, plan, result, metadata, logits, out, sampling_metadata.max_num_logprobs)
+            logprobs = self._logprobs(
+                runner, plan, result, walked, metadata, logits, out, sampling_metadata.max_num_logprobs
+            )
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
     @staticmethod
@@ -197,13 +199,22 @@ class DDTreeRejectionSampler(nn.Module):
         return constrained
 
     @staticmethod
-    def _logprobs(runner, plan, result, metadata, logits, out, max_num_logprobs):
+    def _logprobs(runner, plan, result, walked, metadata, logits, out, max_num_logprobs):
         """vLLM's ``LogprobsTensors`` for ``out`` (``[num_reqs * width]`` entries, rejected ones discarded by
-        vLLM's ``parse_output``), from the raw logits row each token was sampled from."""
+        vLLM's ``parse_output``), from the raw logits row each token was sampled from (found on the device when
+        the trees were walked there: ``walked``)."""
         num_reqs, width = out.shape
-        last_rows = metadata.bonus_logits_indices.cpu().numpy()[:num_reqs]
-        rows = emitted_logit_rows(plan, result.accepted if result is not None else None, last_rows, width)
-        chosen = logits[torch.from_numpy(rows.reshape(-1)).to(logits.device)].to(torch.float32)
+        if walked is not None:
+            last_rows = metadata.bonus_logits_indices[:num_reqs].to(logits.device)
+            trees = plan.device_trees
+            rows = device_accept.emitted_logit_rows(
+                trees.node_offsets, plan.logit_rows_gpu, plan.batch_index_gpu, walked, last_rows, width
+            ).reshape(-1)
+        else:
+            last_rows = metadata.bonus_logits_indices.cpu().numpy()[:num_reqs]
+            rows = emitted_logit_rows(plan, result.accepted if result is not None else None, last_rows, width)
+            rows = torch.from_numpy(rows.reshape(-1)).to(logits.device)
+        chosen = logits[rows].to(torch.float32)
         sampler = runner.sampler
         if sampler.logprobs_mode not in RAW_LOGPROBS_MODES:
             raise RuntimeError(
