@@ -375,3 +375,15 @@ def test_settling_skips_requests_that_finished_and_keeps_unscheduled_ones():
     want = again.propose(["later"], lp[1:], ids[1:])
     plan = plan_verify(store, ["later"], np.array([3]), np.array([7]), {"later": placeholders[1]})
     assert plan.draft_tokens.tolist() == want[0]
+
+
+def test_a_proposal_at_proposal_time_settles_a_deferred_one_first():
+    """Late trees switched off between steps: the next proposal (built at once) settles the deferred one, whose
+    unverified requests keep what they need."""
+    rng = np.random.default_rng(8)
+    store = TreeStore(budget=6)
+    placeholders, lp, ids, _, landed = _deferred(store, rng, ["old"])
+    propose(store, rng, ["new"])
+    assert landed == [True] and store.deferred is None
+    plan = plan_verify(store, ["old"], np.array([3]), np.array([7]), {"old": placeholders[0]})
+    assert plan.draft_tokens.tolist() == TreeStore(budget=6).propose(["old"], lp, ids)[0]

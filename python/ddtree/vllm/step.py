@@ -153,6 +153,7 @@ class TreeStore:
         if len(req_ids) != log_probs.shape[0]:
             raise ValueError(f"{len(req_ids)} request ids for {log_probs.shape[0]} distributions")
         budget = self._step_budget(budget)
+        self.settle()  # a deferred proposal left unverified (late trees switched off meanwhile) keeps its records
         if len(req_ids) == 0:
             return []
         self.last_batch = None
