@@ -49,12 +49,19 @@ ENGINES = {
         "ddtree_budget": 64,
         "env": {"DDTREE_COMMIT_GRAPHS": "0"},
     },
-    # The tree walk on the device and the trees built at the next verification (both off by default).
+    # The tree walk on the device and the trees built at the next verification (the TP-1 default, set explicitly),
+    # and the host paths they replaced.
     "ddtree64-late": {
         "method": "ddtree",
         "num_speculative_tokens": 15,
         "ddtree_budget": 64,
         "env": {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"},
+    },
+    "ddtree64-host": {
+        "method": "ddtree",
+        "num_speculative_tokens": 15,
+        "ddtree_budget": 64,
+        "env": {"DDTREE_DEVICE_ACCEPT": "0", "DDTREE_LATE_TREES": "0"},
     },
 }
 

@@ -168,8 +168,9 @@ def main():
         default="",
         help="comma-separated engine names, run in that order (default: none, "
         "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-layercommit: "
-        "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-device: DDTREE_DEVICE_ACCEPT=1, the tree "
-        "walk on the device; ddtree-B-late: that and DDTREE_LATE_TREES=1, trees built at the next verification)",
+        "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-host: the tree walk on the host and trees "
+        "built at proposal; ddtree-B-device: the walk on the device, trees built at proposal; ddtree-B-late: both "
+        "on, the TP-1 default, set explicitly)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -195,9 +196,10 @@ def main():
         engines.append((f"ddtree-{b}-piecewise", dict(tree, cudagraph_mode="PIECEWISE")))
         # The same engine without the GDN commit graphs (the commit layer by layer, two launches per GDN layer).
         engines.append((f"ddtree-{b}-layercommit", dict(tree, env={"DDTREE_COMMIT_GRAPHS": "0"})))
-        # The same engine with the tree walk on the device (DDTREE_DEVICE_ACCEPT=1, off by default).
-        engines.append((f"ddtree-{b}-device", dict(tree, env={"DDTREE_DEVICE_ACCEPT": "1"})))
-        # ... and the trees built at the next verification (DDTREE_LATE_TREES=1, off by default).
+        # The TP-1 defaults one by one: the host walk and trees built at proposal, the device walk alone, both.
+        host = {"DDTREE_DEVICE_ACCEPT": "0", "DDTREE_LATE_TREES": "0"}
+        engines.append((f"ddtree-{b}-host", dict(tree, env=host)))
+        engines.append((f"ddtree-{b}-device", dict(tree, env=dict(host, DDTREE_DEVICE_ACCEPT="1"))))
         late = {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"}
         engines.append((f"ddtree-{b}-late", dict(tree, env=late)))
     if args.schedule is not None:

@@ -15,8 +15,9 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
   ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (PIECEWISE steps)
-  ddtree64-device   budget 64 with the tree walk on the device (DDTREE_DEVICE_ACCEPT=1)
-  ddtree64-late     the device walk plus trees built at the next verification (DDTREE_LATE_TREES=1)
+  ddtree64-host     budget 64 with the tree walk on the host and trees built at proposal (both switches 0)
+  ddtree64-device   budget 64 with the tree walk on the device only (DDTREE_LATE_TREES=0)
+  ddtree64-late     the device walk plus trees built at the next verification (the TP-1 default, set explicitly)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
@@ -122,11 +123,17 @@ ENGINES = {
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
     # A budget schedule: 64 (FULL graphs) below 8 drafting requests, 16 (PIECEWISE) from 8 on.
     "ddtree64to16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}}),
-    # The tree walk on the device (DDTREE_DEVICE_ACCEPT=1; off by default until this engine has run on a GPU).
-    "ddtree64-device": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, env={"DDTREE_DEVICE_ACCEPT": "1"}
+    # The host paths the TP-1 defaults replaced (the tree walk on the host, trees built at proposal).
+    "ddtree64-host": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_DEVICE_ACCEPT": "0", "DDTREE_LATE_TREES": "0"},
     ),
-    # ... and the trees built at the next verification (DDTREE_LATE_TREES=1; vLLM schedules placeholder drafts).
+    # The tree walk on the device, trees built at proposal.
+    "ddtree64-device": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "0"},
+    ),
+    # ... and the trees built at the next verification (vLLM schedules placeholder drafts): the TP-1 default.
     "ddtree64-late": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"},

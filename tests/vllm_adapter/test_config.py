@@ -15,6 +15,7 @@ from ddtree.vllm.config import (
     check_target,
     commit_graphs_enabled,
     device_accept_enabled,
+    late_trees_enabled,
     whole_tree_gdn_metadata_enabled,
     cudagraph_mode_choice,
     engine_overrides,
@@ -334,16 +335,22 @@ def test_whole_tree_gdn_metadata_setting_refuses_other_values():
         whole_tree_gdn_metadata_enabled({"DDTREE_WHOLE_TREE_GDN_METADATA": "on"})
 
 
+@pytest.mark.parametrize("switch", [device_accept_enabled, late_trees_enabled])
 @pytest.mark.parametrize(
-    "env, on", [({}, False), ({"DDTREE_DEVICE_ACCEPT": "1"}, True), ({"DDTREE_DEVICE_ACCEPT": "0"}, False)]
+    "value, tp, on", [(None, 1, True), (None, 2, False), ("1", 2, True), ("0", 1, False), ("1", 1, True)]
 )
-def test_the_device_walk_is_off_unless_turned_on(env, on):
-    assert device_accept_enabled(env) is on
+def test_the_device_walk_and_late_trees_are_on_with_one_gpu_unless_turned_off(switch, value, tp, on):
+    """Measured on one GPU (gpu-h200-late-trees-33fbda4), not yet under tensor parallelism: there only on request."""
+    name = {device_accept_enabled: "DDTREE_DEVICE_ACCEPT", late_trees_enabled: "DDTREE_LATE_TREES"}[switch]
+    env = {} if value is None else {name: value}
+    assert switch(env, tensor_parallel_size=tp) is on
 
 
-def test_device_walk_setting_refuses_other_values():
-    with pytest.raises(DDTreeConfigError, match=r"DDTREE_DEVICE_ACCEPT must be 0 .* or 1 .*got 'yes'"):
+def test_device_walk_and_late_tree_settings_refuse_other_values():
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_DEVICE_ACCEPT must be 1 .* or 0 .*got 'yes'"):
         device_accept_enabled({"DDTREE_DEVICE_ACCEPT": "yes"})
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_LATE_TREES must be 0 .*the default.* or 1 .*got 'on'"):
+        late_trees_enabled({"DDTREE_LATE_TREES": "on"}, tensor_parallel_size=2)
 
 
 def test_a_budget_schedule_by_batch_size():

@@ -297,11 +297,13 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(method="dflash"),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
         additional_config={ADDITIONAL_CONFIG_KEY: DDTreeConfig(budget=8, draft_len=4, top_k=None).to_dict()},
     )
 
     def vllm_init(self, vllm_config, device):  # what GPUModelRunner.__init__ sets up that the subclass uses
         self.vllm_config, self.device, self.speculative_config = vllm_config, device, vllm_config.speculative_config
+        self.parallel_config = vllm_config.parallel_config
         self.model_config = SimpleNamespace(is_hybrid=False)
         self.max_num_reqs, self.max_num_tokens = 4, 64
         self.drafter = object()

@@ -308,23 +308,29 @@ def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> 
     return env_switch(environ, WHOLE_TREE_GDN_METADATA_ENV, "1", meanings)
 
 
-def device_accept_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+def device_accept_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_size: int = 1) -> bool:
     """Whether the trees are walked on the device (``ddtree.vllm.device_accept``) instead of by the Rust core on
-    the host. Off unless DDTREE_DEVICE_ACCEPT=1: CPU-tested against the Rust walk, not yet run on a GPU."""
+    the host: ``DDTREE_DEVICE_ACCEPT``, by default on with one GPU (exact on the pair under every scenario of the
+    e2e harness, 3.5 ms less per batch-1 step at the 27B shape: ``benches/results/gpu-h200-late-trees-33fbda4``)
+    and off with tensor parallelism (not yet run there)."""
+    default = "1" if tensor_parallel_size == 1 else "0"
     return env_switch(
-        environ, DEVICE_ACCEPT_ENV, "0", {"0": "the Rust walk on the host", "1": "the walk on the device"}
+        environ, DEVICE_ACCEPT_ENV, default, {"0": "the Rust walk on the host", "1": "the walk on the device"}
     )
 
 
-def late_trees_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the drafter's proposal is turned into trees at the next verification instead of at proposal
-    (``DDTREE_LATE_TREES=1``; off by default until measured on a GPU).
+def late_trees_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_size: int = 1) -> bool:
+    """Whether the drafter's proposal is turned into trees at the next verification instead of at proposal:
+    ``DDTREE_LATE_TREES``, by default on with one GPU and off with tensor parallelism (not yet run there).
 
     Late, the drafter's top-K travels to the host while the engine schedules and prepares the next step, and vLLM's
     scheduler gets placeholder drafts of each tree's size (all it needs); the trees are built, and their tokens
-    written into the step's input ids, right after vLLM's input preparation. See docs/async-scheduling.md."""
+    written into the step's input ids, right after vLLM's input preparation. With the device walk, 3.2 ms less per
+    batch-1 step at the 27B shape, the same outputs on the pair (``gpu-h200-late-trees-33fbda4``); see
+    docs/async-scheduling.md."""
+    default = "1" if tensor_parallel_size == 1 else "0"
     return env_switch(
-        environ, LATE_TREES_ENV, "0", {"0": "trees built at proposal", "1": "trees built at the next verification"}
+        environ, LATE_TREES_ENV, default, {"0": "trees built at proposal", "1": "trees built at the next verification"}
     )
 
 

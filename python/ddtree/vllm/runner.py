@@ -206,7 +206,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT=1; the benches toggle it in-process for an A/B)
         # and the accepted counts of the last such step, read once its copy to the host is done.
-        self._ddtree_device_accept = device_accept_enabled()
+        tensor_parallel_size = self.parallel_config.tensor_parallel_size
+        self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
         self._ddtree_device_counts: Optional[tuple] = None
         self._ddtree_counts_host: Optional[torch.Tensor] = None
         self._ddtree_counts_landed = None
@@ -214,7 +215,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # Late trees (DDTREE_LATE_TREES=1; the benches toggle it in-process for an A/B): the proposer defers the
         # tree build to the next verification; and, with the device walk, the step's chain rows travel to the host
         # ahead of the drafter (``ddtree_output_to_host``), so vLLM's bookkeeping does not wait for the drafter.
-        self._ddtree_late_trees = late_trees_enabled()
+        self._ddtree_late_trees = late_trees_enabled(tensor_parallel_size=tensor_parallel_size)
         self._ddtree_output_host: Optional[torch.Tensor] = None
         self._ddtree_output_landed = None
         self._ddtree_output_early: Optional[tuple] = None
@@ -234,10 +235,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
             serve_builtin_logitsprocs(self.input_batch, vllm_config, self.device, PIN_MEMORY)
         logger.info(
-            "DDTree: budget %s, drafter depth %s, top-K %s",
+            "DDTree: budget %s, drafter depth %s, top-K %s; tree walk on the %s (DDTREE_DEVICE_ACCEPT), trees built "
+            "at %s (DDTREE_LATE_TREES)",
             budget_description(self.ddtree_cfg),
             self.ddtree_cfg.draft_len,
             getattr(getattr(self, "drafter", None), "top_k", None),
+            "device" if self._ddtree_device_accept else "host",
+            "the next verification" if self._ddtree_late_trees else "proposal",
         )
 
     # ---- bookkeeping -------------------------------------------------------------------------
