@@ -57,6 +57,13 @@ ENGINES = {
         "ddtree_budget": 64,
         "env": {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"},
     },
+    # vLLM's asynchronous scheduling (experimental; an engine setting, so no in-process A/B).
+    "ddtree64-async": {
+        "method": "ddtree",
+        "num_speculative_tokens": 15,
+        "ddtree_budget": 64,
+        "env": {"DDTREE_ASYNC_SCHEDULING": "1"},
+    },
     "ddtree64-host": {
         "method": "ddtree",
         "num_speculative_tokens": 15,
@@ -198,14 +205,21 @@ def set_device_accept(worker, on: bool) -> bool:
     """(collective_rpc) Walks the trees on the device (DDTREE_DEVICE_ACCEPT) or on the host; returns the previous
     setting."""
     runner = worker.model_runner
+    _refuse_under_async(runner, "the device walk", on)
     previous, runner._ddtree_device_accept = runner._ddtree_device_accept, bool(on)
     return previous
+
+
+def _refuse_under_async(runner, what: str, on: bool) -> None:
+    if runner.use_async_scheduling and not on:
+        raise RuntimeError(f"{what} cannot be turned off under asynchronous scheduling (the engine needs it)")
 
 
 def set_late_trees(worker, on: bool) -> bool:
     """(collective_rpc) Builds the trees at the next verification (DDTREE_LATE_TREES) or at proposal; returns the
     previous setting."""
     runner = worker.model_runner
+    _refuse_under_async(runner, "late trees", on)
     previous, runner._ddtree_late_trees = runner._ddtree_late_trees, bool(on)
     return previous
 

@@ -170,7 +170,7 @@ def main():
         "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-layercommit: "
         "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-host: the tree walk on the host and trees "
         "built at proposal; ddtree-B-device: the walk on the device, trees built at proposal; ddtree-B-late: both "
-        "on, the TP-1 default, set explicitly)",
+        "on, the TP-1 default, set explicitly; ddtree-B-async: under vLLM's asynchronous scheduling)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -202,6 +202,8 @@ def main():
         engines.append((f"ddtree-{b}-device", dict(tree, env=dict(host, DDTREE_DEVICE_ACCEPT="1"))))
         late = {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"}
         engines.append((f"ddtree-{b}-late", dict(tree, env=late)))
+        # vLLM's asynchronous scheduling (experimental, DDTREE_ASYNC_SCHEDULING=1).
+        engines.append((f"ddtree-{b}-async", dict(tree, env={"DDTREE_ASYNC_SCHEDULING": "1"})))
     if args.schedule is not None:
         engines.append(
             (

@@ -18,6 +18,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-host     budget 64 with the tree walk on the host and trees built at proposal (both switches 0)
   ddtree64-device   budget 64 with the tree walk on the device only (DDTREE_LATE_TREES=0)
   ddtree64-late     the device walk plus trees built at the next verification (the TP-1 default, set explicitly)
+  ddtree64-async    the TP-1 default under vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1, experimental)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
@@ -140,6 +141,11 @@ ENGINES = {
     ),
     # 160 blocks held 16,384 tokens of the pair's cache (attention blocks of 144 tokens sized to the GDN state's
     # page) and batch 32 never preempted (2026-12-02); 40 blocks hold ~4,096, under batch 32's ~7,500.
+    # vLLM's asynchronous scheduling (experimental): the trees arrive after vLLM's metadata builds.
+    "ddtree64-async": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_ASYNC_SCHEDULING": "1"},
+    ),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         num_gpu_blocks_override=40,
@@ -427,6 +433,7 @@ def scenario_exercised(sname, trees):
 SWITCH_COUNTERS = {
     "DDTREE_DEVICE_ACCEPT": ("device_accept_steps",),
     "DDTREE_LATE_TREES": ("late_tree_steps", "early_output_steps"),
+    "DDTREE_ASYNC_SCHEDULING": ("async_scheduling", "late_tree_steps", "device_accept_steps"),
 }
 
 

@@ -105,7 +105,7 @@ def _args(**kw):
 def test_engine_overrides_fill_unset_settings():
     changes = engine_overrides(_args(), environ={})
     assert all(override_reason(attr) for attr in changes)  # each one logged with its reason
-    assert "scheduled" in override_reason("async_scheduling")
+    assert "DDTREE_ASYNC_SCHEDULING=1" in override_reason("async_scheduling")
     assert changes == {
         "async_scheduling": False,
         "enable_prefix_caching": False,
@@ -113,6 +113,19 @@ def test_engine_overrides_fill_unset_settings():
         "worker_cls": WORKER_CLS,
     }
     assert engine_overrides(_args(**changes), environ={"VLLM_USE_V2_MODEL_RUNNER": "0"}) == {}
+
+
+def test_asynchronous_scheduling_only_when_asked_for():
+    """DDTREE_ASYNC_SCHEDULING=1 (experimental) sets vLLM's async_scheduling; without it a user's True is refused,
+    naming the switch."""
+    assert engine_overrides(_args(), environ={"DDTREE_ASYNC_SCHEDULING": "1"})["async_scheduling"] is True
+    assert "async_scheduling" not in engine_overrides(_args(async_scheduling=True), {"DDTREE_ASYNC_SCHEDULING": "1"})
+    with pytest.raises(DDTreeConfigError, match="DDTREE_ASYNC_SCHEDULING=1"):
+        engine_overrides(_args(async_scheduling=True), environ={})
+    with pytest.raises(DDTreeConfigError, match="needs async_scheduling=True"):
+        engine_overrides(_args(async_scheduling=False), environ={"DDTREE_ASYNC_SCHEDULING": "1"})
+    with pytest.raises(DDTreeConfigError, match="DDTREE_ASYNC_SCHEDULING must be 0"):
+        engine_overrides(_args(), environ={"DDTREE_ASYNC_SCHEDULING": "yes"})
 
 
 @pytest.mark.parametrize(

@@ -249,6 +249,8 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert ("late_tree_steps", False) in switched_paths_exercised(late, dict(ran, late_tree_steps=0))
     assert switched_paths_exercised(ENGINES["ddtree64-device"]["env"], {}) == [("device_accept_steps", False)]
     assert switched_paths_exercised(ENGINES["ddtree64"].get("env", {}), {}) == []
+    synchronous = dict(ran, async_scheduling=False)  # the switch was set but the engine ran synchronously
+    assert ("async_scheduling", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], synchronous)
 
 
 def test_harness_keeps_the_finished_scenarios_of_a_child_that_died(tmp_path):

@@ -387,3 +387,36 @@ def test_a_proposal_at_proposal_time_settles_a_deferred_one_first():
     assert landed == [True] and store.deferred is None
     plan = plan_verify(store, ["old"], np.array([3]), np.array([7]), {"old": placeholders[0]})
     assert plan.draft_tokens.tolist() == TreeStore(budget=6).propose(["old"], lp, ids)[0]
+
+
+def test_counts_alone_give_the_plans_tree_rows_and_token_index():
+    """Under asynchronous scheduling the step is published from vLLM's counts before its trees exist; the plan
+    built later must agree."""
+    from ddtree.vllm.step import tree_token_layout
+
+    rng = np.random.default_rng(9)
+    store = TreeStore(budget=12)
+    lists, _, _ = propose(store, rng, ["a", "b"])
+    scheduled = {"a": lists[0], "b": lists[1][:5]}
+    args = (["p", "a", "c", "b"], np.array([0, 7, 3, 30]), np.array([4, 13, 1, 6]))
+    rows, num_nodes, token_index = tree_token_layout(args[0], args[2], scheduled)
+    plan = plan_verify(store, *args, scheduled)
+    assert rows.tolist() == plan.batch_index.tolist() and num_nodes.tolist() == plan.num_nodes.tolist()
+    assert token_index.tolist() == plan.token_index.tolist() == list(range(4, 17)) + list(range(18, 24))
+    assert tree_token_layout(["p"], np.array([4]), {}) is None
+
+
+def test_placeholders_without_a_proposal_verify_a_filler_tree_only_when_asked():
+    """Asynchronous scheduling schedules placeholders for every decoding request, also where the drafter did not
+    run: with ``unproposed`` they verify a filler tree (any drafts are valid); otherwise it is an error."""
+    store = TreeStore(budget=12)
+    args = (store, ["a"], np.array([9]), np.array([13]), {"a": [PLACEHOLDER] * 12})
+    with pytest.raises(DraftMismatchError, match="no DDTree proposal"):
+        plan_verify(*args)
+    plan = plan_verify(*args, unproposed=(5, 4))
+    assert plan.num_tree_tokens == 13 and plan.num_cut_trees == 0
+    lp = np.tile(-np.arange(1, 5, dtype=np.float32), (5, 1))  # the filler: token k at log-prob -k - 1
+    ids = np.tile(np.arange(4, dtype=np.int64), (5, 1))
+    assert plan.draft_tokens.tolist() == TreeStore(budget=12).propose(["x"], lp[None], ids[None])[0]
+    with pytest.raises(DraftMismatchError, match="no DDTree proposal"):  # real drafts without a record: a bug
+        plan_verify(store, ["a"], np.array([9]), np.array([3]), {"a": [5, 6]}, unproposed=(5, 4))

@@ -79,6 +79,7 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     runner._ddtree_plan_staging = StepStaging(cpu)
     runner._ddtree_gdn_step = None
     runner._ddtree_device_accept = device_accept
+    runner.use_async_scheduling, runner._ddtree_early_token_index = False, None
     runner.positions = torch.arange(17)
     runner.uses_mrope = mrope
     if mrope:
@@ -190,9 +191,10 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     from ddtree.vllm.step import accept
 
     runner, _, output = _mixed_hybrid_step(device_accept=True)
+    from ddtree.vllm.counts import LandingCounts
+
     runner.max_num_reqs, runner.device = 4, torch.device("cpu")
-    runner._ddtree_counts_host = None
-    runner._ddtree_device_counts = None
+    runner._ddtree_counts = LandingCounts(runner.device, 4)
     runner.ddtree_stats = DDTreeStats(3)
     try:
         runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
@@ -217,15 +219,15 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert np.array_equal(gpu["output_tokens"].numpy(), host.output_tokens)
     assert np.array_equal(gpu["context_order"].numpy(), host.context_order)
     assert np.array_equal(gpu["commit_conv_index"].numpy(), host.commit_conv_index)
-    runner._ddtree_device_counts = (plan, runner._ddtree_counts_to_host(gpu["path_lengths"]))
-    runner._ddtree_count_device_step()
+    assert runner._ddtree_counts.send(gpu["path_lengths"], plan) is None
+    runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=True))
     expected = DDTreeStats(3)
     expected.observe(plan, host)
     expected.device_accept_steps = 1
     counted = {k: v for k, v in runner.ddtree_stats.summary().items() if k != "host_ms_per_verify_step"}
     assert counted == {k: v for k, v in expected.summary().items() if k != "host_ms_per_verify_step"}
     assert runner.ddtree_stats.accepted > 0
-    runner._ddtree_count_device_step()  # nothing pending: nothing counted twice
+    runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=True))  # nothing counted twice
     assert runner.ddtree_stats.steps == 1 and runner.ddtree_stats.device_accept_steps == 1
 
 
@@ -318,3 +320,66 @@ def test_bookkeeping_reads_the_early_copy_of_the_chain_rows(monkeypatch):
     runner.use_async_scheduling = True  # vLLM's asynchronous path reads the rows its own way
     runner.ddtree_output_to_host(rows)
     assert runner._ddtree_output_early is None
+
+
+def test_asynchronous_scheduling_publishes_from_counts_and_places_trees_from_the_gpu_starts(monkeypatch):
+    """DDTREE_ASYNC_SCHEDULING: _prepare_inputs publishes the step from vLLM's counts (the metadata builders see
+    it); _preprocess then waits for the drafter, builds the trees, fills the published views and writes tokens and
+    positions, the positions from the starts vLLM corrected on the GPU (the host's are optimistic)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm import context
+    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.staging import StepStaging
+    from ddtree.vllm.step import TreeStore
+
+    runner, _, output = _mixed_hybrid_step()
+    runner.use_async_scheduling, runner.max_num_reqs = True, 4
+    runner.ddtree_stats = DDTreeStats(3)
+    runner._ddtree_count_staging, runner._ddtree_late_step = StepStaging(torch.device("cpu")), None
+    runner._ddtree_counts = LandingCounts(torch.device("cpu"), 4)
+    runner.drafter.store = TreeStore(6)
+    proposer, log_probs, ids = _late_proposer(runner, runner.drafter.store, 2)
+    runner.drafter.draft_len, runner.drafter.top_k = 3, 4
+    proposer._defer(["a", "b"], 2)
+    lists = TreeStore(6).propose(["a", "b"], log_probs, ids.numpy().astype(np.int64))
+    # vLLM's asynchronous scheduler: placeholders for both (b cut to 4), optimistic host starts.
+    output.scheduled_spec_decode_tokens = {"a": [-1] * 6, "b": [-1] * 4}
+    runner.input_batch.num_computed_tokens_cpu = np.array([0, 20 + 64, 30 + 64])
+    runner.input_batch.num_reqs = 3
+    flat = torch.cat([torch.arange(5), torch.arange(20, 27), torch.arange(30, 35)])  # from the GPU's true starts
+    runner.positions = flat.clone()
+    runner.input_ids = SimpleNamespace(gpu=torch.zeros(17, dtype=torch.int32))
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("indices", "metadata"))
+    embedded = []
+    monkeypatch.setattr(GPUModelRunner, "_preprocess", lambda self, *a: embedded.append(self.input_ids.gpu.clone()))
+    try:
+        assert runner._prepare_inputs(output, np.array([5, 7, 5])) == ("indices", "metadata")
+        step = context.published()  # what vLLM's metadata builders see: counts only, nothing built yet
+        assert runner.drafter.store.deferred is not None and runner._ddtree_plan is None
+        assert (step.attention.num_reqs, step.attention.num_tokens) == (3, 17)
+        assert step.gdn.token_index.tolist() == list(range(5, 17)) and step.gdn.other_index.tolist() == list(range(5))
+        assert step.attention.ancestor_bits.data_ptr() == runner._ddtree_buffers.ancestor_bits.data_ptr()
+        assert runner._ddtree_whole_trees is False
+        runner._preprocess("scheduler output", 17)
+        assert context.published() is step and runner._ddtree_gdn_step is step.gdn  # filled, not replaced
+    finally:
+        context.withdraw()
+    plan = runner._ddtree_plan
+    assert embedded[0][5:17].tolist() == [0, *lists[0], 0, *lists[1][:4]]  # tree tokens in before embedding
+    depths = plan.trees.depths
+    assert runner.positions[:5].tolist() == list(range(5))
+    assert runner.positions[5:12].tolist() == (20 + depths[:7]).tolist()
+    assert runner.positions[12:17].tolist() == (30 + depths[7:]).tolist()
+    assert torch.equal(runner._ddtree_flat_positions, flat)  # the drafter's positions: vLLM's flat ones
+    assert torch.equal(step.attention.ancestor_bits[:12], torch.from_numpy(plan.ancestor_bits))
+    assert step.attention.row_start.tolist() == [-1, 0, 7]
+    # A later plan that disagrees with what was published is refused, not verified.
+    runner._ddtree_early_token_index = np.arange(3, 15)
+    runner.drafter.store = TreeStore(6)
+    relists = runner.drafter.store.propose(["a", "b"], log_probs, ids.numpy().astype(np.int64))
+    output.scheduled_spec_decode_tokens = {"a": relists[0], "b": relists[1][:4]}
+    with pytest.raises(RuntimeError, match="differ from the counts"):
+        runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
+    context.withdraw()

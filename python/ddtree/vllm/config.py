@@ -47,6 +47,7 @@ COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
 WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
+ASYNC_SCHEDULING_ENV = "DDTREE_ASYNC_SCHEDULING"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -226,7 +227,13 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
 #: Engine settings the adapter needs: (EngineArgs attribute, required value,
 #: values that count as "not set by the user", why).
 ENGINE_OVERRIDES = (
-    ("async_scheduling", False, (None,), "the tree must be known on the CPU before the next step is scheduled"),
+    (
+        "async_scheduling",
+        False,
+        (None,),
+        "ddtree schedules synchronously unless DDTREE_ASYNC_SCHEDULING=1 (experimental: the trees then arrive "
+        "after vLLM's metadata builds, built from the drafter's top-K of the step before)",
+    ),
     ("enable_prefix_caching", False, (None,), "not validated with tree KV compaction yet"),
     ("attention_backend", ATTENTION_BACKEND, (None,), "the target's attention must run DDTree's tree backend"),
     ("worker_cls", WORKER_CLS, ("auto",), "DDTree's worker installs its model runner"),
@@ -254,6 +261,8 @@ def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict
     for attr, required, unset, why in ENGINE_OVERRIDES:
         if not hasattr(args, attr):
             continue
+        if attr == "async_scheduling":
+            required = async_scheduling_enabled(environ)
         value = getattr(args, attr)
         if attr == "attention_backend" and value is not None:
             value = getattr(value, "name", value)
@@ -332,6 +341,14 @@ def late_trees_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_
     return env_switch(
         environ, LATE_TREES_ENV, default, {"0": "trees built at proposal", "1": "trees built at the next verification"}
     )
+
+
+def async_scheduling_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a ddtree engine runs under vLLM's asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING=1``; off by
+    default: experimental, not yet run on a GPU). It needs the device walk and late trees and one budget; the
+    runner refuses it otherwise (``DDTreeGPUModelRunner._ddtree_check_async``)."""
+    meanings = {"0": "synchronous scheduling", "1": "vLLM's asynchronous scheduling (experimental)"}
+    return env_switch(environ, ASYNC_SCHEDULING_ENV, "0", meanings)
 
 
 #: vLLM's CUDA-graph modes a ddtree engine runs. A step in which every request verifies a whole tree of a

@@ -69,19 +69,31 @@ class TreeStepBuffers:
                 f"DDTree: a step of {num_reqs} requests and {num_tokens} tree tokens ({words} bit words) exceeds "
                 f"the buffers' {self.max_requests} / {self.max_tokens} / {self.words}"
             )
-        self.row_start[:num_reqs].copy_(row_start)
-        bits = self.ancestor_bits[:num_tokens]
+        if conv_index is not None and self.conv_index is None:
+            raise ValueError("DDTree: conv_index given, but the buffers were made for a target without GDN")
+        num_trees = node_offsets.shape[0] - 1 if node_offsets is not None else None
+        views = self.views(num_reqs, num_tokens, num_trees, conv_index is not None)
+        views["row_start"].copy_(row_start)
+        bits = views["ancestor_bits"]
         bits[:, :words].copy_(ancestor_bits)
         if words < self.words:
             bits[:, words:].zero_()
-        views = {"row_start": self.row_start[:num_reqs], "ancestor_bits": bits}
         if node_offsets is not None:
-            self.node_offsets[: node_offsets.shape[0]].copy_(node_offsets)
-            views["node_offsets"] = self.node_offsets[: node_offsets.shape[0]]
+            views["node_offsets"].copy_(node_offsets)
         if conv_index is not None:
-            if self.conv_index is None:
-                raise ValueError("DDTree: conv_index given, but the buffers were made for a target without GDN")
-            self.conv_index[:num_tokens].copy_(conv_index)
+            views["conv_index"].copy_(conv_index)
+        return views
+
+    def views(
+        self, num_reqs: int, num_tokens: int, num_trees: Optional[int] = None, conv: bool = False
+    ) -> Dict[str, torch.Tensor]:
+        """The buffers' views for a step of ``num_reqs`` requests and ``num_tokens`` tree tokens in ``num_trees``
+        trees: what :meth:`load` returns, known from the counts alone (a step published before its trees are
+        built, under asynchronous scheduling, hands these to vLLM's metadata builders; ``load`` fills them)."""
+        views = {"row_start": self.row_start[:num_reqs], "ancestor_bits": self.ancestor_bits[:num_tokens]}
+        if num_trees is not None:
+            views["node_offsets"] = self.node_offsets[: num_trees + 1]
+        if conv:
             views["conv_index"] = self.conv_index[:num_tokens]
         return views
 

@@ -40,6 +40,7 @@ from ddtree.vllm.attention import DDTreeAttentionBackend
 from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata
+from ddtree.vllm.counts import LandingCounts
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
@@ -51,7 +52,7 @@ from ddtree.vllm.config import (
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, cuda_graph_capture
 from ddtree.vllm.staging import StepStaging
-from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify
+from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_size, tree_token_layout
 
 logger = get_logger(__name__)
 
@@ -147,18 +148,24 @@ def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool
 
 def fill_plan_extras(extras: Dict[str, np.ndarray], plan: VerifyPlan, total: int) -> None:
     """Fills the runner's arrays that ride in the plan's upload (see ``_ddtree_plan_arrays``)."""
-    if "mrope_root_index" in extras:
-        # Every M-RoPE section of a tree token is its root's plus the node's depth (for text the three sections
-        # of a decode position are equal; taking the root's keeps a multimodal offset).
-        extras["mrope_root_index"][:] = np.repeat(plan.query_starts, plan.num_nodes)
+    if "root_index" in extras:
+        # A tree token's position is its root's plus its depth: for M-RoPE (for text the three sections of a decode
+        # position are equal; taking the root's keeps a multimodal offset), and under asynchronous scheduling, where
+        # only the GPU knows each request's start.
+        extras["root_index"][:] = np.repeat(plan.query_starts, plan.num_nodes)
         extras["depths"][:] = plan.trees.depths
     if "node_parents" in extras:  # the device walk's inputs (DDTREE_DEVICE_ACCEPT)
         device_accept.node_arrays(plan.trees, extras)
         extras["tree_query_starts"][:] = plan.query_starts
     if "other_index" in extras:
-        keep = np.ones(total, dtype=bool)
-        keep[plan.token_index] = False
-        extras["other_index"][:] = np.flatnonzero(keep)
+        extras["other_index"][:] = other_tokens(total, plan.token_index)
+
+
+def other_tokens(total: int, token_index: np.ndarray) -> np.ndarray:
+    """The step's tokens that are not tree tokens, in order."""
+    keep = np.ones(total, dtype=bool)
+    keep[token_index] = False
+    return np.flatnonzero(keep)
 
 
 def gdn_conv_window(model_config) -> int:
@@ -208,9 +215,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # and the accepted counts of the last such step, read once its copy to the host is done.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
         self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
-        self._ddtree_device_counts: Optional[tuple] = None
-        self._ddtree_counts_host: Optional[torch.Tensor] = None
-        self._ddtree_counts_landed = None
+        self._ddtree_counts = LandingCounts(self.device, self.max_num_reqs)
+        # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1): the step is published from vLLM's counts in
+        # _prepare_inputs (its own upload), and its trees are built in _preprocess, after vLLM's metadata builds.
+        self._ddtree_count_staging = StepStaging(self.device)
+        self._ddtree_late_step: Optional[tuple] = None
+        self._ddtree_early_token_index: Optional[np.ndarray] = None
         self._ddtree_commit_graphs: Optional[CommitGraphs] = None
         # Late trees (DDTREE_LATE_TREES=1; the benches toggle it in-process for an A/B): the proposer defers the
         # tree build to the next verification; and, with the device walk, the step's chain rows travel to the host
@@ -234,6 +244,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             from vllm.utils.torch_utils import PIN_MEMORY
 
             serve_builtin_logitsprocs(self.input_batch, vllm_config, self.device, PIN_MEMORY)
+            if self.use_async_scheduling:
+                self._ddtree_check_async(self.drafter.top_k)
         logger.info(
             "DDTree: budget %s, drafter depth %s, top-K %s; tree walk on the %s (DDTREE_DEVICE_ACCEPT), trees built "
             "at %s (DDTREE_LATE_TREES)",
@@ -243,6 +255,24 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             "device" if self._ddtree_device_accept else "host",
             "the next verification" if self._ddtree_late_trees else "proposal",
         )
+
+    def _ddtree_check_async(self, top_k: int) -> None:
+        """What asynchronous scheduling needs (DDTREE_ASYNC_SCHEDULING=1): the step's trees built late and walked
+        on the device (no host wait between steps), and a tree of exactly the budget for every request (vLLM's
+        scheduler gives each request ``num_speculative_tokens`` placeholders, here the budget)."""
+        cfg = self.ddtree_cfg
+        problems = []
+        if not (self._ddtree_device_accept and self._ddtree_late_trees):
+            problems.append("the tree walk on the device and late trees (DDTREE_DEVICE_ACCEPT, DDTREE_LATE_TREES)")
+        if cfg.budget_schedule:
+            problems.append(f"one budget, not a schedule ({budget_description(cfg)})")
+        if tree_size(cfg.budget, top_k, cfg.draft_len) != cfg.budget:
+            problems.append(
+                f"trees of the whole budget {cfg.budget} (top-K {top_k} at depth {cfg.draft_len} gives "
+                f"{tree_size(cfg.budget, top_k, cfg.draft_len)} nodes)"
+            )
+        if problems:
+            raise RuntimeError("DDTree under asynchronous scheduling needs " + "; ".join(problems))
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _update_states(self, scheduler_output):
@@ -260,6 +290,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return super()._build_attention_metadata(*args, **kwargs)
 
     def _preprocess(self, *args, **kwargs):
+        late, self._ddtree_late_step = self._ddtree_late_step, None
+        if late is not None:
+            # Asynchronous scheduling: the trees arrive now, after vLLM's metadata builds and before the input
+            # ids are embedded; the wait is for the drafter of the step before, queued ahead on the GPU.
+            with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
+                self.drafter.store.settle()
+            with self.ddtree_stats.timed("plan"):
+                self._ddtree_prepare(*late)
         with record_function_or_nullcontext("vllm: _preprocess"):
             return super()._preprocess(*args, **kwargs)
 
@@ -271,11 +309,24 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_flat_positions = None
         self._ddtree_whole_trees = False
         self._ddtree_full_graph = None
+        self._ddtree_late_step = self._ddtree_early_token_index = None
         context.withdraw()
         self._ddtree_gdn_step = None
         if spec_decode_metadata is None:
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
+        if self.use_async_scheduling:
+            with self.ddtree_stats.timed("plan"):
+                published = self._ddtree_publish_counts(scheduler_output, num_scheduled_tokens, num_reqs)
+            if published:
+                self._ddtree_late_step = (
+                    scheduler_output,
+                    num_scheduled_tokens,
+                    logits_indices,
+                    spec_decode_metadata,
+                    num_reqs,
+                )
+            return logits_indices, spec_decode_metadata
         # Late trees: the last proposal's top-K is waited for here, after vLLM's scheduling and input preparation
         # ran while the drafter did (a no-op otherwise).
         with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
@@ -298,8 +349,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             conv_window=self._ddtree_conv_window,
             words=self._ddtree_buffers.words,
             arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid, extras),
+            # Asynchronous scheduling gives every decoding request placeholders, also where the drafter did not run.
+            unproposed=(self.drafter.draft_len, self.drafter.top_k) if self.use_async_scheduling else None,
         )
+        early, self._ddtree_early_token_index = self._ddtree_early_token_index, None
         if plan is None:
+            if early is not None:
+                raise RuntimeError("DDTree: a step published with trees verifies none (a bug)")
             return logits_indices, spec_decode_metadata
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
@@ -315,19 +371,23 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The drafter needs the flat positions; the target sees depth-based ones (written in place: the
         # model reads this persistent buffer).
         self._ddtree_flat_positions = self.positions[:total].clone()
-        self.positions[gpu["token_index"]] = gpu["positions"]
+        if self.use_async_scheduling:
+            # The host's starts are optimistic; vLLM computed the flat positions on the GPU from the corrected ones.
+            self.positions[gpu["token_index"]] = self.positions[gpu["root_index"]] + gpu["depths"]
+        else:
+            self.positions[gpu["token_index"]] = gpu["positions"]
         if self.uses_mrope:
             mrope = self.mrope_positions.gpu
-            mrope[:, gpu["token_index"]] = mrope[:, gpu["mrope_root_index"]] + gpu["depths"].to(mrope.dtype)
-        self._ddtree_publish(
-            layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), int(plan.batch_index.shape[0])
-        )
-        tree_size = self.ddtree_cfg.budget + 1
-        self._ddtree_whole_trees = bool(
-            plan.batch_index.shape[0] == num_reqs
-            and plan.num_tree_tokens == total
-            and (plan.num_nodes == tree_size).all()
-        )
+            mrope[:, gpu["token_index"]] = mrope[:, gpu["root_index"]] + gpu["depths"].to(mrope.dtype)
+        if early is not None:
+            # Published from the counts before vLLM built the metadata (the views `load` just filled).
+            if not np.array_equal(plan.token_index, early):
+                raise RuntimeError("DDTree: the trees' tokens differ from the counts the step was published with")
+        else:
+            self._ddtree_publish(
+                layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), int(plan.batch_index.shape[0])
+            )
+            self._ddtree_whole_trees = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
         plan.logit_rows_gpu = gpu["logit_rows"]
         plan.batch_index_gpu = gpu["batch_index"]
         if "node_parents" in gpu:
@@ -341,14 +401,46 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
 
+    def _ddtree_is_whole_tree_step(self, num_nodes: np.ndarray, num_reqs: int, total: int) -> bool:
+        """Every request verifies a whole tree and nothing else is scheduled (a FULL graph may replay the step)."""
+        tree_size = self.ddtree_cfg.budget + 1
+        return bool(num_nodes.shape[0] == num_reqs and num_nodes.sum() == total and (num_nodes == tree_size).all())
+
+    def _ddtree_publish_counts(self, scheduler_output, num_scheduled_tokens, num_reqs: int) -> bool:
+        """Asynchronous scheduling: publishes the step from vLLM's counts alone (which tokens are tree tokens, the
+        fixed buffers' views), before vLLM builds the metadata; :meth:`_ddtree_prepare` fills the views once the
+        trees are built. False: no request verifies a tree."""
+        total = scheduler_output.total_num_scheduled_tokens
+        counts = tree_token_layout(
+            self.input_batch.req_ids[:num_reqs], num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
+        )
+        if counts is None:
+            return False
+        rows, num_nodes, token_index = counts
+        hybrid = self._ddtree_conv_window > 0
+        specs = {"token_index": (np.int64, token_index.shape)}
+        if hybrid and token_index.shape[0] < total:
+            specs["other_index"] = (np.int64, (total - token_index.shape[0],))
+        host = self._ddtree_count_staging.host_arrays(specs)
+        host["token_index"][:] = token_index
+        if "other_index" in host:
+            host["other_index"][:] = other_tokens(total, token_index)
+        gpu = self._ddtree_count_staging.upload_host()
+        num_trees = int(rows.shape[0])
+        layout = self._ddtree_buffers.views(num_reqs, int(token_index.shape[0]), num_trees, conv=hybrid)
+        self._ddtree_publish(layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), num_trees)
+        self._ddtree_whole_trees = self._ddtree_is_whole_tree_step(num_nodes, num_reqs, total)
+        self._ddtree_early_token_index = token_index
+        return True
+
     def _ddtree_plan_arrays(self, specs, total: int, hybrid: bool, extras: Dict) -> Dict[str, np.ndarray]:
         """Views of the plan staging's pinned buffer for the plan (returned: the Rust core writes them) and, into
         ``extras``, for what the runner adds: M-RoPE's root rows and depths, and the non-tree tokens of a hybrid
         target's mixed step."""
         num_tree_tokens = specs["token_index"][1][0]
         extra_specs = {}
-        if self.uses_mrope:
-            extra_specs["mrope_root_index"] = (np.int64, (num_tree_tokens,))
+        if self.uses_mrope or self.use_async_scheduling:
+            extra_specs["root_index"] = (np.int64, (num_tree_tokens,))
             extra_specs["depths"] = (np.int64, (num_tree_tokens,))
         if hybrid and num_tree_tokens < total:
             extra_specs["other_index"] = (np.int64, (total - num_tree_tokens,))
@@ -504,8 +596,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter.flat_positions = self._ddtree_flat_positions
             if accept is not None:
                 self.ddtree_stats.observe(plan, accept)
-            else:  # walked on the device: counted once the copy below has landed (sample_tokens)
-                self._ddtree_device_counts = (plan, self._ddtree_counts_to_host(gpu["path_lengths"]))
+            else:  # walked on the device: counted once the copy of its path lengths has landed
+                self._ddtree_count_device_steps(self._ddtree_counts.send(gpu["path_lengths"], plan))
             self.ddtree_stats.full_graph_steps += self._ddtree_full_graph is not None
         else:
             self.drafter.context_order = None
@@ -579,29 +671,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_gpu = gpu
         return gpu
 
-    def _ddtree_counts_to_host(self, path_lengths: torch.Tensor) -> torch.Tensor:
-        """A copy of the accepted path lengths on its way to the host (``_ddtree_counts_landed`` says when it
-        landed)."""
-        if self._ddtree_counts_host is None:  # pinned once, reused: a step's counts are read before the next's
-            on_gpu = self.device.type == "cuda"
-            self._ddtree_counts_host = torch.empty(self.max_num_reqs, dtype=torch.int32, pin_memory=on_gpu)
-            self._ddtree_counts_landed = torch.cuda.Event() if on_gpu else None
-        host = self._ddtree_counts_host[: path_lengths.shape[0]]
-        host.copy_(path_lengths, non_blocking=True)
-        if self._ddtree_counts_landed is not None:
-            self._ddtree_counts_landed.record()
-        return host
-
-    def _ddtree_count_device_step(self) -> None:
-        """Counts the last device-walked step in the statistics (its copy has landed by now, or is waited for)."""
-        pending, self._ddtree_device_counts = self._ddtree_device_counts, None
-        if pending is None:
-            return
-        plan, host = pending
-        if self._ddtree_counts_landed is not None:
-            self._ddtree_counts_landed.synchronize()
-        self.ddtree_stats.observe_counts(plan, host.numpy().astype(np.int64) - 1)
-        self.ddtree_stats.device_accept_steps += 1
+    def _ddtree_count_device_steps(self, *steps) -> None:
+        """Counts device-walked steps in the statistics: ``(plan, path lengths)`` each (None: nothing)."""
+        for step in steps:
+            if step is not None:
+                plan, lengths = step
+                self.ddtree_stats.observe_counts(plan, lengths.astype(np.int64) - 1)
+                self.ddtree_stats.device_accept_steps += 1
 
     def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> None:
         step = self._ddtree_gdn_step
@@ -694,8 +770,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             return super().sample_tokens(grammar_output)
         finally:
-            # vLLM's bookkeeping has read this step's sampled tokens by now, so the counts' copy has landed.
-            self._ddtree_count_device_step()
+            # Synchronously vLLM's bookkeeping has read this step's chain rows by now, so its counts have landed;
+            # asynchronously the host is a step ahead: only what has landed is counted (the rest at a later step).
+            self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=not self.use_async_scheduling))
             self._ddtree_gdn_step = None
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.
@@ -712,4 +789,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return DraftTokenIds(list(req_ids), [list(d) for d in drafts])
 
     def ddtree_summary(self) -> Dict[str, object]:
-        return dict(self.ddtree_stats.summary(), whole_tree_gdn_metadata_builds=gdn_metadata.builds)
+        return dict(
+            self.ddtree_stats.summary(),
+            whole_tree_gdn_metadata_builds=gdn_metadata.builds,
+            async_scheduling=bool(self.use_async_scheduling),
+        )

@@ -249,6 +249,7 @@ def plan_verify(
     conv_window: int = 0,
     words: Optional[int] = None,
     arrays: Callable[[ArraySpecs], Dict[str, np.ndarray]] = numpy_arrays,
+    unproposed: Optional[Tuple[int, int]] = None,
 ) -> Optional[VerifyPlan]:
     """Builds the verification of this step's trees (``None``: no request verifies one).
 
@@ -263,6 +264,10 @@ def plan_verify(
         words: the ancestor-bit row width (default: what the largest tree needs;
             the runner's fixed-address buffers have one width for every step).
         arrays: allocates the plan's arrays from ``name -> (dtype, shape)``.
+        unproposed: ``(L, K)``: placeholder drafts of a request without a proposal verify a filler tree of that
+            draft shape instead of raising (asynchronous scheduling schedules placeholders for every decoding
+            request, also where the drafter did not run; any draft tokens are valid, the verification keeps only
+            what the target samples).
 
     Raises:
         DraftMismatchError: scheduled drafts that are not a prefix of the
@@ -284,6 +289,8 @@ def plan_verify(
         b = len(drafts)
         num_drafts[i] = b
         record = store.take(req_id)
+        if record is None and unproposed is not None and drafts[0] == PLACEHOLDER:
+            record = filler_record(*unproposed, store.budget)
         if record is None:
             raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
         if num_scheduled_tokens[i] != b + 1:
@@ -407,6 +414,31 @@ def _lay_out(
         draft_tokens=draft_tokens,
         **out,
     )
+
+
+def filler_record(depth: int, width: int, budget: int) -> DraftRecord:
+    """A proposal for a request the drafter did not propose for: token ``k`` with log-probability ``-k - 1`` at
+    every depth (a valid, deterministic tree of any budget the draft shape allows), counted as proposed at
+    ``budget``."""
+    log_probs = np.broadcast_to(-np.arange(1, width + 1, dtype=np.float32), (depth, width)).copy()
+    token_ids = np.broadcast_to(np.arange(width, dtype=np.int32), (depth, width)).copy()
+    return DraftRecord(log_probs, token_ids, None, budget=budget)
+
+
+def tree_token_layout(
+    req_ids: Sequence[str], num_scheduled_tokens: np.ndarray, scheduled_spec_tokens: Mapping[str, Sequence[int]]
+) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """What a step's tree layout takes from vLLM's counts alone, before any tree is built: ``(batch_index [R_t],
+    num_nodes [R_t], token_index [T])`` of the requests with scheduled drafts (each verifies the root and its
+    drafts: all its scheduled tokens), the same as :func:`plan_verify`'s (None: no request has drafts)."""
+    n = np.asarray(num_scheduled_tokens, dtype=np.int64)[: len(req_ids)]
+    rows = np.fromiter((i for i, req_id in enumerate(req_ids) if scheduled_spec_tokens.get(req_id)), dtype=np.int64)
+    if rows.shape[0] == 0:
+        return None
+    query_start = np.concatenate([[0], np.cumsum(n)])
+    num_nodes = n[rows]
+    within = np.arange(int(num_nodes.sum()), dtype=np.int64) - np.repeat(np.cumsum(num_nodes) - num_nodes, num_nodes)
+    return rows, num_nodes, np.repeat(query_start[rows], num_nodes) + within
 
 
 def draft_token_layout(trees: "ddtree.TreeBatch", query_starts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,69 @@
+"""The accepted path lengths of device-walked steps, on their way to the host for the statistics.
+
+With the tree walk on the device (``device_accept``) the host learns how many drafts each tree accepted only from a
+copy of the walk's ``path_lengths``. A synchronous engine reads it at the end of the step (it landed with the chain
+rows vLLM's bookkeeping waited for). Under asynchronous scheduling the host runs a step ahead of the GPU, and a
+wait there would stall it; so each step's copy goes into its own pinned slot, and a step is counted once its copy
+has landed (``Event.query``), at the latest when every slot is in flight.
+
+Torch only (no vLLM import): CI tests it on CPU, where copies land at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Deque, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+
+class LandingCounts:
+    """``slots`` pinned buffers of ``max_reqs`` int32 counts, used in turn."""
+
+    def __init__(self, device: torch.device, max_reqs: int, slots: int = 4):
+        on_gpu = torch.device(device).type == "cuda"
+        self._buffers = [torch.empty(max_reqs, dtype=torch.int32, pin_memory=on_gpu) for _ in range(slots)]
+        self._events = [torch.cuda.Event() if on_gpu else None for _ in range(slots)]
+        self._next = 0
+        # (slot, number of counts, what the caller attached), oldest first
+        self._in_flight: Deque[Tuple[int, int, Any]] = deque()
+
+    def send(self, counts: torch.Tensor, tag: Any) -> Optional[Tuple[Any, np.ndarray]]:
+        """Starts the copy of ``counts`` ``[R]``; returns the oldest step's ``(tag, counts)`` when its slot had to be
+        read first to make room (None otherwise)."""
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        evicted = None
+        if self._in_flight and self._in_flight[0][0] == slot:
+            evicted = self._read(wait=True)
+        host = self._buffers[slot][: counts.shape[0]]
+        host.copy_(counts, non_blocking=True)
+        if self._events[slot] is not None:
+            self._events[slot].record()
+        self._in_flight.append((slot, counts.shape[0], tag))
+        return evicted
+
+    def landed(self, wait: bool) -> List[Tuple[Any, np.ndarray]]:
+        """``(tag, counts)`` of every step whose copy has landed, oldest first (with ``wait``: of every step)."""
+        out = []
+        while self._in_flight:
+            step = self._read(wait)
+            if step is None:
+                break
+            out.append(step)
+        return out
+
+    def _read(self, wait: bool) -> Optional[Tuple[Any, np.ndarray]]:
+        slot, n, tag = self._in_flight[0]
+        event = self._events[slot]
+        if event is not None:
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                return None
+        self._in_flight.popleft()
+        return tag, self._buffers[slot][:n].numpy().copy()
+
+    def __len__(self) -> int:
+        return len(self._in_flight)
