@@ -437,16 +437,21 @@ def tree_token_layout(
         return None
     query_start = np.concatenate([[0], np.cumsum(n)])
     num_nodes = n[rows]
-    within = np.arange(int(num_nodes.sum()), dtype=np.int64) - np.repeat(np.cumsum(num_nodes) - num_nodes, num_nodes)
-    return rows, num_nodes, np.repeat(query_start[rows], num_nodes) + within
+    return rows, num_nodes, np.repeat(query_start[rows], num_nodes) + index_within_groups(num_nodes)
+
+
+def index_within_groups(counts: np.ndarray) -> np.ndarray:
+    """``[0, 1, .., counts[0] - 1, 0, 1, .., counts[1] - 1, ...]`` (int64)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def draft_token_layout(trees: "ddtree.TreeBatch", query_starts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """``(step_index, tokens)`` of every draft node: tree ``t``'s ``j``-th draft (pop order) is the step's token
     ``query_starts[t] + j + 1`` (its root first, then the drafts in the order vLLM scheduled them)."""
     counts = np.diff(trees.token_offsets).astype(np.int64)
-    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(trees.token_offsets[:-1], counts)
-    return np.repeat(np.asarray(query_starts, dtype=np.int64), counts) + within + 1, trees.tokens
+    step_index = np.repeat(np.asarray(query_starts, dtype=np.int64), counts) + index_within_groups(counts) + 1
+    return step_index, trees.tokens
 
 
 def _proposed_trees(
