@@ -34,42 +34,29 @@ ROOT = "/tmp/qwen36_shape"
 PROMPT_LEN = 512
 OUT_TOKENS = 64
 
+
+def _tree(budget, **env):
+    """A ddtree engine of the released drafter's depth, with environment switches."""
+    spec = {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": budget}
+    return dict(spec, env=env) if env else spec
+
+
 ENGINES = {
     "plain": None,
     "dflash": {"method": "dflash", "num_speculative_tokens": 15},
-    "ddtree16": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16},
-    "ddtree64": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-    "ddtree256": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256},
+    "ddtree16": _tree(16),
+    "ddtree64": _tree(64),
+    "ddtree256": _tree(256),
     # A budget schedule: 64 below 8 drafting requests (FULL graphs), 16 from 8 on (PIECEWISE steps).
-    "ddtree64to16": {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}},
+    "ddtree64to16": _tree({"1": 64, "8": 16}),
     # Without the GDN commit graphs (DDTREE_COMMIT_GRAPHS=0): 96 commit launches per step at this shape.
-    "ddtree64-layercommit": {
-        "method": "ddtree",
-        "num_speculative_tokens": 15,
-        "ddtree_budget": 64,
-        "env": {"DDTREE_COMMIT_GRAPHS": "0"},
-    },
+    "ddtree64-layercommit": _tree(64, DDTREE_COMMIT_GRAPHS="0"),
     # The tree walk on the device and the trees built at the next verification (the TP-1 default, set explicitly),
     # and the host paths they replaced.
-    "ddtree64-late": {
-        "method": "ddtree",
-        "num_speculative_tokens": 15,
-        "ddtree_budget": 64,
-        "env": {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"},
-    },
+    "ddtree64-late": _tree(64, DDTREE_DEVICE_ACCEPT="1", DDTREE_LATE_TREES="1"),
+    "ddtree64-host": _tree(64, DDTREE_DEVICE_ACCEPT="0", DDTREE_LATE_TREES="0"),
     # vLLM's asynchronous scheduling (experimental; an engine setting, so no in-process A/B).
-    "ddtree64-async": {
-        "method": "ddtree",
-        "num_speculative_tokens": 15,
-        "ddtree_budget": 64,
-        "env": {"DDTREE_ASYNC_SCHEDULING": "1"},
-    },
-    "ddtree64-host": {
-        "method": "ddtree",
-        "num_speculative_tokens": 15,
-        "ddtree_budget": 64,
-        "env": {"DDTREE_DEVICE_ACCEPT": "0", "DDTREE_LATE_TREES": "0"},
-    },
+    "ddtree64-async": _tree(64, DDTREE_ASYNC_SCHEDULING="1"),
 }
 
 
