@@ -53,9 +53,12 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
         "--drafter-snapshots",
         "0.34",
         "0.67",
+        "--drafter-layers",
+        "2",
     ]
     metrics = pipeline.run(pipeline.build_parser().parse_args(argv))
     assert metrics["target"]["steps"] == 4 and metrics["drafter"]["steps"] == 3
+    assert metrics["drafter"]["layers"] == 2  # the tiny shapes' 1, overridden
     # the drafter phase reports the engine-equivalent chain tau on the held-out prompts, not only the
     # mean over the anchors of its training batches
     assert metrics["drafter"]["heldout_chain_tau"] >= 1.0 and metrics["drafter"]["heldout_chain_steps"] >= 1
@@ -92,3 +95,11 @@ def test_run_tiny_end_to_end(tiny_data, tmp_path):
     # resume: finished phases are skipped, evaluation and outputs are redone
     again = pipeline.run(pipeline.build_parser().parse_args(argv + ["--resume"]))
     assert again["target"]["steps"] == 4 and again["eval"]["reference_outputs"] == metrics["eval"]["reference_outputs"]
+
+
+def test_drafter_layers_out_of_range_are_refused_with_the_range(tiny_data, tmp_path):
+    import pytest
+
+    argv = ["run", "--data", tiny_data.directory, "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    with pytest.raises(SystemExit, match=r"--drafter-layers must be in 1\.\.16, got 0"):
+        pipeline.run(pipeline.build_parser().parse_args(argv + ["--tiny", "--device", "cpu", "--drafter-layers", "0"]))

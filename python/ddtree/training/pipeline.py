@@ -22,6 +22,7 @@ Outputs under ``--out`` (at most 8 files, none over 15 MiB, as the device tool r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -115,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="greedy tokens per continuation (default: --drafter-seq minus --generate-prompt); "
         "a small target's long greedy continuations end in loops",
+    )
+    run.add_argument(
+        "--drafter-layers",
+        type=int,
+        default=None,
+        help="the drafter's layers (default: DrafterShape's, 2; the released Qwen3.6-27B drafter has 5)",
     )
     run.add_argument("--drafter-steps", type=int, default=None)
     run.add_argument("--drafter-time-s", type=float, default=150.0)
@@ -270,6 +277,10 @@ def run(args) -> Dict:
         f"{len(dataset.prompts)} prompts"
     )
     target_shape, drafter_shape = tiny_shapes() if args.tiny else (model.TargetShape(), model.DrafterShape())
+    if args.drafter_layers is not None:
+        if not 1 <= args.drafter_layers <= 16:
+            raise SystemExit(f"--drafter-layers must be in 1..16, got {args.drafter_layers}")
+        drafter_shape = dataclasses.replace(drafter_shape, num_layers=args.drafter_layers)
     text_config = model.target_text_config(target_shape, dataset.vocab_size, dataset.eos_id, dataset.pad_id)
     models_dir = os.path.join(args.work, "models")
     target_dir, drafter_dir = os.path.join(models_dir, "target"), os.path.join(models_dir, "drafter")
