@@ -407,3 +407,30 @@ def test_the_start_up_line_states_a_schedule_and_what_runs_in_full_graphs():
     assert (
         text == "64 from 1, 16 from 8 requests (FULL CUDA graphs for steps of budget 64; smaller budgets run PIECEWISE)"
     )
+
+
+def test_the_docs_list_every_switch_with_its_default():
+    """docs/vllm-adapter.md's table of environment switches names each DDTREE_* switch of config.py, with the default
+    the code applies."""
+    import re
+    from pathlib import Path
+
+    from ddtree.vllm import config
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm-adapter.md").read_text()
+    table = dict(re.findall(r"^\| `(DDTREE_[A-Z_]+)` \| ([^|]+) \|", text, flags=re.M))
+    switches = {v for k, v in vars(config).items() if k.endswith("_ENV") and v.startswith("DDTREE_")}
+    assert set(table) == switches
+    defaults = {
+        "DDTREE_DEVICE_ACCEPT": (config.device_accept_enabled({}, 1), config.device_accept_enabled({}, 2)),
+        "DDTREE_LATE_TREES": (config.late_trees_enabled({}, 1), config.late_trees_enabled({}, 2)),
+        "DDTREE_ASYNC_SCHEDULING": (config.async_scheduling_enabled({}),) * 2,
+        "DDTREE_COMMIT_GRAPHS": (config.commit_graphs_enabled({}),) * 2,
+        "DDTREE_WHOLE_TREE_GDN_METADATA": (config.whole_tree_gdn_metadata_enabled({}),) * 2,
+    }
+    for name, (one_gpu, tensor_parallel) in defaults.items():
+        doc = table[name].strip()
+        if one_gpu == tensor_parallel:
+            assert doc == str(int(one_gpu)), name
+        else:
+            assert doc == f"{int(one_gpu)} with one GPU, {int(tensor_parallel)} under tensor parallelism", name
