@@ -229,6 +229,11 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert runner.ddtree_stats.accepted > 0
     runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=True))  # nothing counted twice
     assert runner.ddtree_stats.steps == 1 and runner.ddtree_stats.device_accept_steps == 1
+    # A step still in flight when the summary is read is counted then.
+    runner._ddtree_counts.send(gpu["path_lengths"], plan)
+    runner.use_async_scheduling = False
+    summary = runner.ddtree_summary()
+    assert summary["device_accept_steps"] == 2 and summary["verify_steps"] == 2 and not summary["async_scheduling"]
 
 
 def _late_proposer(runner, store, batch_size, draft_len=3, top_k=4, seed=0):

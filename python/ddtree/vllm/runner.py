@@ -770,9 +770,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             return super().sample_tokens(grammar_output)
         finally:
-            # Synchronously vLLM's bookkeeping has read this step's chain rows by now, so its counts have landed;
-            # asynchronously the host is a step ahead: only what has landed is counted (the rest at a later step).
-            self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=not self.use_async_scheduling))
+            # The statistics of device-walked steps whose counts have landed (the others at a later step, or when
+            # the summary is read): no wait here, where the GPU may still commit and draft.
+            self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=False))
             self._ddtree_gdn_step = None
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.
@@ -789,6 +789,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return DraftTokenIds(list(req_ids), [list(d) for d in drafts])
 
     def ddtree_summary(self) -> Dict[str, object]:
+        self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=True))
         return dict(
             self.ddtree_stats.summary(),
             whole_tree_gdn_metadata_builds=gdn_metadata.builds,
