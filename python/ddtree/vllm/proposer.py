@@ -146,7 +146,8 @@ class DDTreeProposer(DFlashProposer):
     def _defer(self, req_ids: List[str], batch_size: int) -> torch.Tensor:
         """Late trees: the top-K goes to the host without a wait and the trees are built at the next verification
         (``plan_verify``); vLLM's scheduler gets placeholder drafts of each tree's size. Returns zeros in place of
-        the drafts (vLLM keeps them; nothing reads their values in a synchronous step)."""
+        the drafts: vLLM keeps them, and under asynchronous scheduling writes them into the next step's input ids,
+        where the runner writes the tree tokens over them."""
         # Every rank: each builds its trees at verification from the same gathered top-K.
         self.store.settle()  # the last deferred proposal leaves the pinned buffer before this copy overwrites it
         rows, width = batch_size * self.draft_len, 2 * self.top_k
