@@ -1,23 +1,30 @@
 """DDTree's V1 GPU model runner: vLLM's runner plus the tree steps.
 
 Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
-:class:`ddtree.vllm.worker.DDTreeWorker`. Per step (async scheduling off):
+:class:`ddtree.vllm.worker.DDTreeWorker`. Per step (synchronous scheduling, the defaults with one GPU):
 
 ``_update_states``      drop the tree records of finished/preempted requests.
-``_prepare_inputs``     after vLLM's own: build the verification plan of the
-                        scheduled trees (:func:`ddtree.vllm.step.plan_verify`),
-                        overwrite the tree tokens' positions with
-                        ``start + depth`` (slot mapping already computed from the
-                        flat positions, so node j's K/V lands at slot start+j),
+``_prepare_inputs``     after vLLM's own: wait for the last proposal's top-K, build the
+                        scheduled trees and their verification plan
+                        (:func:`ddtree.vllm.step.plan_verify`), write the tree tokens
+                        where vLLM put placeholder drafts, overwrite the tree tokens'
+                        positions with ``start + depth`` (slot mapping already computed
+                        from the flat positions, so node j's K/V lands at slot start+j),
                         publish the tree-attention inputs.
 ``execute_model``       vLLM's, then clear the tree-attention inputs.
 ``_sample``             vLLM calls our rejection sampler
-                        (:class:`ddtree.vllm.sampler.DDTreeRejectionSampler`);
-                        then move the accepted nodes' K/V into consecutive
-                        slots in every target attention layer and hand the
-                        drafter the accepted-path row order.
-``take_draft_token_ids`` the trees' token lists, one per request (variable
-                        length; a request without a tree gets none).
+                        (:class:`ddtree.vllm.sampler.DDTreeRejectionSampler`), which
+                        walks the trees on the device; then move the accepted nodes'
+                        K/V into consecutive slots in every target attention layer,
+                        commit the GDN state and hand the drafter the accepted-path
+                        row order.
+``_bookkeeping_sync``   vLLM's, reading the chain rows' early copy (not waiting for the
+                        drafter).
+``take_draft_token_ids`` placeholder drafts of each tree's size (the proposer did not wait
+                        for its top-K).
+
+Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING=1``) ``_prepare_inputs`` publishes the step from
+vLLM's counts only and ``_preprocess``, after vLLM's metadata builds, does the rest of the plan.
 """
 
 from __future__ import annotations
@@ -211,8 +218,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The GDN commit of FULL steps as CUDA graphs (made at the first commit of each size, when the accepted
         # paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
-        # The trees walked on the device (DDTREE_DEVICE_ACCEPT=1; the benches toggle it in-process for an A/B)
-        # and the accepted counts of the last such step, read once its copy to the host is done.
+        # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
+        # the accepted counts of such steps, read once their copies to the host have landed.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
         self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
         self._ddtree_counts = LandingCounts(self.device, self.max_num_reqs)
@@ -222,7 +229,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_late_step: Optional[tuple] = None
         self._ddtree_early_token_index: Optional[np.ndarray] = None
         self._ddtree_commit_graphs: Optional[CommitGraphs] = None
-        # Late trees (DDTREE_LATE_TREES=1; the benches toggle it in-process for an A/B): the proposer defers the
+        # Late trees (DDTREE_LATE_TREES; the benches toggle it in-process for an A/B): the proposer defers the
         # tree build to the next verification; and, with the device walk, the step's chain rows travel to the host
         # ahead of the drafter (``ddtree_output_to_host``), so vLLM's bookkeeping does not wait for the drafter.
         self._ddtree_late_trees = late_trees_enabled(tensor_parallel_size=tensor_parallel_size)
