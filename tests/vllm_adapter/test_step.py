@@ -420,3 +420,15 @@ def test_placeholders_without_a_proposal_verify_a_filler_tree_only_when_asked():
     assert plan.draft_tokens.tolist() == TreeStore(budget=12).propose(["x"], lp[None], ids[None])[0]
     with pytest.raises(DraftMismatchError, match="no DDTree proposal"):  # real drafts without a record: a bug
         plan_verify(store, ["a"], np.array([9]), np.array([3]), {"a": [5, 6]}, unproposed=(5, 4))
+
+
+def test_a_late_proposal_at_a_schedules_smaller_budget():
+    """A budget schedule with late trees: placeholders of the step's budget, trees whole at that budget."""
+    rng = np.random.default_rng(10)
+    store = TreeStore(budget=12)
+    placeholders, lp, ids, _, _ = _deferred(store, rng, ["a", "b"], budget=6)
+    assert [len(p) for p in placeholders] == [6, 6]
+    plan = plan_verify(store, ["a", "b"], np.array([3, 9]), np.array([7, 7]), dict(zip("ab", placeholders)))
+    assert plan.proposed_budgets.tolist() == [6, 6] and plan.num_cut_trees == 0
+    want = TreeStore(budget=12).propose(["a", "b"], lp, ids, budget=6)
+    assert plan.draft_tokens.tolist() == want[0] + want[1]
