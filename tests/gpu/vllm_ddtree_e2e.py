@@ -506,6 +506,21 @@ def with_plain_gaps(rows, plain_scenario):
     return out
 
 
+def reused_results(spec: str, running) -> dict:
+    """The engines' results of an earlier run, ``PATH[:ENGINE,...]`` (PATH a .json or .json.gz), without the
+    engines this run runs itself."""
+    import gzip
+
+    path, _, wanted = spec.partition(":")
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        earlier = json.load(f)["results"]
+    names = wanted.split(",") if wanted else list(earlier)
+    missing = [n for n in names if n not in earlier]
+    if missing:
+        raise SystemExit(f"--reuse {spec}: no results for {missing} (it has {sorted(earlier)})")
+    return {n: earlier[n] for n in names if n not in running}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_e2e_out"))
@@ -531,8 +546,9 @@ def main():
     ap.add_argument(
         "--reuse",
         default=None,
-        help="vllm_ddtree_e2e.json of an earlier run on the same model: its engines' results join this "
-        "run's (e.g. plain and ddtree64 at TP 1, reused by a later ddtree64-tp2 run)",
+        help="vllm_ddtree_e2e.json (or .json.gz) of an earlier run on the same model, optionally followed by "
+        "':ENGINE,ENGINE' to take only those: its engines' results join this run's (e.g. plain and ddtree64 at TP 1, "
+        "reused by a later ddtree64-tp2 run; benches/results/gpu-h200-e2e-034348c/vllm_ddtree_e2e.json.gz:plain)",
     )
     ap.add_argument(
         "--model",
@@ -597,9 +613,7 @@ def main():
 
     results = {}
     if args.reuse:
-        with open(args.reuse) as f:
-            earlier = json.load(f)["results"]
-        results.update({k: v for k, v in earlier.items() if k not in args.engines.split(",")})
+        results.update(reused_results(args.reuse, args.engines.split(",")))
         log(f"reused from {args.reuse}: {sorted(results)}", fh)
     started = time.time()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")

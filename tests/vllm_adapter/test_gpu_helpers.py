@@ -268,3 +268,24 @@ def test_harness_keeps_the_finished_scenarios_of_a_child_that_died(tmp_path):
     kept = load_partial_results(str(tmp_path), "ddtree64", log)
     assert list(kept["scenarios"]) == ["batch1"] and "died or timed out" in kept["errors"]["child"]
     assert "kept 1 finished scenarios" in log.getvalue()
+
+
+def test_the_harness_reuses_chosen_engines_of_an_earlier_run_gzipped_or_not(tmp_path):
+    import gzip
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import reused_results
+
+    earlier = {"results": {"plain": {"scenarios": 1}, "ddtree64": {"scenarios": 2}}}
+    plain, packed = tmp_path / "e2e.json", tmp_path / "e2e.json.gz"
+    plain.write_text(json.dumps(earlier))
+    with gzip.open(packed, "wt") as f:
+        json.dump(earlier, f)
+    assert reused_results(str(plain), ["ddtree64-async"]) == earlier["results"]
+    assert reused_results(f"{packed}:plain", ["ddtree64-async"]) == {"plain": {"scenarios": 1}}
+    assert reused_results(str(packed), ["ddtree64"]) == {"plain": {"scenarios": 1}}  # this run runs ddtree64 itself
+    with pytest.raises(SystemExit, match=r"no results for \['dflash'\]"):
+        reused_results(f"{packed}:plain,dflash", [])
