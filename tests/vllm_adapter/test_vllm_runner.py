@@ -388,3 +388,40 @@ def test_asynchronous_scheduling_publishes_from_counts_and_places_trees_from_the
     with pytest.raises(RuntimeError, match="differ from the counts"):
         runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
     context.withdraw()
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_propose_defers_or_builds_by_the_runners_setting(monkeypatch, late):
+    """DDTreeProposer.propose around vLLM's drafter pass (stubbed): late, it returns zeros and placeholders without
+    building; otherwise it waits for the top-K and hands vLLM the trees' tokens. Both give the same trees."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.step import PLACEHOLDER, TreeStore
+
+    runner = SimpleNamespace(
+        ddtree_late_trees=late,
+        ddtree_stats=DDTreeStats(3),
+        max_num_reqs=4,
+        ddtree_cfg=DDTreeConfig(budget=6, draft_len=3, top_k=None),
+        input_batch=SimpleNamespace(req_ids=["a", "b", "x"]),
+    )
+    store = TreeStore(6)
+    proposer, log_probs, ids = _late_proposer(runner, store, 2)
+    capture = proposer._capture
+    proposer.builds_drafts, proposer.context_order, proposer.flat_positions = True, None, None
+
+    def drafter_pass(self, *args, **kwargs):  # vLLM's pass: the proposer's top-K capture is what it leaves
+        self._capture = capture
+
+    monkeypatch.setattr(DFlashProposer, "propose", drafter_pass)
+    metadata = SimpleNamespace(batch_size=lambda: 2)
+    out = proposer.propose(6, None, None, None, None, None, metadata, None)
+    want = TreeStore(6).propose(["a", "b"], log_probs, ids.numpy().astype(np.int64))
+    assert proposer.last_req_ids == ["a", "b"]
+    if late:
+        assert not out.any() and proposer.last_drafts == [[PLACEHOLDER] * 6] * 2 and store.deferred is not None
+        assert "defer" in runner.ddtree_stats.host_seconds and "build" not in runner.ddtree_stats.host_seconds
+    else:
+        assert proposer.last_drafts == want and out.tolist() == want and store.deferred is None
