@@ -47,11 +47,12 @@ def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> di
     prof.export_chrome_trace(raw)
     with open(raw) as trace:
         events = json.load(trace)["traceEvents"]
+    measured = idle_by_range(events)  # one pass over the timeline for both
     with open(path, "a") as handle:
         # Host times here are inflated by the profiler's Python tracing; the shares of idle time are the point.
-        handle.write("\n" + idle_table(events, params.max_tokens))
+        handle.write("\n" + idle_table(events, params.max_tokens, measured))
     compress(raw)
-    return idle_summary(events, params.max_tokens)
+    return idle_summary(events, params.max_tokens, measured=measured)
 
 
 #: Operations whose host side can block until the GPU catches up (a data-dependent size, a scalar, a copy).
@@ -125,10 +126,10 @@ def idle_by_range(trace_events, min_gap_us: float = 5.0):
     return busy, gpu[-1][1] - gpu[0][0], idle
 
 
-def idle_summary(trace_events, tokens: int, most: int = 8) -> dict:
+def idle_summary(trace_events, tokens: int, most: int = 8, measured=None) -> dict:
     """:func:`idle_by_range` in ms per output token (``tokens``: the generate's max_tokens): GPU busy, the span, and
-    the ``most`` host ranges the GPU waited in longest."""
-    busy, span, idle = idle_by_range(trace_events)
+    the ``most`` host ranges the GPU waited in longest (``measured``: its result when the caller has it)."""
+    busy, span, idle = measured or idle_by_range(trace_events)
     per_token = 1e3 * max(tokens, 1)
     waited = sorted(idle.items(), key=lambda kv: -kv[1])[:most]
     return {
@@ -139,10 +140,11 @@ def idle_summary(trace_events, tokens: int, most: int = 8) -> dict:
     }
 
 
-def idle_table(trace_events, tokens: int) -> str:
+def idle_table(trace_events, tokens: int, measured=None) -> str:
     """:func:`idle_by_range` as text, in total and per output token of a request (``tokens``: the generate's
-    max_tokens; with a drafter that is never accepted, as the 27B bench's dummy one, one token is one step)."""
-    busy, span, idle = idle_by_range(trace_events)
+    max_tokens; with a drafter that is never accepted, as the 27B bench's dummy one, one token is one step;
+    ``measured``: its result when the caller has it)."""
+    busy, span, idle = measured or idle_by_range(trace_events)
     if not span:
         return "GPU busy: no GPU work in the trace\n"
     lines = [

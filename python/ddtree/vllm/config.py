@@ -322,10 +322,13 @@ def device_accept_enabled(environ: Mapping[str, str] = os.environ, tensor_parall
     the host: ``DDTREE_DEVICE_ACCEPT``, by default on with one GPU (exact on the pair under every scenario of the
     e2e harness, 3.5 ms less per batch-1 step at the 27B shape: ``benches/results/gpu-h200-late-trees-33fbda4``)
     and off with tensor parallelism (not yet run there)."""
-    default = "1" if tensor_parallel_size == 1 else "0"
-    return env_switch(
-        environ, DEVICE_ACCEPT_ENV, default, {"0": "the Rust walk on the host", "1": "the walk on the device"}
-    )
+    meanings = {"0": "the Rust walk on the host", "1": "the walk on the device"}
+    return env_switch(environ, DEVICE_ACCEPT_ENV, _on_with_one_gpu(tensor_parallel_size), meanings)
+
+
+def _on_with_one_gpu(tensor_parallel_size: int) -> str:
+    """The default of a switch measured with one GPU only: on there, off under tensor parallelism."""
+    return "1" if tensor_parallel_size == 1 else "0"
 
 
 def late_trees_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_size: int = 1) -> bool:
@@ -337,10 +340,8 @@ def late_trees_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_
     written into the step's input ids, right after vLLM's input preparation. With the device walk, 3.2 ms less per
     batch-1 step at the 27B shape, the same outputs on the pair (``gpu-h200-late-trees-33fbda4``); see
     docs/async-scheduling.md."""
-    default = "1" if tensor_parallel_size == 1 else "0"
-    return env_switch(
-        environ, LATE_TREES_ENV, default, {"0": "trees built at proposal", "1": "trees built at the next verification"}
-    )
+    meanings = {"0": "trees built at proposal", "1": "trees built at the next verification"}
+    return env_switch(environ, LATE_TREES_ENV, _on_with_one_gpu(tensor_parallel_size), meanings)
 
 
 def async_scheduling_enabled(environ: Mapping[str, str] = os.environ) -> bool:

@@ -273,10 +273,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             problems.append("the tree walk on the device and late trees (DDTREE_DEVICE_ACCEPT, DDTREE_LATE_TREES)")
         if cfg.budget_schedule:
             problems.append(f"one budget, not a schedule ({budget_description(cfg)})")
-        if tree_size(cfg.budget, top_k, cfg.draft_len) != cfg.budget:
+        nodes = tree_size(cfg.budget, top_k, cfg.draft_len)
+        if nodes != cfg.budget:
             problems.append(
-                f"trees of the whole budget {cfg.budget} (top-K {top_k} at depth {cfg.draft_len} gives "
-                f"{tree_size(cfg.budget, top_k, cfg.draft_len)} nodes)"
+                f"trees of the whole budget {cfg.budget} (top-K {top_k} at depth {cfg.draft_len} gives {nodes} nodes)"
             )
         if problems:
             raise RuntimeError("DDTree under asynchronous scheduling needs " + "; ".join(problems))
@@ -449,7 +449,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if self.uses_mrope or self.use_async_scheduling:
             extra_specs["root_index"] = (np.int64, (num_tree_tokens,))
             extra_specs["depths"] = (np.int64, (num_tree_tokens,))
-        if hybrid and num_tree_tokens < total:
+        if hybrid and num_tree_tokens < total and not self.use_async_scheduling:
+            # (Under asynchronous scheduling the step was published with its own, from the counts.)
             extra_specs["other_index"] = (np.int64, (total - num_tree_tokens,))
         if self._ddtree_device_accept:
             extra_specs.update((name, (np.int64, (num_tree_tokens,))) for name in device_accept.NODE_ARRAYS)
