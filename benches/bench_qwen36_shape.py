@@ -47,8 +47,10 @@ ENGINES = {
     "ddtree16": _tree(16),
     "ddtree64": _tree(64),
     "ddtree256": _tree(256),
-    # A budget schedule: 64 below 8 drafting requests (FULL graphs), 16 from 8 on (PIECEWISE steps).
+    # Budget schedules: 64 below 8 drafting requests, 16 (or 32) from 8 on; each budget's whole-tree steps replay
+    # FULL graphs of their own trees (``full_graph_steps_by_tree_tokens`` in a row says which ran).
     "ddtree64to16": _tree({"1": 64, "8": 16}),
+    "ddtree64to32": _tree({"1": 64, "8": 32}),
     # Without the GDN commit graphs (DDTREE_COMMIT_GRAPHS=0): 96 commit launches per step at this shape.
     "ddtree64-layercommit": _tree(64, DDTREE_COMMIT_GRAPHS="0"),
     # The tree walk on the device and the trees built at the next verification (the TP-1 default, set explicitly),
@@ -321,6 +323,11 @@ def run_engine(
                 "whole_tree_gdn_metadata_builds",
             ):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
+            by_tree, then = (
+                after.get("full_graph_steps_by_tree_tokens", {}),
+                before.get("full_graph_steps_by_tree_tokens", {}),
+            )
+            row["full_graph_steps_by_tree_tokens"] = {size: n - then.get(size, 0) for size, n in by_tree.items()}
         if ab and before is not None:
             # The same engine and prompts with switches turned: an A/B in one process, so the difference is the
             # switches' and not the host's or the run's.

@@ -437,6 +437,22 @@ SWITCH_COUNTERS = {
 }
 
 
+def schedule_graphs_exercised(spec, summary):
+    """``[(counter, passed)]``: every smaller budget of a budget schedule that verified trees also replayed FULL
+    graphs of its own trees (``budget + 1`` tokens each; the pair's trees fill their budget)."""
+    schedule = (spec or {}).get("ddtree_budget")
+    if not isinstance(schedule, dict):
+        return []
+    used = {int(b): n for b, n in summary.get("steps_by_budget", {}).items()}
+    full = {int(t): n for t, n in summary.get("full_graph_steps_by_tree_tokens", {}).items()}
+    largest = max(int(b) for b in schedule.values())
+    return [
+        (f"full_graph_steps_of_budget_{b}", full.get(b + 1, 0) > 0)
+        for b in sorted({int(b) for b in schedule.values()})
+        if b < largest and used.get(b, 0) > 0
+    ]
+
+
 def switched_paths_exercised(env, summary):
     """``[(counter, passed)]``: an engine run with a switch on must show that the switch's path ran."""
     return [
@@ -745,6 +761,8 @@ def main():
             for counter, passed in switched_paths_exercised(
                 ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"]
             ):
+                verdict[f"{name}/{counter}"] = passed
+            for counter, passed in schedule_graphs_exercised(ENGINES.get(name, {}).get("spec"), res["ddtree_summary"]):
                 verdict[f"{name}/{counter}"] = passed
 
     def mal(name):

@@ -23,6 +23,7 @@ from ddtree.vllm.config import (
     override_reason,
     parse_spec_config,
     resolve_draft_len,
+    schedule_tree_graphs,
     tree_capture_sizes,
     unsupported_sampling_reasons,
     vllm_default_capture_sizes,
@@ -315,6 +316,23 @@ def test_capture_sizes_hold_every_whole_number_of_trees():
     # Past 32 trees, every 8th count, up to 128 trees.
     many = tree_capture_sizes(16, max_num_seqs=1024, max_num_batched_tokens=1 << 20)
     assert 40 * 17 in many and 36 * 17 not in many and 128 * 17 in many and 136 * 17 not in many
+
+
+def test_a_schedules_smaller_budgets_get_graphs_at_the_batch_sizes_that_pick_them():
+    def graphs(schedule, max_num_seqs=64, max_tokens=8192, size=lambda budget: budget + 1):
+        cfg = DDTreeConfig(budget=max(b for _, b in schedule), draft_len=15, top_k=8, budget_schedule=schedule)
+        return schedule_tree_graphs(cfg, size, max_num_seqs, max_tokens)
+
+    got = graphs(((1, 64), (8, 32), (32, 16)))
+    assert [n for s, n in got if s == 33] == list(range(8, 32))  # 32 from 8 requests to 31
+    assert [n for s, n in got if s == 17] == [32, 40, 48, 56, 64]  # past 32 trees, every 8th count
+    assert all(s != 65 for s, _ in got)  # the largest budget's graphs are vLLM's own
+    # Bounded by the largest capture size and by the sequences; the tree size is the builder's, not budget + 1.
+    assert graphs(((1, 64), (8, 32)), max_tokens=10 * 33) == [(33, n) for n in range(8, 11)]
+    assert graphs(((1, 64), (2, 32)), max_num_seqs=3, size=lambda budget: 29) == [(29, 2), (29, 3)]
+    # A budget that comes back later in the schedule, and no schedule at all.
+    assert graphs(((1, 32), (4, 64), (8, 32)), max_num_seqs=9) == [(33, 1), (33, 2), (33, 3), (33, 8), (33, 9)]
+    assert schedule_tree_graphs(DDTreeConfig(budget=64, draft_len=15, top_k=8), lambda b: b + 1, 64, 8192) == []
 
 
 def test_vllm_default_capture_sizes_match_vllms_own_list():

@@ -253,6 +253,23 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert ("async_scheduling", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], synchronous)
 
 
+def test_harness_fails_a_schedule_whose_smaller_trees_replayed_no_full_graph():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import ENGINES, schedule_graphs_exercised
+
+    spec = ENGINES["ddtree64to16"]["spec"]
+    # As read back from the child's JSON: string keys.
+    ran = {"steps_by_budget": {"16": 30, "64": 50}, "full_graph_steps_by_tree_tokens": {"17": 28, "65": 40}}
+    assert schedule_graphs_exercised(spec, ran) == [("full_graph_steps_of_budget_16", True)]
+    piecewise = dict(ran, full_graph_steps_by_tree_tokens={"65": 40})
+    assert schedule_graphs_exercised(spec, piecewise) == [("full_graph_steps_of_budget_16", False)]
+    assert schedule_graphs_exercised(spec, dict(ran, steps_by_budget={"64": 50})) == []  # budget 16 never used
+    assert schedule_graphs_exercised(ENGINES["ddtree64"]["spec"], ran) == []
+
+
 def test_harness_keeps_the_finished_scenarios_of_a_child_that_died(tmp_path):
     import io
     import sys

@@ -60,11 +60,12 @@ def test_load_refuses_what_does_not_fit():
         )
 
 
-@pytest.mark.parametrize("budget, depth", [(64, 15), (16, 15), (256, 15), (8, 4)])
-def test_dummy_trees_are_whole_trees_of_the_engine_budget(budget, depth):
+@pytest.mark.parametrize("budget, depth, smaller", [(64, 15, None), (16, 15, None), (256, 15, 32), (8, 4, 4)])
+def test_dummy_trees_are_whole_trees_of_the_engine_budget(budget, depth, smaller):
+    """Dummy trees of the engine's budget, or of a schedule's smaller budget for that budget's own graphs."""
     buffers = TreeStepBuffers(CPU, max_requests=3, max_tokens=3 * (budget + 1), tree_size=budget + 1, conv_width=4)
-    views = buffers.stage_dummy_trees(3, depth)
-    size = budget + 1
+    size = (smaller or budget) + 1
+    views = buffers.stage_dummy_trees(3, depth, size if smaller else None)
     assert views["node_offsets"].tolist() == [0, size, 2 * size, 3 * size]
     assert views["row_start"].tolist() == [0, size, 2 * size]
     bits = views["ancestor_bits"].numpy().view(np.uint32)
@@ -75,6 +76,13 @@ def test_dummy_trees_are_whole_trees_of_the_engine_budget(budget, depth):
     conv = views["conv_index"]
     assert conv.shape == (3 * size, 4) and int(conv.min()) >= 0 and int(conv.max()) < 3 * 3 + 3 * size
     assert conv[:, -1].tolist() == [9 + t for t in range(3 * size)]  # each node's own input, last
+
+
+def test_dummy_trees_refuse_sizes_the_buffers_do_not_hold():
+    buffers = TreeStepBuffers(CPU, max_requests=2, max_tokens=40, tree_size=17)
+    for size in (1, 18):
+        with pytest.raises(ValueError, match=f"dummy trees of {size} nodes; the buffers hold 2 to 17"):
+            buffers.stage_dummy_trees(2, 4, size)
 
 
 def test_captured_commits_hold_references_that_the_replay_rewrites():
@@ -96,13 +104,15 @@ def test_captured_commits_hold_references_that_the_replay_rewrites():
         return t.view_as(t)
 
     commits = CapturedCommits()
-    commits.record(195, step, weak)
+    commits.record((195, 3), step, weak)
     assert not step.pending and len(made) == 5
-    replayed = commits.replayed(195)["layer.0"]
+    replayed = commits.replayed((195, 3))["layer.0"]
     tensors[3].fill_(7.0)  # a replay writes the deltas in place
     assert (replayed.deltas == 7.0).all()
-    with pytest.raises(RuntimeError, match="FULL CUDA graph of 130 tokens"):
-        commits.replayed(130)
+    with pytest.raises(RuntimeError, match="FULL CUDA graph of 130 tokens in 2 trees"):
+        commits.replayed((130, 2))
+    with pytest.raises(RuntimeError, match="195 tokens in 5 trees"):  # a schedule's other trees of that count
+        commits.replayed((195, 5))
 
 
 def _dispatching_runner(monkeypatch, mode_name, whole_trees, sizes, result_mode):
@@ -117,19 +127,22 @@ def _dispatching_runner(monkeypatch, mode_name, whole_trees, sizes, result_mode)
 
     def dispatch(self, *args, **kwargs):
         seen.update(kwargs)
-        return CUDAGraphMode[result_mode], SimpleNamespace(num_tokens=kwargs["num_tokens"]), False, None, None
+        descriptor = SimpleNamespace(num_tokens=kwargs["num_tokens"], num_reqs=kwargs["num_tokens"] // 65)
+        return CUDAGraphMode[result_mode], descriptor, False, None, None
 
     monkeypatch.setattr(GPUModelRunner, "_determine_batch_execution_and_padding", dispatch)
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode_name], cudagraph_capture_sizes=sizes)
-    runner._ddtree_whole_trees, runner._ddtree_in_dummy_run, runner._ddtree_full_graph = whole_trees, False, None
+    runner._ddtree_whole_tree_tokens = 65 if whole_trees else 0
+    runner._ddtree_in_dummy_run, runner._ddtree_full_graph = False, None
+    runner.uniform_decode_query_len, runner._ddtree_schedule_graphs = 65, set()
     return runner, seen
 
 
 @pytest.mark.parametrize(
     "whole, tokens, result, uniform, full_graph",
     [
-        (True, 130, "FULL", True, 130),  # every request a whole tree, a captured size: FULL
+        (True, 130, "FULL", True, (130, 2)),  # every request a whole tree, a captured size: FULL
         (False, 130, "PIECEWISE", False, None),  # 130 tokens of prefill chunks look uniform to vLLM: not FULL
         (True, 195, "PIECEWISE", False, None),  # whole trees, but no graph of that size: no padded FULL replay
     ],
@@ -181,16 +194,148 @@ def test_commit_graphs_commit_eagerly_once_per_size_then_replay_with_each_steps_
         )
 
     layers = {"layer.0": "pending-0", "layer.1": "pending-1"}
-    graphs.commit(10, layers, plan(2, 2), commit_layer)
+    graphs.commit((10, 2), layers, plan(2, 2), commit_layer)
     assert len(captured) == 1 and graphs.replayed == 0 and len(seen) == 2  # eager, then captured
     seen.clear()
-    graphs.commit(10, layers, plan(3, 2), commit_layer)  # a replay sees this step's paths
+    graphs.commit((10, 2), layers, plan(3, 2), commit_layer)  # a replay sees this step's paths
     assert graphs.replayed == 1 and len(captured) == 1
     assert [s[0] for s in seen] == ["pending-0", "pending-1"]
     assert seen[0][1:] == ([[0, 3, 0], [0, 0, 0]], [2, 1], [[1, 7], [2, 3]])
-    graphs.commit(5, layers, plan(1, 2), commit_layer)  # another size: eager and captured on its own
+    graphs.commit((10, 1), layers, plan(1, 2), commit_layer)  # another graph: eager and captured on its own
     assert len(captured) == 2 and graphs.replayed == 1
     with pytest.raises(ValueError, match="does not fit"):
         graphs.commit(
-            10, layers, GdnCommitPlan(offsets, torch.zeros(2, 5, dtype=torch.int32), None, None), commit_layer
+            (10, 2), layers, GdnCommitPlan(offsets, torch.zeros(2, 5, dtype=torch.int32), None, None), commit_layer
         )
+
+
+def _schedule_runner(schedule=((1, 64), (4, 32), (8, 16))):
+    """A runner (no engine) with vLLM's real CUDA-graph dispatcher and dispatch, its keys initialised as vLLM does
+    for budget 64 (capture sizes already rounded to multiples of 65), and a budget schedule."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    sizes = [65 * k for k in range(1, 9)]
+    compilation = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE,
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=sizes,
+        max_cudagraph_capture_size=sizes[-1],
+        splitting_ops=list(CompilationConfig._attention_ops),
+    )
+    config = SimpleNamespace(
+        compilation_config=compilation,
+        num_speculative_tokens=64,
+        lora_config=None,
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        parallel_config=SimpleNamespace(data_parallel_size=1),
+        observability_config=SimpleNamespace(cudagraph_metrics=False),
+    )
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, 65)
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.vllm_config, runner.compilation_config, runner.cudagraph_dispatcher = config, compilation, dispatcher
+    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, budget_schedule=schedule)
+    runner.drafter = SimpleNamespace(top_k=8)
+    runner.max_num_reqs, runner.max_num_tokens, runner.lora_config = 8, 8192, None
+    runner.uniform_decode_query_len = 65
+    runner.model_config = SimpleNamespace(is_encoder_decoder=False)
+    runner.input_batch = SimpleNamespace(lora_id_to_lora_request={})
+    runner._pad_for_sequence_parallelism = lambda num_tokens: num_tokens
+    runner._ddtree_in_dummy_run, runner._ddtree_full_graph, runner._ddtree_whole_tree_tokens = False, None, 0
+    runner._ddtree_add_schedule_graphs()
+    return runner
+
+
+def _dispatch(runner, tree_tokens, num_reqs, num_tokens=None):
+    runner._ddtree_whole_tree_tokens = tree_tokens
+    num_tokens = num_tokens or tree_tokens * num_reqs
+    mode, descriptor = runner._determine_batch_execution_and_padding(
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_scheduled_tokens_np=np.full(num_reqs, num_tokens // num_reqs),
+        max_num_scheduled_tokens=num_tokens // num_reqs,
+        use_cascade_attn=False,
+    )[:2]
+    return mode.name, (descriptor.num_tokens, descriptor.num_reqs, descriptor.uniform), runner._ddtree_full_graph
+
+
+def test_a_schedules_smaller_trees_get_full_graphs_of_their_own_in_vllms_dispatch():
+    """Budget 64 from 1 request, 32 from 4, 16 from 8: vLLM 0.25 knows FULL graphs of 65-token trees only; the
+    smaller budgets' whole-tree steps replay graphs of their own trees (33 tokens at 4-7 requests, 17 at 8),
+    dispatched by vLLM's own dispatcher under their query length, which is restored afterwards."""
+    runner = _schedule_runner()
+    assert runner._ddtree_schedule_graphs == {(33, 4), (33, 5), (33, 6), (33, 7), (17, 8)}
+    assert set(runner.compilation_config.cudagraph_capture_sizes) == {65 * k for k in range(1, 9)} | {
+        132, 165, 198, 231, 136
+    }  # fmt: skip
+    assert _dispatch(runner, 33, 7) == ("FULL", (231, 7, True), (231, 7))
+    assert _dispatch(runner, 17, 8) == ("FULL", (136, 8, True), (136, 8))
+    assert _dispatch(runner, 65, 2) == ("FULL", (130, 2, True), (130, 2))  # the engine's budget, as before
+    # 3 trees of 33 tokens: the schedule picks 64 at 3 requests, so no graph; PIECEWISE, padded to 130.
+    assert _dispatch(runner, 33, 3) == ("PIECEWISE", (130, None, False), None)
+    # 136 tokens that are not 8 whole trees of one size (a prefill among them): PIECEWISE of that size.
+    assert _dispatch(runner, 0, 8, num_tokens=136) == ("PIECEWISE", (136, None, False), None)
+    assert runner.uniform_decode_query_len == runner.cudagraph_dispatcher.uniform_decode_query_len == 65
+
+
+def test_each_full_graph_is_captured_under_its_own_query_length(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = _schedule_runner()
+    seen = []
+
+    def capture(self, desc, *args, **kwargs):
+        seen.append((desc, self.uniform_decode_query_len, self.cudagraph_dispatcher.uniform_decode_query_len))
+
+    monkeypatch.setattr(GPUModelRunner, "_warmup_and_capture", capture)
+    for mode, descriptors in runner.cudagraph_dispatcher.get_capture_descs():
+        for desc in descriptors:
+            runner._warmup_and_capture(desc, mode)
+    full = {(d.num_tokens, d.num_reqs): (own, dispatcher) for d, own, dispatcher in seen if d.uniform}
+    assert full == {**{(65 * k, k): (65, 65) for k in range(1, 9)}, **{(33 * n, n): (33, 33) for n in range(4, 8)},
+                    (136, 8): (17, 17)}  # fmt: skip
+    assert {own for d, own, _ in seen if not d.uniform} == {65}
+    assert runner.uniform_decode_query_len == runner.cudagraph_dispatcher.uniform_decode_query_len == 65
+
+
+def test_without_a_schedule_the_graphs_are_vllms_own():
+    runner = _schedule_runner(schedule=None)
+    assert runner._ddtree_schedule_graphs == set()
+    assert runner.compilation_config.cudagraph_capture_sizes == [65 * k for k in range(1, 9)]
+    assert _dispatch(runner, 33, 4) == ("PIECEWISE", (195, None, False), None)
+
+
+def test_a_capture_of_smaller_trees_stages_them_and_keeps_their_commit_inputs_by_graph(monkeypatch):
+    """The dummy run of a schedule graph's capture publishes whole trees of that graph's size, tells vLLM's GDN
+    builder their draft count, and records the graph's commit inputs under (tokens, trees)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm import context
+
+    runner = _schedule_runner()
+    runner.device = CPU
+    runner._ddtree_buffers = TreeStepBuffers(CPU, max_requests=8, max_tokens=520, tree_size=65, conv_width=4)
+    runner._ddtree_conv_window, runner._ddtree_gdn_step = 3, None
+    runner._ddtree_captured = CapturedCommits()
+    runner.num_decode_draft_tokens = SimpleNamespace(cpu=torch.full((8,), -1))
+    seen = {}
+
+    def dummy_run(self, num_tokens, mode, force_attention, uniform_decode, *args, **kwargs):
+        step = context.published()
+        seen["offsets"] = step.gdn.node_offsets.tolist()
+        seen["drafts"] = self.num_decode_draft_tokens.cpu.tolist()
+        step.gdn.pending["layer.0"] = PendingCommit(*(torch.zeros(1) for _ in range(7)))
+
+    monkeypatch.setattr(GPUModelRunner, "_dummy_run", dummy_run)
+    monkeypatch.setattr("vllm.utils.torch_utils.weak_ref_tensor", lambda t: t)  # vLLM's op needs its CUDA build
+    with runner._ddtree_uniform_query_len(33):
+        runner._dummy_run(231, CUDAGraphMode.FULL, False, True, is_graph_capturing=True)
+    assert seen["offsets"] == [33 * r for r in range(8)]
+    assert seen["drafts"] == [32] * 7 + [-1]
+    assert runner.num_decode_draft_tokens.cpu.tolist() == [-1] * 8  # restored
+    assert list(runner._ddtree_captured.by_graph) == [(231, 7)] and context.published() is None

@@ -121,7 +121,7 @@ def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
         step = context.published()
         assert (step.attention.num_reqs, step.attention.num_tokens) == (3, 17)
         assert step.gdn.token_index.tolist() == list(range(5, 17)) and step.gdn.other_index.tolist() == list(range(5))
-        assert runner._ddtree_gdn_step is step.gdn and runner._ddtree_whole_trees is False
+        assert runner._ddtree_gdn_step is step.gdn and runner._ddtree_whole_tree_tokens == 0
         assert plan.logit_rows_gpu.tolist() == list(range(1, 13)) and plan.batch_index_gpu.tolist() == [1, 2]
         if mrope:
             sections = runner.mrope_positions.gpu
@@ -150,16 +150,16 @@ def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdre
     runner._ddtree_commit_gdn(gpu)
     assert committed == [(step, "paths")] and runner._ddtree_gdn_step is None
     # A FULL replay commits what the graph's capture recorded, layer by layer.
-    runner._ddtree_gdn_step, runner._ddtree_full_graph = step, 130
-    runner._ddtree_captured = SimpleNamespace(replayed=lambda size: {"layer.0": f"captured-{size}"})
+    runner._ddtree_gdn_step, runner._ddtree_full_graph = step, (130, 2)
+    runner._ddtree_captured = SimpleNamespace(replayed=lambda graph: {"layer.0": f"captured-{graph[0]}-{graph[1]}"})
     runner._ddtree_commit_gdn(gpu)
-    assert committed[-1] == ("captured-130", "paths")
+    assert committed[-1] == ("captured-130-2", "paths")
     # Commit graphs (the default) need CUDA graphs: off a GPU the commit stays layer by layer.
     runner._ddtree_commit_graphs_on = True
     runner.device = torch.device("cpu")
     runner._ddtree_gdn_step = step
     runner._ddtree_commit_gdn(gpu)
-    assert committed[-1] == ("captured-130", "paths") and len(committed) == 3 and runner._ddtree_commit_graphs is None
+    assert committed[-1] == ("captured-130-2", "paths") and len(committed) == 3 and runner._ddtree_commit_graphs is None
     # A hybrid step without a GDN step is a bug, said as such.
     with pytest.raises(RuntimeError, match="without a GDN tree step"):
         runner._ddtree_commit_gdn(gpu)
@@ -366,7 +366,7 @@ def test_asynchronous_scheduling_publishes_from_counts_and_places_trees_from_the
         assert (step.attention.num_reqs, step.attention.num_tokens) == (3, 17)
         assert step.gdn.token_index.tolist() == list(range(5, 17)) and step.gdn.other_index.tolist() == list(range(5))
         assert step.attention.ancestor_bits.data_ptr() == runner._ddtree_buffers.ancestor_bits.data_ptr()
-        assert runner._ddtree_whole_trees is False
+        assert runner._ddtree_whole_tree_tokens == 0
         runner._preprocess("scheduler output", 17)
         assert context.published() is step and runner._ddtree_gdn_step is step.gdn  # filled, not replaced
     finally:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddtree.errors import DDTreeError
 
@@ -477,10 +477,41 @@ def tree_capture_sizes(budget: int, max_num_seqs: int, max_num_batched_tokens: i
     full trees replays a graph of exactly its size.
     """
     small = vllm_default_capture_sizes(min(VLLM_DEFAULT_MAX_CAPTURE, max_num_batched_tokens))
+    trees = [k * (budget + 1) for k in graphed_tree_counts(max_num_seqs) if k * (budget + 1) <= max_num_batched_tokens]
+    return sorted(set(small) | set(trees))
+
+
+def graphed_tree_counts(max_num_seqs: int) -> list:
+    """The numbers of whole trees per step that get a CUDA graph (every one up to :data:`ALL_TREE_GRAPHS_UP_TO`,
+    then every :data:`TREE_GRAPH_STRIDE`-th), up to ``max_num_seqs``."""
     counts = list(range(1, ALL_TREE_GRAPHS_UP_TO + 1))
     counts += list(range(ALL_TREE_GRAPHS_UP_TO + TREE_GRAPH_STRIDE, MAX_GRAPHED_TREES + 1, TREE_GRAPH_STRIDE))
-    trees = [k * (budget + 1) for k in counts if k <= max_num_seqs and k * (budget + 1) <= max_num_batched_tokens]
-    return sorted(set(small) | set(trees))
+    return [k for k in counts if k <= max_num_seqs]
+
+
+def schedule_tree_graphs(
+    cfg: DDTreeConfig, tree_tokens: Callable[[int], int], max_num_seqs: int, max_tokens: int
+) -> List[Tuple[int, int]]:
+    """The FULL graphs a budget schedule's smaller budgets replay, as ``(tokens per tree, trees)``, ascending.
+
+    vLLM 0.25 captures FULL graphs for one query length, ``budget + 1`` (the engine's largest budget). A step in
+    which every request verifies a whole tree of a smaller budget ``b`` has another: it replays a graph of
+    ``n`` trees of ``tree_tokens(b)`` tokens, captured for every graphed count ``n`` of the batch sizes at which
+    the schedule picks ``b`` (a step verifies the trees proposed at the step before, whose batch size chose their
+    budget; a batch that shrank since replays PIECEWISE once). ``max_tokens`` bounds a graph (the largest capture
+    size). Empty without a schedule.
+    """
+    schedule = cfg.budget_schedule or ()
+    ends = [size for size, _ in schedule[1:]] + [max_num_seqs + 1]
+    graphs = set()
+    for (first, budget), end in zip(schedule, ends):
+        if budget == cfg.budget:
+            continue  # the engine's own query length: vLLM captures those graphs
+        size = tree_tokens(budget)
+        graphs.update(
+            (size, n) for n in graphed_tree_counts(max_num_seqs) if first <= n < end and n * size <= max_tokens
+        )
+    return sorted(graphs)
 
 
 def resolve_draft_len(cfg: DDTreeConfig, drafter_block_size: Optional[int]) -> DDTreeConfig:

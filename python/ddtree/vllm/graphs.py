@@ -20,7 +20,7 @@ Torch and the Rust core only (the runner passes vLLM's weak-reference helper in)
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ import ddtree
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, PendingCommit
 import ddtree.vllm.step
 from ddtree.vllm.step import ancestor_words, layout_specs
+
+#: A FULL graph of tree steps: (tokens, trees), vLLM's ``BatchDescriptor.num_tokens`` and ``num_reqs``. A budget
+#: schedule's graphs of different tree sizes may share a token count, never both.
+GraphKey = Tuple[int, int]
 
 
 class TreeStepBuffers:
@@ -97,22 +101,24 @@ class TreeStepBuffers:
             views["conv_index"] = self.conv_index[:num_tokens]
         return views
 
-    def stage_dummy_trees(self, num_trees: int, depth: int) -> Dict[str, torch.Tensor]:
-        """Whole trees of ``tree_size`` nodes and drafter depth ``depth``, for a capture of ``num_trees`` trees.
+    def stage_dummy_trees(self, num_trees: int, depth: int, tree_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """Whole trees of ``tree_size`` nodes (default: the buffers', budget + 1) and drafter depth ``depth``, for
+        a capture of ``num_trees`` trees.
 
         Built by the Rust core from a fixed draft distribution, so the captured kernels see valid trees of the
-        engine's own budget (the layout's values are rewritten by every real step before a replay).
+        budget the graph serves (the layout's values are rewritten by every real step before a replay).
         """
-        budget = self.tree_size - 1
+        tree_size = self.tree_size if tree_size is None else tree_size
+        if not 2 <= tree_size <= self.tree_size:
+            raise ValueError(f"DDTree: dummy trees of {tree_size} nodes; the buffers hold 2 to {self.tree_size}")
+        budget = tree_size - 1
         width = max(1, -(-budget // depth))  # candidates per position: enough for `budget` nodes
         log_probs = np.broadcast_to(-np.arange(width, dtype=np.float32) - 1.0, (num_trees, depth, width)).copy()
         token_ids = np.broadcast_to(np.arange(width, dtype=np.int64), (num_trees, depth, width)).copy()
         trees = ddtree.build_trees(log_probs, token_ids, budget)
         offsets = trees.node_offsets
-        if int(offsets[-1]) != num_trees * self.tree_size:
-            raise RuntimeError(
-                f"DDTree: dummy trees have {int(offsets[-1])} nodes, expected {num_trees} x {self.tree_size}"
-            )
+        if int(offsets[-1]) != num_trees * tree_size:
+            raise RuntimeError(f"DDTree: dummy trees have {int(offsets[-1])} nodes, expected {num_trees} x {tree_size}")
         conv_window = self.conv_index.shape[1] - 1 if self.conv_index is not None else 0
         firsts = offsets[:-1]  # the trees fill the step: each root's token and logits row is its first node
         plan = ddtree.vllm.step.numpy_arrays(
@@ -127,17 +133,17 @@ class TreeStepBuffers:
 
 @dataclasses.dataclass
 class CapturedCommits:
-    """The GDN commit inputs a FULL graph's replay rewrites, by graph size (tokens)."""
+    """The GDN commit inputs a FULL graph's replay rewrites, by graph."""
 
-    by_graph: Dict[int, Dict[str, PendingCommit]] = dataclasses.field(default_factory=dict)
+    by_graph: Dict[GraphKey, Dict[str, PendingCommit]] = dataclasses.field(default_factory=dict)
 
-    def record(self, num_tokens: int, step: GdnTreeStep, weak: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def record(self, graph: GraphKey, step: GdnTreeStep, weak: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Keeps the capture's per-layer commit inputs as references that do not own graph-pool memory.
 
         Owning them would keep every graph's activations alive; a replay writes the same addresses, and the
         commit reads them before any other graph replays.
         """
-        self.by_graph[num_tokens] = {
+        self.by_graph[graph] = {
             name: dataclasses.replace(
                 pending,
                 slots=weak(pending.slots),
@@ -150,11 +156,11 @@ class CapturedCommits:
         }
         step.pending.clear()
 
-    def replayed(self, num_tokens: int) -> Dict[str, PendingCommit]:
-        commits = self.by_graph.get(num_tokens)
+    def replayed(self, graph: GraphKey) -> Dict[str, PendingCommit]:
+        commits = self.by_graph.get(graph)
         if not commits:
             raise RuntimeError(
-                f"DDTree: a FULL CUDA graph of {num_tokens} tokens replayed a tree step, but its "
+                f"DDTree: a FULL CUDA graph of {graph[0]} tokens in {graph[1]} trees replayed a tree step, but its "
                 "capture recorded no GDN commit inputs"
             )
         return commits
@@ -175,14 +181,14 @@ def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], No
 
 
 class CommitGraphs:
-    """The GDN commit after a FULL tree step as one CUDA graph per FULL graph size.
+    """The GDN commit after a FULL tree step as one CUDA graph per FULL graph.
 
     After a FULL replay the commit is two Triton launches per GDN layer (96 at Qwen3.6-27B), each paying
     Python's launch cost. Its inputs already sit at fixed addresses: what the FULL graph's capture recorded per
     layer (:class:`CapturedCommits`), the layers' state caches and the tree offsets in :class:`TreeStepBuffers`;
-    the accepted paths are copied into buffers owned here. The first commit of a size runs eagerly (it compiles
+    the accepted paths are copied into buffers owned here. The first commit of a graph runs eagerly (it compiles
     the kernels and commits); the graph is then captured (capturing runs nothing) and replayed from the next step
-    of that size on. ``capture`` is :func:`cuda_graph_capture` on a GPU (tests pass a stand-in).
+    of that graph on. ``capture`` is :func:`cuda_graph_capture` on a GPU (tests pass a stand-in).
     """
 
     def __init__(self, device, max_requests: int, path_width: int, conv_window: int, capture):
@@ -191,11 +197,12 @@ class CommitGraphs:
         self.path_lengths = torch.ones((max_requests,), dtype=torch.int32, device=self.device)
         self.conv_index = torch.zeros((max_requests, conv_window), dtype=torch.int64, device=self.device)
         self._capture = capture
-        self._replays: Dict[int, Callable[[], None]] = {}
+        self._replays: Dict[GraphKey, Callable[[], None]] = {}
         self.replayed = 0
 
-    def commit(self, num_tokens: int, commits: Dict[str, PendingCommit], plan: GdnCommitPlan, commit_layer) -> None:
-        """Commits every layer of a FULL step of ``num_tokens`` tokens (``commit_layer(pending, plan)`` per layer)."""
+    def commit(self, graph: GraphKey, commits: Dict[str, PendingCommit], plan: GdnCommitPlan, commit_layer) -> None:
+        """Commits every layer of a step the FULL graph ``graph`` replayed (``commit_layer(pending, plan)`` per
+        layer)."""
         num_requests, path_width = plan.paths.shape
         if num_requests > self.paths.shape[0] or path_width != self.paths.shape[1]:
             raise ValueError(
@@ -216,10 +223,10 @@ class CommitGraphs:
             for pending in commits.values():
                 commit_layer(pending, fixed)
 
-        replay = self._replays.get(num_tokens)
+        replay = self._replays.get(graph)
         if replay is not None:
             replay()
             self.replayed += 1
             return
         work()
-        self._replays[num_tokens] = self._capture(work)
+        self._replays[graph] = self._capture(work)

@@ -88,6 +88,20 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    would run without graphs. Upstream fix: capture sizes per uniform query
    length (vLLM's V2 runner captures one set per query length).
 
+   With a budget schedule the runner subclass goes further (not applied by
+   :func:`apply`: ``DDTreeGPUModelRunner._ddtree_add_schedule_graphs``): V1's
+   CUDA-graph dispatcher knows one uniform query length, ``budget + 1``, and
+   rounds every capture size to a multiple of it, so the schedule's smaller
+   trees could only replay PIECEWISE graphs (their steps at batch 8 cost as
+   much as 65-token trees'). After vLLM resolves the graph modes, the runner
+   adds the sizes of ``n`` whole trees of each smaller budget at the batch
+   sizes that pick it (``config.schedule_tree_graphs``), a PIECEWISE key for
+   each new size and a FULL key ``(n * tree tokens, n, uniform)`` per graph,
+   and sets the dispatcher's and its own ``uniform_decode_query_len`` to the
+   graph's tree tokens for the length of one capture (``_warmup_and_capture``)
+   or one dispatch (``_determine_batch_execution_and_padding``). Upstream fix:
+   FULL graphs keyed by query length (V2's per-query-length graph sets).
+
 9. ``PrometheusStatLogger.__init__`` and ``LoggingStatLogger.__init__``
    (wrapped; they run in the front-end process, where vLLM's stat loggers
    live): vLLM counts every tree node as a draft token, so its "acceptance

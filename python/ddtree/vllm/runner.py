@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -55,9 +55,10 @@ from ddtree.vllm.config import (
     commit_graphs_enabled,
     device_accept_enabled,
     late_trees_enabled,
+    schedule_tree_graphs,
 )
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
-from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers, cuda_graph_capture
+from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, GraphKey, TreeStepBuffers, cuda_graph_capture
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_size, tree_token_layout
 
@@ -70,6 +71,7 @@ class DDTreeStats:
     def __init__(self, depth: int):
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
+        self.full_graph_steps_by_tree_tokens: Dict[int, int] = {}  # the same, by the graph's tokens per tree
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
@@ -93,6 +95,14 @@ class DDTreeStats:
                 yield
         finally:
             self.host_seconds[part] = self.host_seconds.get(part, 0.0) + time.perf_counter() - start
+
+    def count_full_graph(self, graph: Optional[GraphKey]) -> None:
+        """One verify step and the FULL graph, (tokens, trees), that replayed it (None: none did)."""
+        if graph is not None:
+            tokens, trees = graph
+            self.full_graph_steps += 1
+            by_tree = self.full_graph_steps_by_tree_tokens
+            by_tree[tokens // trees] = by_tree.get(tokens // trees, 0) + 1
 
     def observe(self, plan: VerifyPlan, accept: AcceptPlan) -> None:
         self.observe_counts(plan, accept.accepted.accepted)
@@ -118,6 +128,7 @@ class DDTreeStats:
         return {
             "verify_steps": self.steps,
             "full_graph_steps": self.full_graph_steps,
+            "full_graph_steps_by_tree_tokens": dict(sorted(self.full_graph_steps_by_tree_tokens.items())),
             "commit_graph_steps": self.commit_graph_steps,
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,
@@ -215,8 +226,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_conv_window + 1 if self._ddtree_conv_window else 0,
         )
         self._ddtree_captured = CapturedCommits()
-        # The GDN commit of FULL steps as CUDA graphs (made at the first commit of each size, when the accepted
-        # paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
+        # The GDN commit of FULL steps as CUDA graphs (made at the first commit after each FULL graph, when the
+        # accepted paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
@@ -236,10 +247,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_output_host: Optional[torch.Tensor] = None
         self._ddtree_output_landed = None
         self._ddtree_output_early: Optional[tuple] = None
-        # This step: do all running requests verify whole trees (a FULL graph may replay it), and which
-        # FULL graph (its size in tokens) replayed it.
-        self._ddtree_whole_trees = False
-        self._ddtree_full_graph: Optional[int] = None
+        # This step: the tokens of each tree when all running requests verify whole trees of one size (a FULL
+        # graph may replay it; 0: not such a step), and which FULL graph, (tokens, trees), replayed it.
+        self._ddtree_whole_tree_tokens = 0
+        self._ddtree_full_graph: Optional[GraphKey] = None
+        # FULL graphs of a budget schedule's smaller trees, (tokens per tree, trees): set with vLLM's graph keys.
+        self._ddtree_schedule_graphs: Set[Tuple[int, int]] = set()
         self._ddtree_in_dummy_run = False
         if self.speculative_config is not None and hasattr(self, "drafter"):
             from ddtree.vllm.proposer import DDTreeProposer
@@ -314,7 +327,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_plan = None
         self._ddtree_accept = None
         self._ddtree_flat_positions = None
-        self._ddtree_whole_trees = False
+        self._ddtree_whole_tree_tokens = 0
         self._ddtree_full_graph = None
         self._ddtree_late_step = self._ddtree_early_token_index = None
         context.withdraw()
@@ -394,7 +407,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_publish(
                 layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), int(plan.batch_index.shape[0])
             )
-            self._ddtree_whole_trees = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
+            self._ddtree_whole_tree_tokens = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
         plan.logit_rows_gpu = gpu["logit_rows"]
         plan.batch_index_gpu = gpu["batch_index"]
         if "node_parents" in gpu:
@@ -408,10 +421,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
 
-    def _ddtree_is_whole_tree_step(self, num_nodes: np.ndarray, num_reqs: int, total: int) -> bool:
-        """Every request verifies a whole tree and nothing else is scheduled (a FULL graph may replay the step)."""
-        tree_size = self.ddtree_cfg.budget + 1
-        return bool(num_nodes.shape[0] == num_reqs and num_nodes.sum() == total and (num_nodes == tree_size).all())
+    @staticmethod
+    def _ddtree_is_whole_tree_step(num_nodes: np.ndarray, num_reqs: int, total: int) -> int:
+        """The tokens of each tree when every request verifies a tree of one size and nothing else is scheduled (a
+        FULL graph of that many trees of that size may replay the step); 0 otherwise."""
+        if num_reqs == 0 or num_nodes.shape[0] != num_reqs or int(num_nodes.sum()) != total:
+            return 0
+        size = int(num_nodes[0])
+        return size if bool((num_nodes == size).all()) else 0
 
     def _ddtree_publish_counts(self, scheduler_output, num_scheduled_tokens, num_reqs: int) -> bool:
         """Asynchronous scheduling: publishes the step from vLLM's counts alone (which tokens are tree tokens, the
@@ -436,7 +453,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         num_trees = int(rows.shape[0])
         layout = self._ddtree_buffers.views(num_reqs, int(token_index.shape[0]), num_trees, conv=hybrid)
         self._ddtree_publish(layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), num_trees)
-        self._ddtree_whole_trees = self._ddtree_is_whole_tree_step(num_nodes, num_reqs, total)
+        self._ddtree_whole_tree_tokens = self._ddtree_is_whole_tree_step(num_nodes, num_reqs, total)
         self._ddtree_early_token_index = token_index
         return True
 
@@ -492,20 +509,101 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """vLLM's dispatch, told which steps a FULL tree graph may replay.
 
         vLLM calls a batch uniform by its lengths alone (every request ``budget + 1`` tokens); for ddtree only
-        a step in which every request verifies a whole tree, of exactly a captured size (no padded requests),
-        is one. Everything else (prefill chunks of ``budget + 1`` tokens, truncated trees) goes to PIECEWISE.
+        a step in which every request verifies a tree of one size, with a FULL graph of exactly its trees (no
+        padded requests), is one: trees of the engine's budget at a captured size, or of a schedule's smaller
+        budget with a graph of their own (dispatched under their query length). Everything else (prefill chunks
+        of ``budget + 1`` tokens, trees of other sizes) goes to PIECEWISE.
         """
         real_step = not self._ddtree_in_dummy_run and self._ddtree_full_graphs()
+        query_len = None
         if real_step:
             num_tokens = kwargs.get("num_tokens", args[0] if args else None)
-            sizes = self.compilation_config.cudagraph_capture_sizes or ()
-            kwargs["force_uniform_decode"] = self._ddtree_whole_trees and num_tokens in sizes
-        result = super()._determine_batch_execution_and_padding(*args, **kwargs)
+            query_len = self._ddtree_full_graph_query_len(num_tokens)
+            kwargs["force_uniform_decode"] = query_len is not None
+        with self._ddtree_uniform_query_len(query_len):
+            result = super()._determine_batch_execution_and_padding(*args, **kwargs)
         if real_step:
             mode, descriptor = result[0], result[1]
             whole = kwargs["force_uniform_decode"] and mode == CUDAGraphMode.FULL
-            self._ddtree_full_graph = descriptor.num_tokens if whole else None
+            self._ddtree_full_graph = (descriptor.num_tokens, descriptor.num_reqs) if whole else None
         return result
+
+    def _ddtree_full_graph_query_len(self, num_tokens: int) -> Optional[int]:
+        """The query length of the FULL graph this step may replay (None: none may)."""
+        size = self._ddtree_whole_tree_tokens
+        if size <= 0 or num_tokens % size:
+            return None
+        if size == self.uniform_decode_query_len:
+            return size if num_tokens in (self.compilation_config.cudagraph_capture_sizes or ()) else None
+        return size if (size, num_tokens // size) in self._ddtree_schedule_graphs else None
+
+    @contextlib.contextmanager
+    def _ddtree_uniform_query_len(self, query_len: Optional[int]):
+        """vLLM's uniform-decode query length (``budget + 1``, read by its dispatch and its dummy runs) set to
+        ``query_len`` for a schedule's smaller trees (None or the engine's own: unchanged)."""
+        if query_len is None or query_len == self.uniform_decode_query_len:
+            yield
+            return
+        dispatcher = self.cudagraph_dispatcher
+        saved = self.uniform_decode_query_len, dispatcher.uniform_decode_query_len
+        self.uniform_decode_query_len = dispatcher.uniform_decode_query_len = query_len
+        try:
+            yield
+        finally:
+            self.uniform_decode_query_len, dispatcher.uniform_decode_query_len = saved
+
+    def _check_and_update_cudagraph_mode(self, *args, **kwargs):
+        super()._check_and_update_cudagraph_mode(*args, **kwargs)
+        self._ddtree_add_schedule_graphs()
+
+    def _ddtree_add_schedule_graphs(self) -> None:
+        """Adds the FULL graphs of a budget schedule's smaller trees (``config.schedule_tree_graphs``) to what vLLM
+        captures and dispatches: their sizes to the capture sizes (vLLM rounded every size to a multiple of
+        ``budget + 1``), a PIECEWISE key for each new size and a FULL key per graph. vLLM 0.25's V1 runner knows one
+        uniform query length; the capture (:meth:`_warmup_and_capture`) and the dispatch set each graph's own."""
+        from vllm.forward_context import BatchDescriptor
+
+        self._ddtree_schedule_graphs = set()
+        compilation = self.compilation_config
+        if not (self.ddtree_cfg.budget_schedule and self._ddtree_full_graphs() and hasattr(self, "drafter")):
+            return
+        if self.lora_config is not None:
+            logger.info("DDTree: LoRA: a budget schedule's smaller trees replay PIECEWISE graphs")
+            return
+        top_k, depth = self.drafter.top_k, self.ddtree_cfg.draft_len
+        graphs = schedule_tree_graphs(
+            self.ddtree_cfg,
+            lambda budget: tree_size(budget, top_k, depth) + 1,
+            self.max_num_reqs,
+            min(compilation.max_cudagraph_capture_size or 0, self.max_num_tokens),
+        )
+        sizes = set(compilation.cudagraph_capture_sizes or ())
+        added = sorted({tokens * trees for tokens, trees in graphs} - sizes)
+        compilation.cudagraph_capture_sizes = sorted(sizes | set(added))
+        self.cudagraph_batch_sizes = list(compilation.cudagraph_capture_sizes)
+        dispatcher = self.cudagraph_dispatcher
+        dispatcher._compute_bs_to_padded_graph_size()
+        if compilation.cudagraph_mode.mixed_mode() == CUDAGraphMode.PIECEWISE:
+            for size in added:
+                dispatcher.add_cudagraph_key(CUDAGraphMode.PIECEWISE, BatchDescriptor(num_tokens=size))
+        for tokens, trees in graphs:
+            descriptor = BatchDescriptor(num_tokens=tokens * trees, num_reqs=trees, uniform=True)
+            dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, descriptor)
+        self._ddtree_schedule_graphs = set(graphs)
+        logger.info(
+            "DDTree: %d FULL graphs of the budget schedule's smaller trees (%s tokens per tree)",
+            len(graphs),
+            ", ".join(str(t) for t in sorted({tokens for tokens, _ in graphs})),
+        )
+
+    def _warmup_and_capture(self, desc, *args, **kwargs):
+        """vLLM's capture of one graph, under the query length of a schedule's smaller trees for their graphs."""
+        trees = desc.num_reqs or 0
+        query_len = desc.num_tokens // trees if desc.uniform and trees else None
+        if (query_len, trees) not in self._ddtree_schedule_graphs:
+            query_len = None
+        with self._ddtree_uniform_query_len(query_len):
+            return super()._warmup_and_capture(desc, *args, **kwargs)
 
     def _dummy_run(
         self, num_tokens, cudagraph_runtime_mode=None, force_attention=False, uniform_decode=False, *args, **kwargs
@@ -515,7 +613,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         The warm-up before a FULL capture then compiles the tree kernels for the graph's shapes, and the capture
         records them; a capture keeps the GDN layers' commit inputs (:class:`CapturedCommits`).
         """
-        tree_size = self.ddtree_cfg.budget + 1
+        tree_size = self.uniform_decode_query_len  # budget + 1, or a schedule's smaller trees during their capture
         trees = (
             uniform_decode
             and self._ddtree_full_graphs()
@@ -527,14 +625,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         step = saved_drafts = None
         try:
             if trees:
-                step, saved_drafts = self._ddtree_stage_dummy_step(num_tokens // tree_size)
+                step, saved_drafts = self._ddtree_stage_dummy_step(num_tokens // tree_size, tree_size)
             out = super()._dummy_run(
                 num_tokens, cudagraph_runtime_mode, force_attention, uniform_decode, *args, **kwargs
             )
             if step is not None and kwargs.get("is_graph_capturing") and cudagraph_runtime_mode == CUDAGraphMode.FULL:
                 from vllm.utils.torch_utils import weak_ref_tensor
 
-                self._ddtree_captured.record(num_tokens, step, weak_ref_tensor)
+                self._ddtree_captured.record((num_tokens, num_tokens // tree_size), step, weak_ref_tensor)
             return out
         finally:
             self._ddtree_in_dummy_run = False
@@ -570,17 +668,18 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_gdn_step = step
         return step
 
-    def _ddtree_stage_dummy_step(self, num_trees: int):
-        """Dummy whole trees for a uniform dummy run of ``num_trees`` requests, published to the layers."""
-        layout = self._ddtree_buffers.stage_dummy_trees(num_trees, self.ddtree_cfg.draft_len)
-        num_tokens = num_trees * (self.ddtree_cfg.budget + 1)
+    def _ddtree_stage_dummy_step(self, num_trees: int, tree_tokens: int):
+        """Dummy whole trees of ``tree_tokens`` tokens for a uniform dummy run of ``num_trees`` requests, published
+        to the layers."""
+        layout = self._ddtree_buffers.stage_dummy_trees(num_trees, self.ddtree_cfg.draft_len, tree_tokens)
+        num_tokens = num_trees * tree_tokens
         token_index = torch.arange(num_tokens, device=self.device)
         step = self._ddtree_publish(layout, num_trees, num_tokens, token_index, None, num_trees)
         saved = None
         if step is not None:
             # vLLM's GDN builder takes requests with drafts as spec decodes (a capture derives them itself).
             saved = self.num_decode_draft_tokens.cpu[:num_trees].clone()
-            self.num_decode_draft_tokens.cpu[:num_trees] = self.ddtree_cfg.budget
+            self.num_decode_draft_tokens.cpu[:num_trees] = tree_tokens - 1
         return step, saved
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -606,7 +705,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 self.ddtree_stats.observe(plan, accept)
             else:  # walked on the device: counted once the copy of its path lengths has landed
                 self._ddtree_count_device_steps(self._ddtree_counts.send(gpu["path_lengths"], plan))
-            self.ddtree_stats.full_graph_steps += self._ddtree_full_graph is not None
+            self.ddtree_stats.count_full_graph(self._ddtree_full_graph)
         else:
             self.drafter.context_order = None
             self.drafter.flat_positions = None
