@@ -14,7 +14,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree16    method "ddtree", budget 16 (ddtree64 likewise)
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
-  ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (PIECEWISE steps)
+  ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (each in FULL graphs of its trees)
   ddtree64-host     budget 64 with the tree walk on the host and trees built at proposal (both switches 0)
   ddtree64-device   budget 64 with the tree walk on the device only (DDTREE_LATE_TREES=0)
   ddtree64-late     the device walk plus trees built at the next verification (the TP-1 default, set explicitly)
@@ -122,7 +122,7 @@ ENGINES = {
     "ddtree64-tp2": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, tp=2),
     "plain-tp2": dict(spec=None, tp=2),
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
-    # A budget schedule: 64 (FULL graphs) below 8 drafting requests, 16 (PIECEWISE) from 8 on.
+    # A budget schedule: 64 below 8 drafting requests, 16 from 8 on, each budget in FULL graphs of its own trees.
     "ddtree64to16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}}),
     # The host paths the TP-1 defaults replaced (the tree walk on the host, trees built at proposal).
     "ddtree64-host": dict(
@@ -144,6 +144,11 @@ ENGINES = {
     # vLLM's asynchronous scheduling (experimental): the trees arrive after vLLM's metadata builds.
     "ddtree64-async": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_ASYNC_SCHEDULING": "1"},
+    ),
+    # ... with a budget schedule (vLLM's asynchronous scheduler places each step's budget in drafts).
+    "ddtree64to16-async": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}},
         env={"DDTREE_ASYNC_SCHEDULING": "1"},
     ),
     "ddtree64-preempt": dict(

@@ -452,3 +452,12 @@ def test_the_docs_list_every_switch_with_its_default():
             assert doc == str(int(one_gpu)), name
         else:
             assert doc == f"{int(one_gpu)} with one GPU, {int(tensor_parallel)} under tensor parallelism", name
+
+
+def test_a_budget_schedule_as_vllms_dynamic_speculation_schedule():
+    from ddtree.vllm.config import dynamic_sd_schedule
+
+    cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, budget_schedule=((1, 64), (8, 32), (32, 16)))
+    assert dynamic_sd_schedule(cfg, 64) == [(1, 7, 64), (8, 31, 32), (32, 64, 16)]
+    assert dynamic_sd_schedule(cfg, 10) == [(1, 7, 64), (8, 10, 32)]  # entries past max_num_seqs dropped
+    assert dynamic_sd_schedule(DDTreeConfig(budget=64, draft_len=15, top_k=8), 4) == [(1, 4, 64)]

@@ -338,3 +338,35 @@ def test_drafting_reservation_follows_the_drafters_depth():
     unknown.speculative_config.draft_model_config = SimpleNamespace(hf_config=SimpleNamespace())
     VllmConfig._set_max_num_scheduled_tokens(unknown)
     assert unknown.scheduler_config.max_num_scheduled_tokens == 8192 - 63 * 32
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 7, 8, 40, 256])
+def test_async_scheduler_places_each_steps_budget_in_drafts(max_num_seqs):
+    """1b: vLLM's asynchronous scheduler, given a budget schedule as its dynamic speculative decoding schedule,
+    gives a step of ``n`` requests the placeholders of ``budget_for(n)``, the trees the runner built for it."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    from ddtree.vllm.config import DDTreeConfig
+
+    cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, budget_schedule=((1, 64), (8, 32), (32, 16)))
+
+    def engine(async_scheduling):
+        return SimpleNamespace(
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling, max_num_seqs=max_num_seqs),
+            speculative_config=SimpleNamespace(num_speculative_tokens_per_batch_size=None),
+        )
+
+    on = engine(True)
+    patches._schedule_for_async_scheduler(on, cfg)
+    schedule = on.speculative_config.num_speculative_tokens_per_batch_size
+    lookup = build_dynamic_sd_schedule_lookup(
+        schedule, vllm_max_batch_size=max_num_seqs, vllm_num_speculative_tokens=64
+    )
+    assert lookup[1:] == [cfg.budget_for(n) for n in range(1, max_num_seqs + 1)]
+    # Synchronous scheduling (the runner's drafts set the count) and a single budget leave vLLM's setting alone.
+    off = engine(False)
+    patches._schedule_for_async_scheduler(off, cfg)
+    assert off.speculative_config.num_speculative_tokens_per_batch_size is None
+    single = engine(True)
+    patches._schedule_for_async_scheduler(single, DDTreeConfig(budget=64, draft_len=15, top_k=8))
+    assert single.speculative_config.num_speculative_tokens_per_batch_size is None

@@ -425,3 +425,20 @@ def test_propose_defers_or_builds_by_the_runners_setting(monkeypatch, late):
         assert "defer" in runner.ddtree_stats.host_seconds and "build" not in runner.ddtree_stats.host_seconds
     else:
         assert proposer.last_drafts == want and out.tolist() == want and store.deferred is None
+
+
+def test_asynchronous_scheduling_takes_schedules_whose_trees_fill_every_budget():
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner._ddtree_device_accept = runner._ddtree_late_trees = True
+    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, budget_schedule=((1, 64), (8, 16)))
+    runner._ddtree_check_async(8)  # 8 candidates at 15 depths fill 64 and 16 nodes
+    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=3, top_k=2, budget_schedule=((1, 8), (4, 64)))
+    with pytest.raises(RuntimeError, match="whole budget 64 .top-K 2 at depth 3 gives 14 nodes"):
+        runner._ddtree_check_async(2)
+    runner._ddtree_late_trees = False
+    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8)
+    with pytest.raises(RuntimeError, match="late trees"):
+        runner._ddtree_check_async(8)

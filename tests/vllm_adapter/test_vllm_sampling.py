@@ -44,10 +44,17 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
             logits[plan.logit_rows[lo + node], tok] = 5.0
     logits[0, 11] = 5.0
     from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.min_tokens import MinTokensRequests
     from ddtree.vllm.staging import StepStaging
 
     # The runner's state the sampler touches, with the runner's own acceptance upload.
-    methods = ("ddtree_accept", "ddtree_device_accepts", "ddtree_accept_on_device", "ddtree_output_to_host")
+    methods = (
+        "ddtree_accept",
+        "ddtree_device_accepts",
+        "ddtree_accept_on_device",
+        "ddtree_output_to_host",
+        "ddtree_min_tokens_pending",
+    )
     runner = type("FakeRunner", (), {name: getattr(DDTreeGPUModelRunner, name) for name in methods})()
     runner.use_async_scheduling, runner.device, runner.max_num_reqs = False, torch.device("cpu"), 4
     runner._ddtree_output_host = runner._ddtree_output_early = None
@@ -58,6 +65,7 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
     runner._ddtree_conv_window = 0
     runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
+    runner._ddtree_min_tokens = MinTokensRequests()
     sampler = DDTreeRejectionSampler(runner)
     sampling = SimpleNamespace(
         temperature=None,
@@ -127,17 +135,26 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     assert a_tokens and set(a_tokens) == {13}
     assert torch.equal(masked.sampled_token_ids[[0, 2]], unmasked[[0, 2]])
 
-    # min_tokens: request "a" needs 3 more tokens before a stop token (19, what every leaf prefers) may end it.
-    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
-
+    # min_tokens: request "a" needs 3 more tokens before a stop token (19, what every leaf prefers) may end it,
+    # counted from the engine's counts (its 9-token prompt, 10 computed tokens, its tree of 7 scheduled), not from
+    # vLLM's processor (which holds nothing here: under asynchronous scheduling it drops such requests early).
     plan = replan()
-    min_tokens = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
-    min_tokens.min_toks = {1: (5, [101, 102], {19})}  # 2 generated of 5: positions 0-2 may not stop
-    procs = SimpleNamespace(non_argmax_invariant=[min_tokens], argmax_invariant=[])
-    held = sampler(md, None, logits, SimpleNamespace(**{**vars(sampling), "logitsprocs": procs})).sampled_token_ids
+    runner._ddtree_min_tokens.add("a", 5, {19})
+    runner.input_batch = SimpleNamespace(
+        req_id_to_index={"p": 0, "a": 1, "b": 2},
+        num_computed_tokens_cpu=np.array([3, 10, 20]),
+        num_prompt_tokens=np.array([2, 9, 15]),
+    )
+    runner.num_scheduled_tokens = SimpleNamespace(np=np.array([1, 7, 5]))
+    held = sampler(md, None, logits, sampling).sampled_token_ids
     a_tokens = [t for t in held[1].tolist() if t >= 0]
     assert 19 not in a_tokens[:3] and 19 in unmasked[1].tolist()[:3]
     assert torch.equal(held[[0, 2]], unmasked[[0, 2]])
+    # Three tokens later nothing is held back: the request leaves the min_tokens set.
+    plan = replan()
+    runner.input_batch.num_computed_tokens_cpu = np.array([3, 13, 20])
+    assert torch.equal(sampler(md, None, logits, sampling).sampled_token_ids, unmasked)
+    assert len(runner._ddtree_min_tokens) == 0
 
     # logit_bias: request "a" biased +100 towards token 13 at every node; the others unchanged.
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
@@ -237,7 +254,7 @@ def test_penalties_and_bad_words_follow_each_nodes_own_history(monkeypatch, logi
 
     # Bad words over each node's own history too: [4, x] bans x after a 4, [y] bans y everywhere.
     sampling.bad_words_token_ids = {0: [[4, 8]], 1: [[5, 2], [11]], 2: [[7, 3]]}
-    got = DDTreeRejectionSampler._constrained(logits, plan, sampling, per_row, starts, counts, 3)
+    got = DDTreeRejectionSampler._constrained(logits, plan, sampling, per_row, starts, counts, 3, [])
     assert got.dtype == torch.float32 and not torch.equal(got, logits.float())
     for r in range(3):
         j = {1: 0, 2: 1}.get(r)

@@ -489,6 +489,20 @@ def graphed_tree_counts(max_num_seqs: int) -> list:
     return [k for k in counts if k <= max_num_seqs]
 
 
+def dynamic_sd_schedule(cfg: DDTreeConfig, max_num_seqs: int) -> List[Tuple[int, int, int]]:
+    """A budget schedule as vLLM's ``num_speculative_tokens_per_batch_size``: ``(first, last, budget)``, inclusive
+    batch-size ranges up to ``max_num_seqs``.
+
+    Under asynchronous scheduling vLLM's scheduler, not the runner, sets how many placeholder drafts each request
+    gets for the next step: ``num_speculative_tokens`` (the largest budget), or with this schedule the entry of the
+    step's batch size, which is the budget the runner's proposal for that step used (``DDTreeConfig.budget_for``
+    of the same request count).
+    """
+    schedule = [(first, budget) for first, budget in cfg.budget_schedule or ((1, cfg.budget),) if first <= max_num_seqs]
+    lasts = [first - 1 for first, _ in schedule[1:]] + [max_num_seqs]
+    return [(first, last, budget) for (first, budget), last in zip(schedule, lasts)]
+
+
 def schedule_tree_graphs(
     cfg: DDTreeConfig, tree_tokens: Callable[[int], int], max_num_seqs: int, max_tokens: int
 ) -> List[Tuple[int, int]]:

@@ -18,6 +18,17 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    another served mode or eager mode), and the created ``VllmConfig`` is validated (attention-only target, drafter
    depth resolved from its ``block_size``). A later non-ddtree engine in the
    same process is untouched.
+
+   1b. Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING=1``) vLLM's
+   scheduler, not the runner, sets the next step's placeholder drafts per
+   request: ``num_speculative_tokens`` (the largest budget). With a budget
+   schedule the created config's ``num_speculative_tokens_per_batch_size``
+   (vLLM's dynamic speculative decoding, read in V1 by its scheduler only) is
+   set to the schedule (``config.dynamic_sd_schedule``), after ``VllmConfig``
+   was made, so vLLM's switch of V1 dynamic-speculation engines to PIECEWISE
+   graphs does not apply: the runner replays FULL graphs of each budget's
+   trees (patch 8). Upstream fix: the same schedule read by the V1 runner's
+   graph dispatch (V2 has it).
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
    (wrapped): requests whose sampling the tree cannot serve exactly
    (structured outputs, per-request logits processors) are
@@ -156,6 +167,7 @@ from ddtree.vllm.config import (
     DDTreeConfigError,
     check_target,
     cudagraph_mode_choice,
+    dynamic_sd_schedule,
     engine_overrides,
     fit_batch_limits,
     override_reason,
@@ -339,10 +351,20 @@ def _create_engine_config_wrapper(original):
         finally:
             _USER_BATCH_LIMITS.reset(token)
         cfg = validate_vllm_config(vllm_config, cfg)
+        _schedule_for_async_scheduler(vllm_config, cfg)
         _log().info("DDTree enabled: %s", cfg)
         return vllm_config
 
     return create_engine_config
+
+
+def _schedule_for_async_scheduler(vllm_config, cfg: DDTreeConfig) -> None:
+    """1b: under asynchronous scheduling vLLM's scheduler places the next step's drafts; a budget schedule tells
+    it how many, as vLLM's dynamic speculative decoding schedule."""
+    if cfg.budget_schedule and vllm_config.scheduler_config.async_scheduling:
+        vllm_config.speculative_config.num_speculative_tokens_per_batch_size = dynamic_sd_schedule(
+            cfg, vllm_config.scheduler_config.max_num_seqs
+        )
 
 
 # ---- 2. admission ----------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata
 from ddtree.vllm.counts import LandingCounts
+from ddtree.vllm.min_tokens import MinTokensRequests, Pending
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
@@ -234,6 +235,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
         self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
         self._ddtree_counts = LandingCounts(self.device, self.max_num_reqs)
+        # Requests with min_tokens, counted from the engine's token counts (vLLM's processor is wrong for trees
+        # under asynchronous scheduling: ``ddtree.vllm.min_tokens``).
+        self._ddtree_min_tokens = MinTokensRequests()
         # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1): the step is published from vLLM's counts in
         # _prepare_inputs (its own upload), and its trees are built in _preprocess, after vLLM's metadata builds.
         self._ddtree_count_staging = StepStaging(self.device)
@@ -278,19 +282,19 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _ddtree_check_async(self, top_k: int) -> None:
         """What asynchronous scheduling needs (DDTREE_ASYNC_SCHEDULING=1): the step's trees built late and walked
-        on the device (no host wait between steps), and a tree of exactly the budget for every request (vLLM's
-        scheduler gives each request ``num_speculative_tokens`` placeholders, here the budget)."""
+        on the device (no host wait between steps), and trees that fill every budget (vLLM's scheduler gives each
+        request the step's budget in placeholders: ``num_speculative_tokens``, or a schedule's entry through
+        ``config.dynamic_sd_schedule``)."""
         cfg = self.ddtree_cfg
         problems = []
         if not (self._ddtree_device_accept and self._ddtree_late_trees):
             problems.append("the tree walk on the device and late trees (DDTREE_DEVICE_ACCEPT, DDTREE_LATE_TREES)")
-        if cfg.budget_schedule:
-            problems.append(f"one budget, not a schedule ({budget_description(cfg)})")
-        nodes = tree_size(cfg.budget, top_k, cfg.draft_len)
-        if nodes != cfg.budget:
-            problems.append(
-                f"trees of the whole budget {cfg.budget} (top-K {top_k} at depth {cfg.draft_len} gives {nodes} nodes)"
-            )
+        for budget in cfg.budgets:
+            nodes = tree_size(budget, top_k, cfg.draft_len)
+            if nodes != budget:
+                problems.append(
+                    f"trees of the whole budget {budget} (top-K {top_k} at depth {cfg.draft_len} gives {nodes} nodes)"
+                )
         if problems:
             raise RuntimeError("DDTree under asynchronous scheduling needs " + "; ".join(problems))
 
@@ -300,6 +304,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         if gone and hasattr(self, "drafter"):
             self.drafter.store.discard(gone)
+        self._ddtree_min_tokens.discard(scheduler_output.finished_req_ids)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            if params is not None and params.min_tokens:
+                self._ddtree_min_tokens.add(new.req_id, params.min_tokens, params.all_stop_token_ids)
         with record_function_or_nullcontext("vllm: _update_states"):
             return super()._update_states(scheduler_output)
 
@@ -710,6 +719,22 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter.context_order = None
             self.drafter.flat_positions = None
         return out
+
+    def ddtree_min_tokens_pending(self, num_reqs: int, num_rows: np.ndarray) -> List[Pending]:
+        """What the step's requests with ``min_tokens`` still need before a stop token, from the engine's counts
+        (exact at sampling, also under asynchronous scheduling); ``num_rows[r]`` is request ``r``'s logits rows.
+        Called by the rejection sampler."""
+        if not len(self._ddtree_min_tokens):
+            return []
+        batch = self.input_batch
+        return self._ddtree_min_tokens.pending(
+            batch.req_id_to_index,
+            num_reqs,
+            batch.num_computed_tokens_cpu,
+            self.num_scheduled_tokens.np,
+            batch.num_prompt_tokens,
+            num_rows,
+        )
 
     def ddtree_accept(self, plan: VerifyPlan, node_tokens: np.ndarray, width: int) -> Dict[str, torch.Tensor]:
         """Walks the trees and uploads what follows in one copy: the chain rows the sampler returns

@@ -29,7 +29,6 @@ from vllm.v1.utils import record_function_or_nullcontext
 from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
-    MinTokensLogitsProcessor,
 )
 
 from ddtree.vllm import device_accept
@@ -86,20 +85,6 @@ def _logit_bias_entries(sampling_metadata, starts, counts, num_reqs):
     return np.concatenate(rows), np.concatenate(tokens), np.concatenate(values)
 
 
-def _min_tokens_pending(sampling_metadata, num_reqs):
-    """``(request index, tokens still needed before a stop token, stop tokens)`` from vLLM's min_tokens
-    processor."""
-    pending = []
-    for processor in _processors(sampling_metadata, "non_argmax_invariant"):
-        if isinstance(processor, MinTokensLogitsProcessor):
-            pending += [
-                (index, min_tokens - len(output), stops)
-                for index, (min_tokens, output, stops) in processor.min_toks.items()
-                if index < num_reqs
-            ]
-    return pending
-
-
 class DDTreeRejectionSampler(nn.Module):
     def __init__(self, runner):
         super().__init__()
@@ -123,7 +108,11 @@ class DDTreeRejectionSampler(nn.Module):
             # The host knows the output size: no device sync to count it.
             return t[:num_reqs].repeat_interleave(rows_per_req[0], dim=0, output_size=num_rows)
 
-        sample_logits = self._constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs)
+        # min_tokens from the runner's counts: vLLM's processor drops a request early under asynchronous scheduling.
+        min_tokens = runner.ddtree_min_tokens_pending(num_reqs, counts) if runner is not None else []
+        sample_logits = self._constrained(
+            logits, plan, sampling_metadata, per_row, starts, counts, num_reqs, min_tokens
+        )
         min_p = None
         for processor in _processors(sampling_metadata, "argmax_invariant"):
             if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
@@ -161,7 +150,7 @@ class DDTreeRejectionSampler(nn.Module):
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
     @staticmethod
-    def _constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs):
+    def _constrained(logits, plan, sampling_metadata, per_row, starts, counts, num_reqs, min_tokens):
         """``logits`` with the request's constraints at every node, in vLLM's order: allowed_token_ids (a
         per-request mask), bad words (over each node's own history: committed output plus its root path),
         logit_bias (per-request additive), min_tokens (stop tokens masked at nodes whose depth is below what
@@ -170,7 +159,7 @@ class DDTreeRejectionSampler(nn.Module):
         allowed_only = sampling_metadata.allowed_token_ids_mask
         bad_words = {r: words for r, words in (sampling_metadata.bad_words_token_ids or {}).items() if r < num_reqs}
         bias = _logit_bias_entries(sampling_metadata, starts, counts, num_reqs)
-        stop_rows, stop_tokens = stop_token_rows(plan, starts, _min_tokens_pending(sampling_metadata, num_reqs))
+        stop_rows, stop_tokens = stop_token_rows(plan, starts, min_tokens)
         penalties = not sampling_metadata.no_penalties
         if allowed_only is None and not bad_words and bias is None and not stop_rows.shape[0] and not penalties:
             return logits
