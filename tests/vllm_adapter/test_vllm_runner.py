@@ -19,11 +19,20 @@ def test_drafting_continues_near_max_model_len_while_the_drafters_depth_fits():
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=None)
     runner.effective_drafter_max_model_len = 1024
+    runner.use_async_scheduling = False
     fits = runner._input_fits_in_drafter
     assert fits(SimpleNamespace(max_seq_len=1024 - 16)) is True  # 16 queries end exactly at max_model_len
     assert fits(SimpleNamespace(max_seq_len=1024 - 15)) is False
     assert fits(SimpleNamespace(max_seq_len=1024 - 40)) is True  # vLLM's own rule (budget 64) said no here
     assert fits(None) is False
+    # Under asynchronous scheduling the metadata's lengths are optimistic (the last step's 64 placeholders all
+    # accepted); the counts vLLM corrected before sampling decide.
+    runner.use_async_scheduling = True
+    runner.input_batch = SimpleNamespace(num_reqs=2, num_computed_tokens_cpu=np.array([900, 1024 - 16 - 65]))
+    runner.num_scheduled_tokens = SimpleNamespace(np=np.array([65, 65, 7]))
+    assert fits(SimpleNamespace(max_seq_len=1024 - 16 + 60)) is True
+    runner.input_batch.num_computed_tokens_cpu[1] += 1
+    assert fits(SimpleNamespace(max_seq_len=1024 - 16 + 60)) is False
 
 
 def test_kv_moves_share_one_index_across_the_layers_of_a_group():

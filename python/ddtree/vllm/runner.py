@@ -506,7 +506,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """
         if common_attn_metadata is None or self.ddtree_cfg.draft_len is None:
             return super()._input_fits_in_drafter(common_attn_metadata)
-        return common_attn_metadata.max_seq_len + self.ddtree_cfg.draft_len + 1 <= self.effective_drafter_max_model_len
+        max_seq_len = common_attn_metadata.max_seq_len
+        if self.use_async_scheduling:
+            # The metadata's lengths were built from vLLM's optimistic counts (every placeholder of the last step
+            # accepted: up to a tree too long); vLLM has corrected the counts since, before sampling.
+            num_reqs = self.input_batch.num_reqs
+            lengths = self.input_batch.num_computed_tokens_cpu[:num_reqs] + self.num_scheduled_tokens.np[:num_reqs]
+            max_seq_len = int(lengths.max()) if num_reqs else max_seq_len
+        return max_seq_len + self.ddtree_cfg.draft_len + 1 <= self.effective_drafter_max_model_len
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _ddtree_full_graphs(self) -> bool:
