@@ -419,12 +419,10 @@ def test_a_schedules_smallest_budget_must_hold_the_drafters_depth():
     assert resolve_draft_len(cfg, 13).draft_len == 12
 
 
-def test_the_start_up_line_states_a_schedule_and_what_runs_in_full_graphs():
+def test_the_start_up_line_states_a_schedule():
     assert budget_description(parse_spec_config(BASE)[1]) == "64"
     text = budget_description(parse_spec_config(dict(BASE, ddtree_budget={"1": 64, "8": 16}))[1])
-    assert (
-        text == "64 from 1, 16 from 8 requests (FULL CUDA graphs for steps of budget 64; smaller budgets run PIECEWISE)"
-    )
+    assert text == "64 from 1, 16 from 8 requests"
 
 
 def test_the_docs_list_every_switch_with_its_default():

@@ -370,3 +370,29 @@ def test_async_scheduler_places_each_steps_budget_in_drafts(max_num_seqs):
     single = engine(True)
     patches._schedule_for_async_scheduler(single, DDTreeConfig(budget=64, draft_len=15, top_k=8))
     assert single.speculative_config.num_speculative_tokens_per_batch_size is None
+
+
+def test_a_ddtree_engine_keeps_its_full_graphs_under_a_dynamic_speculation_schedule():
+    """1b: vLLM switches V1 engines with a dynamic speculation schedule to PIECEWISE (also when the engine process
+    re-runs ``VllmConfig.__post_init__``); a ddtree engine, whose runner dispatches each budget's trees to FULL
+    graphs of their own, keeps its mode. Other engines keep vLLM's behaviour."""
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    patches.apply()
+    override = VllmConfig._maybe_override_dynamic_sd_cudagraph_mode
+    assert getattr(override, "__ddtree_wrapped__", False)
+
+    def engine(additional_config):
+        return SimpleNamespace(
+            speculative_config=SimpleNamespace(uses_dynamic_speculative_decoding=lambda: True),
+            compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+            use_v2_model_runner=False,
+            additional_config=additional_config,
+        )
+
+    tree, chain = engine({"ddtree": {"budget": 64}}), engine({})
+    override(tree)
+    override(chain)
+    assert tree.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert chain.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE

@@ -170,11 +170,10 @@ def parse_budget(value: Any) -> Tuple[int, Optional[BudgetSchedule]]:
 
 
 def budget_description(cfg: DDTreeConfig) -> str:
-    """``64``, or a schedule as ``64 from 1 request, 32 from 8, 16 from 32`` (with the FULL-graph note)."""
+    """``64``, or a schedule as ``64 from 1, 32 from 8, 16 from 32 requests``."""
     if not cfg.budget_schedule:
         return str(cfg.budget)
-    steps = ", ".join(f"{b} from {n}" for n, b in cfg.budget_schedule)
-    return f"{steps} requests (FULL CUDA graphs for steps of budget {cfg.budget}; smaller budgets run PIECEWISE)"
+    return ", ".join(f"{b} from {n}" for n, b in cfg.budget_schedule) + " requests"
 
 
 def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeConfig]:

@@ -24,11 +24,14 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    request: ``num_speculative_tokens`` (the largest budget). With a budget
    schedule the created config's ``num_speculative_tokens_per_batch_size``
    (vLLM's dynamic speculative decoding, read in V1 by its scheduler only) is
-   set to the schedule (``config.dynamic_sd_schedule``), after ``VllmConfig``
-   was made, so vLLM's switch of V1 dynamic-speculation engines to PIECEWISE
-   graphs does not apply: the runner replays FULL graphs of each budget's
-   trees (patch 8). Upstream fix: the same schedule read by the V1 runner's
-   graph dispatch (V2 has it).
+   set to the schedule (``config.dynamic_sd_schedule``), and
+   ``VllmConfig._maybe_override_dynamic_sd_cudagraph_mode`` (wrapped) leaves a
+   ddtree engine's graph mode alone: vLLM switches V1 dynamic-speculation
+   engines to PIECEWISE graphs (also in the engine process, which re-runs
+   ``VllmConfig.__post_init__``: setting the field late was not enough, the
+   first GPU run replayed no FULL graph), where the ddtree runner replays FULL
+   graphs of each budget's trees (patch 8). Upstream fix: the same schedule
+   read by the V1 runner's graph dispatch (V2 has it).
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
    (wrapped): requests whose sampling the tree cannot serve exactly
    (structured outputs, per-request logits processors) are
@@ -356,6 +359,19 @@ def _create_engine_config_wrapper(original):
         return vllm_config
 
     return create_engine_config
+
+
+def _keep_full_graphs_under_a_schedule(original):
+    """1b: vLLM switches V1 engines with a dynamic speculation schedule to PIECEWISE graphs (its V1 dispatch knows one
+    query length), also in the engine process, which re-runs ``VllmConfig.__post_init__``; a ddtree runner
+    dispatches each budget's trees to FULL graphs of their own, so a ddtree engine keeps its mode."""
+
+    def _maybe_override_dynamic_sd_cudagraph_mode(self):
+        if is_ddtree_config(self):
+            return None
+        return original(self)
+
+    return _maybe_override_dynamic_sd_cudagraph_mode
 
 
 def _schedule_for_async_scheduler(vllm_config, cfg: DDTreeConfig) -> None:
@@ -813,6 +829,7 @@ def apply() -> None:
     _wrap_once(MambaStateShapeCalculator, "gated_delta_net_state_shape", _single_slot_shape)
     _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
     _wrap_once(VllmConfig, "_set_cudagraph_sizes", _tree_capture_sizes)
+    _wrap_once(VllmConfig, "_maybe_override_dynamic_sd_cudagraph_mode", _keep_full_graphs_under_a_schedule)
     _wrap_once(PrometheusStatLogger, "__init__", _tree_metrics_prom)
     _wrap_once(LoggingStatLogger, "__init__", _tree_metrics_log)
     _APPLIED = True
