@@ -154,7 +154,8 @@ def main():
         "--schedule",
         type=json.loads,
         default=None,
-        help='a budget schedule as JSON, e.g. \'{"1": 256, "8": 64}\': adds the engine "ddtree-schedule"',
+        help='a budget schedule as JSON, e.g. \'{"1": 256, "8": 64}\': adds the engine "ddtree-schedule" (and '
+        '"ddtree-schedule-async", run when named in --engines)',
     )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
@@ -212,6 +213,8 @@ def main():
             )
         )
         default_engines.append("ddtree-schedule")
+        # The schedule under vLLM's asynchronous scheduling (its scheduler places each step's budget in drafts).
+        engines.append(("ddtree-schedule-async", dict(engines[-1][1], env={"DDTREE_ASYNC_SCHEDULING": "1"})))
     wanted = args.engines.split(",") if args.engines else default_engines
     known = dict(engines)
     unknown = [name for name in wanted if name not in known]
