@@ -13,12 +13,14 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   dflash      vLLM's own DFlash chain, 15 draft tokens
   ddtree16    method "ddtree", budget 16 (ddtree64 likewise)
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
-  ddtree64-preempt  budget 64 with a KV cache small enough to force preemption
+  ddtree64-preempt  budget 64 with a KV cache small enough to force preemption (ddtree64-async-preempt: the same
+                    under vLLM's asynchronous scheduling)
   ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (each in FULL graphs of its trees)
   ddtree64-host     budget 64 with the tree walk on the host and trees built at proposal (both switches 0)
   ddtree64-device   budget 64 with the tree walk on the device only (DDTREE_LATE_TREES=0)
   ddtree64-late     the device walk plus trees built at the next verification (the TP-1 default, set explicitly)
   ddtree64-async    the TP-1 default under vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1, experimental)
+  ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
@@ -153,6 +155,13 @@ ENGINES = {
     ),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        num_gpu_blocks_override=40,
+        only=("batch32",),
+    ),
+    # Preemption under asynchronous scheduling (it takes effect a step late there).
+    "ddtree64-async-preempt": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_ASYNC_SCHEDULING": "1"},
         num_gpu_blocks_override=40,
         only=("batch32",),
     ),
