@@ -201,6 +201,14 @@ def set_device_accept(worker, on: bool) -> bool:
     return previous
 
 
+def set_walk_graphs(worker, on: bool) -> bool:
+    """(collective_rpc) Walks the trees of FULL steps through CUDA graphs (DDTREE_WALK_GRAPHS) or op by op;
+    returns the previous setting."""
+    runner = worker.model_runner
+    previous, runner._ddtree_walk_graphs_on = runner._ddtree_walk_graphs_on, bool(on)
+    return previous
+
+
 def _refuse_under_async(runner, what: str, on: bool) -> None:
     if runner.use_async_scheduling and not on:
         raise RuntimeError(f"{what} cannot be turned off under asynchronous scheduling (the engine needs it)")
@@ -223,6 +231,7 @@ AB_SWITCHES = {
     "late-trees": (set_late_trees, True),
     "no-late-trees": (set_late_trees, False),
     "no-device-accept": (set_device_accept, False),
+    "no-walk-graphs": (set_walk_graphs, False),
 }
 
 
@@ -319,6 +328,7 @@ def run_engine(
             for counter in (
                 "full_graph_steps",
                 "commit_graph_steps",
+                "walk_graph_steps",
                 "device_accept_steps",
                 "late_tree_steps",
                 "early_output_steps",
@@ -411,7 +421,7 @@ def main() -> None:
         help="comma-separated switches: ddtree engines time each batch once more per switch in the same process, "
         "the switches turned one after the other and kept: gdn-metadata (patch 10 off), device-accept / "
         "no-device-accept (the tree walk on the device / the host), late-trees / no-late-trees (trees built at the "
-        "next verification / at proposal)",
+        "next verification / at proposal), no-walk-graphs (the device walk op by op instead of a CUDA graph)",
     )
     args = ap.parse_args()
     unknown = [name for name in args.ab.split(",") if name and name not in AB_SWITCHES]

@@ -339,3 +339,31 @@ def test_a_capture_of_smaller_trees_stages_them_and_keeps_their_commit_inputs_by
     assert seen["drafts"] == [32] * 7 + [-1]
     assert runner.num_decode_draft_tokens.cpu.tolist() == [-1] * 8  # restored
     assert list(runner._ddtree_captured.by_graph) == [(231, 7)] and context.published() is None
+
+
+def test_walk_graphs_replay_a_shape_on_each_steps_inputs_and_capture_each_shape_once():
+    """The first walk of a shape runs eagerly and is captured; later walks of that shape copy their inputs into
+    the graph's own and replay it (a stand-in capture that replays by calling the work, as a graph replays its
+    kernels on the captured addresses); another shape gets its own graph."""
+    from test_device_accept import agreeing_target, device_trees, random_step
+
+    from ddtree.vllm.device_accept import accept_on_device
+    from ddtree.vllm.graphs import WalkGraphs
+
+    captured = []
+
+    def capture(work):
+        captured.append(work)
+        return work
+
+    graphs = WalkGraphs(capture)
+    rng = np.random.default_rng(3)
+    plan, depth = random_step(rng, conv_window=3)
+    trees, args = device_trees(plan), (depth + 2, int(plan.trees.draft_depth) + 1, plan.num_tokens, 3)
+    for _ in range(3):
+        target = torch.from_numpy(agreeing_target(rng, plan))
+        got, want = graphs.walk(trees, target, *args), accept_on_device(trees, target, *args)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert len(captured) == 1 and graphs.replayed == 2
+    graphs.walk(trees, target, *args[:3], 0)  # another shape (no GDN conv): its own graph
+    assert len(captured) == 2 and graphs.replayed == 2

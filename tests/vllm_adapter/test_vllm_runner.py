@@ -89,6 +89,7 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     runner._ddtree_gdn_step = None
     runner._ddtree_device_accept = device_accept
     runner.use_async_scheduling, runner._ddtree_early_token_index = False, None
+    runner._ddtree_full_graph, runner._ddtree_walk_graphs_on, runner._ddtree_walk_graphs = None, True, None
     runner.positions = torch.arange(17)
     runner.uses_mrope = mrope
     if mrope:
@@ -238,6 +239,22 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert runner.ddtree_stats.accepted > 0
     runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=True))  # nothing counted twice
     assert runner.ddtree_stats.steps == 1 and runner.ddtree_stats.device_accept_steps == 1
+
+    # A step a FULL graph replayed walks through the walk graphs (a stand-in capture on CPU): the first walk of a
+    # shape eagerly, the next one by replay, on that step's own target tokens.
+    from ddtree.vllm.graphs import WalkGraphs
+
+    runner._ddtree_full_graph, runner._ddtree_walk_graphs_on = (12, 2), True
+    runner._ddtree_walk_graphs = WalkGraphs(lambda work: work)
+    for rounds, target_now in enumerate((target, np.full_like(target, 999), target)):
+        walked = runner.ddtree_accept_on_device(plan, torch.from_numpy(target_now), 7)
+        want = accept(plan, target_now, 7)
+        assert np.array_equal(walked["output_tokens"].numpy(), want.output_tokens)
+        assert np.array_equal(walked["context_order"].numpy(), want.context_order)
+        assert runner.ddtree_stats.walk_graph_steps == rounds  # the first walk ran eagerly, then each replayed
+    runner._ddtree_walk_graphs_on = False  # DDTREE_WALK_GRAPHS=0: op by op
+    runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
+    assert runner.ddtree_stats.walk_graph_steps == 2
     # A step still in flight when the summary is read is counted then.
     runner._ddtree_counts.send(gpu["path_lengths"], plan)
     runner.use_async_scheduling = False

@@ -54,6 +54,7 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
         "ddtree_accept_on_device",
         "ddtree_output_to_host",
         "ddtree_min_tokens_pending",
+        "_ddtree_walk_graphs_for_step",
     )
     runner = type("FakeRunner", (), {name: getattr(DDTreeGPUModelRunner, name) for name in methods})()
     runner.use_async_scheduling, runner.device, runner.max_num_reqs = False, torch.device("cpu"), 4
@@ -66,6 +67,7 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     runner._ddtree_conv_window = 0
     runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
     runner._ddtree_min_tokens = MinTokensRequests()
+    runner._ddtree_full_graph, runner._ddtree_walk_graphs_on, runner._ddtree_walk_graphs = None, True, None
     sampler = DDTreeRejectionSampler(runner)
     sampling = SimpleNamespace(
         temperature=None,

@@ -48,6 +48,7 @@ WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
 ASYNC_SCHEDULING_ENV = "DDTREE_ASYNC_SCHEDULING"
+WALK_GRAPHS_ENV = "DDTREE_WALK_GRAPHS"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -307,6 +308,15 @@ def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     (96 Triton launches), 0.29 ms as a graph (benches/results/gpu-h200-27b-shape-7ec2cc3).
     """
     return env_switch(environ, COMMIT_GRAPHS_ENV, "1", {"1": "commit graphs", "0": "commit layer by layer"})
+
+
+def walk_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the device walk of a FULL tree step replays a CUDA graph (on unless DDTREE_WALK_GRAPHS=0).
+
+    The walk is ~40 small torch operations, 1.71 ms of host launches per batch-1 step at the Qwen3.6-27B shape
+    (``gpu-h200-async-b798afe``); as a graph it is its inputs' copies and one replay.
+    """
+    return env_switch(environ, WALK_GRAPHS_ENV, "1", {"1": "walk graphs", "0": "the walk op by op"})
 
 
 def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> bool:

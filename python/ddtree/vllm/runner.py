@@ -57,9 +57,17 @@ from ddtree.vllm.config import (
     device_accept_enabled,
     late_trees_enabled,
     schedule_tree_graphs,
+    walk_graphs_enabled,
 )
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
-from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, GraphKey, TreeStepBuffers, cuda_graph_capture
+from ddtree.vllm.graphs import (
+    CapturedCommits,
+    CommitGraphs,
+    GraphKey,
+    TreeStepBuffers,
+    WalkGraphs,
+    cuda_graph_capture,
+)
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_size, tree_token_layout
 
@@ -74,6 +82,7 @@ class DDTreeStats:
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.full_graph_steps_by_tree_tokens: Dict[int, int] = {}  # the same, by the graph's tokens per tree
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
+        self.walk_graph_steps = 0  # FULL steps whose device walk replayed a walk graph
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
@@ -131,6 +140,7 @@ class DDTreeStats:
             "full_graph_steps": self.full_graph_steps,
             "full_graph_steps_by_tree_tokens": dict(sorted(self.full_graph_steps_by_tree_tokens.items())),
             "commit_graph_steps": self.commit_graph_steps,
+            "walk_graph_steps": self.walk_graph_steps,
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,
             "early_output_steps": self.early_output_steps,
@@ -230,6 +240,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The GDN commit of FULL steps as CUDA graphs (made at the first commit after each FULL graph, when the
         # accepted paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
+        # The device walk of FULL steps as CUDA graphs (DDTREE_WALK_GRAPHS; made at the first walk of each shape).
+        self._ddtree_walk_graphs_on = walk_graphs_enabled()
+        self._ddtree_walk_graphs: Optional[WalkGraphs] = None
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
@@ -797,18 +810,27 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     ) -> Dict[str, torch.Tensor]:
         """:meth:`ddtree_accept` without the host: the walk and its layout as device tensors
         (:func:`ddtree.vllm.device_accept.accept_on_device`). Called by the rejection sampler."""
+        walk_args = (width, int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
         with self.ddtree_stats.timed("accept"):
-            gpu = device_accept.accept_on_device(
-                plan.device_trees,
-                node_tokens,
-                width,
-                int(plan.trees.draft_depth) + 1,
-                plan.num_tokens,
-                plan.conv_window,
-            )
+            graphs = self._ddtree_walk_graphs_for_step()
+            if graphs is not None:
+                before = graphs.replayed
+                gpu = graphs.walk(plan.device_trees, node_tokens, *walk_args)
+                self.ddtree_stats.walk_graph_steps += graphs.replayed - before
+            else:
+                gpu = device_accept.accept_on_device(plan.device_trees, node_tokens, *walk_args)
         self._ddtree_accept = None
         self._ddtree_accept_gpu = gpu
         return gpu
+
+    def _ddtree_walk_graphs_for_step(self) -> Optional[WalkGraphs]:
+        """The walk graphs for a step a FULL graph replayed, on a GPU, unless DDTREE_WALK_GRAPHS=0 (None: the walk
+        op by op; other steps' shapes vary too much to keep a graph of each)."""
+        if self._ddtree_full_graph is None or not self._ddtree_walk_graphs_on:
+            return None
+        if self._ddtree_walk_graphs is None and self.device.type == "cuda":
+            self._ddtree_walk_graphs = WalkGraphs(cuda_graph_capture(self.device))
+        return self._ddtree_walk_graphs
 
     def _ddtree_count_device_steps(self, *steps) -> None:
         """Counts device-walked steps in the statistics: ``(plan, path lengths)`` each (None: nothing)."""
