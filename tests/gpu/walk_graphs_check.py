@@ -1,0 +1,136 @@
+"""GPU check of the device walk as CUDA graphs (``ddtree.vllm.graphs.WalkGraphs``), without vLLM.
+
+    python3 tests/gpu/walk_graphs_check.py [--out DIR]
+
+For random steps (trees cut by a scheduler or whole, with and without a GDN conv window, 1 to 32 trees), the walk
+through ``WalkGraphs`` with real CUDA-graph capture must equal ``accept_on_device`` run op by op on the same
+inputs, field by field, for the walk that captures and for replays on new target tokens. It also times the host
+side of one walk both ways in the same run (median microseconds over repeats). Prints one line per case and a
+verdict; writes ``walk_graphs_check.json`` to ``--out``. Needs torch with CUDA and the ddtree wheel (no vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ddtree.vllm import device_accept
+from ddtree.vllm.graphs import WalkGraphs, cuda_graph_capture
+from ddtree.vllm.step import TreeStore, plan_verify
+
+
+def make_step(rng, num_trees: int, depth: int, width: int, budget: int, conv_window: int, cut: bool):
+    """A verification plan of ``num_trees`` trees (each a request of its own), some cut when ``cut``."""
+    store = TreeStore(budget=budget)
+    req_ids = [f"r{i}" for i in range(num_trees)]
+    logits = rng.normal(size=(num_trees, depth, 40)) * 2.0
+    ids = np.argsort(-logits, axis=-1)[..., :width]
+    log_probs = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), ids, axis=-1)
+    lists = store.propose(req_ids, log_probs.astype(np.float32), ids.astype(np.int64))
+    scheduled = {
+        r: lists[i][: int(rng.integers(1, len(lists[i]) + 1))] if cut else lists[i] for i, r in enumerate(req_ids)
+    }
+    num_scheduled = np.array([len(scheduled[r]) + 1 for r in req_ids])
+    computed = np.arange(num_trees, dtype=np.int64) * 100 + 9
+    return plan_verify(store, req_ids, computed, num_scheduled, scheduled, conv_window=conv_window)
+
+
+def on_device(plan, device) -> device_accept.DeviceTrees:
+    arrays = {name: np.empty(plan.num_tree_tokens, dtype=np.int64) for name in device_accept.NODE_ARRAYS}
+    device_accept.node_arrays(plan.trees, arrays)
+    tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
+    return device_accept.DeviceTrees(
+        **tensors,
+        node_offsets=torch.from_numpy(np.asarray(plan.trees.node_offsets, dtype=np.int64)).to(device),
+        query_starts=torch.from_numpy(plan.query_starts.astype(np.int64)).to(device),
+        token_index=torch.from_numpy(plan.token_index.astype(np.int64)).to(device),
+        ancestor_bits=torch.from_numpy(plan.ancestor_bits).to(device),
+    )
+
+
+def targets(rng, plan, device):
+    """Node tokens that often agree with the drafts (deep acceptance sometimes), else misses."""
+    out = np.empty(plan.num_tree_tokens, dtype=np.int64)
+    for j in range(plan.batch_index.shape[0]):
+        lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
+        tokens = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
+        out[lo:hi] = rng.choice(np.concatenate([tokens, [999]]), size=hi - lo)
+    return torch.from_numpy(out).to(device)
+
+
+def host_us(fn, repeats: int = 30) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def check_case(rng, device, num_trees, depth, width, budget, conv_window, cut) -> dict:
+    plan = make_step(rng, num_trees, depth, width, budget, conv_window, cut)
+    trees = on_device(plan, device)
+    args = (depth + 2, int(plan.trees.draft_depth) + 1, plan.num_tokens, conv_window)
+    graphs = WalkGraphs(cuda_graph_capture(device))
+    mismatches = []
+    for round_ in range(4):  # round 0 captures, the others replay
+        target = targets(rng, plan, device)
+        got = graphs.walk(trees, target, *args)
+        got = {k: v.clone() for k, v in got.items()}  # the next replay rewrites them
+        want = device_accept.accept_on_device(trees, target, *args)
+        mismatches += [f"round {round_} {k}" for k in want if not torch.equal(got[k], want[k])]
+    torch.cuda.synchronize()
+    target = targets(rng, plan, device)
+    eager = host_us(lambda: device_accept.accept_on_device(trees, target, *args))
+    graph = host_us(lambda: graphs.walk(trees, target, *args))
+    return dict(
+        trees=num_trees,
+        nodes=int(plan.num_tree_tokens),
+        conv_window=conv_window,
+        cut=cut,
+        replays=graphs.replayed,
+        mismatches=mismatches,
+        host_us_op_by_op=round(eager, 1),
+        host_us_graph=round(graph, 1),
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/walk_graphs_check"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    rng = np.random.default_rng(0)
+    cases = [
+        (1, 15, 8, 64, 3, False),  # the 27B drafter's depth, budget 64, batch 1, GDN conv
+        (8, 15, 8, 64, 3, False),
+        (8, 15, 8, 16, 3, False),  # a schedule's budget 16 at batch 8
+        (32, 15, 8, 64, 0, False),  # attention-only target
+        (5, 4, 3, 20, 3, True),  # cut trees
+    ]
+    results = []
+    for case in cases:
+        result = check_case(rng, device, *case)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    ok = all(not r["mismatches"] and r["replays"] >= 3 for r in results)
+    print("VERDICT:", "ALL-EQUAL" if ok else "MISMATCH", flush=True)
+    with open(os.path.join(args.out, "walk_graphs_check.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), results=results, all_equal=ok), f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
