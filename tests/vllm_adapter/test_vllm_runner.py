@@ -72,7 +72,7 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     """A runner (no vLLM engine) about to prepare a prefill, a whole tree and a cut tree of a hybrid target."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import TreeStepBuffers
-    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
     from ddtree.vllm.staging import StepStaging
     from ddtree.vllm.step import TreeStore
 
@@ -90,6 +90,8 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     runner._ddtree_device_accept = device_accept
     runner.use_async_scheduling, runner._ddtree_early_token_index = False, None
     runner._ddtree_full_graph, runner._ddtree_walk_graphs_on, runner._ddtree_walk_graphs = None, True, None
+    runner._ddtree_plan_graphs, runner.device = None, cpu
+    runner.ddtree_stats = DDTreeStats(3)
     runner.positions = torch.arange(17)
     runner.uses_mrope = mrope
     if mrope:
@@ -468,3 +470,34 @@ def test_asynchronous_scheduling_takes_schedules_whose_trees_fill_every_budget()
     runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8)
     with pytest.raises(RuntimeError, match="late trees"):
         runner._ddtree_check_async(8)
+
+
+def test_a_whole_tree_steps_plan_replays_on_the_next_steps_upload():
+    """The plan's device side of a whole-tree step (layout into the fixed buffers, depth positions, the drafter's
+    flat positions) is captured once per step shape and replayed: the replay reads the next step's upload at the
+    same addresses (a stand-in capture replays by calling the work) and writes what the plan op by op writes."""
+    from ddtree.vllm import context
+    from ddtree.vllm.graphs import ShapeGraphs
+    from ddtree.vllm.step import TreeStore
+
+    def whole_step(runner, seed):
+        runner.drafter.store = TreeStore(6)
+        lists = _tree_lists(runner.drafter.store, ["a", "b"], seed=seed)
+        runner.input_batch = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_cpu=np.array([20 + seed, 30]))
+        runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([6, 6]))
+        runner.positions = torch.arange(14) + 100 * seed
+        output = SimpleNamespace(total_num_scheduled_tokens=14, scheduled_spec_decode_tokens=dict(zip("ab", lists)))
+        try:
+            runner._ddtree_prepare(output, np.array([7, 7]), "indices", "metadata", 2)
+        finally:
+            context.withdraw()
+        buffers = runner._ddtree_buffers
+        return [runner.positions.clone(), runner._ddtree_flat_positions.clone(), buffers.ancestor_bits[:14].clone()]
+
+    eager, graphed = _mixed_hybrid_step()[0], _mixed_hybrid_step()[0]
+    graphed._ddtree_plan_graphs = ShapeGraphs(lambda work: work)
+    for seed in (1, 2, 3):
+        want, got = whole_step(eager, seed), whole_step(graphed, seed)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), seed
+        assert graphed._ddtree_whole_tree_tokens == 7
+    assert graphed._ddtree_plan_graphs.replayed == 2 and eager._ddtree_plan_graphs is None

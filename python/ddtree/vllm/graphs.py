@@ -180,9 +180,12 @@ class WalkGraphs:
     """
 
     def __init__(self, capture):
-        self._capture = capture
-        self._graphs: Dict[tuple, tuple] = {}
-        self.replayed = 0
+        self._graphs = ShapeGraphs(capture)
+        self._inputs: Dict[tuple, list] = {}  # the graph's own inputs, by key
+
+    @property
+    def replayed(self) -> int:
+        return self._graphs.replayed
 
     def walk(self, trees, target: torch.Tensor, width: int, path_width: int, num_tokens: int, conv_window: int):
         from ddtree.vllm.device_accept import accept_on_device
@@ -190,24 +193,19 @@ class WalkGraphs:
         fields = [f.name for f in dataclasses.fields(trees)]
         inputs = [getattr(trees, name) for name in fields] + [target]
         key = (width, path_width, num_tokens, conv_window) + tuple((t.shape, t.dtype) for t in inputs)
-        entry = self._graphs.get(key)
-        if entry is not None:
-            replay, static, outputs = entry
+        static = self._inputs.get(key)
+        if static is not None:
             for own, given in zip(static, inputs):
                 own.copy_(given)
-            replay()
-            self.replayed += 1
-            return dict(outputs)
-        result = accept_on_device(trees, target, width, path_width, num_tokens, conv_window)
-        static = [t.clone() for t in inputs]
+        else:
+            static = self._inputs[key] = [t.clone() for t in inputs]
         static_trees = dataclasses.replace(trees, **dict(zip(fields, static[:-1])))
-        outputs: Dict[str, torch.Tensor] = {}
-
-        def work() -> None:
-            outputs.update(accept_on_device(static_trees, static[-1], width, path_width, num_tokens, conv_window))
-
-        self._graphs[key] = (self._capture(work), static, outputs)
-        return result
+        args = (width, path_width, num_tokens, conv_window)
+        return self._graphs.run(
+            key,
+            lambda: accept_on_device(static_trees, static[-1], *args),
+            eager=lambda: accept_on_device(trees, target, *args),
+        )
 
 
 def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -222,6 +220,39 @@ def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], No
         return graph.replay
 
     return capture
+
+
+class ShapeGraphs:
+    """Work that repeats with the same shapes and tensor addresses, as one CUDA graph per key.
+
+    The first call of a key runs the work eagerly (it compiles kernels and allocates) and then captures it
+    (capturing runs nothing); later calls of that key replay the graph. ``work`` returns its outputs (a dict, or
+    None); after a capture they are the graph's own tensors, rewritten by every replay of that key, so a caller
+    reads them before it runs the key again. ``capture`` is :func:`cuda_graph_capture` on a GPU (tests pass a
+    stand-in that returns the work as its replay).
+    """
+
+    def __init__(self, capture):
+        self._capture = capture
+        self._graphs: Dict[tuple, tuple] = {}
+        self.replayed = 0
+
+    def run(self, key, work: Callable[[], Optional[Dict[str, torch.Tensor]]], eager=None):
+        """``work``'s outputs for ``key``: replayed, or (first call) from ``eager`` (default: ``work``) run as is."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            replay, outputs = entry
+            replay()
+            self.replayed += 1
+            return dict(outputs)
+        result = (eager or work)()
+        outputs: Dict[str, torch.Tensor] = {}
+
+        def recorded() -> None:
+            outputs.update(work() or {})
+
+        self._graphs[key] = (self._capture(recorded), outputs)
+        return result
 
 
 class CommitGraphs:
@@ -240,9 +271,11 @@ class CommitGraphs:
         self.paths = torch.zeros((max_requests, path_width), dtype=torch.int32, device=self.device)
         self.path_lengths = torch.ones((max_requests,), dtype=torch.int32, device=self.device)
         self.conv_index = torch.zeros((max_requests, conv_window), dtype=torch.int64, device=self.device)
-        self._capture = capture
-        self._replays: Dict[GraphKey, Callable[[], None]] = {}
-        self.replayed = 0
+        self._graphs = ShapeGraphs(capture)
+
+    @property
+    def replayed(self) -> int:
+        return self._graphs.replayed
 
     def commit(self, graph: GraphKey, commits: Dict[str, PendingCommit], plan: GdnCommitPlan, commit_layer) -> None:
         """Commits every layer of a step the FULL graph ``graph`` replayed (``commit_layer(pending, plan)`` per
@@ -267,10 +300,4 @@ class CommitGraphs:
             for pending in commits.values():
                 commit_layer(pending, fixed)
 
-        replay = self._replays.get(graph)
-        if replay is not None:
-            replay()
-            self.replayed += 1
-            return
-        work()
-        self._replays[graph] = self._capture(work)
+        self._graphs.run(graph, work)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -64,6 +65,7 @@ from ddtree.vllm.graphs import (
     CapturedCommits,
     CommitGraphs,
     GraphKey,
+    ShapeGraphs,
     TreeStepBuffers,
     WalkGraphs,
     cuda_graph_capture,
@@ -243,6 +245,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The device walk of FULL steps as CUDA graphs (DDTREE_WALK_GRAPHS; made at the first walk of each shape).
         self._ddtree_walk_graphs_on = walk_graphs_enabled()
         self._ddtree_walk_graphs: Optional[WalkGraphs] = None
+        self._ddtree_plan_graphs: Optional[ShapeGraphs] = None  # the plan's device side, the same switch
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
@@ -403,24 +406,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_check_spec_rows(plan, num_reqs)
         fill_plan_extras(extras, plan, total)
         gpu = self._ddtree_plan_staging.upload_host()
-        if plan.draft_tokens is not None:
-            # Placeholder drafts were scheduled (late trees): the tree tokens go where vLLM put the placeholders.
-            self.input_ids.gpu[gpu["draft_step_index"]] = gpu["draft_tokens"]
-            self.ddtree_stats.late_tree_steps += 1
-        layout = self._ddtree_buffers.load(
-            gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"), gpu.get("conv_index")
+        late = plan.draft_tokens is not None
+        self.ddtree_stats.late_tree_steps += late
+        whole = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
+        placed = self._ddtree_place(gpu, total, late, whole)
+        self._ddtree_flat_positions = placed["flat_positions"]
+        layout = self._ddtree_buffers.views(
+            int(gpu["row_start"].shape[0]),
+            int(gpu["ancestor_bits"].shape[0]),
+            int(gpu["node_offsets"].shape[0]) - 1 if "node_offsets" in gpu else None,
+            "conv_index" in gpu,
         )
-        # The drafter needs the flat positions; the target sees depth-based ones (written in place: the
-        # model reads this persistent buffer).
-        self._ddtree_flat_positions = self.positions[:total].clone()
-        if self.use_async_scheduling:
-            # The host's starts are optimistic; vLLM computed the flat positions on the GPU from the corrected ones.
-            self.positions[gpu["token_index"]] = self.positions[gpu["root_index"]] + gpu["depths"]
-        else:
-            self.positions[gpu["token_index"]] = gpu["positions"]
-        if self.uses_mrope:
-            mrope = self.mrope_positions.gpu
-            mrope[:, gpu["token_index"]] = mrope[:, gpu["root_index"]] + gpu["depths"].to(mrope.dtype)
         if early is not None:
             # Published from the counts before vLLM built the metadata (the views `load` just filled).
             if not np.array_equal(plan.token_index, early):
@@ -429,19 +425,53 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_publish(
                 layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), int(plan.batch_index.shape[0])
             )
-            self._ddtree_whole_tree_tokens = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
+            self._ddtree_whole_tree_tokens = whole
         plan.logit_rows_gpu = gpu["logit_rows"]
         plan.batch_index_gpu = gpu["batch_index"]
         if "node_parents" in gpu:
             plan.device_trees = device_accept.DeviceTrees(
                 **{name: gpu[name] for name in device_accept.NODE_ARRAYS},
-                node_offsets=gpu["node_offsets"].to(torch.int64),
+                node_offsets=placed["node_offsets"],
                 query_starts=gpu["tree_query_starts"],
                 token_index=gpu["token_index"],
                 ancestor_bits=gpu["ancestor_bits"],
             )
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
+
+    def _ddtree_place(self, gpu: Dict[str, torch.Tensor], total: int, late: bool, whole: int):
+        """:meth:`_ddtree_place_plan`, replayed as one CUDA graph per step shape for steps of whole trees (their
+        shapes repeat; DDTREE_WALK_GRAPHS=0 turns these graphs off with the walk's)."""
+        work = functools.partial(self._ddtree_place_plan, gpu, total, late)
+        if not whole or not self._ddtree_walk_graphs_on:
+            return work()
+        if self._ddtree_plan_graphs is None and self.device.type == "cuda":
+            self._ddtree_plan_graphs = ShapeGraphs(cuda_graph_capture(self.device))
+        if self._ddtree_plan_graphs is None:
+            return work()
+        return self._ddtree_plan_graphs.run((self._ddtree_plan_staging.layout_key(), total, late), work)
+
+    def _ddtree_place_plan(self, gpu: Dict[str, torch.Tensor], total: int, late: bool) -> Dict[str, torch.Tensor]:
+        """The plan's device side, from its upload: the tree tokens where vLLM put placeholder drafts (late trees),
+        the layout into the fixed buffers, the flat positions kept for the drafter and the depth-based positions
+        written for the target (in place: the model reads these persistent buffers)."""
+        if late:
+            self.input_ids.gpu[gpu["draft_step_index"]] = gpu["draft_tokens"]
+        self._ddtree_buffers.load(
+            gpu["row_start"], gpu["ancestor_bits"], gpu.get("node_offsets"), gpu.get("conv_index")
+        )
+        placed = {"flat_positions": self.positions[:total].clone()}
+        if self.use_async_scheduling:
+            # The host's starts are optimistic; vLLM computed the flat positions on the GPU from the corrected ones.
+            self.positions[gpu["token_index"]] = self.positions[gpu["root_index"]] + gpu["depths"]
+        else:
+            self.positions[gpu["token_index"]] = gpu["positions"]
+        if self.uses_mrope:
+            mrope = self.mrope_positions.gpu
+            mrope[:, gpu["token_index"]] = mrope[:, gpu["root_index"]] + gpu["depths"].to(mrope.dtype)
+        if "node_parents" in gpu:
+            placed["node_offsets"] = gpu["node_offsets"].to(torch.int64)
+        return placed
 
     @staticmethod
     def _ddtree_is_whole_tree_step(num_nodes: np.ndarray, num_reqs: int, total: int) -> int:

@@ -106,6 +106,11 @@ class StepStaging:
         }
         self._key, self._total = key, total
 
+    def layout_key(self) -> tuple:
+        """What fixes the device views' addresses: the current layout and the device buffer. Two uploads with one
+        key hand out views at the same addresses (a CUDA graph captured on one reads the other's arrays)."""
+        return (self._key, self._device_buffer.data_ptr())
+
     def upload_host(self) -> Dict[str, torch.Tensor]:
         """Device views of what :meth:`host_arrays` laid out, after one host-to-device copy."""
         if not self._pending:
