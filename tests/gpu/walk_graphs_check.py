@@ -1,12 +1,15 @@
-"""GPU check of the device walk as CUDA graphs (``ddtree.vllm.graphs.WalkGraphs``), without vLLM.
+"""GPU check of the step graphs (``ddtree.vllm.graphs``: the walk graphs and a plan's placement), without vLLM.
 
     python3 tests/gpu/walk_graphs_check.py [--out DIR]
 
 For random steps (trees cut by a scheduler or whole, with and without a GDN conv window, 1 to 32 trees), the walk
 through ``WalkGraphs`` with real CUDA-graph capture must equal ``accept_on_device`` run op by op on the same
 inputs, field by field, for the walk that captures and for replays on new target tokens. It also times the host
-side of one walk both ways in the same run (median microseconds over repeats). Prints one line per case and a
-verdict; writes ``walk_graphs_check.json`` to ``--out``. Needs torch with CUDA and the ddtree wheel (no vLLM).
+side of one walk both ways in the same run (median microseconds over repeats). Then a plan's placement as the
+runner does it for a whole-tree step (``runner._ddtree_place_plan``: the layout from a pinned staging upload into
+the fixed buffers, the positions written in place), replayed through ``ShapeGraphs`` on each new step's upload,
+must equal the same placement op by op: the upload's views must sit at the captured addresses. Prints one line
+per case and a verdict; writes ``walk_graphs_check.json`` to ``--out``. Needs torch with CUDA and the ddtree wheel.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import numpy as np
 import torch
 
 from ddtree.vllm import device_accept
-from ddtree.vllm.graphs import WalkGraphs, cuda_graph_capture
+from ddtree.vllm.graphs import ShapeGraphs, TreeStepBuffers, WalkGraphs, cuda_graph_capture
+from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import TreeStore, plan_verify
 
 
-def make_step(rng, num_trees: int, depth: int, width: int, budget: int, conv_window: int, cut: bool):
+def make_step(rng, num_trees, depth, width, budget, conv_window, cut, arrays=None):
     """A verification plan of ``num_trees`` trees (each a request of its own), some cut when ``cut``."""
     store = TreeStore(budget=budget)
     req_ids = [f"r{i}" for i in range(num_trees)]
@@ -39,7 +43,8 @@ def make_step(rng, num_trees: int, depth: int, width: int, budget: int, conv_win
     }
     num_scheduled = np.array([len(scheduled[r]) + 1 for r in req_ids])
     computed = np.arange(num_trees, dtype=np.int64) * 100 + 9
-    return plan_verify(store, req_ids, computed, num_scheduled, scheduled, conv_window=conv_window)
+    extra = {} if arrays is None else dict(arrays=arrays, words=3)
+    return plan_verify(store, req_ids, computed, num_scheduled, scheduled, conv_window=conv_window, **extra)
 
 
 def on_device(plan, device) -> device_accept.DeviceTrees:
@@ -103,6 +108,39 @@ def check_case(rng, device, num_trees, depth, width, budget, conv_window, cut) -
     )
 
 
+def place(buffers, positions, gpu, total):
+    """The runner's placement of a synchronous whole-tree step (``runner._ddtree_place_plan``), on its own buffers."""
+    buffers.load(gpu["row_start"], gpu["ancestor_bits"], gpu["node_offsets"], gpu["conv_index"])
+    placed = {"flat_positions": positions[:total].clone()}
+    positions[gpu["token_index"]] = gpu["positions"]
+    return placed
+
+
+def check_placement(rng, device, num_trees: int, rounds: int = 6) -> dict:
+    """Whole trees of budget 64 each round (the same shapes, new trees and starts), placed through ShapeGraphs and
+    op by op; both sides' buffers compared after every round."""
+    staging = StepStaging(device)
+    graphed = (TreeStepBuffers(device, 32, 32 * 65, 65, 4), torch.zeros(4096, dtype=torch.int64, device=device))
+    eager = (TreeStepBuffers(device, 32, 32 * 65, 65, 4), torch.zeros(4096, dtype=torch.int64, device=device))
+    graphs, total, mismatches = ShapeGraphs(cuda_graph_capture(device)), num_trees * 65, []
+    for round_ in range(rounds):
+        plan = make_step(rng, num_trees, 15, 8, 64, 3, False, arrays=staging.host_arrays)
+        gpu = staging.upload_host()
+        for side in (graphed, eager):
+            side[1][:total] = torch.arange(total, device=device) + 1000 * round_  # vLLM's flat positions
+        key = (staging.layout_key(), total)
+        got = graphs.run(key, lambda: place(graphed[0], graphed[1], gpu, total))
+        want = place(eager[0], eager[1], gpu, total)
+        same = torch.equal(got["flat_positions"], want["flat_positions"]) and torch.equal(graphed[1], eager[1])
+        same = same and all(
+            torch.equal(getattr(graphed[0], n), getattr(eager[0], n))
+            for n in ("row_start", "ancestor_bits", "node_offsets", "conv_index")
+        )
+        if not same or plan.num_tree_tokens != total:
+            mismatches.append(f"round {round_}")
+    return dict(case="placement", trees=num_trees, replays=graphs.replayed, mismatches=mismatches)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/walk_graphs_check"))
@@ -123,6 +161,10 @@ def main() -> int:
     results = []
     for case in cases:
         result = check_case(rng, device, *case)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    for num_trees in (1, 8):
+        result = check_placement(rng, device, num_trees)
         results.append(result)
         print(json.dumps(result), flush=True)
     ok = all(not r["mismatches"] and r["replays"] >= 3 for r in results)
