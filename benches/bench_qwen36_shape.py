@@ -201,11 +201,11 @@ def set_device_accept(worker, on: bool) -> bool:
     return previous
 
 
-def set_walk_graphs(worker, on: bool) -> bool:
-    """(collective_rpc) Walks the trees of FULL steps through CUDA graphs (DDTREE_WALK_GRAPHS) or op by op;
-    returns the previous setting."""
+def set_step_graphs(worker, on: bool) -> bool:
+    """(collective_rpc) The device walk, the plan's device side and the KV moves of FULL steps through CUDA graphs
+    (DDTREE_STEP_GRAPHS) or launch by launch; returns the previous setting."""
     runner = worker.model_runner
-    previous, runner._ddtree_walk_graphs_on = runner._ddtree_walk_graphs_on, bool(on)
+    previous, runner._ddtree_step_graphs_on = runner._ddtree_step_graphs_on, bool(on)
     return previous
 
 
@@ -231,7 +231,7 @@ AB_SWITCHES = {
     "late-trees": (set_late_trees, True),
     "no-late-trees": (set_late_trees, False),
     "no-device-accept": (set_device_accept, False),
-    "no-walk-graphs": (set_walk_graphs, False),
+    "no-step-graphs": (set_step_graphs, False),
 }
 
 
@@ -421,7 +421,7 @@ def main() -> None:
         help="comma-separated switches: ddtree engines time each batch once more per switch in the same process, "
         "the switches turned one after the other and kept: gdn-metadata (patch 10 off), device-accept / "
         "no-device-accept (the tree walk on the device / the host), late-trees / no-late-trees (trees built at the "
-        "next verification / at proposal), no-walk-graphs (the device walk op by op instead of a CUDA graph)",
+        "next verification / at proposal), no-step-graphs (the walk, plan and KV moves launch by launch instead of CUDA graphs)",
     )
     args = ap.parse_args()
     unknown = [name for name in args.ab.split(",") if name and name not in AB_SWITCHES]

@@ -442,7 +442,7 @@ def test_the_docs_list_every_switch_with_its_default():
         "DDTREE_LATE_TREES": (config.late_trees_enabled({}, 1), config.late_trees_enabled({}, 2)),
         "DDTREE_ASYNC_SCHEDULING": (config.async_scheduling_enabled({}),) * 2,
         "DDTREE_COMMIT_GRAPHS": (config.commit_graphs_enabled({}),) * 2,
-        "DDTREE_WALK_GRAPHS": (config.walk_graphs_enabled({}),) * 2,
+        "DDTREE_STEP_GRAPHS": (config.step_graphs_enabled({}),) * 2,
         "DDTREE_WHOLE_TREE_GDN_METADATA": (config.whole_tree_gdn_metadata_enabled({}),) * 2,
     }
     for name, (one_gpu, tensor_parallel) in defaults.items():

@@ -43,6 +43,7 @@ def test_kv_moves_share_one_index_across_the_layers_of_a_group():
 
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(6, 2, 4, 2, 8, generator=gen) for _ in range(3)]  # [blocks, K/V, page, heads, dim]
+    initial = [c.clone() for c in caches]
     expected = [c.clone() for c in caches]
     mapping = torch.tensor([17, 18, 19, 20, 21, 22, 23, 4, 5])  # flat scheduled token -> slot
     src, dst = torch.tensor([3, 6]), torch.tensor([1, 2])  # accepted nodes 3 and 6 to positions 1 and 2
@@ -52,10 +53,25 @@ def test_kv_moves_share_one_index_across_the_layers_of_a_group():
     runner._ddtree_kv_layers = [(0, caches[0]), (0, caches[1]), (1, caches[2])]
     table = SimpleNamespace(slot_mapping=SimpleNamespace(gpu=mapping))
     runner.input_batch = SimpleNamespace(block_table=[table, table])
+    runner._ddtree_accept, runner._ddtree_full_graph, runner._ddtree_step_graphs_on = None, None, True
     runner._ddtree_move_kv(src, dst)
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
     assert not torch.equal(caches[0], caches[1])  # the layers really differ
+
+    # After a FULL step walked on the device the moves replay one graph per shape and addresses (a stand-in
+    # capture on CPU): the same caches again, from fresh copies, by the capture's eager run and then by replays.
+    from ddtree.vllm.graphs import ShapeGraphs, WalkGraphs
+
+    runner._ddtree_full_graph = (9, 2)
+    runner._ddtree_walk_graphs, runner._ddtree_kv_move_graphs = WalkGraphs(None), ShapeGraphs(lambda work: work)
+    for _ in range(3):
+        for cache, start in zip(caches, initial):
+            cache.copy_(start)
+        runner._ddtree_move_kv(src, dst)
+        for got, want in zip(caches, expected):
+            assert torch.equal(got, want)
+    assert runner._ddtree_kv_move_graphs.replayed == 2
 
 
 def _tree_lists(store, req_ids, seed=0):
@@ -89,7 +105,7 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     runner._ddtree_gdn_step = None
     runner._ddtree_device_accept = device_accept
     runner.use_async_scheduling, runner._ddtree_early_token_index = False, None
-    runner._ddtree_full_graph, runner._ddtree_walk_graphs_on, runner._ddtree_walk_graphs = None, True, None
+    runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, True, None
     runner._ddtree_plan_graphs, runner.device = None, cpu
     runner.ddtree_stats = DDTreeStats(3)
     runner.positions = torch.arange(17)
@@ -246,7 +262,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     # shape eagerly, the next one by replay, on that step's own target tokens.
     from ddtree.vllm.graphs import WalkGraphs
 
-    runner._ddtree_full_graph, runner._ddtree_walk_graphs_on = (12, 2), True
+    runner._ddtree_full_graph, runner._ddtree_step_graphs_on = (12, 2), True
     runner._ddtree_walk_graphs = WalkGraphs(lambda work: work)
     for rounds, target_now in enumerate((target, np.full_like(target, 999), target)):
         walked = runner.ddtree_accept_on_device(plan, torch.from_numpy(target_now), 7)
@@ -254,7 +270,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
         assert np.array_equal(walked["output_tokens"].numpy(), want.output_tokens)
         assert np.array_equal(walked["context_order"].numpy(), want.context_order)
         assert runner.ddtree_stats.walk_graph_steps == rounds  # the first walk ran eagerly, then each replayed
-    runner._ddtree_walk_graphs_on = False  # DDTREE_WALK_GRAPHS=0: op by op
+    runner._ddtree_step_graphs_on = False  # DDTREE_STEP_GRAPHS=0: op by op
     runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
     assert runner.ddtree_stats.walk_graph_steps == 2
     # A step still in flight when the summary is read is counted then.

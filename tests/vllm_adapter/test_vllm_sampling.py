@@ -67,7 +67,7 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     runner._ddtree_conv_window = 0
     runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
     runner._ddtree_min_tokens = MinTokensRequests()
-    runner._ddtree_full_graph, runner._ddtree_walk_graphs_on, runner._ddtree_walk_graphs = None, True, None
+    runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, True, None
     sampler = DDTreeRejectionSampler(runner)
     sampling = SimpleNamespace(
         temperature=None,

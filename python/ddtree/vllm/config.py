@@ -48,7 +48,7 @@ WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
 ASYNC_SCHEDULING_ENV = "DDTREE_ASYNC_SCHEDULING"
-WALK_GRAPHS_ENV = "DDTREE_WALK_GRAPHS"
+STEP_GRAPHS_ENV = "DDTREE_STEP_GRAPHS"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -310,16 +310,16 @@ def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return env_switch(environ, COMMIT_GRAPHS_ENV, "1", {"1": "commit graphs", "0": "commit layer by layer"})
 
 
-def walk_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the device walk of a FULL tree step, and the plan's device side of a step of whole trees, replay
-    CUDA graphs (on unless DDTREE_WALK_GRAPHS=0).
+def step_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the device walk and the KV moves of a FULL tree step, and the plan's device side of a step of whole
+    trees, replay CUDA graphs (on unless DDTREE_STEP_GRAPHS=0).
 
     The walk is ~40 small torch operations, 1.71 ms of host launches per batch-1 step at the Qwen3.6-27B shape
     (``gpu-h200-async-b798afe``); as a graph it is its inputs' copies and one replay (0.11 ms,
     ``gpu-h200-walk-graphs-6899f40``). The plan's device side is ~10 launches (the layout into the fixed buffers,
-    the positions, the tree tokens into vLLM's input ids).
+    the positions, the tree tokens into vLLM's input ids), the KV moves two per attention layer.
     """
-    return env_switch(environ, WALK_GRAPHS_ENV, "1", {"1": "walk graphs", "0": "the walk op by op"})
+    return env_switch(environ, STEP_GRAPHS_ENV, "1", {"1": "step graphs", "0": "launch by launch"})
 
 
 def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> bool:

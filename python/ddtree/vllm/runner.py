@@ -58,7 +58,7 @@ from ddtree.vllm.config import (
     device_accept_enabled,
     late_trees_enabled,
     schedule_tree_graphs,
-    walk_graphs_enabled,
+    step_graphs_enabled,
 )
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import (
@@ -242,10 +242,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The GDN commit of FULL steps as CUDA graphs (made at the first commit after each FULL graph, when the
         # accepted paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
-        # The device walk of FULL steps as CUDA graphs (DDTREE_WALK_GRAPHS; made at the first walk of each shape).
-        self._ddtree_walk_graphs_on = walk_graphs_enabled()
+        # The device walk, the plan's device side and the KV moves of FULL steps as CUDA graphs (DDTREE_STEP_GRAPHS;
+        # each made at the first step of its shape).
+        self._ddtree_step_graphs_on = step_graphs_enabled()
         self._ddtree_walk_graphs: Optional[WalkGraphs] = None
         self._ddtree_plan_graphs: Optional[ShapeGraphs] = None  # the plan's device side, the same switch
+        self._ddtree_kv_move_graphs: Optional[ShapeGraphs] = None  # the KV moves after a graphed walk, the same
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
@@ -441,12 +443,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _ddtree_place(self, gpu: Dict[str, torch.Tensor], total: int, late: bool, whole: int):
         """:meth:`_ddtree_place_plan`, replayed as one CUDA graph per step shape for steps of whole trees (their
-        shapes repeat; DDTREE_WALK_GRAPHS=0 turns these graphs off with the walk's)."""
+        shapes repeat; DDTREE_STEP_GRAPHS=0 turns these graphs off with the walk's)."""
         work = functools.partial(self._ddtree_place_plan, gpu, total, late)
-        if not whole or not self._ddtree_walk_graphs_on:
+        if not whole or not self._ddtree_step_graphs_on:
             return work()
         if self._ddtree_plan_graphs is None and self.device.type == "cuda":
-            self._ddtree_plan_graphs = ShapeGraphs(cuda_graph_capture(self.device))
+            self._ddtree_plan_graphs = ShapeGraphs(self._ddtree_graph_capture())
         if self._ddtree_plan_graphs is None:
             return work()
         return self._ddtree_plan_graphs.run((self._ddtree_plan_staging.layout_key(), total, late), work)
@@ -854,13 +856,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return gpu
 
     def _ddtree_walk_graphs_for_step(self) -> Optional[WalkGraphs]:
-        """The walk graphs for a step a FULL graph replayed, on a GPU, unless DDTREE_WALK_GRAPHS=0 (None: the walk
+        """The walk graphs for a step a FULL graph replayed, on a GPU, unless DDTREE_STEP_GRAPHS=0 (None: the walk
         op by op; other steps' shapes vary too much to keep a graph of each)."""
-        if self._ddtree_full_graph is None or not self._ddtree_walk_graphs_on:
+        if self._ddtree_full_graph is None or not self._ddtree_step_graphs_on:
             return None
         if self._ddtree_walk_graphs is None and self.device.type == "cuda":
-            self._ddtree_walk_graphs = WalkGraphs(cuda_graph_capture(self.device))
+            self._ddtree_walk_graphs = WalkGraphs(self._ddtree_graph_capture())
         return self._ddtree_walk_graphs
+
+    def _ddtree_graph_capture(self):
+        """How the step graphs capture: CUDA graphs on this device."""
+        return cuda_graph_capture(self.device)
 
     def _ddtree_count_device_steps(self, *steps) -> None:
         """Counts device-walked steps in the statistics: ``(plan, path lengths)`` each (None: nothing)."""
@@ -935,9 +941,21 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return self._ddtree_kv_layers
 
     def _ddtree_move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Moves the accepted nodes' K/V (flat scheduled-token indices ``src`` -> ``dst``) in every layer."""
+        """Moves the accepted nodes' K/V (flat scheduled-token indices ``src`` -> ``dst``) in every layer: after a
+        FULL step walked on the device (``src``/``dst`` of a fixed size, and at fixed addresses once the walk
+        replays its graph), as one CUDA graph per step shape and addresses (DDTREE_STEP_GRAPHS); otherwise launch by
+        launch (the host walk lists a different number of moves every step)."""
         if src.shape[0] == 0:
             return
+        if self._ddtree_accept is not None or self._ddtree_walk_graphs_for_step() is None:
+            self._ddtree_move_kv_now(src, dst)
+            return
+        if self._ddtree_kv_move_graphs is None:
+            self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_graph_capture())
+        key = (self._ddtree_full_graph, src.data_ptr(), dst.data_ptr(), src.shape[0])
+        self._ddtree_kv_move_graphs.run(key, functools.partial(self._ddtree_move_kv_now, src, dst))
+
+    def _ddtree_move_kv_now(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         index = {}  # one block/offset index per KV-cache group and block size, shared by its layers
         for gid, cache in self._target_kv_layers():
             key = (gid, cache.shape[2])
