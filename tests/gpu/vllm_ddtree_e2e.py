@@ -467,6 +467,16 @@ def schedule_graphs_exercised(spec, summary):
     ]
 
 
+def step_graphs_exercised(env, summary):
+    """``[(counter, passed)]``: with the step graphs on (the default), an engine that walked FULL steps on the device
+    replayed walk graphs (each shape's first walk runs eagerly, so a few FULL steps are needed)."""
+    if env.get("DDTREE_STEP_GRAPHS", "1") != "1" or summary.get("full_graph_steps", 0) < 4:
+        return []
+    if not summary.get("device_accept_steps", 0):
+        return []
+    return [("walk_graph_steps", summary.get("walk_graph_steps", 0) > 0)]
+
+
 def switched_paths_exercised(env, summary):
     """``[(counter, passed)]``: an engine run with a switch on must show that the switch's path ran."""
     return [
@@ -775,6 +785,8 @@ def main():
             for counter, passed in switched_paths_exercised(
                 ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"]
             ):
+                verdict[f"{name}/{counter}"] = passed
+            for counter, passed in step_graphs_exercised(ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"]):
                 verdict[f"{name}/{counter}"] = passed
             for counter, passed in schedule_graphs_exercised(ENGINES.get(name, {}).get("spec"), res["ddtree_summary"]):
                 verdict[f"{name}/{counter}"] = passed

@@ -253,6 +253,21 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert ("async_scheduling", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], synchronous)
 
 
+def test_harness_fails_an_engine_whose_device_walk_replayed_no_graph():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import step_graphs_exercised
+
+    ran = dict(full_graph_steps=40, device_accept_steps=50, walk_graph_steps=35)
+    assert step_graphs_exercised({}, ran) == [("walk_graph_steps", True)]
+    assert step_graphs_exercised({}, dict(ran, walk_graph_steps=0)) == [("walk_graph_steps", False)]
+    assert step_graphs_exercised({"DDTREE_STEP_GRAPHS": "0"}, dict(ran, walk_graph_steps=0)) == []
+    assert step_graphs_exercised({}, dict(ran, device_accept_steps=0, walk_graph_steps=0)) == []  # the host walk
+    assert step_graphs_exercised({}, dict(ran, full_graph_steps=2, walk_graph_steps=0)) == []  # too few to replay
+
+
 def test_harness_fails_a_schedule_whose_smaller_trees_replayed_no_full_graph():
     import sys
     from pathlib import Path
