@@ -265,7 +265,9 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
 
     def tree_counts(engine):
         summary = engine.collective_rpc("ddtree_summary")[0]
-        return {k: summary[k] for k in ("trees", "partial_trees", "verify_steps", "full_graph_steps")}
+        return {
+            k: summary.get(k, 0) for k in ("trees", "partial_trees", "filler_trees", "verify_steps", "full_graph_steps")
+        }
 
     def scenario(sname, fn):
         if conf.get("only") and sname not in conf["only"]:
@@ -436,7 +438,7 @@ def scenario_exercised(sname, trees):
     if not trees:
         return None
     note = (
-        f"trees {trees['trees']} (cut {trees['partial_trees']}), FULL-graph steps "
+        f"trees {trees['trees']} (cut {trees['partial_trees']}, filler {trees.get('filler_trees', 0)}), FULL-graph steps "
         f"{trees['full_graph_steps']}/{trees['verify_steps']}; "
     )
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)

@@ -414,7 +414,10 @@ def test_placeholders_without_a_proposal_verify_a_filler_tree_only_when_asked():
     with pytest.raises(DraftMismatchError, match="no DDTree proposal"):
         plan_verify(*args)
     plan = plan_verify(*args, unproposed=(5, 4))
-    assert plan.num_tree_tokens == 13 and plan.num_cut_trees == 0
+    assert plan.num_tree_tokens == 13 and plan.num_cut_trees == 0 and plan.num_filler_trees == 1
+    # Fewer placeholders than the budget (near max_model_len, a schedule's smaller budget): whole, not cut.
+    few = plan_verify(store, ["a"], np.array([9]), np.array([6]), {"a": [PLACEHOLDER] * 5}, unproposed=(5, 4))
+    assert few.num_tree_tokens == 6 and few.num_cut_trees == 0 and few.num_filler_trees == 1
     lp = np.tile(-np.arange(1, 5, dtype=np.float32), (5, 1))  # the filler: token k at log-prob -k - 1
     ids = np.tile(np.arange(4, dtype=np.int64), (5, 1))
     assert plan.draft_tokens.tolist() == TreeStore(budget=12).propose(["x"], lp[None], ids[None])[0]

@@ -90,6 +90,7 @@ class DDTreeStats:
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
         self.trees = 0
         self.partial_trees = 0  # trees verified with fewer nodes than proposed (cut: max_model_len, token budget)
+        self.filler_trees = 0  # trees verified for placeholders without a proposal (asynchronous scheduling)
         self.nodes = 0
         self.accepted = 0
         self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
@@ -126,6 +127,7 @@ class DDTreeStats:
         self.trees += acc.shape[0]
         self.nodes += int(plan.num_nodes.sum() - plan.num_nodes.shape[0])
         self.partial_trees += plan.num_cut_trees
+        self.filler_trees += plan.num_filler_trees
         if plan.proposed_budgets.size:  # which budget the step's trees were proposed with (a schedule's choice)
             budget = int(plan.proposed_budgets.max())
             self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
@@ -148,6 +150,7 @@ class DDTreeStats:
             "early_output_steps": self.early_output_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
+            "filler_trees": self.filler_trees,
             "steps_by_budget": dict(sorted(self.steps_by_budget.items())),
             "mean_draft_nodes": self.nodes / trees,
             "mean_acceptance_length": 1.0 + self.accepted / trees,

@@ -216,6 +216,9 @@ class VerifyPlan:
     proposed_budgets: np.ndarray  # [R_t] int64: each tree's budget at proposal
     conv_index: Optional[np.ndarray] = None  # [T, w + 1] int64 (hybrid targets): rows of cat(histories, inputs)
     conv_window: int = 0
+    # Trees verified for placeholders without a proposal (asynchronous scheduling; ``filler_record``): real trees of
+    # no drafter, counted apart (their drafts are never the target's but cost a verification).
+    num_filler_trees: int = 0
     # Placeholder drafts were scheduled (late trees): every draft node's index among the step's tokens and its token,
     # for the runner to write into the input ids (None: vLLM's input ids already hold the drafts).
     draft_step_index: Optional[np.ndarray] = None  # [T - R_t] int64
@@ -282,6 +285,7 @@ def plan_verify(
     # Logits layout of vLLM's spec-decode metadata: num_draft + 1 rows per request.
     num_drafts = np.zeros(num_reqs, dtype=np.int64)
     rows, records, scheduled = [], [], []
+    fillers = 0
     for i, req_id in enumerate(req_ids):
         drafts = scheduled_spec_tokens.get(req_id)
         if not drafts:
@@ -290,7 +294,8 @@ def plan_verify(
         num_drafts[i] = b
         record = store.take(req_id)
         if record is None and unproposed is not None and drafts[0] == PLACEHOLDER:
-            record = filler_record(*unproposed, store.budget)
+            record = filler_record(*unproposed, b)  # whole at what was scheduled: not a cut tree
+            fillers += 1
         if record is None:
             raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
         if num_scheduled_tokens[i] != b + 1:
@@ -331,7 +336,7 @@ def plan_verify(
         if not same:
             raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, placeholders)
     proposed = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
-    return _lay_out(
+    plan = _lay_out(
         trees,
         rows,
         proposed,
@@ -344,6 +349,8 @@ def plan_verify(
         arrays,
         bool(placeholders.any()),
     )
+    plan.num_filler_trees = fillers
+    return plan
 
 
 def ancestor_words(tree_size: int) -> int:
