@@ -124,6 +124,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sweep", default="1,2,4,8,16,32,64", help="forced split counts for table (b); '' skips")
+    parser.add_argument(
+        "--block-m",
+        default="16,32,64",
+        help="rows per program for table (d), at Qwen3.6-27B's attention heads (24 q / 4 KV / head 256); '' skips",
+    )
+    parser.add_argument("--only-d", action="store_true", help="table (d) alone")
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +219,27 @@ def main() -> int:
         records.append(rec)
         return rec
 
+    def block_sweep(ctx, batch):
+        """Default rows per program, then each of ``--block-m``: times, and the largest output difference."""
+        inputs, q_len, seq_len = make_inputs(
+            torch, np, batch, ctx, args.tree_nodes, 24, 4, 256, 16, seed=batch * 7919 + ctx
+        )
+        common = dict(inputs, max_query_len=q_len, max_seq_len=seq_len)
+        want = torch.empty_like(inputs["query"])
+        got = torch.empty_like(inputs["query"])
+        times = [timer(lambda: pta.paged_tree_attention(**common, out=want))]
+        diff = 0.0
+        for m in block_ms:
+            times.append(timer(lambda m=m: pta.paged_tree_attention(**common, out=got, block_m=m)))
+            diff = max(diff, (got.float() - want.float()).abs().max().item())
+        if diff > 2e-2:
+            failures.append(f"block sweep ctx={ctx} batch={batch}: max diff {diff:.3g}")
+        records.append(dict(label="block-sweep", ctx=ctx, batch=batch, block_m=block_ms, us=times, max_diff=diff))
+        torch.cuda.empty_cache()
+        return times, diff
+
+    if args.only_d:
+        contexts, batches, sweep = [], [], []
     log("")
     log(
         "## (a) single pass vs default (split-KV) path, 32 q heads / 8 KV heads / head 128, bf16, block 16, "
@@ -254,19 +281,40 @@ def main() -> int:
                 cells.append(f"**{cell}**" if t == best else cell)
             log(f"| {r['ctx']} | {r['batch']} | " + " | ".join(cells) + " |")
 
-    log("")
-    log("## (c) the tiny Qwen3 of the vLLM runs: 4 q heads / 2 KV heads / head 64, 16-node tree, 1004-token prompt")
-    log("")
-    try:
-        r = run_shape("tiny-qwen3", 1, 1004, 16, 4, 2, 64)
+    if not args.only_d:
+        log("")
+        log("## (c) the tiny Qwen3 of the vLLM runs: 4 q heads / 2 KV heads / head 64, 16-node tree, 1004-token prompt")
+        log("")
+        try:
+            r = run_shape("tiny-qwen3", 1, 1004, 16, 4, 2, 64)
+            log(
+                f"batch 1, {r['seq_len']} keys: single pass {r['single_us']:.1f} us, split-KV ({r['splits']} splits) "
+                f"{r['split_us']:.1f} us, speed-up {r['speedup']:.2f}x, max diff {r['max_diff']:.2e}, "
+                f"ok {'yes' if r['ok'] else 'NO'} (per attention layer and step)"
+            )
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"tiny-qwen3: {type(error).__name__}: {error}")
+            log(f"tiny-qwen3: ERROR {type(error).__name__}: {error}")
+
+    block_ms = [int(x) for x in args.block_m.split(",") if x]
+    if block_ms:
+        log("")
         log(
-            f"batch 1, {r['seq_len']} keys: single pass {r['single_us']:.1f} us, split-KV ({r['splits']} splits) "
-            f"{r['split_us']:.1f} us, speed-up {r['speedup']:.2f}x, max diff {r['max_diff']:.2e}, "
-            f"ok {'yes' if r['ok'] else 'NO'} (per attention layer and step)"
+            "## (d) rows per program at Qwen3.6-27B's attention heads (24 q / 4 KV / head 256), trees of "
+            f"{args.tree_nodes} nodes + root, split count by the heuristic for each (us; default first)"
         )
-    except Exception as error:  # noqa: BLE001
-        failures.append(f"tiny-qwen3: {type(error).__name__}: {error}")
-        log(f"tiny-qwen3: ERROR {type(error).__name__}: {error}")
+        log("")
+        log("| context | batch | default | " + " | ".join(f"block_m {m}" for m in block_ms) + " | max diff |")
+        log("|---:|---:|---:|" + "---:|" * len(block_ms) + "---:|")
+        for ctx in (512, 2048, 8192):
+            for batch in (1, 8):
+                try:
+                    cells, diff = block_sweep(ctx, batch)
+                except Exception as error:  # noqa: BLE001 - one failing shape must not hide the others
+                    failures.append(f"block sweep ctx={ctx} batch={batch}: {type(error).__name__}: {error}")
+                    log(f"| {ctx} | {batch} | ERROR {type(error).__name__}: {error} |")
+                    continue
+                log(f"| {ctx} | {batch} | " + " | ".join(f"{t:.1f}" for t in cells) + f" | {diff:.2e} |")
 
     log("")
     log(f"total {time.perf_counter() - start:.0f} s; " + ("ALL-AGREE" if not failures else "MISMATCH:"))

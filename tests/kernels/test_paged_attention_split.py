@@ -144,6 +144,18 @@ def test_split_count_follows_the_device_size():
     assert choose_num_kv_splits(8, 65, max_seq_len=16384, num_sms=16, **QWEN3) == 1
 
 
+def test_rows_per_program_override():
+    from ddtree.kernels.paged_attention_triton import _block_shape
+
+    assert _block_shape(24, 4) == (16, 2)  # Qwen3.6-27B: six query heads per KV head, two queries per program
+    assert _block_shape(24, 4, 32) == (32, 5) and _block_shape(24, 4, 64) == (64, 10)
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match=f"block_m={bad} must be a power of two"):
+            _block_shape(24, 4, bad)
+    # The split count sees the override: fewer, fuller programs get more splits.
+    assert choose_num_kv_splits(1, 65, 24, 4, 4096, 132, block_m=64) > choose_num_kv_splits(1, 65, 24, 4, 4096, 132)
+
+
 def test_rejects_a_split_count_below_one():
     pytest.importorskip("triton")
     from ddtree.kernels.paged_attention_triton import paged_tree_attention
@@ -297,6 +309,17 @@ def _():
         close(got[:n], want, 1e-4)
         assert (got[n:] == 7.0).all()
 
+@check("block_m_override")
+def _():
+    # Six query heads per KV head (Qwen3.6-27B's grouping): 2 queries per program by default, 5 or 10 with more rows.
+    specs = [(100, random_tree(23, rng)), (70, 1), (40, random_tree(9, rng))]
+    inputs, max_q = build_batch(specs, num_heads=12, num_kv_heads=2, head_size=32, seed=11)
+    want = paged_tree_attention_reference(**inputs)
+    for block_m in (16, 32, 64):
+        for splits in (1, 3):
+            got = paged_tree_attention(**inputs, max_query_len=max_q, num_kv_splits=splits, block_m=block_m)
+            close(got, want, 1e-4)
+
 @check("workspace_reused")
 def _():
     specs = [(100, random_tree(10, rng))]
@@ -323,6 +346,7 @@ CHECKS = [
     "low_precision",
     "rows_outside_every_sequence_untouched",
     "workspace_reused",
+    "block_m_override",
 ]
 
 

@@ -258,10 +258,14 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
-def _block_shape(num_heads: int, num_kv_heads: int) -> tuple:
-    """(BLOCK_M, BLOCK_Q): a program's rows are BLOCK_Q queries x the QUERIES_PER_KV heads of one KV head."""
+def _block_shape(num_heads: int, num_kv_heads: int, block_m: Optional[int] = None) -> tuple:
+    """(BLOCK_M, BLOCK_Q): a program's rows are BLOCK_Q queries x the QUERIES_PER_KV heads of one KV head.
+    ``block_m`` overrides the rows per program (a power of two holding at least one query's heads)."""
     group = num_heads // num_kv_heads
-    block_m = 16 if group <= 16 else _next_pow2(group)
+    if block_m is None:
+        block_m = 16 if group <= 16 else _next_pow2(group)
+    elif block_m < max(16, group) or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two >= max(16, {group} query heads per KV head)")
     return block_m, max(1, block_m // group)
 
 
@@ -272,6 +276,7 @@ def choose_num_kv_splits(
     num_kv_heads: int,
     max_seq_len: Optional[int],
     num_sms: int = _DEFAULT_NUM_SMS,
+    block_m: Optional[int] = None,
 ) -> int:
     """How many programs share each (sequence, query block, KV head)'s key range; 1 means no split.
 
@@ -282,7 +287,7 @@ def choose_num_kv_splits(
     """
     if max_seq_len is None or max_seq_len < 2 * _MIN_KEYS_PER_SPLIT:
         return 1
-    _, block_q = _block_shape(num_heads, num_kv_heads)
+    _, block_q = _block_shape(num_heads, num_kv_heads, block_m)
     programs = max(1, num_seqs) * _cdiv(max(1, max_query_len), block_q) * num_kv_heads
     target = _SPLIT_PROGRAMS_PER_SM * num_sms
     if programs >= target:
@@ -316,6 +321,7 @@ def paged_tree_attention(
     *,
     max_seq_len: Optional[int] = None,
     num_kv_splits: Optional[int] = None,
+    block_m: Optional[int] = None,
 ) -> torch.Tensor:
     """Triton paged tree attention. Arguments as the reference, plus ``max_query_len``.
 
@@ -327,7 +333,9 @@ def paged_tree_attention(
     a second kernel merges (log-sum-exp). ``num_kv_splits=None`` picks the count with
     :func:`choose_num_kv_splits` from ``max_seq_len`` (host-known, e.g. vLLM's ``attn_metadata.max_seq_len``;
     it only steers the split count, correctness does not depend on it); without ``max_seq_len`` the single
-    pass runs.
+    pass runs. ``block_m`` overrides the rows per program (default: 16, or the next power of two of the query heads
+    per KV head), so a program takes ``block_m // group`` queries of one KV head (``benches/bench_tree_attention.py``
+    times the choices).
     """
     if triton is None:
         raise RuntimeError("paged_tree_attention needs triton")
@@ -345,14 +353,14 @@ def paged_tree_attention(
     if num_seqs == 0 or num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, block_q = _block_shape(num_heads, num_kv_heads)
+    block_m, block_q = _block_shape(num_heads, num_kv_heads, block_m)
     head_pad = max(16, _next_pow2(head_size))
     tile = 32 if head_pad <= 128 else 16
     if ancestor_bits is None or ancestor_bits.numel() == 0:
         ancestor_bits = torch.zeros((1, 1), dtype=torch.int32, device=query.device)
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(
-            num_seqs, max_query_len, num_heads, num_kv_heads, max_seq_len, _num_sms(query.device)
+            num_seqs, max_query_len, num_heads, num_kv_heads, max_seq_len, _num_sms(query.device), block_m
         )
     split = num_kv_splits > 1
     if split:
