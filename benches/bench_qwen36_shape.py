@@ -59,6 +59,9 @@ ENGINES = {
     "ddtree64-host": _tree(64, DDTREE_DEVICE_ACCEPT="0", DDTREE_LATE_TREES="0"),
     # vLLM's asynchronous scheduling (experimental; an engine setting, so no in-process A/B).
     "ddtree64-async": _tree(64, DDTREE_ASYNC_SCHEDULING="1"),
+    # Smaller fixed budgets under async: the step costs a schedule (or `auto`) would choose between.
+    "ddtree16-async": _tree(16, DDTREE_ASYNC_SCHEDULING="1"),
+    "ddtree32-async": _tree(32, DDTREE_ASYNC_SCHEDULING="1"),
     # ... with a budget schedule: vLLM's asynchronous scheduler places each step's budget in drafts.
     "ddtree64to16-async": _tree({"1": 64, "8": 16}, DDTREE_ASYNC_SCHEDULING="1"),
 }
