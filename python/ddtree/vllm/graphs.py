@@ -1,4 +1,5 @@
-"""Tree steps under CUDA graphs: persistent tree inputs, dummy trees for capture, commit records per graph.
+"""Tree steps under CUDA graphs: persistent tree inputs, dummy trees for capture, commit records per graph, and
+graphs of the step's own repeated work.
 
 A CUDA graph replays the kernels it captured with the tensor addresses it captured, and none of the Python
 around them. Three things follow for DDTree (``vllm-0.25.1-cudagraphs.md`` in the design notes has the map):
@@ -13,6 +14,10 @@ around them. Three things follow for DDTree (``vllm-0.25.1-cudagraphs.md`` in th
   per-node deltas and log decays); in a replay no Python runs to hand them over, so the tensors recorded at
   capture are kept per graph (:class:`CapturedCommits`), as references that do not own the graph pool's
   memory (a replay rewrites them in place; the commit reads them before any other graph runs).
+
+Around the model's graphs, the step's own small launches repeat with the same shapes from one whole-tree step to
+the next: :class:`ShapeGraphs` captures such work once per key and replays it (the GDN commit,
+:class:`CommitGraphs`; the device walk, :class:`WalkGraphs`; the runner's plan placement and KV moves).
 
 Torch and the Rust core only (the runner passes vLLM's weak-reference helper in): CI tests it on CPU.
 """
