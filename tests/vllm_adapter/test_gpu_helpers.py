@@ -321,3 +321,25 @@ def test_the_harness_reuses_chosen_engines_of_an_earlier_run_gzipped_or_not(tmp_
     assert reused_results(str(packed), ["ddtree64"]) == {"plain": {"scenarios": 1}}  # this run runs ddtree64 itself
     with pytest.raises(SystemExit, match=r"no results for \['dflash'\]"):
         reused_results(f"{packed}:plain,dflash", [])
+
+
+def test_every_engine_of_the_gpu_scripts_sets_known_switches_to_known_values():
+    """A misspelt switch in a GPU engine would run the default path and waste the device time spent on it."""
+    import sys
+    from pathlib import Path
+
+    from ddtree.vllm import config
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tests" / "gpu"))
+    sys.path.insert(0, str(root / "benches"))
+    import bench_qwen36_shape
+    from vllm_ddtree_e2e import ENGINES as E2E_ENGINES
+
+    switches = {v for k, v in vars(config).items() if k.endswith("_ENV") and v.startswith("DDTREE_")}
+    engines = {f"e2e {name}": e.get("env", {}) for name, e in E2E_ENGINES.items()}
+    engines.update({f"27B {name}": (e or {}).get("env", {}) for name, e in bench_qwen36_shape.ENGINES.items()})
+    assert len(engines) > 20
+    for name, env in engines.items():
+        assert set(env) <= switches, (name, set(env) - switches)
+        assert all(value in ("0", "1") for value in env.values()), (name, env)
