@@ -53,18 +53,18 @@ def test_kv_moves_share_one_index_across_the_layers_of_a_group():
     runner._ddtree_kv_layers = [(0, caches[0]), (0, caches[1]), (1, caches[2])]
     table = SimpleNamespace(slot_mapping=SimpleNamespace(gpu=mapping))
     runner.input_batch = SimpleNamespace(block_table=[table, table])
-    runner._ddtree_accept, runner._ddtree_full_graph, runner._ddtree_step_graphs_on = None, None, True
+    runner._ddtree_accept, runner._ddtree_walk_replayed = None, False
     runner._ddtree_move_kv(src, dst)
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
     assert not torch.equal(caches[0], caches[1])  # the layers really differ
 
-    # After a FULL step walked on the device the moves replay one graph per shape and addresses (a stand-in
+    # After a step whose walk replayed its graph the moves replay one graph per shape and addresses (a stand-in
     # capture on CPU): the same caches again, from fresh copies, by the capture's eager run and then by replays.
-    from ddtree.vllm.graphs import ShapeGraphs, WalkGraphs
+    from ddtree.vllm.graphs import ShapeGraphs
 
-    runner._ddtree_full_graph = (9, 2)
-    runner._ddtree_walk_graphs, runner._ddtree_kv_move_graphs = WalkGraphs(None), ShapeGraphs(lambda work: work)
+    runner._ddtree_full_graph, runner._ddtree_walk_replayed = (9, 2), True
+    runner._ddtree_kv_move_graphs = ShapeGraphs(lambda work: work)
     for _ in range(3):
         for cache, start in zip(caches, initial):
             cache.copy_(start)

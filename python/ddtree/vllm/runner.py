@@ -251,6 +251,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_walk_graphs: Optional[WalkGraphs] = None
         self._ddtree_plan_graphs: Optional[ShapeGraphs] = None  # the plan's device side, the same switch
         self._ddtree_kv_move_graphs: Optional[ShapeGraphs] = None  # the KV moves after a graphed walk, the same
+        self._ddtree_walk_replayed = False  # this step's device walk replayed its graph
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
@@ -848,10 +849,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         walk_args = (width, int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
         with self.ddtree_stats.timed("accept"):
             graphs = self._ddtree_walk_graphs_for_step()
+            self._ddtree_walk_replayed = False
             if graphs is not None:
                 before = graphs.replayed
                 gpu = graphs.walk(plan.device_trees, node_tokens, *walk_args)
-                self.ddtree_stats.walk_graph_steps += graphs.replayed - before
+                self._ddtree_walk_replayed = graphs.replayed > before
+                self.ddtree_stats.walk_graph_steps += self._ddtree_walk_replayed
             else:
                 gpu = device_accept.accept_on_device(plan.device_trees, node_tokens, *walk_args)
         self._ddtree_accept = None
@@ -945,12 +948,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _ddtree_move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Moves the accepted nodes' K/V (flat scheduled-token indices ``src`` -> ``dst``) in every layer: after a
-        FULL step walked on the device (``src``/``dst`` of a fixed size, and at fixed addresses once the walk
-        replays its graph), as one CUDA graph per step shape and addresses (DDTREE_STEP_GRAPHS); otherwise launch by
-        launch (the host walk lists a different number of moves every step)."""
+        step whose walk replayed its graph (``src``/``dst`` are that graph's outputs: one size, fixed addresses), as
+        one CUDA graph per step shape and addresses (DDTREE_STEP_GRAPHS); otherwise launch by launch (the host
+        walk lists a different number of moves every step; a shape's first walk runs eagerly)."""
         if src.shape[0] == 0:
             return
-        if self._ddtree_accept is not None or self._ddtree_walk_graphs_for_step() is None:
+        if self._ddtree_accept is not None or not self._ddtree_walk_replayed:
             self._ddtree_move_kv_now(src, dst)
             return
         if self._ddtree_kv_move_graphs is None:
