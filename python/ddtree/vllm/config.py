@@ -358,8 +358,9 @@ def late_trees_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_
 
 def async_scheduling_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether a ddtree engine runs under vLLM's asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING=1``; off by
-    default: experimental, not yet run on a GPU). It needs the device walk and late trees and one budget; the
-    runner refuses it otherwise (``DDTreeGPUModelRunner._ddtree_check_async``)."""
+    default: experimental, exact on the pair on an H200, ``gpu-h200-async-schedule-1e7d2a7``). It needs the device
+    walk, late trees and trees that fill every budget; the runner refuses it otherwise
+    (``DDTreeGPUModelRunner._ddtree_check_async``)."""
     meanings = {"0": "synchronous scheduling", "1": "vLLM's asynchronous scheduling (experimental)"}
     return env_switch(environ, ASYNC_SCHEDULING_ENV, "0", meanings)
 
@@ -527,15 +528,13 @@ def schedule_tree_graphs(
     budget; a batch that shrank since replays PIECEWISE once). ``max_tokens`` bounds a graph (the largest capture
     size). Empty without a schedule.
     """
-    schedule = cfg.budget_schedule or ()
-    ends = [size for size, _ in schedule[1:]] + [max_num_seqs + 1]
     graphs = set()
-    for (first, budget), end in zip(schedule, ends):
+    for first, last, budget in dynamic_sd_schedule(cfg, max_num_seqs):
         if budget == cfg.budget:
             continue  # the engine's own query length: vLLM captures those graphs
         size = tree_tokens(budget)
         graphs.update(
-            (size, n) for n in graphed_tree_counts(max_num_seqs) if first <= n < end and n * size <= max_tokens
+            (size, n) for n in graphed_tree_counts(max_num_seqs) if first <= n <= last and n * size <= max_tokens
         )
     return sorted(graphs)
 

@@ -25,6 +25,8 @@ from typing import Dict
 import numpy as np
 import torch
 
+from ddtree.vllm.step import index_within_groups
+
 #: Host arrays the plan uploads for the device walk (``node_arrays``), beside the verification layout.
 NODE_ARRAYS = ("node_parents", "node_depths", "node_tree", "node_local", "node_tokens")
 
@@ -36,7 +38,7 @@ def node_arrays(trees, out: Dict[str, np.ndarray]) -> None:
     offsets = np.asarray(trees.node_offsets, dtype=np.int64)
     sizes = np.diff(offsets)
     tree = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
-    local = np.arange(offsets[-1], dtype=np.int64) - offsets[tree]
+    local = index_within_groups(sizes)
     parents = np.asarray(trees.parents, dtype=np.int64)
     out["node_tree"][:] = tree
     out["node_local"][:] = local

@@ -112,10 +112,10 @@ class DDTreeStats:
     def count_full_graph(self, graph: Optional[GraphKey]) -> None:
         """One verify step and the FULL graph, (tokens, trees), that replayed it (None: none did)."""
         if graph is not None:
-            tokens, trees = graph
+            tokens_per_tree = graph[0] // graph[1]
             self.full_graph_steps += 1
             by_tree = self.full_graph_steps_by_tree_tokens
-            by_tree[tokens // trees] = by_tree.get(tokens // trees, 0) + 1
+            by_tree[tokens_per_tree] = by_tree.get(tokens_per_tree, 0) + 1
 
     def observe(self, plan: VerifyPlan, accept: AcceptPlan) -> None:
         self.observe_counts(plan, accept.accepted.accepted)
@@ -248,9 +248,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The device walk, the plan's device side and the KV moves of FULL steps as CUDA graphs (DDTREE_STEP_GRAPHS;
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
-        self._ddtree_walk_graphs: Optional[WalkGraphs] = None
-        self._ddtree_plan_graphs: Optional[ShapeGraphs] = None  # the plan's device side, the same switch
-        self._ddtree_kv_move_graphs: Optional[ShapeGraphs] = None  # the KV moves after a graphed walk, the same
+        capture = cuda_graph_capture(self.device) if self.device.type == "cuda" else None
+        self._ddtree_walk_graphs = WalkGraphs(capture) if capture else None
+        self._ddtree_plan_graphs = ShapeGraphs(capture) if capture else None  # the plan's device side
+        self._ddtree_kv_move_graphs = ShapeGraphs(capture) if capture else None  # the KV moves after a graphed walk
         self._ddtree_walk_replayed = False  # this step's device walk replayed its graph
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
@@ -414,7 +415,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         gpu = self._ddtree_plan_staging.upload_host()
         late = plan.draft_tokens is not None
         self.ddtree_stats.late_tree_steps += late
-        whole = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
+        if early is not None:  # published from the counts: the step's whole-tree size is known already
+            whole = self._ddtree_whole_tree_tokens
+        else:
+            whole = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
         placed = self._ddtree_place(gpu, total, late, whole)
         self._ddtree_flat_positions = placed["flat_positions"]
         layout = self._ddtree_buffers.views(
@@ -449,11 +453,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """:meth:`_ddtree_place_plan`, replayed as one CUDA graph per step shape for steps of whole trees (their
         shapes repeat; DDTREE_STEP_GRAPHS=0 turns these graphs off with the walk's)."""
         work = functools.partial(self._ddtree_place_plan, gpu, total, late)
-        if not whole or not self._ddtree_step_graphs_on:
-            return work()
-        if self._ddtree_plan_graphs is None and self.device.type == "cuda":
-            self._ddtree_plan_graphs = ShapeGraphs(self._ddtree_graph_capture())
-        if self._ddtree_plan_graphs is None:
+        if not whole or not self._ddtree_step_graphs_on or self._ddtree_plan_graphs is None:
             return work()
         return self._ddtree_plan_graphs.run((self._ddtree_plan_staging.layout_key(), total, late), work)
 
@@ -866,13 +866,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         op by op; other steps' shapes vary too much to keep a graph of each)."""
         if self._ddtree_full_graph is None or not self._ddtree_step_graphs_on:
             return None
-        if self._ddtree_walk_graphs is None and self.device.type == "cuda":
-            self._ddtree_walk_graphs = WalkGraphs(self._ddtree_graph_capture())
         return self._ddtree_walk_graphs
-
-    def _ddtree_graph_capture(self):
-        """How the step graphs capture: CUDA graphs on this device."""
-        return cuda_graph_capture(self.device)
 
     def _ddtree_count_device_steps(self, *steps) -> None:
         """Counts device-walked steps in the statistics: ``(plan, path lengths)`` each (None: nothing)."""
@@ -953,11 +947,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         walk lists a different number of moves every step; a shape's first walk runs eagerly)."""
         if src.shape[0] == 0:
             return
-        if self._ddtree_accept is not None or not self._ddtree_walk_replayed:
+        if self._ddtree_accept is not None or not self._ddtree_walk_replayed or self._ddtree_kv_move_graphs is None:
             self._ddtree_move_kv_now(src, dst)
             return
-        if self._ddtree_kv_move_graphs is None:
-            self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_graph_capture())
         key = (self._ddtree_full_graph, src.data_ptr(), dst.data_ptr(), src.shape[0])
         self._ddtree_kv_move_graphs.run(key, functools.partial(self._ddtree_move_kv_now, src, dst))
 
