@@ -53,11 +53,11 @@ ENGINES = {
     "ddtree64to32": _tree({"1": 64, "8": 32}),
     # Without the GDN commit graphs (DDTREE_COMMIT_GRAPHS=0): 96 commit launches per step at this shape.
     "ddtree64-layercommit": _tree(64, DDTREE_COMMIT_GRAPHS="0"),
-    # The tree walk on the device and the trees built at the next verification (the TP-1 default, set explicitly),
-    # and the host paths they replaced.
-    "ddtree64-late": _tree(64, DDTREE_DEVICE_ACCEPT="1", DDTREE_LATE_TREES="1"),
+    # The tree walk on the device and the trees built at the next verification under synchronous scheduling (the
+    # TP-1 default before asynchronous scheduling became it), and the host paths they replaced.
+    "ddtree64-late": _tree(64, DDTREE_DEVICE_ACCEPT="1", DDTREE_LATE_TREES="1", DDTREE_ASYNC_SCHEDULING="0"),
     "ddtree64-host": _tree(64, DDTREE_DEVICE_ACCEPT="0", DDTREE_LATE_TREES="0"),
-    # vLLM's asynchronous scheduling (experimental; an engine setting, so no in-process A/B).
+    # vLLM's asynchronous scheduling (the TP-1 default, set explicitly; an engine setting, so no in-process A/B).
     "ddtree64-async": _tree(64, DDTREE_ASYNC_SCHEDULING="1"),
     # Smaller fixed budgets under async: the step costs a schedule (or `auto`) would choose between.
     "ddtree16-async": _tree(16, DDTREE_ASYNC_SCHEDULING="1"),

@@ -171,7 +171,8 @@ def main():
         "dflash and ddtree-B for every budget; ddtree-B-piecewise: PIECEWISE graphs only; ddtree-B-layercommit: "
         "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-host: the tree walk on the host and trees "
         "built at proposal; ddtree-B-device: the walk on the device, trees built at proposal; ddtree-B-late: both "
-        "on, the TP-1 default, set explicitly; ddtree-B-async: under vLLM's asynchronous scheduling)",
+        "on, synchronous scheduling; ddtree-B-async: under vLLM's asynchronous scheduling, the TP-1 default, set "
+        "explicitly)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -201,9 +202,9 @@ def main():
         host = {"DDTREE_DEVICE_ACCEPT": "0", "DDTREE_LATE_TREES": "0"}
         engines.append((f"ddtree-{b}-host", dict(tree, env=host)))
         engines.append((f"ddtree-{b}-device", dict(tree, env=dict(host, DDTREE_DEVICE_ACCEPT="1"))))
-        late = {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"}
+        late = {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1", "DDTREE_ASYNC_SCHEDULING": "0"}
         engines.append((f"ddtree-{b}-late", dict(tree, env=late)))
-        # vLLM's asynchronous scheduling (experimental, DDTREE_ASYNC_SCHEDULING=1).
+        # vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1: the TP-1 default, set explicitly).
         engines.append((f"ddtree-{b}-async", dict(tree, env={"DDTREE_ASYNC_SCHEDULING": "1"})))
     if args.schedule is not None:
         engines.append(

@@ -11,15 +11,16 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
 
   plain       vLLM greedy, no speculation (TRITON_ATTN, logprobs=2 for top-2 gaps)
   dflash      vLLM's own DFlash chain, 15 draft tokens
-  ddtree16    method "ddtree", budget 16 (ddtree64 likewise)
+  ddtree16    method "ddtree", budget 16 (ddtree64 likewise): the defaults (with one GPU vLLM's asynchronous
+              scheduling, the tree walk on the device, trees built at the next verification)
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption (ddtree64-async-preempt: the same
-                    under vLLM's asynchronous scheduling)
+                    with DDTREE_ASYNC_SCHEDULING=1 set explicitly)
   ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (each in FULL graphs of its trees)
   ddtree64-host     budget 64 with the tree walk on the host and trees built at proposal (both switches 0)
   ddtree64-device   budget 64 with the tree walk on the device only (DDTREE_LATE_TREES=0)
-  ddtree64-late     the device walk plus trees built at the next verification (the TP-1 default, set explicitly)
-  ddtree64-async    the TP-1 default under vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1, experimental)
+  ddtree64-late     the device walk plus trees built at the next verification, synchronous scheduling
+  ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1 set explicitly)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
@@ -136,14 +137,15 @@ ENGINES = {
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "0"},
     ),
-    # ... and the trees built at the next verification (vLLM schedules placeholder drafts): the TP-1 default.
+    # ... and the trees built at the next verification (vLLM schedules placeholder drafts), synchronously: the TP-1
+    # default before asynchronous scheduling became it.
     "ddtree64-late": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-        env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"},
+        env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1", "DDTREE_ASYNC_SCHEDULING": "0"},
     ),
     # 160 blocks held 16,384 tokens of the pair's cache (attention blocks of 144 tokens sized to the GDN state's
     # page) and batch 32 never preempted (2026-12-02); 40 blocks hold ~4,096, under batch 32's ~7,500.
-    # vLLM's asynchronous scheduling (experimental): the trees arrive after vLLM's metadata builds.
+    # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds.
     "ddtree64-async": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         env={"DDTREE_ASYNC_SCHEDULING": "1"},

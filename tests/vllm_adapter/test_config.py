@@ -106,9 +106,9 @@ def _args(**kw):
 def test_engine_overrides_fill_unset_settings():
     changes = engine_overrides(_args(), environ={})
     assert all(override_reason(attr) for attr in changes)  # each one logged with its reason
-    assert "DDTREE_ASYNC_SCHEDULING=1" in override_reason("async_scheduling")
+    assert "DDTREE_ASYNC_SCHEDULING" in override_reason("async_scheduling")
     assert changes == {
-        "async_scheduling": False,
+        "async_scheduling": True,
         "enable_prefix_caching": False,
         "attention_backend": ATTENTION_BACKEND,
         "worker_cls": WORKER_CLS,
@@ -116,23 +116,58 @@ def test_engine_overrides_fill_unset_settings():
     assert engine_overrides(_args(**changes), environ={"VLLM_USE_V2_MODEL_RUNNER": "0"}) == {}
 
 
-def test_asynchronous_scheduling_only_when_asked_for():
-    """DDTREE_ASYNC_SCHEDULING=1 (experimental) sets vLLM's async_scheduling; without it a user's True is refused,
-    naming the switch."""
-    assert engine_overrides(_args(), environ={"DDTREE_ASYNC_SCHEDULING": "1"})["async_scheduling"] is True
-    assert "async_scheduling" not in engine_overrides(_args(async_scheduling=True), {"DDTREE_ASYNC_SCHEDULING": "1"})
-    with pytest.raises(DDTreeConfigError, match="DDTREE_ASYNC_SCHEDULING=1"):
-        engine_overrides(_args(async_scheduling=True), environ={})
-    with pytest.raises(DDTreeConfigError, match="needs async_scheduling=True"):
-        engine_overrides(_args(async_scheduling=False), environ={"DDTREE_ASYNC_SCHEDULING": "1"})
-    with pytest.raises(DDTreeConfigError, match="DDTREE_ASYNC_SCHEDULING must be 0"):
-        engine_overrides(_args(), environ={"DDTREE_ASYNC_SCHEDULING": "yes"})
+def _async(user=None, env=None, tp=1, cfg=None):
+    return engine_overrides(_args(async_scheduling=user, tensor_parallel_size=tp), environ=env or {}, cfg=cfg).get(
+        "async_scheduling", "kept"
+    )
+
+
+def test_asynchronous_scheduling_by_default_with_one_gpu():
+    """Unset, a ddtree engine schedules asynchronously with one GPU and synchronously under tensor parallelism; a
+    user's choice is kept where the engine can honour it."""
+    assert _async() is True
+    assert _async(tp=2) is False
+    assert _async(env={"DDTREE_ASYNC_SCHEDULING": "0"}) is False
+    assert _async(user=False) == "kept"  # --no-async-scheduling
+    assert _async(user=True) == "kept"
+    by_hand = {"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1"}
+    assert _async(user=True, tp=2, env=by_hand) == "kept"  # all by hand under TP (not run there: the user's risk)
+
+
+def test_asynchronous_scheduling_refusals_name_the_problem():
+    with pytest.raises(DDTreeConfigError, match="only with DDTREE_ASYNC_SCHEDULING=1.*tensor_parallel_size=2"):
+        _async(user=True, tp=2)
+    with pytest.raises(DDTreeConfigError, match="only with DDTREE_ASYNC_SCHEDULING=1.*switch 0"):
+        _async(user=True, env={"DDTREE_ASYNC_SCHEDULING": "0"})
+    with pytest.raises(DDTreeConfigError, match="async_scheduling=False was given too"):
+        _async(user=False, env={"DDTREE_ASYNC_SCHEDULING": "1"})
+    with pytest.raises(DDTreeConfigError, match="DDTREE_ASYNC_SCHEDULING must be 1 .*or 0 .*got .yes."):
+        _async(env={"DDTREE_ASYNC_SCHEDULING": "yes"})
+
+
+def test_asynchronous_scheduling_needs_late_device_walked_trees_that_fill_the_budget():
+    """What asynchronous scheduling lacks turns the default to synchronous, and is refused when asked for by hand."""
+    host_walk = {"DDTREE_DEVICE_ACCEPT": "0"}
+    assert _async(env=host_walk) is False
+    assert _async(env={"DDTREE_LATE_TREES": "0"}) is False
+    with pytest.raises(DDTreeConfigError, match="the tree walk on the device and late trees"):
+        _async(env=dict(host_walk, DDTREE_ASYNC_SCHEDULING="1"))
+    with pytest.raises(DDTreeConfigError, match="the tree walk on the device"):
+        _async(user=True, env=host_walk)
+    # top-K 2 at depth 3 gives at most 2 + 4 + 8 = 14 nodes: budget 16 cannot fill, 8 can.
+    narrow = DDTreeConfig(budget=16, draft_len=3, top_k=2, budget_schedule=((1, 16), (8, 8)))
+    assert narrow.budgets_unfilled() == [16]
+    assert _async(cfg=narrow) is False
+    with pytest.raises(DDTreeConfigError, match=r"top-K 2 at depth 3 cannot fill \[16\]"):
+        _async(cfg=narrow, env={"DDTREE_ASYNC_SCHEDULING": "1"})
+    assert _async(cfg=DDTreeConfig(budget=8, draft_len=3, top_k=2)) is True
+    assert _async(cfg=DDTreeConfig(budget=64, draft_len=None, top_k=2)) is True  # depth unknown: the runner checks
+    assert _async(cfg=DDTreeConfig(budget=64, draft_len=15, top_k=None)) is True  # K = budget: always fills
 
 
 @pytest.mark.parametrize(
     "kw, env, match",
     [
-        ({"async_scheduling": True}, {}, "async_scheduling"),
         ({"enable_prefix_caching": True}, {}, "enable_prefix_caching"),
         ({"attention_backend": SimpleNamespace(name="FLASH_ATTN")}, {}, "attention_backend"),
         ({"attention_config": SimpleNamespace(backend="FLASH_ATTN")}, {}, "attention_config.backend"),
@@ -440,7 +475,7 @@ def test_the_docs_list_every_switch_with_its_default():
     defaults = {
         "DDTREE_DEVICE_ACCEPT": (config.device_accept_enabled({}, 1), config.device_accept_enabled({}, 2)),
         "DDTREE_LATE_TREES": (config.late_trees_enabled({}, 1), config.late_trees_enabled({}, 2)),
-        "DDTREE_ASYNC_SCHEDULING": (config.async_scheduling_enabled({}),) * 2,
+        "DDTREE_ASYNC_SCHEDULING": (config.async_scheduling_enabled({}, 1), config.async_scheduling_enabled({}, 2)),
         "DDTREE_COMMIT_GRAPHS": (config.commit_graphs_enabled({}),) * 2,
         "DDTREE_STEP_GRAPHS": (config.step_graphs_enabled({}),) * 2,
         "DDTREE_WHOLE_TREE_GDN_METADATA": (config.whole_tree_gdn_metadata_enabled({}),) * 2,

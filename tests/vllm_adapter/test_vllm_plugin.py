@@ -52,7 +52,7 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     assert cfg.budget == 32 and cfg.draft_len == 15
     assert args.speculative_config == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 32}
     assert args.additional_config["ddtree"]["budget"] == 32
-    assert args.async_scheduling is False and args.enable_prefix_caching is False
+    assert args.async_scheduling is True and args.enable_prefix_caching is False  # one GPU: asynchronous
     assert args.enforce_eager is False and args.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
     assert args.worker_cls == "ddtree.vllm.worker.DDTreeWorker"
     assert str(getattr(args.attention_backend, "name", args.attention_backend)) == "CUSTOM"
@@ -63,12 +63,13 @@ def test_engine_args_translation(tmp_path, monkeypatch):
         model="/nonexistent", speculative_config={"method": "dflash", "model": "/d", "num_speculative_tokens": 3}
     )
     assert patches._translate_engine_args(plain) is None
-    bad = EngineArgs(
+    bad = EngineArgs(  # asynchronous scheduling has not run under tensor parallelism: asked for, it is refused
         model="/nonexistent",
         async_scheduling=True,
+        tensor_parallel_size=2,
         speculative_config={"method": "ddtree", "model": "/d", "ddtree_budget": 32},
     )
-    with pytest.raises(DDTreeConfigError, match="async_scheduling"):
+    with pytest.raises(DDTreeConfigError, match="async_scheduling=True"):
         patches._translate_engine_args(bad)
     full = EngineArgs(
         model="/nonexistent",

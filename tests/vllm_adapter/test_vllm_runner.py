@@ -480,7 +480,11 @@ def test_asynchronous_scheduling_takes_schedules_whose_trees_fill_every_budget()
     runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, budget_schedule=((1, 64), (8, 16)))
     runner._ddtree_check_async(8)  # 8 candidates at 15 depths fill 64 and 16 nodes
     runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=3, top_k=2, budget_schedule=((1, 8), (4, 64)))
-    with pytest.raises(RuntimeError, match="whole budget 64 .top-K 2 at depth 3 gives 14 nodes"):
+    with pytest.raises(RuntimeError, match=r"top-K 2 at depth 3 cannot fill \[64\]"):
+        runner._ddtree_check_async(2)
+    # No top-K given (K = the budget) but a 2-token vocabulary resolves it to 2: only the runner can see that.
+    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=3, top_k=None)
+    with pytest.raises(RuntimeError, match=r"top-K 2 at depth 3 cannot fill \[64\]"):
         runner._ddtree_check_async(2)
     runner._ddtree_late_trees = False
     runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8)

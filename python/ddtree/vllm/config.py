@@ -127,6 +127,27 @@ class DDTreeConfig:
         k = self.top_k if self.top_k is not None else self.budget
         return max(1, min(k, self.budget, vocab_size))
 
+    def budgets_unfilled(self, top_k: Optional[int] = None) -> List[int]:
+        """The budgets whose trees hold fewer nodes than the budget with ``top_k`` candidates per position (default:
+        the user's ``ddtree_top_k``) at the drafter's depth; empty when they all fill it or when that is not known
+        yet (no top-K: K is then the budget, which always fills; or no depth yet)."""
+        top_k = self.top_k if top_k is None else top_k
+        if top_k is None or self.draft_len is None:
+            return []
+        return [b for b in self.budgets if tree_size(b, min(top_k, b), self.draft_len) < b]
+
+
+def tree_size(budget: int, top_k: int, draft_len: int) -> int:
+    """Draft nodes of the tree the Rust builder returns for ``budget``: the ``budget`` most probable prefixes, or
+    every prefix there is (``top_k`` choices at each of ``draft_len`` depths) when there are fewer."""
+    total, level = 0, 1
+    for _ in range(draft_len):
+        level *= top_k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
 
 def schedule_budgets(budget: int, schedule: Optional[Sequence[Sequence[int]]]) -> Tuple[int, ...]:
     """Every budget of an engine whose largest is ``budget``, ascending (a schedule's, or ``budget`` alone)."""
@@ -229,10 +250,10 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
 ENGINE_OVERRIDES = (
     (
         "async_scheduling",
-        False,
+        None,  # decided by async_scheduling_choice
         (None,),
-        "ddtree schedules synchronously unless DDTREE_ASYNC_SCHEDULING=1 (experimental: the trees then arrive "
-        "after vLLM's metadata builds, built from the drafter's top-K of the step before)",
+        "vLLM's asynchronous scheduling with one GPU, synchronous under tensor parallelism or where the trees "
+        "cannot fill every budget (DDTREE_ASYNC_SCHEDULING; docs/async-scheduling.md)",
     ),
     ("enable_prefix_caching", False, (None,), "not validated with tree KV compaction yet"),
     ("attention_backend", ATTENTION_BACKEND, (None,), "the target's attention must run DDTree's tree backend"),
@@ -252,17 +273,24 @@ _PARALLEL_LIMITS = {
 }
 
 
-def engine_overrides(args: Any, environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
+def engine_overrides(
+    args: Any, environ: Mapping[str, str] = os.environ, cfg: Optional["DDTreeConfig"] = None
+) -> Dict[str, Any]:
     """The EngineArgs attributes to set; raises when the user asked for the opposite.
 
-    ``args`` is an ``EngineArgs`` (or anything with the same attributes).
+    ``args`` is an ``EngineArgs`` (or anything with the same attributes); ``cfg`` the engine's DDTree settings (whether
+    its trees fill every budget decides asynchronous scheduling's default).
     """
     changes: Dict[str, Any] = {}
     for attr, required, unset, why in ENGINE_OVERRIDES:
         if not hasattr(args, attr):
             continue
         if attr == "async_scheduling":
-            required = async_scheduling_enabled(environ)
+            tensor_parallel_size = getattr(args, "tensor_parallel_size", 1) or 1
+            choice = async_scheduling_choice(args.async_scheduling, environ, tensor_parallel_size, cfg)
+            if choice is not None:
+                changes[attr] = choice
+            continue
         value = getattr(args, attr)
         if attr == "attention_backend" and value is not None:
             value = getattr(value, "name", value)
@@ -356,13 +384,72 @@ def late_trees_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_
     return env_switch(environ, LATE_TREES_ENV, _on_with_one_gpu(tensor_parallel_size), meanings)
 
 
-def async_scheduling_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether a ddtree engine runs under vLLM's asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING=1``; off by
-    default: experimental, exact on the pair on an H200, ``gpu-h200-async-schedule-1e7d2a7``). It needs the device
-    walk, late trees and trees that fill every budget; the runner refuses it otherwise
-    (``DDTreeGPUModelRunner._ddtree_check_async``)."""
-    meanings = {"0": "synchronous scheduling", "1": "vLLM's asynchronous scheduling (experimental)"}
-    return env_switch(environ, ASYNC_SCHEDULING_ENV, "0", meanings)
+def async_scheduling_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_size: int = 1) -> bool:
+    """The ``DDTREE_ASYNC_SCHEDULING`` switch: vLLM's asynchronous scheduling, by default on with one GPU (exact on
+    the pair in every scenario of the e2e harness, preemption and a budget schedule's FULL graphs included:
+    ``gpu-h200-async-schedule-1e7d2a7``, ``gpu-h200-async-977ad3d``; 1.21x the chain's batch-1 step at the 27B shape
+    instead of 1.4x synchronously: ``gpu-h200-async-b798afe``) and off under tensor parallelism (not yet run
+    there). Whether an engine schedules asynchronously: :func:`async_scheduling_choice`."""
+    meanings = {"0": "synchronous scheduling", "1": "vLLM's asynchronous scheduling"}
+    return env_switch(environ, ASYNC_SCHEDULING_ENV, _on_with_one_gpu(tensor_parallel_size), meanings)
+
+
+def async_scheduling_lacks(
+    late_device_walk: bool, cfg: Optional["DDTreeConfig"], top_k: Optional[int] = None
+) -> List[str]:
+    """What asynchronous scheduling needs and an engine lacks (empty: nothing): the step's trees built late and
+    walked on the device (``late_device_walk``: no host wait between steps), and trees that fill every budget
+    (vLLM's scheduler gives each request the step's whole budget in placeholders; ``top_k`` as resolved, default the
+    user's)."""
+    lacking = []
+    if not late_device_walk:
+        lacking.append(f"the tree walk on the device and late trees ({DEVICE_ACCEPT_ENV}=1, {LATE_TREES_ENV}=1)")
+    unfilled = cfg.budgets_unfilled(top_k) if cfg is not None else []
+    if unfilled:
+        k = cfg.top_k if top_k is None else top_k
+        lacking.append(f"trees that fill every budget (top-K {k} at depth {cfg.draft_len} cannot fill {unfilled})")
+    return lacking
+
+
+def async_scheduling_choice(
+    user_value: Optional[bool],
+    environ: Mapping[str, str] = os.environ,
+    tensor_parallel_size: int = 1,
+    cfg: Optional["DDTreeConfig"] = None,
+) -> Optional[bool]:
+    """vLLM's ``async_scheduling`` for a ddtree engine: the value to set, or None to keep the user's.
+
+    Unset, it follows ``DDTREE_ASYNC_SCHEDULING`` (on with one GPU) where the engine has what asynchronous scheduling
+    needs, else synchronous. A user's ``False`` is kept (unless the switch was set to 1 too: a contradiction); a
+    user's ``True`` needs the switch on and nothing :func:`async_scheduling_lacks` lists. A switch set to 1 by
+    hand on an engine that lacks something is refused rather than quietly run synchronously.
+    """
+    switch = async_scheduling_enabled(environ, tensor_parallel_size)
+    set_by_hand = ASYNC_SCHEDULING_ENV in environ
+    late_device_walk = device_accept_enabled(environ, tensor_parallel_size) and late_trees_enabled(
+        environ, tensor_parallel_size
+    )
+    lacking = async_scheduling_lacks(late_device_walk, cfg) if switch else []
+    if user_value is False:
+        if set_by_hand and switch:
+            raise DDTreeConfigError(
+                f"{ASYNC_SCHEDULING_ENV}=1 asks for vLLM's asynchronous scheduling but async_scheduling=False was "
+                "given too; drop one of them"
+            )
+        return None
+    if not switch:
+        if user_value:
+            raise DDTreeConfigError(
+                f"method 'ddtree' runs vLLM's asynchronous scheduling only with {ASYNC_SCHEDULING_ENV}=1 (its default "
+                f"with one GPU; tensor_parallel_size={tensor_parallel_size}, switch "
+                f"{environ.get(ASYNC_SCHEDULING_ENV, 'unset')}): got async_scheduling=True"
+            )
+        return False
+    if lacking and (user_value or set_by_hand):
+        raise DDTreeConfigError("DDTree under vLLM's asynchronous scheduling needs " + "; ".join(lacking))
+    if lacking:
+        return False
+    return None if user_value else True
 
 
 #: vLLM's CUDA-graph modes a ddtree engine runs. A step in which every request verifies a whole tree of a

@@ -19,7 +19,7 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    depth resolved from its ``block_size``). A later non-ddtree engine in the
    same process is untouched.
 
-   1b. Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING=1``) vLLM's
+   1b. Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING``, on by default with one GPU) vLLM's
    scheduler, not the runner, sets the next step's placeholder drafts per
    request: ``num_speculative_tokens`` (the largest budget). With a budget
    schedule the created config's ``num_speculative_tokens_per_batch_size``
@@ -240,7 +240,7 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
     if not isinstance(spec, dict) or spec.get("method") != METHOD:
         return None
     vllm_spec, cfg = parse_spec_config(spec)
-    changes = engine_overrides(args)
+    changes = engine_overrides(args, cfg=cfg)
     for attr, value in changes.items():
         setattr(args, attr, value)
         _log().info("DDTree: %s=%r (%s)", attr, value, override_reason(attr))

@@ -23,7 +23,7 @@ Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
 ``take_draft_token_ids`` placeholder drafts of each tree's size (the proposer did not wait
                         for its top-K).
 
-Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING=1``) ``_prepare_inputs`` publishes the step from
+Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING``, on by default with one GPU) ``_prepare_inputs`` publishes the step from
 vLLM's counts only and ``_preprocess``, after vLLM's metadata builds, does the rest of the plan.
 """
 
@@ -53,11 +53,13 @@ from ddtree.vllm.min_tokens import MinTokensRequests, Pending
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
+    async_scheduling_lacks,
     budget_description,
     commit_graphs_enabled,
     device_accept_enabled,
     late_trees_enabled,
     schedule_tree_graphs,
+    tree_size,
     step_graphs_enabled,
 )
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
@@ -71,7 +73,7 @@ from ddtree.vllm.graphs import (
     cuda_graph_capture,
 )
 from ddtree.vllm.staging import StepStaging
-from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_size, tree_token_layout
+from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_token_layout
 
 logger = get_logger(__name__)
 
@@ -261,7 +263,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # Requests with min_tokens, counted from the engine's token counts (vLLM's processor is wrong for trees
         # under asynchronous scheduling: ``ddtree.vllm.min_tokens``).
         self._ddtree_min_tokens = MinTokensRequests()
-        # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1): the step is published from vLLM's counts in
+        # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING, on by default with one GPU): the step is published from vLLM's counts in
         # _prepare_inputs (its own upload), and its trees are built in _preprocess, after vLLM's metadata builds.
         self._ddtree_count_staging = StepStaging(self.device)
         self._ddtree_late_step: Optional[tuple] = None
@@ -295,31 +297,22 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 self._ddtree_check_async(self.drafter.top_k)
         logger.info(
             "DDTree: budget %s, drafter depth %s, top-K %s; tree walk on the %s (DDTREE_DEVICE_ACCEPT), trees built "
-            "at %s (DDTREE_LATE_TREES)",
+            "at %s (DDTREE_LATE_TREES), %s scheduling (DDTREE_ASYNC_SCHEDULING)",
             budget_description(self.ddtree_cfg),
             self.ddtree_cfg.draft_len,
             getattr(getattr(self, "drafter", None), "top_k", None),
             "device" if self._ddtree_device_accept else "host",
             "the next verification" if self._ddtree_late_trees else "proposal",
+            "asynchronous" if self.use_async_scheduling else "synchronous",
         )
 
     def _ddtree_check_async(self, top_k: int) -> None:
-        """What asynchronous scheduling needs (DDTREE_ASYNC_SCHEDULING=1): the step's trees built late and walked
-        on the device (no host wait between steps), and trees that fill every budget (vLLM's scheduler gives each
-        request the step's budget in placeholders: ``num_speculative_tokens``, or a schedule's entry through
-        ``config.dynamic_sd_schedule``)."""
-        cfg = self.ddtree_cfg
-        problems = []
-        if not (self._ddtree_device_accept and self._ddtree_late_trees):
-            problems.append("the tree walk on the device and late trees (DDTREE_DEVICE_ACCEPT, DDTREE_LATE_TREES)")
-        for budget in cfg.budgets:
-            nodes = tree_size(budget, top_k, cfg.draft_len)
-            if nodes != budget:
-                problems.append(
-                    f"trees of the whole budget {budget} (top-K {top_k} at depth {cfg.draft_len} gives {nodes} nodes)"
-                )
-        if problems:
-            raise RuntimeError("DDTree under asynchronous scheduling needs " + "; ".join(problems))
+        """What asynchronous scheduling needs (``config.async_scheduling_lacks``), checked again with the drafter's
+        depth and top-K resolved (at start-up the user may have given neither)."""
+        late_device_walk = self._ddtree_device_accept and self._ddtree_late_trees
+        lacking = async_scheduling_lacks(late_device_walk, self.ddtree_cfg, top_k)
+        if lacking:
+            raise RuntimeError("DDTree under asynchronous scheduling needs " + "; ".join(lacking))
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _update_states(self, scheduler_output):

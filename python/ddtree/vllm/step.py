@@ -30,6 +30,7 @@ import numpy as np
 
 import ddtree
 from ddtree.errors import DDTreeError
+from ddtree.vllm.config import tree_size
 
 PLACEHOLDER = -1
 
@@ -43,18 +44,6 @@ class DraftRecord:
     tokens: Optional[np.ndarray]  # [n] int64, the tree's draft tokens in pop order (None: not built here)
     token_list: Optional[List[int]] = None  # the same tokens as the list handed to vLLM's scheduler
     budget: int = 0  # the budget the tree was proposed with (a verified tree with fewer nodes was cut)
-
-
-def tree_size(budget: int, top_k: int, draft_len: int) -> int:
-    """Draft nodes of the tree the Rust builder returns for ``budget``: the ``budget`` most probable prefixes, or
-    every prefix there is (``top_k`` choices at each of ``draft_len`` depths) when there are fewer."""
-    total, level = 0, 1
-    for _ in range(draft_len):
-        level *= top_k
-        total += level
-        if total >= budget:
-            return budget
-    return total
 
 
 @dataclasses.dataclass
