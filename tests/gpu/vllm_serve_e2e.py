@@ -2,12 +2,15 @@
 
     python tests/gpu/vllm_serve_e2e.py --pair tests/fixtures/models --out DIR [--budget 64]
         [--engines ddtree,plain] [--clients 64] [--soak-s 60] [--port 8011] [--start-timeout 480]
+        [--scheduling asynchronous|synchronous]
 
 Not collected by pytest (it needs a GPU): run it directly. Each engine is one `vllm serve` process with vLLM's
 defaults (no --max-num-seqs, no --max-num-batched-tokens, CUDA graphs on), the README's flags for a Qwen3.5 hybrid
 target (`--language-model-only`, the Triton GDN prefill); `plain` is the same server without speculation. Checks,
 each written to DIR/vllm_serve_e2e.json as soon as it is done (a run cut short keeps what finished):
 
+  scheduling     (ddtree) the engine scheduled as --scheduling says (default asynchronous: ddtree's default with
+                 one GPU), from its start-up log line
   completions    greedy completions of the pair's held-out prompts (token-id prompts)
   chat           a chat completion (the pair's tokenizer has a chat template)
   stream         a streamed greedy completion equals the same request unstreamed
@@ -88,6 +91,12 @@ def tracebacks_after(log_text: str, marker: str) -> int:
     """Tracebacks the server logged after ``marker`` (a line this script wrote into the log's stream)."""
     index = log_text.find(marker)
     return log_text[index:].count("Traceback (most recent call last)") if index >= 0 else -1
+
+
+def scheduling_in_log(log_text: str) -> Optional[str]:
+    """ "asynchronous" or "synchronous": how the ddtree engine scheduled, from its start-up line (None: no line)."""
+    found = re.search(r"DDTree: budget .*?(asynchronous|synchronous) scheduling \(DDTREE_ASYNC_SCHEDULING\)", log_text)
+    return found.group(1) if found else None
 
 
 # ---- the server -----------------------------------------------------------------------------------------------
@@ -322,6 +331,15 @@ def check_refusals(client, server, data, args) -> Dict:
     }
 
 
+def check_scheduling(client, server, data, args) -> Dict:
+    """The ddtree server scheduled as expected (vLLM's asynchronous scheduling, the default with one GPU, unless
+    --scheduling says otherwise), read from its start-up log line."""
+    server.log.flush()
+    with open(server.log_path) as handle:
+        found = scheduling_in_log(handle.read())
+    return {"ok": found == args.scheduling, "scheduling": found, "expected": args.scheduling}
+
+
 def check_metrics(client, server, data, args) -> Dict:
     text = server.metrics()
     trees = metric_value(text, "vllm:spec_decode_ddtree_num_trees")
@@ -343,6 +361,7 @@ def check_metrics(client, server, data, args) -> Dict:
 
 
 CHECKS: Dict[str, Callable] = {
+    "scheduling": check_scheduling,
     "completions": check_completions,
     "chat": check_chat,
     "stream": check_stream,
@@ -356,6 +375,10 @@ CHECKS: Dict[str, Callable] = {
 }
 
 
+#: Checks of what only a ddtree server has.
+DDTREE_ONLY_CHECKS = ("scheduling", "metrics")
+
+
 def run_engine(engine: str, args, data, results: Dict, save: Callable[[], None]) -> None:
     entry = results["engines"].setdefault(engine, {"checks": {}})
     command = serve_command(args.pair, engine, args.budget, args.port)
@@ -367,7 +390,7 @@ def run_engine(engine: str, args, data, results: Dict, save: Callable[[], None])
         save()
         client = make_client(server)
         for name, check in CHECKS.items():
-            if name == "metrics" and engine != "ddtree":
+            if name in DDTREE_ONLY_CHECKS and engine != "ddtree":
                 continue
             started = time.monotonic()
             try:
@@ -409,6 +432,12 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--soak-s", type=float, default=60.0)
     parser.add_argument("--start-timeout", type=float, default=480.0)
+    parser.add_argument(
+        "--scheduling",
+        choices=("asynchronous", "synchronous"),
+        default="asynchronous",
+        help="how the ddtree server must schedule (its default with one GPU: asynchronous)",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.pair, "prompts.json")) as handle:

@@ -75,3 +75,17 @@ def test_refusals_expected_differ_by_engine():
     # Plain vLLM serves structured outputs; only a ddtree server refuses them. Both refuse an oversized max_tokens.
     assert serve.expected_refusal_statuses("ddtree") == {"structured_output": 400, "max_tokens": 400}
     assert serve.expected_refusal_statuses("plain") == {"structured_output": 200, "max_tokens": 400}
+
+
+def test_the_scheduling_mode_is_read_from_the_engines_start_up_line():
+    line = (
+        "INFO 12-02 10:01:03 [runner.py:297] DDTree: budget 64, drafter depth 15, top-K 64; tree walk on the device "
+        "(DDTREE_DEVICE_ACCEPT), trees built at the next verification (DDTREE_LATE_TREES), {} scheduling "
+        "(DDTREE_ASYNC_SCHEDULING)\n"
+    )
+    assert serve.scheduling_in_log("noise\n" + line.format("asynchronous")) == "asynchronous"
+    assert serve.scheduling_in_log(line.format("synchronous")) == "synchronous"
+    assert serve.scheduling_in_log("INFO no ddtree line here\n") is None
+    # The runner still writes the line this check reads.
+    runner_source = (Path(__file__).resolve().parents[2] / "python" / "ddtree" / "vllm" / "runner.py").read_text()
+    assert '"at %s (DDTREE_LATE_TREES), %s scheduling (DDTREE_ASYNC_SCHEDULING)"' in runner_source
