@@ -128,6 +128,8 @@ def child(args):
             row["host_ms_per_verify_step"] = summary["host_ms_per_verify_step"]
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
+            # What smaller budgets would have accepted on the same trees (engine life so far, warm-ups included).
+            row["acceptance_length_if_budget"] = summary.get("acceptance_length_if_budget", {})
         rows.append(row)
         # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:

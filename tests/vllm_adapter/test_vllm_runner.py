@@ -211,6 +211,88 @@ def test_stats_count_cut_trees_against_their_proposal_and_steps_by_budget():
     assert summary["steps_by_budget"] == {6: 1}
 
 
+def _prefixes(tree):
+    """Each node's token prefix from the root (a tuple), in node order."""
+    out = [()]
+    for i in range(1, len(tree)):
+        out.append(out[tree.parents[i]] + (int(tree.tokens[i - 1]),))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stats_say_what_smaller_trees_would_have_accepted(seed):
+    """Per smaller budget c, the accepted drafts the statistics report equal those of the tree of budget c built
+    from the same proposal and walked with the same target tokens (matched by prefix, not by node number). Cut
+    trees are left out."""
+    import ddtree
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.step import TreeStore, accept, plan_verify
+
+    rng = np.random.default_rng(seed)
+    depth, width, budget = 6, 5, 40
+    ids = np.stack([rng.permutation(50)[:width] for _ in range(3 * depth)]).reshape(3, depth, width).astype(np.int32)
+    lp = np.sort(rng.normal(size=(3, depth, width)) * 1.5, axis=-1)[..., ::-1]
+    lp = (lp - np.log(np.exp(lp).sum(-1, keepdims=True))).astype(np.float32)
+    store = TreeStore(budget=budget)
+    lists = store.propose(["a", "b", "c"], lp, ids)
+    scheduled = {"a": lists[0], "b": lists[1], "c": lists[2][:7]}  # c cut by the scheduler: not counted
+    plan = plan_verify(store, ["a", "b", "c"], np.array([4, 4, 4]), np.array([41, 41, 8]), scheduled)
+    # The target's token at each node: often one of its children's (deep paths through siblings), else a miss.
+    target = np.full(plan.num_tokens, 999, dtype=np.int64)
+    trees = plan.trees
+    prefix_token = {}
+    for j in range(3):
+        tree = trees[j]
+        lo = int(trees.node_offsets[j])
+        for i, prefix in enumerate(_prefixes(tree)):
+            children = [k for k in range(1, len(tree)) if tree.parents[k] == i]
+            if children and rng.random() < 0.85:
+                target[lo + i] = tree.tokens[rng.choice(children) - 1]
+            prefix_token[(j, prefix)] = target[lo + i]
+    stats = DDTreeStats(depth, smaller_budgets=(8, 16, 32))
+    stats.observe(plan, accept(plan, target, depth + 1))
+    summary = stats.smaller_trees_summary()
+    for small in (8, 16, 32):
+        kept = []
+        for j in range(2):  # the whole trees
+            tree = ddtree.build_tree(lp[j], ids[j], small)
+            path, _ = ddtree.accept(tree, np.array([prefix_token[(j, p)] for p in _prefixes(tree)]))
+            kept.append(len(path) - 1)
+        assert summary[small]["trees"] == 2
+        assert summary[small]["acceptance_length"] == pytest.approx(1.0 + sum(kept) / 2)
+    own = accept(plan, target, depth + 1).path_lengths[:2] - 1
+    assert summary[8]["acceptance_length_at_own_budget"] == pytest.approx(1.0 + own.sum() / 2)
+    assert summary[32]["acceptance_length"] <= summary[32]["acceptance_length_at_own_budget"]
+
+
+def test_filler_trees_are_not_counted_as_what_smaller_trees_would_accept():
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.step import PLACEHOLDER, TreeStore, accept, plan_verify
+
+    store = TreeStore(budget=20)
+    scheduled = {"a": [PLACEHOLDER] * 20}  # asynchronous scheduling: placeholders, the drafter did not propose
+    plan = plan_verify(store, ["a"], np.array([4]), np.array([21]), scheduled, unproposed=(4, 5))
+    assert plan.num_filler_trees == 1 and plan.filler_mask.tolist() == [True]
+    stats = DDTreeStats(4, smaller_budgets=(8,))
+    stats.observe(plan, accept(plan, np.zeros(plan.num_tokens, dtype=np.int64), 5))  # token 0: the filler's own
+    assert stats.trees == 1 and stats.accepted > 0 and stats.smaller_trees_summary() == {}
+
+
+def test_smaller_budgets_are_a_ladder_below_the_largest_with_the_schedules():
+    from ddtree.vllm.config import DDTreeConfig, smaller_budgets
+
+    assert smaller_budgets(DDTreeConfig(budget=64, draft_len=15, top_k=None)) == (8, 16, 32)
+    schedule = ((1, 100), (8, 24))
+    assert smaller_budgets(DDTreeConfig(budget=100, draft_len=15, top_k=None, budget_schedule=schedule)) == (
+        8,
+        16,
+        24,
+        32,
+        64,
+    )
+    assert smaller_budgets(DDTreeConfig(budget=8, draft_len=7, top_k=None)) == ()
+
+
 def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     """DDTREE_DEVICE_ACCEPT: the plan uploads the device walk's inputs, the walk gives what the Rust acceptance
     gives, and the statistics count the step once its copy has landed."""
@@ -222,7 +304,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     from ddtree.vllm.counts import LandingCounts
 
     runner.max_num_reqs, runner.device = 4, torch.device("cpu")
-    runner._ddtree_counts = LandingCounts(runner.device, 4)
+    runner._ddtree_counts = LandingCounts(runner.device, 4, width=3 + 2)
     runner.ddtree_stats = DDTreeStats(3)
     try:
         runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
@@ -247,7 +329,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert np.array_equal(gpu["output_tokens"].numpy(), host.output_tokens)
     assert np.array_equal(gpu["context_order"].numpy(), host.context_order)
     assert np.array_equal(gpu["commit_conv_index"].numpy(), host.commit_conv_index)
-    assert runner._ddtree_counts.send(gpu["path_lengths"], plan) is None
+    assert runner._ddtree_send_paths(gpu, plan) is None
     runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=True))
     expected = DDTreeStats(3)
     expected.observe(plan, host)
@@ -274,7 +356,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
     assert runner.ddtree_stats.walk_graph_steps == 2
     # A step still in flight when the summary is read is counted then.
-    runner._ddtree_counts.send(gpu["path_lengths"], plan)
+    runner._ddtree_send_paths(gpu, plan)
     runner.use_async_scheduling = False
     summary = runner.ddtree_summary()
     assert summary["device_accept_steps"] == 2 and summary["verify_steps"] == 2 and not summary["async_scheduling"]

@@ -149,6 +149,13 @@ def tree_size(budget: int, top_k: int, draft_len: int) -> int:
     return total
 
 
+def smaller_budgets(cfg: "DDTreeConfig") -> Tuple[int, ...]:
+    """The budgets below an engine's largest whose acceptance its statistics estimate from the trees it verifies
+    (``DDTreeStats``): powers of two from 8 and the schedule's budgets, ascending."""
+    ladder = {1 << k for k in range(3, MAX_BUDGET.bit_length())} | set(cfg.budgets)
+    return tuple(sorted(b for b in ladder if b < cfg.budget))
+
+
 def schedule_budgets(budget: int, schedule: Optional[Sequence[Sequence[int]]]) -> Tuple[int, ...]:
     """Every budget of an engine whose largest is ``budget``, ascending (a schedule's, or ``budget`` alone)."""
     return tuple(sorted({int(b) for _, b in schedule or ()} | {budget}))

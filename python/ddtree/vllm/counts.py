@@ -1,7 +1,7 @@
-"""The accepted path lengths of device-walked steps, on their way to the host for the statistics.
+"""The accepted paths of device-walked steps, on their way to the host for the statistics.
 
-With the tree walk on the device (``device_accept``) the host learns how many drafts each tree accepted only from a
-copy of the walk's ``path_lengths``. A synchronous engine reads it at the end of the step (it landed with the chain
+With the tree walk on the device (``device_accept``) the host learns what each tree accepted only from a copy of
+the walk's ``path_lengths`` and ``paths`` (one ``[R, 1 + P]`` row per tree: the length, then the path). A synchronous engine reads it at the end of the step (it landed with the chain
 rows vLLM's bookkeeping waited for). Under asynchronous scheduling the host runs a step ahead of the GPU, and a
 wait there would stall it; so each step's copy goes into its own pinned slot, and a step is counted once its copy
 has landed (``Event.query``), at the latest when every slot is in flight.
@@ -19,18 +19,19 @@ import torch
 
 
 class LandingCounts:
-    """``slots`` pinned buffers of ``max_reqs`` int32 counts, used in turn."""
+    """``slots`` pinned buffers of ``max_reqs`` int32 counts (or rows of ``width`` counts), used in turn."""
 
-    def __init__(self, device: torch.device, max_reqs: int, slots: int = 4):
+    def __init__(self, device: torch.device, max_reqs: int, slots: int = 4, width: Optional[int] = None):
         on_gpu = torch.device(device).type == "cuda"
-        self._buffers = [torch.empty(max_reqs, dtype=torch.int32, pin_memory=on_gpu) for _ in range(slots)]
+        shape = (max_reqs,) if width is None else (max_reqs, width)
+        self._buffers = [torch.empty(shape, dtype=torch.int32, pin_memory=on_gpu) for _ in range(slots)]
         self._events = [torch.cuda.Event() if on_gpu else None for _ in range(slots)]
         self._next = 0
         # (slot, number of counts, what the caller attached), oldest first
         self._in_flight: Deque[Tuple[int, int, Any]] = deque()
 
     def send(self, counts: torch.Tensor, tag: Any) -> Optional[Tuple[Any, np.ndarray]]:
-        """Starts the copy of ``counts`` ``[R]``; returns the oldest step's ``(tag, counts)`` when its slot had to be
+        """Starts the copy of ``counts`` ``[R]`` (or ``[R, width]``); returns the oldest step's ``(tag, counts)`` when its slot had to be
         read first to make room (None otherwise)."""
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)

@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -59,6 +59,7 @@ from ddtree.vllm.config import (
     device_accept_enabled,
     late_trees_enabled,
     schedule_tree_graphs,
+    smaller_budgets,
     tree_size,
     step_graphs_enabled,
 )
@@ -81,7 +82,7 @@ logger = get_logger(__name__)
 class DDTreeStats:
     """Counters beyond vLLM's spec-decode metrics (which stay right on their own)."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, smaller_budgets: Sequence[int] = ()):
         self.steps = 0
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.full_graph_steps_by_tree_tokens: Dict[int, int] = {}  # the same, by the graph's tokens per tree
@@ -99,6 +100,12 @@ class DDTreeStats:
         # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit); GPU waits are outside the timed blocks.
         self.host_seconds: Dict[str, float] = {}
         self.steps_by_budget: Dict[int, int] = {}  # verify steps by the budget their trees were proposed with
+        # What smaller trees would have accepted (``observe_paths``): per budget in ``smaller_budgets``, the whole,
+        # proposed trees of a larger budget counted, the drafts they accepted, and the drafts the smaller tree keeps.
+        self.smaller_budgets = np.asarray(sorted(smaller_budgets), dtype=np.int64)
+        self.if_smaller_trees = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
+        self.if_smaller_accepted_own = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
+        self.if_smaller_accepted = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
 
     @contextlib.contextmanager
     def timed(self, part: str):
@@ -120,7 +127,34 @@ class DDTreeStats:
             by_tree[tokens_per_tree] = by_tree.get(tokens_per_tree, 0) + 1
 
     def observe(self, plan: VerifyPlan, accept: AcceptPlan) -> None:
-        self.observe_counts(plan, accept.accepted.accepted)
+        self.observe_paths(plan, accept.paths, accept.path_lengths)
+
+    def observe_paths(self, plan: VerifyPlan, paths: np.ndarray, path_lengths: np.ndarray) -> None:
+        """One verify step: each tree's accepted path (``paths`` ``[R, P]``, tree-local nodes from the root,
+        ``path_lengths`` ``[R]`` of them)."""
+        acc = np.asarray(path_lengths, dtype=np.int64) - 1
+        self.observe_counts(plan, acc)
+        if self.smaller_budgets.size:
+            self._observe_smaller_trees(plan, np.asarray(paths, dtype=np.int64), acc)
+
+    def _observe_smaller_trees(self, plan: VerifyPlan, paths: np.ndarray, acc: np.ndarray) -> None:
+        """The tree of budget ``c`` is the first ``c`` drafts of a larger tree's pop order (best-first, parents
+        first), and the target's token at a node depends only on the node's prefix: so a whole tree's accepted path
+        keeps, with budget ``c``, exactly its drafts numbered ``<= c`` (exact for greedy decoding, the same in
+        distribution when sampling). Cut trees and fillers are left out (not the trees a smaller budget builds)."""
+        whole = plan.num_nodes == plan.proposed_budgets + 1
+        if plan.filler_mask is not None:
+            whole &= ~plan.filler_mask
+        drafts = paths[:, 1:]
+        on_path = np.arange(drafts.shape[1])[None, :] < acc[:, None]
+        for j, budget in enumerate(self.smaller_budgets):
+            counted = whole & (plan.proposed_budgets > budget)
+            if not counted.any():
+                continue
+            kept = ((drafts[counted] <= budget) & on_path[counted]).sum(axis=1)
+            self.if_smaller_trees[j] += int(counted.sum())
+            self.if_smaller_accepted_own[j] += int(acc[counted].sum())
+            self.if_smaller_accepted[j] += int(kept.sum())
 
     def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
         """One verify step whose trees accepted ``acc`` ``[R]`` drafts each."""
@@ -138,6 +172,21 @@ class DDTreeStats:
         # accepted_per_depth[d] = trees whose accepted path reached depth d
         reached = counts[::-1].cumsum()[::-1][: self.accepted_per_depth.shape[0]]
         self.accepted_per_depth[: reached.shape[0]] += reached
+
+    def smaller_trees_summary(self) -> Dict[int, Dict[str, float]]:
+        """Per smaller budget with trees counted: the mean acceptance length (bonus included) those trees had and
+        would have had with that budget."""
+        out = {}
+        for budget, trees, own, kept in zip(
+            self.smaller_budgets, self.if_smaller_trees, self.if_smaller_accepted_own, self.if_smaller_accepted
+        ):
+            if trees:
+                out[int(budget)] = {
+                    "trees": int(trees),
+                    "acceptance_length": 1.0 + kept / trees,
+                    "acceptance_length_at_own_budget": 1.0 + own / trees,
+                }
+        return out
 
     def summary(self) -> Dict[str, object]:
         trees = max(self.trees, 1)
@@ -157,6 +206,7 @@ class DDTreeStats:
             "mean_draft_nodes": self.nodes / trees,
             "mean_acceptance_length": 1.0 + self.accepted / trees,
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
+            "acceptance_length_if_budget": self.smaller_trees_summary(),
             "host_ms_per_verify_step": {
                 part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.host_seconds.items())
             },
@@ -227,7 +277,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The step's GDN layout, kept from publication to the commit after acceptance (None: no tree step).
         self._ddtree_gdn_step: Optional[GdnTreeStep] = None
         self._ddtree_proposed = False
-        self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0)
+        self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0, smaller_budgets(self.ddtree_cfg))
         self._ddtree_kv_layers: Optional[List[tuple]] = None
         # One host-to-device copy per phase and step (the plan's arrays; the acceptance's).
         self._ddtree_plan_staging = StepStaging(self.device)
@@ -259,7 +309,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # the accepted counts of such steps, read once their copies to the host have landed.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
         self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
-        self._ddtree_counts = LandingCounts(self.device, self.max_num_reqs)
+        # Each row: the path length, then the path (draft_len + 1 entries; ``_ddtree_send_paths``).
+        self._ddtree_counts = LandingCounts(self.device, self.max_num_reqs, width=(self.ddtree_cfg.draft_len or 0) + 2)
         # Requests with min_tokens, counted from the engine's token counts (vLLM's processor is wrong for trees
         # under asynchronous scheduling: ``ddtree.vllm.min_tokens``).
         self._ddtree_min_tokens = MinTokensRequests()
@@ -761,8 +812,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.drafter.flat_positions = self._ddtree_flat_positions
             if accept is not None:
                 self.ddtree_stats.observe(plan, accept)
-            else:  # walked on the device: counted once the copy of its path lengths has landed
-                self._ddtree_count_device_steps(self._ddtree_counts.send(gpu["path_lengths"], plan))
+            else:  # walked on the device: counted once the copy of its paths has landed
+                self._ddtree_count_device_steps(self._ddtree_send_paths(gpu, plan))
             self.ddtree_stats.count_full_graph(self._ddtree_full_graph)
         else:
             self.drafter.context_order = None
@@ -861,12 +912,19 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return None
         return self._ddtree_walk_graphs
 
+    def _ddtree_send_paths(self, gpu: Dict[str, torch.Tensor], plan: VerifyPlan):
+        """Starts the copy of a device-walked step's accepted paths to the host, one row per tree (its length, then
+        the path); returns an older step whose slot had to be read first (see ``LandingCounts.send``)."""
+        rows = torch.cat((gpu["path_lengths"][:, None], gpu["paths"]), dim=1)
+        return self._ddtree_counts.send(rows, plan)
+
     def _ddtree_count_device_steps(self, *steps) -> None:
-        """Counts device-walked steps in the statistics: ``(plan, path lengths)`` each (None: nothing)."""
+        """Counts device-walked steps in the statistics: ``(plan, rows)`` each, as ``_ddtree_send_paths`` sent them
+        (None: nothing)."""
         for step in steps:
             if step is not None:
-                plan, lengths = step
-                self.ddtree_stats.observe_counts(plan, lengths.astype(np.int64) - 1)
+                plan, rows = step
+                self.ddtree_stats.observe_paths(plan, rows[:, 1:], rows[:, 0])
                 self.ddtree_stats.device_accept_steps += 1
 
     def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> None:

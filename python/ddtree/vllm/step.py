@@ -208,6 +208,7 @@ class VerifyPlan:
     # Trees verified for placeholders without a proposal (asynchronous scheduling; ``filler_record``): real trees of
     # no drafter, counted apart (their drafts are never the target's but cost a verification).
     num_filler_trees: int = 0
+    filler_mask: Optional[np.ndarray] = None  # [R_t] bool: which trees are fillers (None: none is)
     # Placeholder drafts were scheduled (late trees): every draft node's index among the step's tokens and its token,
     # for the runner to write into the input ids (None: vLLM's input ids already hold the drafts).
     draft_step_index: Optional[np.ndarray] = None  # [T - R_t] int64
@@ -273,8 +274,7 @@ def plan_verify(
     np.cumsum(num_scheduled_tokens, out=query_start[1:])
     # Logits layout of vLLM's spec-decode metadata: num_draft + 1 rows per request.
     num_drafts = np.zeros(num_reqs, dtype=np.int64)
-    rows, records, scheduled = [], [], []
-    fillers = 0
+    rows, records, scheduled, filler = [], [], [], []
     for i, req_id in enumerate(req_ids):
         drafts = scheduled_spec_tokens.get(req_id)
         if not drafts:
@@ -282,9 +282,9 @@ def plan_verify(
         b = len(drafts)
         num_drafts[i] = b
         record = store.take(req_id)
-        if record is None and unproposed is not None and drafts[0] == PLACEHOLDER:
+        filler.append(record is None and unproposed is not None and drafts[0] == PLACEHOLDER)
+        if filler[-1]:
             record = filler_record(*unproposed, b)  # whole at what was scheduled: not a cut tree
-            fillers += 1
         if record is None:
             raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
         if num_scheduled_tokens[i] != b + 1:
@@ -338,7 +338,9 @@ def plan_verify(
         arrays,
         bool(placeholders.any()),
     )
-    plan.num_filler_trees = fillers
+    if any(filler):
+        plan.filler_mask = np.array(filler, dtype=bool)
+        plan.num_filler_trees = int(plan.filler_mask.sum())
     return plan
 
 
