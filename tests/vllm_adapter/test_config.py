@@ -145,6 +145,19 @@ def test_asynchronous_scheduling_refusals_name_the_problem():
         _async(env={"DDTREE_ASYNC_SCHEDULING": "yes"})
 
 
+def test_the_start_up_log_says_why_an_engine_schedules_synchronously():
+    assert "synchronous here" not in override_reason("async_scheduling", {}, 1)
+    assert override_reason("async_scheduling", {}, 2).endswith("synchronous here: tensor_parallel_size=2")
+    off = override_reason("async_scheduling", {"DDTREE_ASYNC_SCHEDULING": "0"}, 1)
+    assert off.endswith("synchronous here: DDTREE_ASYNC_SCHEDULING=0")
+    narrow = DDTreeConfig(budget=16, draft_len=3, top_k=2)
+    assert override_reason("async_scheduling", {}, 1, narrow).endswith(
+        "synchronous here: it needs trees that fill every budget (top-K 2 at depth 3 cannot fill [16])"
+    )
+    assert "late trees" in override_reason("async_scheduling", {"DDTREE_LATE_TREES": "0"}, 1)
+    assert override_reason("enable_prefix_caching", {}, 2) == "not validated with tree KV compaction yet"
+
+
 def test_asynchronous_scheduling_needs_late_device_walked_trees_that_fill_the_budget():
     """What asynchronous scheduling lacks turns the default to synchronous, and is refused when asked for by hand."""
     host_walk = {"DDTREE_DEVICE_ACCEPT": "0"}

@@ -268,9 +268,28 @@ ENGINE_OVERRIDES = (
 )
 
 
-def override_reason(attr: str) -> str:
-    """Why the adapter sets ``attr`` (one of :data:`ENGINE_OVERRIDES`), for the start-up log."""
-    return next(why for name, _, _, why in ENGINE_OVERRIDES if name == attr)
+def override_reason(
+    attr: str,
+    environ: Mapping[str, str] = os.environ,
+    tensor_parallel_size: int = 1,
+    cfg: Optional["DDTreeConfig"] = None,
+) -> str:
+    """Why the adapter sets ``attr`` (one of :data:`ENGINE_OVERRIDES`), for the start-up log; for
+    ``async_scheduling`` turned off, also what made it synchronous."""
+    why = next(why for name, _, _, why in ENGINE_OVERRIDES if name == attr)
+    if attr != "async_scheduling":
+        return why
+    if not async_scheduling_enabled(environ, tensor_parallel_size):
+        switch = environ.get(ASYNC_SCHEDULING_ENV)
+        cause = (
+            f"{ASYNC_SCHEDULING_ENV}={switch}" if switch is not None else f"tensor_parallel_size={tensor_parallel_size}"
+        )
+        return f"{why}; synchronous here: {cause}"
+    late_device_walk = device_accept_enabled(environ, tensor_parallel_size) and late_trees_enabled(
+        environ, tensor_parallel_size
+    )
+    lacking = async_scheduling_lacks(late_device_walk, cfg)
+    return f"{why}; synchronous here: it needs {'; '.join(lacking)}" if lacking else why
 
 
 #: Parallelism the adapter refuses (EngineArgs attribute -> why).

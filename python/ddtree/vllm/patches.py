@@ -243,7 +243,8 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
     changes = engine_overrides(args, cfg=cfg)
     for attr, value in changes.items():
         setattr(args, attr, value)
-        _log().info("DDTree: %s=%r (%s)", attr, value, override_reason(attr))
+        tensor_parallel_size = getattr(args, "tensor_parallel_size", 1) or 1
+        _log().info("DDTree: %s=%r (%s)", attr, value, override_reason(attr, os.environ, tensor_parallel_size, cfg))
     _choose_cudagraph_mode(args)
     if os.environ.get(V2_RUNNER_ENV) is None:
         os.environ[V2_RUNNER_ENV] = "0"
