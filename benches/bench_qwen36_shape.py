@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from gpu_profile import enable_scopes, profile_generate
+from gpu_profile import enable_scopes, profile_generate, timed_host_ms
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -359,22 +359,6 @@ def run_engine(
                 os.path.join(profile_dir, f"profile_{name}_tp{tp}_b{bs}.txt"),
             )
     return res
-
-
-def timed_host_ms(before: dict, after: dict) -> dict:
-    """Host ms per verify step, by part, over the steps between two ``ddtree_summary`` snapshots.
-
-    The summary's own figures average over the engine's life, so one-time costs (a size's first commit with its
-    graph capture, Triton compiles) would weigh in: up to 17 ms of "commit" per step in the records before
-    gpu-h200-gdn-metadata-ffa8839, where the steady state is 0.3 ms."""
-    steps = after["verify_steps"] - before["verify_steps"]
-    if steps <= 0:
-        return {}
-    now, then = after["host_ms_per_verify_step"], before["host_ms_per_verify_step"]
-    return {
-        part: (ms * after["verify_steps"] - then.get(part, 0.0) * before["verify_steps"]) / steps
-        for part, ms in now.items()
-    }
 
 
 def step_summary(row: dict, chain_row) -> str:

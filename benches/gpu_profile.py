@@ -1,4 +1,5 @@
-"""torch.profiler tables and a timeline of one vLLM ``generate``, for the GPU benchmark scripts beside this file."""
+"""torch.profiler tables and a timeline of one vLLM ``generate``, and the host time of a timed window, for the GPU
+benchmark scripts beside this file."""
 
 from __future__ import annotations
 
@@ -162,3 +163,19 @@ def compress(path: str) -> str:
         shutil.copyfileobj(source, target)
     os.remove(path)
     return path + ".gz"
+
+
+def timed_host_ms(before: dict, after: dict) -> dict:
+    """Host ms per verify step, by part, over the steps between two ``ddtree_summary`` snapshots.
+
+    The summary's own figures average over the engine's life, so one-time costs (a size's first commit with its
+    graph capture, Triton compiles) would weigh in: up to 17 ms of "commit" per step in the records before
+    gpu-h200-gdn-metadata-ffa8839, where the steady state is 0.3 ms."""
+    steps = after["verify_steps"] - before["verify_steps"]
+    if steps <= 0:
+        return {}
+    now, then = after["host_ms_per_verify_step"], before["host_ms_per_verify_step"]
+    return {
+        part: (ms * after["verify_steps"] - then.get(part, 0.0) * before["verify_steps"]) / steps
+        for part, ms in now.items()
+    }
