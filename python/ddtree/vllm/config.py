@@ -285,10 +285,7 @@ def override_reason(
             f"{ASYNC_SCHEDULING_ENV}={switch}" if switch is not None else f"tensor_parallel_size={tensor_parallel_size}"
         )
         return f"{why}; synchronous here: {cause}"
-    late_device_walk = device_accept_enabled(environ, tensor_parallel_size) and late_trees_enabled(
-        environ, tensor_parallel_size
-    )
-    lacking = async_scheduling_lacks(late_device_walk, cfg)
+    lacking = async_scheduling_lacks(_late_device_walk(environ, tensor_parallel_size), cfg)
     return f"{why}; synchronous here: it needs {'; '.join(lacking)}" if lacking else why
 
 
@@ -420,6 +417,11 @@ def async_scheduling_enabled(environ: Mapping[str, str] = os.environ, tensor_par
     return env_switch(environ, ASYNC_SCHEDULING_ENV, _on_with_one_gpu(tensor_parallel_size), meanings)
 
 
+def _late_device_walk(environ: Mapping[str, str], tensor_parallel_size: int) -> bool:
+    """Whether the switches give late trees walked on the device (what asynchronous scheduling builds on)."""
+    return device_accept_enabled(environ, tensor_parallel_size) and late_trees_enabled(environ, tensor_parallel_size)
+
+
 def async_scheduling_lacks(
     late_device_walk: bool, cfg: Optional["DDTreeConfig"], top_k: Optional[int] = None
 ) -> List[str]:
@@ -452,10 +454,7 @@ def async_scheduling_choice(
     """
     switch = async_scheduling_enabled(environ, tensor_parallel_size)
     set_by_hand = ASYNC_SCHEDULING_ENV in environ
-    late_device_walk = device_accept_enabled(environ, tensor_parallel_size) and late_trees_enabled(
-        environ, tensor_parallel_size
-    )
-    lacking = async_scheduling_lacks(late_device_walk, cfg) if switch else []
+    lacking = async_scheduling_lacks(_late_device_walk(environ, tensor_parallel_size), cfg) if switch else []
     if user_value is False:
         if set_by_hand and switch:
             raise DDTreeConfigError(

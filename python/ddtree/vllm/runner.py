@@ -60,8 +60,8 @@ from ddtree.vllm.config import (
     late_trees_enabled,
     schedule_tree_graphs,
     smaller_budgets,
-    tree_size,
     step_graphs_enabled,
+    tree_size,
 )
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import (
