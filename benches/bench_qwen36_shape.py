@@ -15,7 +15,9 @@ Per engine it prints and writes (DIR/bench_qwen36_shape.json):
   per request x page size) and the KV-cache capacity vLLM reports;
 * per batch size: ms per step (a 64-token generate / 64, prefill included, as earlier records) and ms per decode
   step (the same generate less a prefill-only one of the same prompts, / 63);
-* ddtree: host (CPU) milliseconds per verification step, by part (plan, accept, tree build, commit plan).
+* ddtree: host (CPU) milliseconds per verification step, by part (plan, accept, tree build, commit plan);
+* with ``--profile-batches``: each engine's torch.profiler tables, and for every ddtree engine profiled beside
+  ``dflash`` at a batch size, GPU time per step by kernel family against the chain's (where the gap is).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from gpu_profile import enable_scopes, profile_generate, timed_host_ms
+from gpu_profile import enable_scopes, family_comparison, profile_generate, timed_host_ms
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -477,6 +479,22 @@ def main() -> None:
             f"{name:<11}{mem['reserved_bytes'] / 2**20:>13.1f}{mem['state_blocks_per_request']:>7}"
             f"{res['kv_cache']['num_gpu_blocks']:>10}  {steps}   {host}"
         )
+    print_family_comparisons(results)
+
+
+def print_family_comparisons(results: dict) -> None:
+    """For every ddtree engine and batch size profiled beside vLLM's chain in this run: GPU time by kernel family
+    (per output token: one step, the dummy drafter never being accepted), ddtree against the chain."""
+    chain = results.get("dflash", {}).get("profiles", {})
+    for name, res in results.items():
+        if name == "dflash":
+            continue
+        for bs, profile in res.get("profiles", {}).items():
+            theirs = chain.get(bs, {}).get("gpu_ms_per_token_by_kernel_family")
+            mine = profile.get("gpu_ms_per_token_by_kernel_family")
+            if mine and theirs:
+                print(f"\nGPU ms per step by kernel family, {name} against dflash, batch {bs} (profiled):")
+                print(family_comparison(mine, theirs), end="")
 
 
 if __name__ == "__main__":

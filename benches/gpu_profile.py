@@ -127,6 +127,54 @@ def idle_by_range(trace_events, min_gap_us: float = 5.0):
     return busy, gpu[-1][1] - gpu[0][0], idle
 
 
+#: Kernel families, first match wins: where a tree step's GPU time goes next to the chain's (ddtree's kernels, vLLM's
+#: own GDN and attention kernels, the GEMMs, torch.compile's fused Triton kernels).
+KERNEL_FAMILIES = (
+    ("ddtree tree GDN", r"_tree_gdn_fwd_kernel"),
+    ("ddtree GDN/conv commit", r"_tree_gdn_commit_kernel|_tree_conv_commit_kernel"),
+    ("ddtree tree conv", r"_tree_conv_qkv_kernel"),
+    ("ddtree tree attention", r"_paged_tree_attention|_merge_splits"),
+    ("vLLM GDN", r"delta_rule|gated_delta|fused_recurrent|chunk_|causal_conv1d|fused_gdn|solve_tril|recompute_w_u"),
+    ("vLLM attention", r"flash|unified_attention|fmha|attn"),
+    ("GEMM", r"nvjet|gemm|cutlass|xmma|splitKreduce|cublas"),
+    ("torch.compile fused", r"^triton_"),
+    ("sampling / top-K", r"topk|sort|sampl|argmax|softmax|gumbel|rejection"),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The :data:`KERNEL_FAMILIES` entry a kernel name belongs to ("other" when none)."""
+    import re
+
+    return next((family for family, pattern in KERNEL_FAMILIES if re.search(pattern, name)), "other")
+
+
+def gpu_ms_by_family(trace_events, tokens: int) -> dict:
+    """GPU milliseconds per output token (``tokens``: the generate's max_tokens) by kernel family, copies and
+    memsets as "copies", from a Chrome trace's events; largest first."""
+    totals = {}
+    for event in trace_events:
+        if event.get("ph") != "X" or event.get("cat") not in GPU_WORK:
+            continue
+        family = kernel_family(event.get("name", "")) if event["cat"] == "kernel" else "copies"
+        totals[family] = totals.get(family, 0.0) + event.get("dur", 0.0)
+    per_token = 1e3 * max(tokens, 1)
+    return {family: round(us / per_token, 4) for family, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def family_comparison(mine: dict, chain: dict) -> str:
+    """Two :func:`gpu_ms_by_family` results side by side (ms per output token), with the difference; the families
+    that differ most first."""
+    families = sorted(set(mine) | set(chain), key=lambda f: -abs(mine.get(f, 0.0) - chain.get(f, 0.0)))
+    lines = [f"{'kernel family':<26}{'ddtree':>10}{'chain':>10}{'difference':>12}\n"]
+    for family in families:
+        a, b = mine.get(family, 0.0), chain.get(family, 0.0)
+        lines.append(f"{family:<26}{a:>10.3f}{b:>10.3f}{a - b:>+12.3f}\n")
+    total_a, total_b = sum(mine.values()), sum(chain.values())
+    lines.append(f"{'all GPU work':<26}{total_a:>10.3f}{total_b:>10.3f}{total_a - total_b:>+12.3f}\n")
+    return "".join(lines)
+
+
 def idle_summary(trace_events, tokens: int, most: int = 8, measured=None) -> dict:
     """:func:`idle_by_range` in ms per output token (``tokens``: the generate's max_tokens): GPU busy, the span, and
     the ``most`` host ranges the GPU waited in longest (``measured``: its result when the caller has it)."""
@@ -137,6 +185,7 @@ def idle_summary(trace_events, tokens: int, most: int = 8, measured=None) -> dic
         "gpu_busy_ms_per_token": round(busy / per_token, 3),
         "span_ms_per_token": round(span / per_token, 3),
         "idle_ms_per_token_by_host_range": {name: round(us / per_token, 3) for name, us in waited},
+        "gpu_ms_per_token_by_kernel_family": gpu_ms_by_family(trace_events, tokens),
         "note": "profiled: Python tracing inflates host time (about 3x at the 27B shape)",
     }
 

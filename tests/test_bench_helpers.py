@@ -127,3 +127,34 @@ def test_host_ms_cover_only_the_timed_steps():
     assert timed["commit"] == pytest.approx(0.3) and timed["plan"] == pytest.approx(0.5)
     assert timed["build"] == pytest.approx(0.15)  # a part first timed in this run
     assert bench.timed_host_ms(after, after) == {}
+
+
+def test_gpu_time_is_summed_by_kernel_family_and_compared_with_the_chain():
+    import gpu_profile
+
+    def kernel(name, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": 0, "dur": dur}
+
+    mine = [
+        kernel("_tree_gdn_fwd_kernel", 3000),
+        kernel("nvjet_sm90_tst_384x72_64x3_4x1_v_bz_coopA_TNT", 9000),
+        kernel("triton_poi_fused_mul_silu_slice_4", 500),
+        kernel("Memcpy HtoD (Pinned -> Device)", 200, cat="gpu_memcpy"),
+        kernel("_paged_tree_attention_kernel", 900),
+        kernel("void at::native::some_kernel", 100),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host side: not GPU time
+    ]
+    chain = [kernel("fused_sigmoid_gating_delta_rule_update_kernel", 2000), kernel("cutlass_gemm_x", 8000)]
+    by_family = gpu_profile.gpu_ms_by_family(mine, tokens=2)
+    assert by_family == {
+        "GEMM": 4.5,
+        "ddtree tree GDN": 1.5,
+        "ddtree tree attention": 0.45,
+        "torch.compile fused": 0.25,
+        "copies": 0.1,
+        "other": 0.05,
+    }
+    table = gpu_profile.family_comparison(by_family, gpu_profile.gpu_ms_by_family(chain, tokens=2))
+    lines = table.splitlines()
+    assert lines[1].split()[:3] == ["ddtree", "tree", "GDN"] and lines[1].endswith("+1.500")  # largest difference
+    assert "vLLM GDN" in table and lines[-1].split()[-1] == "+1.850"  # 6.85 against 5.0 ms of GPU work
