@@ -19,7 +19,7 @@ def test_drafting_continues_near_max_model_len_while_the_drafters_depth_fits():
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=None)
     runner.effective_drafter_max_model_len = 1024
-    runner.use_async_scheduling = False
+    runner.use_async_scheduling, runner._ddtree_plan = False, None
     fits = runner._input_fits_in_drafter
     assert fits(SimpleNamespace(max_seq_len=1024 - 16)) is True  # 16 queries end exactly at max_model_len
     assert fits(SimpleNamespace(max_seq_len=1024 - 15)) is False
@@ -33,6 +33,40 @@ def test_drafting_continues_near_max_model_len_while_the_drafters_depth_fits():
     assert fits(SimpleNamespace(max_seq_len=1024 - 16 + 60)) is True
     runner.input_batch.num_computed_tokens_cpu[1] += 1
     assert fits(SimpleNamespace(max_seq_len=1024 - 16 + 60)) is False
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_request_verifying_a_tree_grows_at_most_by_its_depth_before_drafting(asynchronous):
+    """Once its tree is verified a request is at most its root plus the tree's deepest path longer, not all its
+    scheduled nodes: the drafter's fit below max_model_len counts that (for budget 64 up to 48 tokens earlier
+    drafting stopped; for 256, 240). Requests without a tree count what was scheduled."""
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(3)
+    store = TreeStore(budget=20)
+    lp = np.sort(rng.normal(size=(1, 6, 4)), axis=-1)[..., ::-1]
+    lp = (lp - np.log(np.exp(lp).sum(-1, keepdims=True))).astype(np.float32)
+    lists = store.propose(["t"], lp, np.tile(np.arange(4, dtype=np.int32), (1, 6, 1)))
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_cfg = DDTreeConfig(budget=20, draft_len=6, top_k=None)
+    runner.effective_drafter_max_model_len = 1000
+    runner.use_async_scheduling = asynchronous
+    # Request 0 prefills 30 tokens from 0; request 1 verifies a whole tree of 20 drafts from `start`.
+    start = 900
+    runner._ddtree_plan = plan_verify(store, ["p", "t"], np.array([0, start]), np.array([30, 21]), {"t": lists[0]})
+    deepest = int(runner._ddtree_plan.trees.depths.max())
+    assert deepest < 20  # the bound below is tighter than the scheduled count
+    runner.input_batch = SimpleNamespace(num_reqs=2, num_computed_tokens_cpu=np.array([0, start]))
+    runner.num_scheduled_tokens = SimpleNamespace(np=np.array([30, 21]))
+    metadata = SimpleNamespace(max_seq_len=start + 21)  # what vLLM's check reads: every node accepted
+    fits = runner._input_fits_in_drafter
+    limit = start + 1 + deepest + 6 + 1  # the longest request after the step, then the drafter's L + 1 queries
+    runner.effective_drafter_max_model_len = limit
+    assert fits(metadata) is True and limit < start + 21 + 6 + 1  # vLLM's count would have stopped drafting
+    runner.effective_drafter_max_model_len = limit - 1
+    assert fits(metadata) is False
 
 
 def test_kv_moves_share_one_index_across_the_layers_of_a_group():

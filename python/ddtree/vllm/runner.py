@@ -593,20 +593,37 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
         vLLM counts ``num_speculative_tokens`` queries, which for ddtree is the budget B: every request within
         ``B + 1`` tokens of max_model_len stopped the whole batch's drafting, so such requests verified no tree
-        (budget 64 and 256 decoded one token per step there). The drafter queries ``L + 1`` positions; vLLM's
-        scheduler already cuts the scheduled trees to what fits, and a cut tree is the best tree of the
-        smaller budget (``plan_verify`` rebuilds it).
+        (budget 64 and 256 decoded one token per step there). The drafter queries ``L + 1`` positions after the
+        longest sequence the step can leave (:meth:`_ddtree_longest_after_step`); vLLM's scheduler already cuts
+        the scheduled trees to what fits, and a cut tree is the best tree of the smaller budget (``plan_verify``
+        rebuilds it).
         """
         if common_attn_metadata is None or self.ddtree_cfg.draft_len is None:
             return super()._input_fits_in_drafter(common_attn_metadata)
-        max_seq_len = common_attn_metadata.max_seq_len
-        if self.use_async_scheduling:
-            # The metadata's lengths were built from vLLM's optimistic counts (every placeholder of the last step
-            # accepted: up to a tree too long); vLLM has corrected the counts since, before sampling.
-            num_reqs = self.input_batch.num_reqs
-            lengths = self.input_batch.num_computed_tokens_cpu[:num_reqs] + self.num_scheduled_tokens.np[:num_reqs]
-            max_seq_len = int(lengths.max()) if num_reqs else max_seq_len
-        return max_seq_len + self.ddtree_cfg.draft_len + 1 <= self.effective_drafter_max_model_len
+        longest = self._ddtree_longest_after_step()
+        if longest is None:
+            longest = common_attn_metadata.max_seq_len
+        return longest + self.ddtree_cfg.draft_len + 1 <= self.effective_drafter_max_model_len
+
+    def _ddtree_longest_after_step(self) -> Optional[int]:
+        """The longest sequence a request can have once this step is verified, from the engine's counts: a request
+        verifying a tree grows by its root and at most its tree's depth (not by every node scheduled: up to B - L
+        tokens less for a whole tree), any other by what was scheduled. The counts are exact at sampling, also under
+        asynchronous scheduling (vLLM corrects its optimistic ones before; the attention metadata's lengths stay
+        optimistic by up to a tree). None: synchronous and no tree verified (the metadata's lengths are exact)."""
+        plan = self._ddtree_plan
+        if plan is None and not self.use_async_scheduling:
+            return None
+        num_reqs = self.input_batch.num_reqs
+        if not num_reqs:
+            return None
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        lengths = computed + self.num_scheduled_tokens.np[:num_reqs]
+        if plan is not None:
+            trees = plan.trees
+            deepest = np.maximum.reduceat(trees.depths, trees.node_offsets[:-1].astype(np.int64))
+            lengths[plan.batch_index] = computed[plan.batch_index] + 1 + deepest
+        return int(lengths.max())
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def _ddtree_full_graphs(self) -> bool:
