@@ -131,8 +131,10 @@ def child(args):
             row["host_ms_per_verify_step"] = timed_host_ms(window_start, summary)
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
-            # What smaller budgets would have accepted on the same trees (engine life so far, warm-ups included).
+            # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (engine life so
+            # far, warm-ups included): the chain's figure beside the dflash engine's own measured one.
             row["acceptance_length_if_budget"] = summary.get("acceptance_length_if_budget", {})
+            row["acceptance_length_if_chain"] = summary.get("acceptance_length_if_chain", {})
         rows.append(row)
         # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:

@@ -285,7 +285,7 @@ def test_stats_say_what_smaller_trees_would_have_accepted(seed):
             prefix_token[(j, prefix)] = target[lo + i]
     stats = DDTreeStats(depth, smaller_budgets=(8, 16, 32))
     stats.observe(plan, accept(plan, target, depth + 1))
-    summary = stats.smaller_trees_summary()
+    summary = stats.what_if.summary()["budgets"]
     for small in (8, 16, 32):
         kept = []
         for j in range(2):  # the whole trees
@@ -309,7 +309,7 @@ def test_filler_trees_are_not_counted_as_what_smaller_trees_would_accept():
     assert plan.num_filler_trees == 1 and plan.filler_mask.tolist() == [True]
     stats = DDTreeStats(4, smaller_budgets=(8,))
     stats.observe(plan, accept(plan, np.zeros(plan.num_tokens, dtype=np.int64), 5))  # token 0: the filler's own
-    assert stats.trees == 1 and stats.accepted > 0 and stats.smaller_trees_summary() == {}
+    assert stats.trees == 1 and stats.accepted > 0 and stats.what_if.summary() == {"budgets": {}, "chain": {}}
 
 
 def test_smaller_budgets_are_a_ladder_below_the_largest_with_the_schedules():

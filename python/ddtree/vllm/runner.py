@@ -75,6 +75,7 @@ from ddtree.vllm.graphs import (
 )
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_token_layout
+from ddtree.vllm.what_if import WhatIfAcceptance
 
 logger = get_logger(__name__)
 
@@ -100,12 +101,8 @@ class DDTreeStats:
         # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit); GPU waits are outside the timed blocks.
         self.host_seconds: Dict[str, float] = {}
         self.steps_by_budget: Dict[int, int] = {}  # verify steps by the budget their trees were proposed with
-        # What smaller trees would have accepted (``observe_paths``): per budget in ``smaller_budgets``, the whole,
-        # proposed trees of a larger budget counted, the drafts they accepted, and the drafts the smaller tree keeps.
-        self.smaller_budgets = np.asarray(sorted(smaller_budgets), dtype=np.int64)
-        self.if_smaller_trees = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
-        self.if_smaller_accepted_own = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
-        self.if_smaller_accepted = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
+        # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``).
+        self.what_if = WhatIfAcceptance(smaller_budgets)
 
     @contextlib.contextmanager
     def timed(self, part: str):
@@ -134,27 +131,7 @@ class DDTreeStats:
         ``path_lengths`` ``[R]`` of them)."""
         acc = np.asarray(path_lengths, dtype=np.int64) - 1
         self.observe_counts(plan, acc)
-        if self.smaller_budgets.size:
-            self._observe_smaller_trees(plan, np.asarray(paths, dtype=np.int64), acc)
-
-    def _observe_smaller_trees(self, plan: VerifyPlan, paths: np.ndarray, acc: np.ndarray) -> None:
-        """The tree of budget ``c`` is the first ``c`` drafts of a larger tree's pop order (best-first, parents
-        first), and the target's token at a node depends only on the node's prefix: so a whole tree's accepted path
-        keeps, with budget ``c``, exactly its drafts numbered ``<= c`` (exact for greedy decoding, the same in
-        distribution when sampling). Cut trees and fillers are left out (not the trees a smaller budget builds)."""
-        whole = plan.num_nodes == plan.proposed_budgets + 1
-        if plan.filler_mask is not None:
-            whole &= ~plan.filler_mask
-        drafts = paths[:, 1:]
-        on_path = np.arange(drafts.shape[1])[None, :] < acc[:, None]
-        for j, budget in enumerate(self.smaller_budgets):
-            counted = whole & (plan.proposed_budgets > budget)
-            if not counted.any():
-                continue
-            kept = ((drafts[counted] <= budget) & on_path[counted]).sum(axis=1)
-            self.if_smaller_trees[j] += int(counted.sum())
-            self.if_smaller_accepted_own[j] += int(acc[counted].sum())
-            self.if_smaller_accepted[j] += int(kept.sum())
+        self.what_if.observe(plan, paths, acc)
 
     def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
         """One verify step whose trees accepted ``acc`` ``[R]`` drafts each."""
@@ -172,21 +149,6 @@ class DDTreeStats:
         # accepted_per_depth[d] = trees whose accepted path reached depth d
         reached = counts[::-1].cumsum()[::-1][: self.accepted_per_depth.shape[0]]
         self.accepted_per_depth[: reached.shape[0]] += reached
-
-    def smaller_trees_summary(self) -> Dict[int, Dict[str, float]]:
-        """Per smaller budget with trees counted: the mean acceptance length (bonus included) those trees had and
-        would have had with that budget."""
-        out = {}
-        for budget, trees, own, kept in zip(
-            self.smaller_budgets, self.if_smaller_trees, self.if_smaller_accepted_own, self.if_smaller_accepted
-        ):
-            if trees:
-                out[int(budget)] = {
-                    "trees": int(trees),
-                    "acceptance_length": 1.0 + kept / trees,
-                    "acceptance_length_at_own_budget": 1.0 + own / trees,
-                }
-        return out
 
     def summary(self) -> Dict[str, object]:
         trees = max(self.trees, 1)
@@ -206,7 +168,7 @@ class DDTreeStats:
             "mean_draft_nodes": self.nodes / trees,
             "mean_acceptance_length": 1.0 + self.accepted / trees,
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
-            "acceptance_length_if_budget": self.smaller_trees_summary(),
+            **{f"acceptance_length_if_{what}": result for what, result in self.what_if.summary().items()},
             "host_ms_per_verify_step": {
                 part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.host_seconds.items())
             },

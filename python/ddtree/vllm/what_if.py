@@ -1,0 +1,117 @@
+"""What the engine's own trees say about other drafts: smaller budgets, and the DFlash chain.
+
+Every verified tree answers two questions besides its own acceptance, at no cost to the step:
+
+* **A smaller budget** ``c``: the tree of budget ``c`` is the first ``c`` drafts of a larger tree's pop order
+  (best-first, parents first), and the target's token at a node depends only on the node's prefix, so the accepted
+  path keeps, with budget ``c``, exactly its drafts numbered ``<= c``. Only whole trees that are the drafter's own
+  proposal count (a cut tree is not the tree a smaller budget builds; a filler tree has no drafter).
+* **The chain** vLLM's DFlash proposer would have verified from the same state: the drafter's top-1 token at each
+  of the L depths. A DFlash drafter predicts every depth from one pass, so the top-1 token at depth ``d`` is the
+  tree's rank-0 child at depth ``d`` wherever the tree has one, and a node is rank 0 exactly when it is the first
+  child of its parent in pop order. The chain accepts the accepted path's leading run of first children; it is
+  known to stop there when that run is not the whole path (the target took another child) or when its last node's
+  first child is in the tree (the target refused it). Otherwise, when the run ends at a leaf above depth L, the
+  chain's next draft is not in the tree: the count is a lower bound, and such trees are counted as ``censored``.
+
+Greedy decoding makes both exact; sampled, they hold in distribution. Pure numpy: CI tests it on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import numpy as np
+
+
+class WhatIfAcceptance:
+    """Counts, over verified trees, what smaller budgets and the chain would have accepted."""
+
+    def __init__(self, smaller_budgets: Sequence[int] = ()):
+        self.smaller_budgets = np.asarray(sorted(smaller_budgets), dtype=np.int64)
+        # Per smaller budget: trees counted, the drafts they accepted, the drafts the smaller tree keeps.
+        self.budget_trees = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
+        self.budget_accepted_own = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
+        self.budget_accepted = np.zeros(self.smaller_budgets.shape[0], dtype=np.int64)
+        # The chain: trees counted, their own accepted drafts, the chain's (a lower bound where censored).
+        self.chain_trees = 0
+        self.chain_accepted_own = 0
+        self.chain_accepted = 0
+        self.chain_censored = 0
+
+    def observe(self, plan, paths: np.ndarray, accepted: np.ndarray) -> None:
+        """One verify step: ``paths`` ``[R, P]`` tree-local accepted nodes from the root, ``accepted`` ``[R]``
+        drafts accepted (path length - 1), for the plan's trees (``plan.trees``, ``num_nodes``,
+        ``proposed_budgets``, ``filler_mask``)."""
+        paths = np.asarray(paths, dtype=np.int64)
+        accepted = np.asarray(accepted, dtype=np.int64)
+        proposal = np.ones(accepted.shape[0], dtype=bool)
+        if plan.filler_mask is not None:
+            proposal &= ~plan.filler_mask
+        on_path = np.arange(paths.shape[1] - 1)[None, :] < accepted[:, None]
+        self._observe_budgets(plan, paths[:, 1:], on_path, accepted, proposal)
+        self._observe_chain(plan, paths, on_path, accepted, proposal)
+
+    def _observe_budgets(self, plan, drafts, on_path, accepted, proposal) -> None:
+        whole = proposal & (plan.num_nodes == plan.proposed_budgets + 1)
+        for j, budget in enumerate(self.smaller_budgets):
+            counted = whole & (plan.proposed_budgets > budget)
+            if not counted.any():
+                continue
+            kept = ((drafts[counted] <= budget) & on_path[counted]).sum(axis=1)
+            self.budget_trees[j] += int(counted.sum())
+            self.budget_accepted_own[j] += int(accepted[counted].sum())
+            self.budget_accepted[j] += int(kept.sum())
+
+    def _observe_chain(self, plan, paths, on_path, accepted, proposal) -> None:
+        if not proposal.any():
+            return
+        trees = plan.trees
+        offsets = np.asarray(trees.node_offsets, dtype=np.int64)
+        first_child = first_children(np.asarray(trees.parents, dtype=np.int64), offsets)
+        nodes = offsets[:-1, None] + paths  # global node of each path entry (unused entries: the root)
+        rank0 = (first_child[nodes[:, :-1]] == nodes[:, 1:]) & on_path
+        chain = np.cumprod(rank0, axis=1).sum(axis=1)
+        last = np.take_along_axis(nodes, accepted[:, None], axis=1)[:, 0]
+        censored = (chain == accepted) & (first_child[last] < 0) & (accepted < trees.draft_depth)
+        self.chain_trees += int(proposal.sum())
+        self.chain_accepted_own += int(accepted[proposal].sum())
+        self.chain_accepted += int(chain[proposal].sum())
+        self.chain_censored += int(censored[proposal].sum())
+
+    def summary(self) -> Dict[str, object]:
+        """``{"budgets": {c: ...}, "chain": ...}``: mean acceptance lengths (bonus included) of the counted trees at
+        their own budget and as the smaller tree or the chain would have had them."""
+        budgets = {}
+        for budget, trees, own, kept in zip(
+            self.smaller_budgets, self.budget_trees, self.budget_accepted_own, self.budget_accepted
+        ):
+            if trees:
+                budgets[int(budget)] = {
+                    "trees": int(trees),
+                    "acceptance_length": 1.0 + kept / trees,
+                    "acceptance_length_at_own_budget": 1.0 + own / trees,
+                }
+        chain = {}
+        if self.chain_trees:
+            chain = {
+                "trees": self.chain_trees,
+                "acceptance_length": 1.0 + self.chain_accepted / self.chain_trees,
+                "acceptance_length_of_the_trees": 1.0 + self.chain_accepted_own / self.chain_trees,
+                "censored_trees": self.chain_censored,
+            }
+        return {"budgets": budgets, "chain": chain}
+
+
+def first_children(parents: np.ndarray, node_offsets: np.ndarray) -> np.ndarray:
+    """``[T]``: each node's first child in pop order as a flat node index, -1 for a leaf (trees in flat CSR
+    buffers: ``parents`` tree-local, -1 for each root)."""
+    total = parents.shape[0]
+    tree_of = np.repeat(np.arange(node_offsets.shape[0] - 1), np.diff(node_offsets))
+    children = np.flatnonzero(parents >= 0)
+    flat_parents = parents[children] + node_offsets[tree_of[children]]
+    first = np.full(total, -1, dtype=np.int64)
+    # Children follow their parent in pop order, in increasing index: the first occurrence is the first child.
+    unique, at = np.unique(flat_parents, return_index=True)
+    first[unique] = children[at]
+    return first

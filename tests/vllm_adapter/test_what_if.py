@@ -1,0 +1,107 @@
+"""What the engine's trees say about other drafts (``ddtree.vllm.what_if``), against drafts built and walked anew."""
+
+import numpy as np
+import pytest
+
+from ddtree.vllm.step import PLACEHOLDER, TreeStore, accept, plan_verify
+from ddtree.vllm.what_if import WhatIfAcceptance, first_children
+
+
+def test_first_children_in_flat_trees():
+    # Two trees: 0 -> {1, 2}, 1 -> {3}; and 0 -> {1}, 1 -> {2, 3}.
+    parents = np.array([-1, 0, 0, 1, -1, 0, 1, 1])
+    offsets = np.array([0, 4, 8])
+    assert first_children(parents, offsets).tolist() == [1, 3, -1, -1, 5, 6, -1, -1]
+
+
+def _proposal(rng, requests, depth, width):
+    ids = np.stack([rng.permutation(40)[:width] for _ in range(requests * depth)]).reshape(requests, depth, width)
+    lp = np.sort(rng.normal(size=(requests, depth, width)) * 1.5, axis=-1)[..., ::-1]
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    return lp.astype(np.float32), ids.astype(np.int32)
+
+
+def _prefixes(tree):
+    out = [()]
+    for i in range(1, len(tree)):
+        out.append(out[tree.parents[i]] + (int(tree.tokens[i - 1]),))
+    return out
+
+
+def _chain_walk(top1, index_of, target_at):
+    """The DFlash chain's drafts ``top1`` walked where the tree knows the target's token: (accepted, censored)."""
+    prefix, accepted = (), 0
+    for token in top1:
+        child = prefix + (int(token),)
+        if child not in index_of:
+            return accepted, True  # the chain's next draft is not in the tree: unknown from here
+        if target_at[index_of[prefix]] != token:
+            return accepted, False
+        prefix, accepted = child, accepted + 1
+    return accepted, False
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_chain_accepts_what_it_would_have_accepted_from_the_same_state(seed):
+    """The chain's drafts are the top-1 token at each depth; walked with the target's tokens where the tree has the
+    prefix, they give what the statistics report, and the trees where the chain's next draft is not in the tree
+    are the censored ones (their count a lower bound). A cut tree counts (from what it kept); a filler does not."""
+    rng = np.random.default_rng(seed)
+    depth, width, budget, requests = 4, 3, 14, 8
+    lp, ids = _proposal(rng, requests, depth, width)
+    names = [f"r{j}" for j in range(requests)]
+    store = TreeStore(budget=budget)
+    lists = store.propose(names, lp, ids)
+    scheduled = dict(zip(names, lists))
+    scheduled[names[-1]] = lists[-1][:6]  # cut by the scheduler
+    scheduled["f"] = [PLACEHOLDER] * budget  # placeholders without a proposal: a filler tree
+    num_scheduled = np.array([len(scheduled[n]) + 1 for n in names + ["f"]])
+    plan = plan_verify(
+        store, names + ["f"], np.full(requests + 1, 4), num_scheduled, scheduled, unproposed=(depth, width)
+    )
+    assert plan.filler_mask.tolist() == [False] * requests + [True]
+    target = np.full(plan.num_tokens, 999, dtype=np.int64)
+    trees, expected, censored = plan.trees, 0, 0
+    for j in range(requests + 1):
+        tree = trees[j]
+        lo = int(trees.node_offsets[j])
+        for i in range(len(tree)):
+            children = [k for k in range(1, len(tree)) if tree.parents[k] == i]
+            if children and rng.random() < 0.8:  # mostly the first child (the chain's), sometimes another
+                pick = children[0] if rng.random() < 0.6 else rng.choice(children)
+                target[lo + i] = tree.tokens[pick - 1]
+        if j < requests:
+            index_of = {p: i for i, p in enumerate(_prefixes(tree))}
+            walked, unknown = _chain_walk(ids[j, :, 0], index_of, target[lo : lo + len(tree)])
+            expected, censored = expected + walked, censored + unknown
+    walk = accept(plan, target, depth + 1)
+    what_if = WhatIfAcceptance()
+    what_if.observe(plan, walk.paths, walk.path_lengths - 1)
+    chain = what_if.summary()["chain"]
+    assert chain["trees"] == requests and chain["censored_trees"] == censored
+    assert chain["acceptance_length"] == pytest.approx(1.0 + expected / requests)
+    own = walk.path_lengths[:requests] - 1
+    assert chain["acceptance_length_of_the_trees"] == pytest.approx(1.0 + own.sum() / requests)
+    assert what_if.chain_accepted <= own.sum()  # the tree holds the chain's accepted drafts
+
+
+def test_the_cases_the_chain_test_covers():
+    """The seeds above reach every case: chains that stop below the tree's path, censored chains, chains through
+    all L depths (not censored)."""
+    seen = {"shorter": 0, "censored": 0, "full_depth": 0}
+    original = WhatIfAcceptance._observe_chain
+
+    def spy(self, plan, paths, on_path, accepted, proposal):
+        before = (self.chain_accepted, self.chain_censored)
+        original(self, plan, paths, on_path, accepted, proposal)
+        seen["shorter"] += self.chain_accepted - before[0] < int(accepted[proposal].sum())
+        seen["censored"] += self.chain_censored > before[1]
+        seen["full_depth"] += int((accepted[proposal] == plan.trees.draft_depth).sum())
+
+    WhatIfAcceptance._observe_chain = spy
+    try:
+        for seed in range(10):
+            test_the_chain_accepts_what_it_would_have_accepted_from_the_same_state(seed)
+    finally:
+        WhatIfAcceptance._observe_chain = original
+    assert all(seen.values()), seen
