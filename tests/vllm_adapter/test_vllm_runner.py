@@ -312,6 +312,23 @@ def test_filler_trees_are_not_counted_as_what_smaller_trees_would_accept():
     assert stats.trees == 1 and stats.accepted > 0 and stats.what_if.summary() == {"budgets": {}, "chain": {}}
 
 
+def test_what_if_counts_a_systematic_sample_of_the_steps():
+    from ddtree.vllm.runner import WHAT_IF_EVERY, DDTreeStats
+    from ddtree.vllm.step import TreeStore, accept, plan_verify
+
+    stats = DDTreeStats(4, smaller_budgets=(8,))
+    rng = np.random.default_rng(0)
+    lp = np.sort(rng.normal(size=(1, 4, 5)), axis=-1)[..., ::-1]
+    lp = (lp - np.log(np.exp(lp).sum(-1, keepdims=True))).astype(np.float32)
+    steps = 2 * WHAT_IF_EVERY + 1
+    for _ in range(steps):
+        store = TreeStore(budget=20)
+        lists = store.propose(["a"], lp, np.tile(np.arange(5, dtype=np.int32), (1, 4, 1)))
+        plan = plan_verify(store, ["a"], np.array([4]), np.array([21]), {"a": lists[0]})
+        stats.observe(plan, accept(plan, np.zeros(plan.num_tokens, dtype=np.int64), 5))
+    assert stats.steps == steps and stats.what_if.chain_trees == 3 and stats.what_if.budget_trees.tolist() == [3]
+
+
 def test_smaller_budgets_are_a_ladder_below_the_largest_with_the_schedules():
     from ddtree.vllm.config import DDTreeConfig, smaller_budgets
 

@@ -4,14 +4,7 @@ import numpy as np
 import pytest
 
 from ddtree.vllm.step import PLACEHOLDER, TreeStore, accept, plan_verify
-from ddtree.vllm.what_if import WhatIfAcceptance, first_children
-
-
-def test_first_children_in_flat_trees():
-    # Two trees: 0 -> {1, 2}, 1 -> {3}; and 0 -> {1}, 1 -> {2, 3}.
-    parents = np.array([-1, 0, 0, 1, -1, 0, 1, 1])
-    offsets = np.array([0, 4, 8])
-    assert first_children(parents, offsets).tolist() == [1, 3, -1, -1, 5, 6, -1, -1]
+from ddtree.vllm.what_if import WhatIfAcceptance
 
 
 def _proposal(rng, requests, depth, width):

@@ -209,6 +209,7 @@ class VerifyPlan:
     # no drafter, counted apart (their drafts are never the target's but cost a verification).
     num_filler_trees: int = 0
     filler_mask: Optional[np.ndarray] = None  # [R_t] bool: which trees are fillers (None: none is)
+    top1_tokens: Optional[np.ndarray] = None  # [R_t, L] the drafter's top-1 token per depth (the chain's drafts)
     # Placeholder drafts were scheduled (late trees): every draft node's index among the step's tokens and its token,
     # for the runner to write into the input ids (None: vLLM's input ids already hold the drafts).
     draft_step_index: Optional[np.ndarray] = None  # [T - R_t] int64
@@ -341,6 +342,7 @@ def plan_verify(
     if any(filler):
         plan.filler_mask = np.array(filler, dtype=bool)
         plan.num_filler_trees = int(plan.filler_mask.sum())
+    plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])  # the top-K rows are sorted
     return plan
 
 

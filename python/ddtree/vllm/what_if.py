@@ -7,12 +7,14 @@ Every verified tree answers two questions besides its own acceptance, at no cost
   path keeps, with budget ``c``, exactly its drafts numbered ``<= c``. Only whole trees that are the drafter's own
   proposal count (a cut tree is not the tree a smaller budget builds; a filler tree has no drafter).
 * **The chain** vLLM's DFlash proposer would have verified from the same state: the drafter's top-1 token at each
-  of the L depths. A DFlash drafter predicts every depth from one pass, so the top-1 token at depth ``d`` is the
-  tree's rank-0 child at depth ``d`` wherever the tree has one, and a node is rank 0 exactly when it is the first
-  child of its parent in pop order. The chain accepts the accepted path's leading run of first children; it is
-  known to stop there when that run is not the whole path (the target took another child) or when its last node's
-  first child is in the tree (the target refused it). Otherwise, when the run ends at a leaf above depth L, the
-  chain's next draft is not in the tree: the count is a lower bound, and such trees are counted as ``censored``.
+  of the L depths (``plan.top1_tokens``; a DFlash drafter predicts every depth from one pass, so these are the
+  tree's rank-0 tokens at every depth). The chain accepts the accepted path's leading run of top-1 tokens, and
+  is known to stop there when that run is not the whole path (the target took another child) or when the tree
+  goes deeper than the path: the run's nodes are then the tree's best nodes at their depths, the tree holds the
+  best node one depth further (a prefix of pop order holds a depth's best node before any other), which is the
+  chain's next draft, and the target refused it. When the tree goes no deeper than the path and the path is
+  above depth L, the chain's next draft is not in the tree: the count is a lower bound, and such trees are counted
+  as ``censored``.
 
 Greedy decoding makes both exact; sampled, they hold in distribution. Pure numpy: CI tests it on CPU.
 """
@@ -53,27 +55,28 @@ class WhatIfAcceptance:
         self._observe_chain(plan, paths, on_path, accepted, proposal)
 
     def _observe_budgets(self, plan, drafts, on_path, accepted, proposal) -> None:
+        if not self.smaller_budgets.size:
+            return
         whole = proposal & (plan.num_nodes == plan.proposed_budgets + 1)
-        for j, budget in enumerate(self.smaller_budgets):
-            counted = whole & (plan.proposed_budgets > budget)
-            if not counted.any():
-                continue
-            kept = ((drafts[counted] <= budget) & on_path[counted]).sum(axis=1)
-            self.budget_trees[j] += int(counted.sum())
-            self.budget_accepted_own[j] += int(accepted[counted].sum())
-            self.budget_accepted[j] += int(kept.sum())
+        budgets = self.smaller_budgets[:, None]
+        counted = whole[None, :] & (plan.proposed_budgets[None, :] > budgets)  # [C, R]
+        kept = ((drafts[None, :, :] <= budgets[:, :, None]) & on_path[None, :, :]).sum(axis=2)  # [C, R]
+        self.budget_trees += counted.sum(axis=1)
+        self.budget_accepted_own += counted @ accepted
+        self.budget_accepted += (counted * kept).sum(axis=1)
 
     def _observe_chain(self, plan, paths, on_path, accepted, proposal) -> None:
-        if not proposal.any():
+        if not proposal.any() or plan.top1_tokens is None:
             return
         trees = plan.trees
-        offsets = np.asarray(trees.node_offsets, dtype=np.int64)
-        first_child = first_children(np.asarray(trees.parents, dtype=np.int64), offsets)
-        nodes = offsets[:-1, None] + paths  # global node of each path entry (unused entries: the root)
-        rank0 = (first_child[nodes[:, :-1]] == nodes[:, 1:]) & on_path
-        chain = np.cumprod(rank0, axis=1).sum(axis=1)
-        last = np.take_along_axis(nodes, accepted[:, None], axis=1)[:, 0]
-        censored = (chain == accepted) & (first_child[last] < 0) & (accepted < trees.draft_depth)
+        drafts = paths[:, 1:]  # tree-local nodes 1..n (0 where unused); node i's token is tokens[first + i - 1]
+        first_token = np.asarray(trees.token_offsets[:-1], dtype=np.int64)[:, None]
+        tokens = np.asarray(trees.tokens)[np.maximum(first_token + drafts - 1, 0)]
+        top1 = plan.top1_tokens[:, : drafts.shape[1]]
+        chain = np.cumprod((tokens == top1) & on_path, axis=1).sum(axis=1)
+        node_offsets = np.asarray(trees.node_offsets, dtype=np.int64)
+        deepest = np.maximum.reduceat(np.asarray(trees.depths), node_offsets[:-1])
+        censored = (chain == accepted) & (deepest <= accepted) & (accepted < trees.draft_depth)
         self.chain_trees += int(proposal.sum())
         self.chain_accepted_own += int(accepted[proposal].sum())
         self.chain_accepted += int(chain[proposal].sum())
@@ -101,17 +104,3 @@ class WhatIfAcceptance:
                 "censored_trees": self.chain_censored,
             }
         return {"budgets": budgets, "chain": chain}
-
-
-def first_children(parents: np.ndarray, node_offsets: np.ndarray) -> np.ndarray:
-    """``[T]``: each node's first child in pop order as a flat node index, -1 for a leaf (trees in flat CSR
-    buffers: ``parents`` tree-local, -1 for each root)."""
-    total = parents.shape[0]
-    tree_of = np.repeat(np.arange(node_offsets.shape[0] - 1), np.diff(node_offsets))
-    children = np.flatnonzero(parents >= 0)
-    flat_parents = parents[children] + node_offsets[tree_of[children]]
-    first = np.full(total, -1, dtype=np.int64)
-    # Children follow their parent in pop order, in increasing index: the first occurrence is the first child.
-    unique, at = np.unique(flat_parents, return_index=True)
-    first[unique] = children[at]
-    return first
