@@ -1,6 +1,6 @@
 """What the engine's own trees say about other drafts: smaller budgets, and the DFlash chain.
 
-Every verified tree answers two questions besides its own acceptance, at no cost to the step:
+Every verified tree answers two questions besides its own acceptance, without another forward pass:
 
 * **A smaller budget** ``c``: the tree of budget ``c`` is the first ``c`` drafts of a larger tree's pop order
   (best-first, parents first), and the target's token at a node depends only on the node's prefix, so the accepted
