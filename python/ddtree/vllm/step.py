@@ -342,7 +342,8 @@ def plan_verify(
     if any(filler):
         plan.filler_mask = np.array(filler, dtype=bool)
         plan.num_filler_trees = int(plan.filler_mask.sum())
-    plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])  # the top-K rows are sorted
+    if all(r.token_ids is not None for r in records):  # (settled above: always; statistics only, so never raise)
+        plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])  # the top-K rows are sorted
     return plan
 
 
