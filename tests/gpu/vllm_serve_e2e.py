@@ -23,6 +23,7 @@ each written to DIR/vllm_serve_e2e.json as soon as it is done (a run cut short k
   refusals       an oversized max_tokens: 400; structured output: 400 from ddtree (200 from plain, which
                  serves it); no traceback in the server log
   metrics        (ddtree) vllm:spec_decode_ddtree_* present and consistent with vLLM's own counters
+  what_if        (ddtree) the log's "DDTree what-if" line: what the trees say about vLLM's chain
 
 Then `compare`: ddtree's greedy completions against plain's (equal, or the first differing token index).
 The servers' logs are kept as DIR/serve_<engine>.log.
@@ -97,6 +98,19 @@ def scheduling_in_log(log_text: str) -> Optional[str]:
     """ "asynchronous" or "synchronous": how the ddtree engine scheduled, from its start-up line (None: no line)."""
     found = re.search(r"DDTree: budget .*?(asynchronous|synchronous) scheduling \(DDTREE_ASYNC_SCHEDULING\)", log_text)
     return found.group(1) if found else None
+
+
+def what_if_in_log(log_text: str) -> Optional[Dict[str, float]]:
+    """The last "DDTree what-if" line of a server log: trees, their acceptance length and the chain's (None: none)."""
+    found = re.findall(
+        r"DDTree what-if over (\d+) trees: acceptance length ([\d.]+); vLLM's DFlash chain from the same states "
+        r"([\d.]+)",
+        log_text,
+    )
+    if not found:
+        return None
+    trees, own, chain = found[-1]
+    return {"trees": int(trees), "acceptance_length": float(own), "chain_acceptance_length": float(chain)}
 
 
 # ---- the server -----------------------------------------------------------------------------------------------
@@ -340,6 +354,16 @@ def check_scheduling(client, server, data, args) -> Dict:
     return {"ok": found == args.scheduling, "scheduling": found, "expected": args.scheduling}
 
 
+def check_what_if(client, server, data, args) -> Dict:
+    """The ddtree server logged what its trees say about vLLM's chain (on vLLM's statistics interval, after the
+    soak's traffic), with the chain's acceptance length at most the trees'."""
+    server.log.flush()
+    with open(server.log_path) as handle:
+        found = what_if_in_log(handle.read())
+    ok = found is not None and found["trees"] > 0 and found["chain_acceptance_length"] <= found["acceptance_length"]
+    return {"ok": ok, "what_if": found}
+
+
 def check_metrics(client, server, data, args) -> Dict:
     text = server.metrics()
     trees = metric_value(text, "vllm:spec_decode_ddtree_num_trees")
@@ -372,11 +396,12 @@ CHECKS: Dict[str, Callable] = {
     "soak": check_soak,
     "refusals": check_refusals,
     "metrics": check_metrics,
+    "what_if": check_what_if,
 }
 
 
 #: Checks of what only a ddtree server has.
-DDTREE_ONLY_CHECKS = ("scheduling", "metrics")
+DDTREE_ONLY_CHECKS = ("scheduling", "metrics", "what_if")
 
 
 def run_engine(engine: str, args, data, results: Dict, save: Callable[[], None]) -> None:

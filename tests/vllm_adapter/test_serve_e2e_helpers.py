@@ -89,3 +89,13 @@ def test_the_scheduling_mode_is_read_from_the_engines_start_up_line():
     # The runner still writes the line this check reads.
     runner_source = (Path(__file__).resolve().parents[2] / "python" / "ddtree" / "vllm" / "runner.py").read_text()
     assert '"at %s (DDTREE_LATE_TREES), %s scheduling (DDTREE_ASYNC_SCHEDULING)"' in runner_source
+
+
+def test_the_what_if_line_is_read_from_the_server_log():
+    from ddtree.vllm.what_if import WhatIfAcceptance
+
+    what_if = WhatIfAcceptance()
+    what_if.chain_trees, what_if.chain_accepted_own, what_if.chain_accepted = 10, 25, 12
+    log = f"INFO [runner.py:1030] {what_if.log_line()}\nnoise\n"  # the runner's own line
+    assert serve.what_if_in_log(log) == {"trees": 10, "acceptance_length": 3.5, "chain_acceptance_length": 2.2}
+    assert serve.what_if_in_log("INFO nothing here\n") is None

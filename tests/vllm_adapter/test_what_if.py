@@ -98,3 +98,32 @@ def test_the_cases_the_chain_test_covers():
     finally:
         WhatIfAcceptance._observe_chain = original
     assert all(seen.values()), seen
+
+
+def test_the_what_if_line_is_logged_on_the_statistics_interval_after_new_trees():
+    from ddtree.vllm.what_if import PeriodicLog, log_interval
+
+    what_if = WhatIfAcceptance((8,))
+    assert what_if.log_line() is None  # nothing counted yet
+    now = [100.0]
+    log, lines = PeriodicLog(10.0, clock=lambda: now[0]), []
+    log.maybe(what_if, lines.append)
+    what_if.chain_trees, what_if.chain_accepted_own, what_if.chain_accepted, what_if.chain_censored = 4, 8, 4, 1
+    what_if.budget_trees[:], what_if.budget_accepted_own[:], what_if.budget_accepted[:] = 4, 8, 6
+    now[0] = 105.0
+    log.maybe(what_if, lines.append)  # within the interval: nothing
+    assert lines == []
+    now[0] = 111.0
+    log.maybe(what_if, lines.append)
+    assert lines == [
+        "DDTree what-if over 4 trees: acceptance length 3.00; vLLM's DFlash chain from the same states 2.00 (a lower "
+        "bound on 25% of the trees); smaller budgets 8: 2.50"
+    ]
+    now[0] = 130.0
+    log.maybe(what_if, lines.append)  # no new tree since: nothing
+    assert len(lines) == 1
+    assert log_interval({}) == 10.0 and log_interval({"VLLM_LOG_STATS_INTERVAL": "2.5"}) == 2.5
+    assert (
+        log_interval({"VLLM_LOG_STATS_INTERVAL": "soon"}) == 10.0
+        and log_interval({"VLLM_LOG_STATS_INTERVAL": "0"}) == 10.0
+    )

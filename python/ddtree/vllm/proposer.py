@@ -28,7 +28,7 @@ from ddtree.vllm.config import DDTreeConfig
 from ddtree.vllm.step import DeferredProposal, TreeStore
 
 
-def _tensor_parallel_rank() -> int:
+def tensor_parallel_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     try:
@@ -51,7 +51,7 @@ class DDTreeProposer(DFlashProposer):
         # Under tensor parallelism every rank drafts (the drafter's logits are
         # gathered, hence identical), but only the first rank's draft tokens
         # reach vLLM's scheduler: it alone builds trees at proposal.
-        self.builds_drafts = _tensor_parallel_rank() == 0
+        self.builds_drafts = tensor_parallel_rank() == 0
         self._capture: Optional[torch.Tensor] = None
         self._capturing = False
         # Set by the runner before propose(): hidden-state row order and flat positions.

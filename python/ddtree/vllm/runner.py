@@ -50,6 +50,7 @@ from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata
 from ddtree.vllm.counts import LandingCounts
 from ddtree.vllm.min_tokens import MinTokensRequests, Pending
+from ddtree.vllm.proposer import tensor_parallel_rank
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
@@ -75,7 +76,7 @@ from ddtree.vllm.graphs import (
 )
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_token_layout
-from ddtree.vllm.what_if import WhatIfAcceptance
+from ddtree.vllm.what_if import PeriodicLog, WhatIfAcceptance, log_interval
 
 logger = get_logger(__name__)
 
@@ -280,6 +281,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
         # Each row: the path length, then the path (draft_len + 1 entries; ``_ddtree_send_paths``).
         self._ddtree_counts = LandingCounts(self.device, self.max_num_reqs, width=(self.ddtree_cfg.draft_len or 0) + 2)
+        # What the trees say about the chain and smaller budgets, logged on vLLM's statistics interval (rank 0 only).
+        self._ddtree_what_if_log = PeriodicLog(log_interval()) if tensor_parallel_rank() == 0 else None
         # Requests with min_tokens, counted from the engine's token counts (vLLM's processor is wrong for trees
         # under asynchronous scheduling: ``ddtree.vllm.min_tokens``).
         self._ddtree_min_tokens = MinTokensRequests()
@@ -1017,6 +1020,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # The statistics of device-walked steps whose counts have landed (the others at a later step, or when
             # the summary is read): no wait here, where the GPU may still commit and draft.
             self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=False))
+            if self._ddtree_what_if_log is not None:
+                self._ddtree_what_if_log.maybe(self.ddtree_stats.what_if, logger.info)
             self._ddtree_gdn_step = None
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.

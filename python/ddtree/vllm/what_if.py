@@ -21,7 +21,9 @@ Greedy decoding makes both exact; sampled, they hold in distribution. Pure numpy
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+import os
+import time
+from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -104,3 +106,47 @@ class WhatIfAcceptance:
                 "censored_trees": self.chain_censored,
             }
         return {"budgets": budgets, "chain": chain}
+
+    def log_line(self) -> Optional[str]:
+        """The summary as one log line (None before any tree was counted)."""
+        summary = self.summary()
+        chain = summary["chain"]
+        if not chain:
+            return None
+        censored = chain["censored_trees"] / chain["trees"]
+        line = (
+            f"DDTree what-if over {chain['trees']} trees: acceptance length {chain['acceptance_length_of_the_trees']:.2f}; "
+            f"vLLM's DFlash chain from the same states {chain['acceptance_length']:.2f} (a lower bound on "
+            f"{100 * censored:.0f}% of the trees)"
+        )
+        smaller = ", ".join(f"{b}: {s['acceptance_length']:.2f}" for b, s in summary["budgets"].items())
+        return line + (f"; smaller budgets {smaller}" if smaller else "")
+
+
+class PeriodicLog:
+    """Emits :meth:`WhatIfAcceptance.log_line` at most once per ``interval`` seconds, and only after new trees were
+    counted: beside vLLM's own periodic statistics, what a served engine's trees say about the chain and smaller
+    budgets (``collective_rpc("ddtree_summary")`` is not reachable through ``vllm serve``)."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic):
+        self.interval, self.clock = interval, clock
+        self.last = clock()
+        self.trees_logged = 0
+
+    def maybe(self, what_if: WhatIfAcceptance, emit: Callable[[str], None]) -> None:
+        now = self.clock()
+        if now - self.last < self.interval or what_if.chain_trees == self.trees_logged:
+            return
+        self.last, self.trees_logged = now, what_if.chain_trees
+        line = what_if.log_line()
+        if line:
+            emit(line)
+
+
+def log_interval(environ: Mapping[str, str] = os.environ) -> float:
+    """vLLM's statistics interval (``VLLM_LOG_STATS_INTERVAL``, seconds; 10 unset or unreadable)."""
+    try:
+        interval = float(environ.get("VLLM_LOG_STATS_INTERVAL", "10"))
+    except ValueError:
+        return 10.0
+    return interval if interval > 0 else 10.0
