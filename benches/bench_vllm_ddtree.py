@@ -297,7 +297,25 @@ def main():
             f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{mal:.3f}' if mal else '-'):>14}"
             f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}"
         )
+    checks = what_if_chain_checks(table)
+    if checks:
+        print("\nThe chain's acceptance length as ddtree's trees estimate it, against vLLM's dflash in this run:")
+        for engine, batch, estimate, measured in checks:
+            print(f"  {engine} batch {batch}: {estimate:.3f} estimated, {measured:.3f} measured")
     json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
+
+
+def what_if_chain_checks(table: list) -> list:
+    """``(engine, batch, estimated, measured)``: each ddtree row's estimate of the chain's acceptance length from its
+    own trees (``acceptance_length_if_chain``, engine life) beside the dflash engine's measured one at that batch
+    size (a check of the estimate; the two engines' states diverge, so close rather than equal)."""
+    measured = {row["batch"]: row["mean_acceptance_length"] for row in table if row["engine"] == "dflash"}
+    out = []
+    for row in table:
+        estimate = (row.get("acceptance_length_if_chain") or {}).get("acceptance_length")
+        if estimate is not None and measured.get(row["batch"]) is not None:
+            out.append((row["engine"], row["batch"], estimate, measured[row["batch"]]))
+    return out
 
 
 if __name__ == "__main__":

@@ -158,3 +158,16 @@ def test_gpu_time_is_summed_by_kernel_family_and_compared_with_the_chain():
     lines = table.splitlines()
     assert lines[1].split()[:3] == ["ddtree", "tree", "GDN"] and lines[1].endswith("+1.500")  # largest difference
     assert "vLLM GDN" in table and lines[-1].split()[-1] == "+1.850"  # 6.85 against 5.0 ms of GPU work
+
+
+def test_the_chain_estimate_is_set_beside_the_measured_chain_of_the_same_batch():
+    import bench_vllm_ddtree as pair_bench
+
+    table = [
+        {"engine": "dflash", "batch": 1, "mean_acceptance_length": 2.15},
+        {"engine": "dflash", "batch": 8, "mean_acceptance_length": 2.29},
+        {"engine": "ddtree-256-async", "batch": 1, "acceptance_length_if_chain": {"acceptance_length": 2.2}},
+        {"engine": "ddtree-256-async", "batch": 32, "acceptance_length_if_chain": {"acceptance_length": 2.6}},
+        {"engine": "ddtree-64-async", "batch": 8, "acceptance_length_if_chain": {}},  # nothing counted
+    ]
+    assert pair_bench.what_if_chain_checks(table) == [("ddtree-256-async", 1, 2.2, 2.15)]
