@@ -8,7 +8,8 @@ rotary 0.25 with M-RoPE sections [11, 11, 10], vocab 248320, fp32 recurrent stat
 DFlash drafter's shape (5 layers, block 16, target layers [1, 16, 31, 46, 61]). ``load_format="dummy"``
 for both, so the drafter is never accepted and every step emits one token: steps/s = tokens/s per sequence.
 Every engine runs under CUDA graphs as vLLM does by default (FULL_AND_PIECEWISE for vLLM's chain and for
-ddtree, whose whole-tree steps replay FULL graphs); ``--eager`` runs every engine eagerly. Each engine runs in its own subprocess.
+ddtree, whose whole-tree steps replay FULL graphs); ``--eager`` runs every engine eagerly. Each engine runs in its
+own subprocess.
 
 Per engine it prints and writes (DIR/bench_qwen36_shape.json):
 * recurrent-state memory reserved per request (the engine's own KV-cache spec: GDN layers x state blocks
@@ -410,7 +411,8 @@ def main() -> None:
         help="comma-separated switches: ddtree engines time each batch once more per switch in the same process, "
         "the switches turned one after the other and kept: gdn-metadata (patch 10 off), device-accept / "
         "no-device-accept (the tree walk on the device / the host), late-trees / no-late-trees (trees built at the "
-        "next verification / at proposal), no-step-graphs (the walk, plan and KV moves launch by launch instead of CUDA graphs)",
+        "next verification / at proposal), no-step-graphs (the walk, plan and KV moves launch by launch instead of "
+        "CUDA graphs)",
     )
     args = ap.parse_args()
     unknown = [name for name in args.ab.split(",") if name and name not in AB_SWITCHES]

@@ -23,8 +23,9 @@ request before vLLM sees it:
 
 Restrictions of this adapter (each checked, each refused with the
 reason when the user asked for the opposite, see :data:`ENGINE_OVERRIDES`):
-CUDA graphs as :func:`cudagraph_mode_choice` allows, V1 model runner, no async scheduling, no prefix caching, the adapter's own attention backend for the target (CUSTOM) and its
-own worker class, attention-only or Gated-DeltaNet hybrid targets
+CUDA graphs as :func:`cudagraph_mode_choice` allows, V1 model runner, asynchronous scheduling as
+:func:`async_scheduling_choice` decides, no prefix caching, the adapter's own attention backend for the target
+(CUSTOM) and its own worker class, attention-only or Gated-DeltaNet hybrid targets
 (:data:`GDN_ARCHITECTURES`) without sliding windows, unquantized KV cache,
 tensor parallelism only (pipeline/data parallel size 1).
 """
@@ -279,13 +280,15 @@ def override_reason(
     why = next(why for name, _, _, why in ENGINE_OVERRIDES if name == attr)
     if attr != "async_scheduling":
         return why
-    if not async_scheduling_enabled(environ, tensor_parallel_size):
-        switch = environ.get(ASYNC_SCHEDULING_ENV)
+    switch, lacking = _async_scheduling_state(environ, tensor_parallel_size, cfg)
+    if not switch:
+        by_hand = environ.get(ASYNC_SCHEDULING_ENV)
         cause = (
-            f"{ASYNC_SCHEDULING_ENV}={switch}" if switch is not None else f"tensor_parallel_size={tensor_parallel_size}"
+            f"{ASYNC_SCHEDULING_ENV}={by_hand}"
+            if by_hand is not None
+            else f"tensor_parallel_size={tensor_parallel_size}"
         )
         return f"{why}; synchronous here: {cause}"
-    lacking = async_scheduling_lacks(_late_device_walk(environ, tensor_parallel_size), cfg)
     return f"{why}; synchronous here: it needs {'; '.join(lacking)}" if lacking else why
 
 
@@ -327,7 +330,8 @@ def engine_overrides(
     backend = getattr(attention_config, "backend", None)
     if backend is not None and getattr(backend, "name", backend) != ATTENTION_BACKEND:
         raise DDTreeConfigError(
-            f"method 'ddtree' needs the target's attention backend {ATTENTION_BACKEND}, got attention_config.backend={backend}"
+            f"method 'ddtree' needs the target's attention backend {ATTENTION_BACKEND}, "
+            f"got attention_config.backend={backend}"
         )
     if backend is not None and "attention_backend" in changes:
         del changes["attention_backend"]  # set through attention_config already; both would conflict
@@ -417,9 +421,18 @@ def async_scheduling_enabled(environ: Mapping[str, str] = os.environ, tensor_par
     return env_switch(environ, ASYNC_SCHEDULING_ENV, _on_with_one_gpu(tensor_parallel_size), meanings)
 
 
-def _late_device_walk(environ: Mapping[str, str], tensor_parallel_size: int) -> bool:
-    """Whether the switches give late trees walked on the device (what asynchronous scheduling builds on)."""
-    return device_accept_enabled(environ, tensor_parallel_size) and late_trees_enabled(environ, tensor_parallel_size)
+def _async_scheduling_state(
+    environ: Mapping[str, str], tensor_parallel_size: int, cfg: Optional["DDTreeConfig"]
+) -> Tuple[bool, List[str]]:
+    """``(switch, lacking)``: the ``DDTREE_ASYNC_SCHEDULING`` switch, and what the engine lacks for asynchronous
+    scheduling when the switch is on (:func:`async_scheduling_lacks` of the walk and late-tree switches)."""
+    switch = async_scheduling_enabled(environ, tensor_parallel_size)
+    if not switch:
+        return False, []
+    late_device_walk = device_accept_enabled(environ, tensor_parallel_size) and late_trees_enabled(
+        environ, tensor_parallel_size
+    )
+    return True, async_scheduling_lacks(late_device_walk, cfg)
 
 
 def async_scheduling_lacks(
@@ -452,9 +465,8 @@ def async_scheduling_choice(
     user's ``True`` needs the switch on and nothing :func:`async_scheduling_lacks` lists. A switch set to 1 by
     hand on an engine that lacks something is refused rather than quietly run synchronously.
     """
-    switch = async_scheduling_enabled(environ, tensor_parallel_size)
+    switch, lacking = _async_scheduling_state(environ, tensor_parallel_size, cfg)
     set_by_hand = ASYNC_SCHEDULING_ENV in environ
-    lacking = async_scheduling_lacks(_late_device_walk(environ, tensor_parallel_size), cfg) if switch else []
     if user_value is False:
         if set_by_hand and switch:
             raise DDTreeConfigError(

@@ -1,8 +1,8 @@
 """The accepted paths of device-walked steps, on their way to the host for the statistics.
 
 With the tree walk on the device (``device_accept``) the host learns what each tree accepted only from a copy of
-the walk's ``path_lengths`` and ``paths`` (one ``[R, 1 + P]`` row per tree: the length, then the path). A synchronous engine reads it at the end of the step (it landed with the chain
-rows vLLM's bookkeeping waited for). Under asynchronous scheduling the host runs a step ahead of the GPU, and a
+the walk's ``path_lengths`` and ``paths`` (one ``[R, 1 + P]`` row per tree: the length, then the path). A
+synchronous engine reads it at the end of the step (it landed with the chain rows vLLM's bookkeeping waited for). Under asynchronous scheduling the host runs a step ahead of the GPU, and a
 wait there would stall it; so each step's copy goes into its own pinned slot, and a step is counted once its copy
 has landed (``Event.query``), at the latest when every slot is in flight.
 
@@ -31,8 +31,8 @@ class LandingCounts:
         self._in_flight: Deque[Tuple[int, int, Any]] = deque()
 
     def send(self, counts: torch.Tensor, tag: Any) -> Optional[Tuple[Any, np.ndarray]]:
-        """Starts the copy of ``counts`` ``[R]`` (or ``[R, width]``); returns the oldest step's ``(tag, counts)`` when its slot had to be
-        read first to make room (None otherwise)."""
+        """Starts the copy of ``counts`` ``[R]`` (or ``[R, width]``); returns the oldest step's ``(tag, counts)`` when
+        its slot had to be read first to make room (None otherwise)."""
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
         evicted = None

@@ -23,8 +23,9 @@ Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
 ``take_draft_token_ids`` placeholder drafts of each tree's size (the proposer did not wait
                         for its top-K).
 
-Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING``, on by default with one GPU) ``_prepare_inputs`` publishes the step from
-vLLM's counts only and ``_preprocess``, after vLLM's metadata builds, does the rest of the plan.
+Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING``, on by default with one GPU) ``_prepare_inputs``
+publishes the step from vLLM's counts only and ``_preprocess``, after vLLM's metadata builds, does the rest of the
+plan.
 """
 
 from __future__ import annotations
@@ -286,8 +287,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # Requests with min_tokens, counted from the engine's token counts (vLLM's processor is wrong for trees
         # under asynchronous scheduling: ``ddtree.vllm.min_tokens``).
         self._ddtree_min_tokens = MinTokensRequests()
-        # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING, on by default with one GPU): the step is published from vLLM's counts in
-        # _prepare_inputs (its own upload), and its trees are built in _preprocess, after vLLM's metadata builds.
+        # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING, on by default with one GPU): the step is published from
+        # vLLM's counts in _prepare_inputs (its own upload), and its trees are built in _preprocess, after vLLM's metadata builds.
         self._ddtree_count_staging = StepStaging(self.device)
         self._ddtree_late_step: Optional[tuple] = None
         self._ddtree_early_token_index: Optional[np.ndarray] = None
@@ -592,9 +593,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         lengths = computed + self.num_scheduled_tokens.np[:num_reqs]
         if plan is not None:
-            trees = plan.trees
-            deepest = np.maximum.reduceat(trees.depths, trees.node_offsets[:-1].astype(np.int64))
-            lengths[plan.batch_index] = computed[plan.batch_index] + 1 + deepest
+            lengths[plan.batch_index] = computed[plan.batch_index] + 1 + plan.deepest
         return int(lengths.max())
 
     # ---- CUDA graphs ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ Life of a tree:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -207,7 +208,6 @@ class VerifyPlan:
     conv_window: int = 0
     # Trees verified for placeholders without a proposal (asynchronous scheduling; ``filler_record``): real trees of
     # no drafter, counted apart (their drafts are never the target's but cost a verification).
-    num_filler_trees: int = 0
     filler_mask: Optional[np.ndarray] = None  # [R_t] bool: which trees are fillers (None: none is)
     top1_tokens: Optional[np.ndarray] = None  # [R_t, L] the drafter's top-1 token per depth (the chain's drafts)
     # Placeholder drafts were scheduled (late trees): every draft node's index among the step's tokens and its token,
@@ -219,6 +219,15 @@ class VerifyPlan:
     logit_rows_gpu: Optional[Any] = None
     batch_index_gpu: Optional[Any] = None
     device_trees: Optional[Any] = None
+
+    @property
+    def num_filler_trees(self) -> int:
+        return 0 if self.filler_mask is None else int(self.filler_mask.sum())
+
+    @functools.cached_property
+    def deepest(self) -> np.ndarray:
+        """``[R_t]``: each tree's deepest node's depth (read by the drafter's fit test and the statistics)."""
+        return np.maximum.reduceat(self.trees.depths, self.trees.node_offsets[:-1].astype(np.int64))
 
     @property
     def num_cut_trees(self) -> int:
@@ -341,7 +350,6 @@ def plan_verify(
     )
     if any(filler):
         plan.filler_mask = np.array(filler, dtype=bool)
-        plan.num_filler_trees = int(plan.filler_mask.sum())
     if all(r.token_ids is not None for r in records):  # (settled above: always; statistics only, so never raise)
         plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])  # the top-K rows are sorted
     return plan

@@ -76,9 +76,7 @@ class WhatIfAcceptance:
         tokens = np.asarray(trees.tokens)[np.maximum(first_token + drafts - 1, 0)]
         top1 = plan.top1_tokens[:, : drafts.shape[1]]
         chain = np.cumprod((tokens == top1) & on_path, axis=1).sum(axis=1)
-        node_offsets = np.asarray(trees.node_offsets, dtype=np.int64)
-        deepest = np.maximum.reduceat(np.asarray(trees.depths), node_offsets[:-1])
-        censored = (chain == accepted) & (deepest <= accepted) & (accepted < trees.draft_depth)
+        censored = (chain == accepted) & (plan.deepest <= accepted) & (accepted < trees.draft_depth)
         self.chain_trees += int(proposal.sum())
         self.chain_accepted_own += int(accepted[proposal].sum())
         self.chain_accepted += int(chain[proposal].sum())
@@ -114,8 +112,9 @@ class WhatIfAcceptance:
         if not chain:
             return None
         censored = chain["censored_trees"] / chain["trees"]
+        own = chain["acceptance_length_of_the_trees"]
         line = (
-            f"DDTree what-if over {chain['trees']} trees: acceptance length {chain['acceptance_length_of_the_trees']:.2f}; "
+            f"DDTree what-if over {chain['trees']} trees: acceptance length {own:.2f}; "
             f"vLLM's DFlash chain from the same states {chain['acceptance_length']:.2f} (a lower bound on "
             f"{100 * censored:.0f}% of the trees)"
         )
