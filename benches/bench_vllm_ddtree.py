@@ -135,6 +135,9 @@ def child(args):
             # far, warm-ups included): the chain's figure beside the dflash engine's own measured one.
             row["acceptance_length_if_budget"] = summary.get("acceptance_length_if_budget", {})
             row["acceptance_length_if_chain"] = summary.get("acceptance_length_if_chain", {})
+            row["steps_by_budget"] = summary.get("steps_by_budget", {})
+            if "auto_budget" in summary:  # ddtree_budget "auto": its choice so far and what it rests on
+                row["auto_budget"] = summary["auto_budget"]
         rows.append(row)
         # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
@@ -213,6 +216,11 @@ def main():
         engines.append((f"ddtree-{b}-late", dict(tree, env=late)))
         # vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1: the TP-1 default, set explicitly).
         engines.append((f"ddtree-{b}-async", dict(tree, env={"DDTREE_ASYNC_SCHEDULING": "1"})))
+    # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
+    largest = max(int(b) for b in args.budgets.split(","))
+    auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}
+    engines.append(("ddtree-auto", dict(auto, ddtree_max_budget=largest)))
+    default_engines.append("ddtree-auto")
     if args.schedule is not None:
         engines.append(
             (

@@ -127,6 +127,8 @@ ENGINES = {
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
     # A budget schedule: 64 below 8 drafting requests, 16 from 8 on, each budget in FULL graphs of its own trees.
     "ddtree64to16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}}),
+    # ddtree_budget "auto" (candidates 16, 32, 64): each batch size's budget chosen live, changing mid-run.
+    "ddtree-auto": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": "auto"}),
     # The host paths the TP-1 defaults replaced (the tree walk on the host, trees built at proposal).
     "ddtree64-host": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
@@ -456,19 +458,25 @@ SWITCH_COUNTERS = {
 
 
 def schedule_graphs_exercised(spec, summary):
-    """``[(counter, passed)]``: every smaller budget of a budget schedule that verified trees also replayed FULL
-    graphs of its own trees (``budget + 1`` tokens each; the pair's trees fill their budget)."""
-    schedule = (spec or {}).get("ddtree_budget")
-    if not isinstance(schedule, dict):
+    """``[(counter, passed)]``: every smaller budget of a budget schedule (or of ``auto``'s candidates) that verified
+    trees also replayed FULL graphs of its own trees (``budget + 1`` tokens each; the pair's trees fill their
+    budget); ``auto`` also decided at least once (its choice may rightly stay the largest budget)."""
+    budget = (spec or {}).get("ddtree_budget")
+    auto = summary.get("auto_budget") if budget == "auto" else None
+    if isinstance(budget, dict):
+        budgets = {int(b) for b in budget.values()}
+    elif auto:
+        budgets = {int(b) for b in auto["candidates"]}
+    else:
         return []
     used = {int(b): n for b, n in summary.get("steps_by_budget", {}).items()}
     full = {int(t): n for t, n in summary.get("full_graph_steps_by_tree_tokens", {}).items()}
-    largest = max(int(b) for b in schedule.values())
-    return [
+    checks = [
         (f"full_graph_steps_of_budget_{b}", full.get(b + 1, 0) > 0)
-        for b in sorted({int(b) for b in schedule.values()})
-        if b < largest and used.get(b, 0) > 0
+        for b in sorted(budgets)
+        if b < max(budgets) and used.get(b, 0) > 0
     ]
+    return checks + ([("auto_budget_decisions", auto.get("decisions", 0) > 0)] if auto else [])
 
 
 def step_graphs_exercised(env, summary):

@@ -508,3 +508,52 @@ def test_a_budget_schedule_as_vllms_dynamic_speculation_schedule():
     assert dynamic_sd_schedule(cfg, 64) == [(1, 7, 64), (8, 31, 32), (32, 64, 16)]
     assert dynamic_sd_schedule(cfg, 10) == [(1, 7, 64), (8, 10, 32)]  # entries past max_num_seqs dropped
     assert dynamic_sd_schedule(DDTreeConfig(budget=64, draft_len=15, top_k=8), 4) == [(1, 4, 64)]
+
+
+def test_an_auto_budget_with_its_candidates():
+    spec, cfg = parse_spec_config(dict(BASE, ddtree_budget="auto"))
+    assert cfg.auto and cfg.budget == 64 and spec["num_speculative_tokens"] == 64  # the default largest candidate
+    assert cfg.budgets == (16, 32, 64) and cfg.varies_by_batch_size and cfg.budget_schedule is None
+    assert budget_description(cfg) == "auto (candidates 16, 32, 64)"
+    _, cfg = parse_spec_config(dict(BASE, ddtree_budget="auto", ddtree_max_budget=256))
+    assert cfg.budgets == (16, 32, 64, 128, 256)
+    assert DDTreeConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # through additional_config
+    # The depth known only from the drafter: the candidates follow it.
+    _, cfg = parse_spec_config(dict(BASE, ddtree_budget="auto", num_speculative_tokens=None))
+    assert cfg.budgets == (8, 16, 32, 64) and resolve_draft_len(cfg, 16).budgets == (16, 32, 64)
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_max_budget=64 is smaller than the drafter's depth 99"):
+        resolve_draft_len(cfg, 100)
+    assert not parse_spec_config(BASE)[1].varies_by_batch_size
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"ddtree_budget": "fast"}, r"ddtree_budget must be a positive integer, a schedule .* or \"auto\"; got 'fast'"),
+        ({"ddtree_max_budget": 128}, r"ddtree_max_budget goes with ddtree_budget \"auto\" \(got ddtree_budget=64\)"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": 8}, r"ddtree_max_budget=8 is smaller than the drafter's depth"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": 4096}, r"ddtree_max_budget must be at most 1024"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": "big"}, r"ddtree_max_budget must be a positive integer"),
+    ],
+)
+def test_auto_budgets_that_cannot_serve_are_refused(change, match):
+    with pytest.raises(DDTreeConfigError, match=match):
+        parse_spec_config(dict(BASE, **change))
+
+
+def test_auto_runs_with_one_gpu_only():
+    _, cfg = parse_spec_config(dict(BASE, ddtree_budget="auto"))
+    with pytest.raises(DDTreeConfigError, match=r"\"auto\" runs with one GPU only \(tensor_parallel_size=2\)"):
+        engine_overrides(_args(tensor_parallel_size=2), environ={}, cfg=cfg)
+    assert "async_scheduling" in engine_overrides(_args(), environ={}, cfg=cfg)
+
+
+def test_auto_captures_every_candidate_at_every_batch_size_and_starts_at_the_largest():
+    from ddtree.vllm.config import dynamic_sd_schedule, graphed_tree_counts
+
+    cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, auto=True)
+    graphs = schedule_tree_graphs(cfg, lambda budget: budget + 1, 40, 1024)
+    assert {size for size, _ in graphs} == {17, 33}  # the largest's graphs are vLLM's own
+    assert sorted(n for size, n in graphs if size == 17) == [1, 2, 3] + list(range(4, 33)) + [40]
+    assert sorted(n for size, n in graphs if size == 33) == [n for n in graphed_tree_counts(40) if n * 33 <= 1024]
+    assert dynamic_sd_schedule(cfg, 40) == [(1, 40, 64)]  # vLLM's scheduler starts from the largest everywhere

@@ -257,8 +257,9 @@ def _prefixes(tree):
 def test_stats_say_what_smaller_trees_would_have_accepted(seed):
     """Per smaller budget c, the accepted drafts the statistics report equal those of the tree of budget c built
     from the same proposal and walked with the same target tokens (matched by prefix, not by node number). Cut
-    trees are left out."""
+    trees are left out. ``auto``'s estimate counts the same, its own budget included."""
     import ddtree
+    from ddtree.vllm.auto_budget import AutoBudget
     from ddtree.vllm.runner import DDTreeStats
     from ddtree.vllm.step import TreeStore, accept, plan_verify
 
@@ -284,8 +285,11 @@ def test_stats_say_what_smaller_trees_would_have_accepted(seed):
                 target[lo + i] = tree.tokens[rng.choice(children) - 1]
             prefix_token[(j, prefix)] = target[lo + i]
     stats = DDTreeStats(depth, smaller_budgets=(8, 16, 32))
+    stats.auto = AutoBudget((8, 16, 32, 40), max_num_seqs=4)  # ddtree_budget "auto" counts the same trees
     stats.observe(plan, accept(plan, target, depth + 1))
     summary = stats.what_if.summary()["budgets"]
+    stats.auto.acceptance.close_window()
+    auto = stats.auto.acceptance.acceptance_length(min_trees=1)
     for small in (8, 16, 32):
         kept = []
         for j in range(2):  # the whole trees
@@ -293,9 +297,9 @@ def test_stats_say_what_smaller_trees_would_have_accepted(seed):
             path, _ = ddtree.accept(tree, np.array([prefix_token[(j, p)] for p in _prefixes(tree)]))
             kept.append(len(path) - 1)
         assert summary[small]["trees"] == 2
-        assert summary[small]["acceptance_length"] == pytest.approx(1.0 + sum(kept) / 2)
+        assert summary[small]["acceptance_length"] == pytest.approx(1.0 + sum(kept) / 2) == auto[small]
     own = accept(plan, target, depth + 1).path_lengths[:2] - 1
-    assert summary[8]["acceptance_length_at_own_budget"] == pytest.approx(1.0 + own.sum() / 2)
+    assert summary[8]["acceptance_length_at_own_budget"] == pytest.approx(1.0 + own.sum() / 2) == auto[40]
     assert summary[32]["acceptance_length"] <= summary[32]["acceptance_length_at_own_budget"]
 
 
@@ -582,6 +586,7 @@ def test_propose_defers_or_builds_by_the_runners_setting(monkeypatch, late):
         ddtree_stats=DDTreeStats(3),
         max_num_reqs=4,
         ddtree_cfg=DDTreeConfig(budget=6, draft_len=3, top_k=None),
+        ddtree_budget_for=lambda num_requests: 6,
         input_batch=SimpleNamespace(req_ids=["a", "b", "x"]),
     )
     store = TreeStore(6)

@@ -37,6 +37,7 @@ import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddtree.errors import DDTreeError
+from ddtree.vllm.auto_budget import AUTO, DEFAULT_MAX_BUDGET, auto_candidates
 
 METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
@@ -61,7 +62,9 @@ MAX_DRAFT_LEN = 64
 
 #: ``ddtree_*`` keys of the speculative config and their meaning.
 DDTREE_KEYS = {
-    "ddtree_budget": "tree budget B: draft nodes verified per request and step (required)",
+    "ddtree_budget": "tree budget B: draft nodes verified per request and step (required); a schedule by batch size; "
+    "or \"auto\"",
+    "ddtree_max_budget": "with ddtree_budget \"auto\": the largest candidate budget (default 64)",
     "ddtree_top_k": "candidates kept per drafter position (default min(B, vocab size))",
     "ddtree_num_threads": "threads of the Rust tree builder (default 1)",
 }
@@ -95,6 +98,7 @@ class DDTreeConfig:
     top_k: Optional[int]  # None: min(budget, vocab), resolved against the vocab
     num_threads: int = 1
     budget_schedule: Optional[BudgetSchedule] = None  # None: ``budget`` at every batch size
+    auto: bool = False  # ``ddtree_budget: "auto"``: ``budget`` is the largest candidate (``ddtree.vllm.auto_budget``)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,7 +112,8 @@ class DDTreeConfig:
 
     def budget_for(self, num_requests: int) -> int:
         """The tree budget of a step in which ``num_requests`` requests draft: the schedule's entry for the
-        largest batch size that is at most ``num_requests``."""
+        largest batch size that is at most ``num_requests`` (``auto``: the largest candidate; the runner's
+        ``AutoBudget`` decides live)."""
         if not self.budget_schedule:
             return self.budget
         chosen = self.budget_schedule[0][1]
@@ -120,8 +125,15 @@ class DDTreeConfig:
 
     @property
     def budgets(self) -> Tuple[int, ...]:
-        """Every budget a step can use, ascending."""
+        """Every budget a step can use, ascending (``auto``: its candidates)."""
+        if self.auto:
+            return auto_candidates(self.draft_len, self.budget)
         return schedule_budgets(self.budget, self.budget_schedule)
+
+    @property
+    def varies_by_batch_size(self) -> bool:
+        """Whether steps may use budgets below the largest (a schedule, or ``auto``)."""
+        return len(self.budgets) > 1
 
     def width(self, vocab_size: int) -> int:
         """K, the drafter candidates per position."""
@@ -175,7 +187,12 @@ def _positive_int(name: str, value: Any, maximum: Optional[int] = None) -> int:
 def parse_budget(value: Any) -> Tuple[int, Optional[BudgetSchedule]]:
     """``ddtree_budget``: a budget, or a schedule ``{"<batch size>": budget, ...}`` (from batch size 1 on; a step
     of ``n`` drafting requests takes the entry of the largest batch size <= ``n``). Returns the largest budget and
-    the schedule (None when one budget serves every batch size)."""
+    the schedule (None when one budget serves every batch size). ``"auto"`` is read by :func:`parse_spec_config`."""
+    if isinstance(value, str):
+        raise DDTreeConfigError(
+            f"ddtree_budget must be a positive integer, a schedule like {{\"1\": 64, \"8\": 16}}, or \"auto\"; "
+            f"got {value!r}"
+        )
     if not isinstance(value, Mapping):
         return _positive_int("ddtree_budget", value, MAX_BUDGET), None
     if not value:
@@ -201,6 +218,8 @@ def parse_budget(value: Any) -> Tuple[int, Optional[BudgetSchedule]]:
 
 def budget_description(cfg: DDTreeConfig) -> str:
     """``64``, or a schedule as ``64 from 1, 32 from 8, 16 from 32 requests``."""
+    if cfg.auto:
+        return f"auto (candidates {', '.join(str(b) for b in cfg.budgets)})"
     if not cfg.budget_schedule:
         return str(cfg.budget)
     return ", ".join(f"{b} from {n}" for n, b in cfg.budget_schedule) + " requests"
@@ -228,8 +247,21 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
         )
     if "ddtree_budget" not in spec:
         raise DDTreeConfigError("method 'ddtree' needs ddtree_budget (the number of tree nodes verified per step)")
-    budget, schedule = parse_budget(spec["ddtree_budget"])
-    smallest = schedule_budgets(budget, schedule)[0]
+    auto = spec["ddtree_budget"] == AUTO
+    if "ddtree_max_budget" in spec and not auto:
+        raise DDTreeConfigError(
+            f"ddtree_max_budget goes with ddtree_budget \"auto\" (got ddtree_budget={spec['ddtree_budget']!r}); "
+            "drop it or ask for \"auto\""
+        )
+    if auto:
+        budget, schedule = (
+            _positive_int("ddtree_max_budget", spec.get("ddtree_max_budget", DEFAULT_MAX_BUDGET), MAX_BUDGET),
+            None,
+        )
+    else:
+        budget, schedule = parse_budget(spec["ddtree_budget"])
+    # auto's candidates start at the drafter's depth: only its largest must reach it.
+    smallest = budget if auto else schedule_budgets(budget, schedule)[0]
     draft_len = spec.get("num_speculative_tokens")
     if draft_len is not None:
         draft_len = _positive_int(
@@ -237,7 +269,8 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
         )
         if smallest < draft_len:
             raise DDTreeConfigError(
-                f"ddtree_budget={smallest} is smaller than the drafter's depth num_speculative_tokens={draft_len}; "
+                f"{'ddtree_max_budget' if auto else 'ddtree_budget'}={smallest} is smaller than the drafter's depth "
+                f"num_speculative_tokens={draft_len}; "
                 "this adapter sizes the drafter's buffers by the budget, so it needs budget >= depth"
             )
     top_k = spec.get("ddtree_top_k")
@@ -248,7 +281,7 @@ def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeCo
     vllm_spec["method"] = "dflash"
     vllm_spec["num_speculative_tokens"] = budget
     cfg = DDTreeConfig(
-        budget=budget, draft_len=draft_len, top_k=top_k, num_threads=num_threads, budget_schedule=schedule
+        budget=budget, draft_len=draft_len, top_k=top_k, num_threads=num_threads, budget_schedule=schedule, auto=auto
     )
     return vllm_spec, cfg
 
@@ -335,6 +368,12 @@ def engine_overrides(
         )
     if backend is not None and "attention_backend" in changes:
         del changes["attention_backend"]  # set through attention_config already; both would conflict
+    tensor_parallel_size = getattr(args, "tensor_parallel_size", 1) or 1
+    if cfg is not None and cfg.auto and tensor_parallel_size > 1:
+        raise DDTreeConfigError(
+            f"ddtree_budget \"auto\" runs with one GPU only (tensor_parallel_size={tensor_parallel_size}): each rank "
+            "would choose its own budgets from its own timings; give a budget or a schedule by batch size"
+        )
     for attr, why in _PARALLEL_LIMITS.items():
         value = getattr(args, attr, 1)
         if value not in (None, 1):
@@ -650,10 +689,14 @@ def schedule_tree_graphs(
     ``n`` trees of ``tree_tokens(b)`` tokens, captured for every graphed count ``n`` of the batch sizes at which
     the schedule picks ``b`` (a step verifies the trees proposed at the step before, whose batch size chose their
     budget; a batch that shrank since replays PIECEWISE once). ``max_tokens`` bounds a graph (the largest capture
-    size). Empty without a schedule.
+    size). With ``auto`` every candidate at every graphed count. Empty without a schedule.
     """
     graphs = set()
-    for first, last, budget in dynamic_sd_schedule(cfg, max_num_seqs):
+    if cfg.auto:  # any candidate at any batch size
+        ranges = [(1, max_num_seqs, budget) for budget in cfg.budgets]
+    else:
+        ranges = dynamic_sd_schedule(cfg, max_num_seqs)
+    for first, last, budget in ranges:
         if budget == cfg.budget:
             continue  # the engine's own query length: vLLM captures those graphs
         size = tree_tokens(budget)
@@ -676,9 +719,11 @@ def resolve_draft_len(cfg: DDTreeConfig, drafter_block_size: Optional[int]) -> D
                 "cannot tell the drafter's depth: its config has no block_size; "
                 "set num_speculative_tokens to its block size - 1"
             )
-        if cfg.budgets[0] < from_block:
+        smallest = cfg.budget if cfg.auto else cfg.budgets[0]
+        if smallest < from_block:
             raise DDTreeConfigError(
-                f"ddtree_budget={cfg.budgets[0]} is smaller than the drafter's depth {from_block} (block_size - 1); "
+                f"{'ddtree_max_budget' if cfg.auto else 'ddtree_budget'}={smallest} is smaller than the drafter's "
+                f"depth {from_block} (block_size - 1); "
                 "this adapter needs budget >= depth"
             )
         return dataclasses.replace(cfg, draft_len=from_block)

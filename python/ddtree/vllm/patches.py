@@ -32,6 +32,14 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    first GPU run replayed no FULL graph), where the ddtree runner replays FULL
    graphs of each budget's trees (patch 8). Upstream fix: the same schedule
    read by the V1 runner's graph dispatch (V2 has it).
+
+   1c. ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` (wrapped): for
+   ``ddtree_budget: "auto"`` under asynchronous scheduling, the scheduler's
+   dynamic speculation lookup becomes the runner's live one
+   (``auto_budget.attach_scheduler``; runner and scheduler share the engine
+   process with one GPU), so the budgets the runner re-decides reach the next
+   step the scheduler places. Upstream fix: a way for the model runner to
+   report its chosen draft length per batch size to the scheduler.
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
    (wrapped): requests whose sampling the tree cannot serve exactly
    (structured outputs, per-request logits processors) are
@@ -176,7 +184,6 @@ from ddtree.vllm.config import (
     override_reason,
     parse_spec_config,
     resolve_draft_len,
-    schedule_budgets,
     tree_capture_sizes,
     unsupported_sampling_reasons,
     whole_tree_gdn_metadata_enabled,
@@ -378,10 +385,30 @@ def _keep_full_graphs_under_a_schedule(original):
 def _schedule_for_async_scheduler(vllm_config, cfg: DDTreeConfig) -> None:
     """1b: under asynchronous scheduling vLLM's scheduler places the next step's drafts; a budget schedule tells
     it how many, as vLLM's dynamic speculative decoding schedule."""
-    if cfg.budget_schedule and vllm_config.scheduler_config.async_scheduling:
+    if cfg.varies_by_batch_size and vllm_config.scheduler_config.async_scheduling:
         vllm_config.speculative_config.num_speculative_tokens_per_batch_size = dynamic_sd_schedule(
             cfg, vllm_config.scheduler_config.max_num_seqs
         )
+
+
+def _live_auto_lookup(original):
+    """1c: ``ddtree_budget: "auto"`` under asynchronous scheduling: the scheduler reads the runner's live budget
+    lookup (``auto_budget.AutoBudget.lookup``, one process with one GPU) instead of the copy it built from the
+    config at start-up."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        settings = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        if settings.get("auto") and getattr(self, "dynamic_sd_lookup", None) is not None:
+            from ddtree.vllm import auto_budget
+
+            if not auto_budget.attach_scheduler(self):
+                _log().warning(
+                    "DDTree auto budget: the model runner is not in the scheduler's process; every batch size keeps "
+                    "the largest budget"
+                )
+
+    return __init__
 
 
 # ---- 2. admission ----------------------------------------------------------------------------------
@@ -756,8 +783,10 @@ def tree_shape(vllm_config: Any) -> tuple:
     largest is ``B``); L falls back to B when it cannot be told."""
     budget = int(vllm_config.speculative_config.num_speculative_tokens)
     settings = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
-    schedule = settings.get("budget_schedule") if isinstance(settings, dict) else None
-    budgets = schedule_budgets(budget, schedule) if schedule else budget
+    budgets = budget
+    if isinstance(settings, dict) and settings:
+        cfg = DDTreeConfig.from_dict({"draft_len": None, "top_k": None, **settings, "budget": budget})
+        budgets = cfg.budgets if cfg.varies_by_batch_size else budget
     return budgets, drafter_depth(vllm_config) or budget
 
 
@@ -804,7 +833,7 @@ def _tree_metrics_log(original):
 
 
 def apply() -> None:
-    """Applies patches 1-3, 5a-c and 6-9 (4, 5d and 10 are applied by the worker). Raises on unsupported vLLM."""
+    """Applies patches 1-3 (1c included), 5a-c and 6-9 (4, 5d and 10 are applied by the worker). Raises on unsupported vLLM."""
     global _APPLIED
     import vllm
 
@@ -819,6 +848,7 @@ def apply() -> None:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.platforms.interface import Platform
     from vllm.config import VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
     _wrap_create_engine_config(EngineArgs)
@@ -831,6 +861,7 @@ def apply() -> None:
     _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
     _wrap_once(VllmConfig, "_set_cudagraph_sizes", _tree_capture_sizes)
     _wrap_once(VllmConfig, "_maybe_override_dynamic_sd_cudagraph_mode", _keep_full_graphs_under_a_schedule)
+    _wrap_once(Scheduler, "__init__", _live_auto_lookup)
     _wrap_once(PrometheusStatLogger, "__init__", _tree_metrics_prom)
     _wrap_once(LoggingStatLogger, "__init__", _tree_metrics_log)
     _APPLIED = True

@@ -136,7 +136,11 @@ class DDTreeProposer(DFlashProposer):
             token_ids = np.ascontiguousarray(host[..., self.top_k :]).view(np.int32)
             # A budget schedule picks this step's budget by how many requests draft (every rank sees the same).
             self.last_drafts = self.store.propose(
-                req_ids, log_probs, token_ids, build=self.builds_drafts, budget=self.cfg.budget_for(batch_size)
+                req_ids,
+                log_probs,
+                token_ids,
+                build=self.builds_drafts,
+                budget=self.runner.ddtree_budget_for(batch_size),
             )
             out = np.zeros((batch_size, self.budget), dtype=np.int64)
             for r, drafts in enumerate(self.last_drafts):
@@ -167,5 +171,5 @@ class DDTreeProposer(DFlashProposer):
         proposal = DeferredProposal(
             host.numpy().reshape(batch_size, self.draft_len, width), self.top_k, self._late_landed
         )
-        self.last_drafts = self.store.defer(req_ids, proposal, budget=self.cfg.budget_for(batch_size))
+        self.last_drafts = self.store.defer(req_ids, proposal, budget=self.runner.ddtree_budget_for(batch_size))
         return self._late_drafts[:batch_size]

@@ -59,6 +59,7 @@ from ddtree.vllm.config import (
     budget_description,
     commit_graphs_enabled,
     device_accept_enabled,
+    graphed_tree_counts,
     late_trees_enabled,
     schedule_tree_graphs,
     smaller_budgets,
@@ -77,7 +78,9 @@ from ddtree.vllm.graphs import (
 )
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_token_layout
-from ddtree.vllm.what_if import PeriodicLog, WhatIfAcceptance, log_interval
+from ddtree.vllm.what_if import PeriodicLog, WhatIfAcceptance, log_interval, whole_proposed_trees
+from ddtree.vllm import auto_budget
+from ddtree.vllm.auto_budget import AutoBudget, StepTimer
 
 logger = get_logger(__name__)
 
@@ -111,6 +114,7 @@ class DDTreeStats:
         # WHAT_IF_EVERY-th verify step (its numpy work, ~0.1 ms a step on a slow CPU, sampled, not skipped: the
         # steps are a systematic sample of the traffic).
         self.what_if = WhatIfAcceptance(smaller_budgets)
+        self.auto: Optional[AutoBudget] = None  # ``ddtree_budget: "auto"``: fed every verify step
 
     @contextlib.contextmanager
     def timed(self, part: str):
@@ -141,6 +145,9 @@ class DDTreeStats:
         self.observe_counts(plan, acc)
         if (self.steps - 1) % WHAT_IF_EVERY == 0:
             self.what_if.observe(plan, paths, acc)
+        if self.auto is not None:  # every step: its first choice should not wait for a sample of the traffic
+            paths = np.asarray(paths, dtype=np.int64)
+            self.auto.observe(plan.num_nodes - 1, whole_proposed_trees(plan), paths[:, 1:], acc)
 
     def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
         """One verify step whose trees accepted ``acc`` ``[R]`` drafts each."""
@@ -178,6 +185,7 @@ class DDTreeStats:
             "mean_acceptance_length": 1.0 + self.accepted / trees,
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
             **{f"acceptance_length_if_{what}": result for what, result in self.what_if.summary().items()},
+            **({"auto_budget": self.auto.summary()} if self.auto is not None else {}),
             "host_ms_per_verify_step": {
                 part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.host_seconds.items())
             },
@@ -235,6 +243,10 @@ def gdn_conv_window(model_config) -> int:
 
 
 class DDTreeGPUModelRunner(GPUModelRunner):
+    # ``ddtree_budget: "auto"`` only (set in __init__): the live budgets and the timer of their steps.
+    _ddtree_auto: Optional[AutoBudget] = None
+    _ddtree_step_timer: Optional[StepTimer] = None
+
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         data = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
@@ -307,6 +319,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # FULL graphs of a budget schedule's smaller trees, (tokens per tree, trees): set with vLLM's graph keys.
         self._ddtree_schedule_graphs: Set[Tuple[int, int]] = set()
         self._ddtree_in_dummy_run = False
+        # ``ddtree_budget: "auto"``: the live budget of each batch size (``auto_budget``) and its step timer.
+        if self.ddtree_cfg.auto:
+            self._ddtree_auto = AutoBudget(self.ddtree_cfg.budgets, self.max_num_reqs)
+            self._ddtree_auto.needs_scheduler = bool(self.use_async_scheduling)
+            auto_budget.publish(self._ddtree_auto)
+            self.ddtree_stats.auto = self._ddtree_auto
+            if self.device.type == "cuda":
+                self._ddtree_step_timer = StepTimer(lambda: torch.cuda.Event(enable_timing=True))
         if self.speculative_config is not None and hasattr(self, "drafter"):
             from ddtree.vllm.proposer import DDTreeProposer
             from ddtree.vllm.sampler import DDTreeRejectionSampler
@@ -337,6 +357,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         lacking = async_scheduling_lacks(late_device_walk, self.ddtree_cfg, top_k)
         if lacking:
             raise RuntimeError("DDTree under asynchronous scheduling needs " + "; ".join(lacking))
+
+    def ddtree_budget_for(self, num_requests: int) -> int:
+        """The budget of the trees ``num_requests`` drafting requests propose: ``auto``'s live choice, else the
+        configured budget or schedule."""
+        if self._ddtree_auto is not None:
+            return self._ddtree_auto.budget_for(num_requests)
+        return self.ddtree_cfg.budget_for(num_requests)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _update_states(self, scheduler_output):
@@ -662,7 +689,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
         self._ddtree_schedule_graphs = set()
         compilation = self.compilation_config
-        if not (self.ddtree_cfg.budget_schedule and self._ddtree_full_graphs() and hasattr(self, "drafter")):
+        if not (self.ddtree_cfg.varies_by_batch_size and self._ddtree_full_graphs() and hasattr(self, "drafter")):
             return
         if self.lora_config is not None:
             logger.info("DDTree: LoRA: a budget schedule's smaller trees replay PIECEWISE graphs")
@@ -780,6 +807,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return step, saved
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        if self._ddtree_step_timer is not None:
+            self._ddtree_step_timer.start()
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -1021,6 +1050,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=False))
             if self._ddtree_what_if_log is not None:
                 self._ddtree_what_if_log.maybe(self.ddtree_stats.what_if, logger.info)
+            if self._ddtree_auto is not None:
+                self._ddtree_auto_step()
             self._ddtree_gdn_step = None
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.
@@ -1035,6 +1066,91 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if not req_ids:
             return None
         return DraftTokenIds(list(req_ids), [list(d) for d in drafts])
+
+    # ---- ddtree_budget "auto" ---------------------------------------------------------------------
+    def _ddtree_auto_step(self) -> None:
+        """After a step: its GPU time when it verified whole trees of one size, the timed steps that have landed,
+        and the policy's window (a new choice is logged)."""
+        auto, timer = self._ddtree_auto, self._ddtree_step_timer
+        if timer is not None:
+            tokens, plan = self._ddtree_whole_tree_tokens, self._ddtree_plan
+            timer.finish((tokens - 1, int(plan.num_nodes.shape[0])) if tokens and plan is not None else None)
+            for (budget, trees), ms in timer.landed():
+                auto.observe_step_time(budget, trees, ms)
+        if auto.maybe_decide():
+            logger.info("DDTree auto: %s", auto.describe())
+
+    def ddtree_time_candidates(self) -> None:
+        """``auto``: times the target's forward for each candidate budget's trees at a few batch sizes, once, after
+        vLLM's warm-up and graph capture (the worker calls it). A failed measurement leaves every batch size at
+        the largest budget, with a warning: the engine still serves."""
+        auto = self._ddtree_auto
+        if auto is None or auto.costs is not None or not hasattr(self, "drafter"):
+            return
+        try:
+            timings = self._ddtree_forward_timings()
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            logger.warning(
+                "DDTree auto: timing the candidate budgets failed (%r); every batch size keeps budget %d",
+                error,
+                auto.largest,
+            )
+            return
+        auto.set_forward_costs(auto_budget.forward_table(timings))
+        logger.info(
+            "DDTree auto: candidates %s; the target's forward in ms by (budget, trees): %s",
+            ", ".join(str(b) for b in auto.candidates),
+            ", ".join(f"({b}, {n}): {ms:.2f}" for (b, n), ms in sorted(timings.items())),
+        )
+
+    def _ddtree_forward_timings(self) -> Dict[Tuple[int, int], float]:
+        """``{(budget, trees): ms}`` for every candidate at its timed tree counts (``auto_budget.timed_counts`` of
+        its FULL graphs; eager or PIECEWISE engines: of the counts that fit a step)."""
+        top_k, depth = self.drafter.top_k, self.ddtree_cfg.draft_len
+        full = self._ddtree_full_graphs()
+        captured = [
+            (desc.num_tokens // desc.num_reqs, desc.num_reqs)
+            for desc in self.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL]
+            if full and desc.uniform and desc.num_reqs and desc.num_tokens % desc.num_reqs == 0
+        ]
+        timings = {}
+        for budget in self._ddtree_auto.candidates:
+            tokens = tree_size(budget, top_k, depth) + 1
+            if full:
+                counts = [trees for per_tree, trees in captured if per_tree == tokens]
+            else:
+                counts = [n for n in graphed_tree_counts(self.max_num_reqs) if n * tokens <= self.max_num_tokens]
+            for trees in auto_budget.timed_counts(counts):
+                timings[(budget, trees)] = self._ddtree_time_forward(tokens, trees, full)
+        return timings
+
+    def _ddtree_time_forward(self, tree_tokens: int, trees: int, full: bool, repeats: int = 3) -> float:
+        """Milliseconds of one forward of ``trees`` dummy trees of ``tree_tokens`` tokens: its FULL graph's
+        replays after one dummy run has staged the trees' layout, or (no graph) whole eager dummy runs."""
+        num_tokens = tree_tokens * trees
+        mode = CUDAGraphMode.FULL if full else CUDAGraphMode.NONE
+        with self._ddtree_uniform_query_len(tree_tokens):
+
+            def run():
+                self._dummy_run(num_tokens, cudagraph_runtime_mode=mode, force_attention=not full, uniform_decode=True)
+
+            run()  # stages this shape's dummy trees in the persistent buffers the graph reads
+            graph = self._ddtree_forward_graph(num_tokens, trees) if full else None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                graph.replay() if graph is not None else run()
+            end.record()
+            end.synchronize()
+        return start.elapsed_time(end) / repeats
+
+    def _ddtree_forward_graph(self, num_tokens: int, trees: int):
+        """The captured FULL graph of the target's forward for ``trees`` uniform requests (None: not reachable)."""
+        entries = getattr(self.model, "concrete_cudagraph_entries", None) or {}
+        for desc, entry in entries.items():
+            if desc.uniform and desc.num_tokens == num_tokens and desc.num_reqs == trees and entry.cudagraph:
+                return entry.cudagraph
+        return None
 
     def ddtree_summary(self) -> Dict[str, object]:
         self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=True))

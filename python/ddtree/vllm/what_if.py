@@ -28,6 +28,21 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import numpy as np
 
 
+def drafter_proposals(plan) -> np.ndarray:
+    """``[R]`` the plan's trees that are the drafter's proposals (not fillers for placeholders)."""
+    proposal = np.ones(plan.num_nodes.shape[0], dtype=bool)
+    if plan.filler_mask is not None:
+        proposal &= ~plan.filler_mask
+    return proposal
+
+
+def whole_proposed_trees(plan, proposal: Optional[np.ndarray] = None) -> np.ndarray:
+    """``[R]`` the drafter's trees verified whole at the budget they were proposed with (not cut, not fillers):
+    those whose smaller-budget counterfactuals are exact."""
+    proposal = drafter_proposals(plan) if proposal is None else proposal
+    return proposal & (plan.num_nodes == plan.proposed_budgets + 1)
+
+
 class WhatIfAcceptance:
     """Counts, over verified trees, what smaller budgets and the chain would have accepted."""
 
@@ -49,9 +64,7 @@ class WhatIfAcceptance:
         ``proposed_budgets``, ``filler_mask``)."""
         paths = np.asarray(paths, dtype=np.int64)
         accepted = np.asarray(accepted, dtype=np.int64)
-        proposal = np.ones(accepted.shape[0], dtype=bool)
-        if plan.filler_mask is not None:
-            proposal &= ~plan.filler_mask
+        proposal = drafter_proposals(plan)
         on_path = np.arange(paths.shape[1] - 1)[None, :] < accepted[:, None]
         self._observe_budgets(plan, paths[:, 1:], on_path, accepted, proposal)
         self._observe_chain(plan, paths, on_path, accepted, proposal)
@@ -59,7 +72,7 @@ class WhatIfAcceptance:
     def _observe_budgets(self, plan, drafts, on_path, accepted, proposal) -> None:
         if not self.smaller_budgets.size:
             return
-        whole = proposal & (plan.num_nodes == plan.proposed_budgets + 1)
+        whole = whole_proposed_trees(plan, proposal)
         budgets = self.smaller_budgets[:, None]
         counted = whole[None, :] & (plan.proposed_budgets[None, :] > budgets)  # [C, R]
         kept = ((drafts[None, :, :] <= budgets[:, :, None]) & on_path[None, :, :]).sum(axis=2)  # [C, R]

@@ -19,5 +19,11 @@ class DDTreeWorker(Worker):
         with runner_class_swapped():
             return super().init_device()
 
+    def compile_or_warm_up_model(self):
+        out = super().compile_or_warm_up_model()
+        # ddtree_budget "auto": the candidates' step costs, measured once the graphs exist.
+        self.model_runner.ddtree_time_candidates()
+        return out
+
     def ddtree_summary(self):
         return self.model_runner.ddtree_summary()

@@ -1,0 +1,338 @@
+"""``ddtree_budget: "auto"``: each batch size's tree budget, chosen from measured step costs and live acceptance.
+
+A bigger tree accepts more tokens per step but makes the step dearer, and how much dearer depends on the batch
+size (a 65-token tree is nearly free beside one token at batch 1 on a large model, and not at batch 32) and on the
+machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` with the most tokens per second::
+
+    acceptance_length(c) / step_ms(c, n)
+
+* **Candidates**: powers of two from the drafter's depth up to ``ddtree_max_budget`` (and that maximum), each with
+  FULL CUDA graphs of its trees at every captured batch size (``config.schedule_tree_graphs``).
+* **Acceptance** (:class:`AcceptanceByBudget`): from the engine's own verified trees. A tree of a smaller budget
+  is a prefix of a larger tree's pop order, so every tree says exactly what each candidate up to its own budget
+  would have accepted (``what_if``). Counts decay window by window, so the estimate follows the traffic.
+* **Step cost** (:class:`StepCosts`): the target's forward for ``n`` trees of each candidate, timed at start-up by
+  replaying its FULL graph, plus the rest of the step (drafter, sampling, commit, host gaps), timed on live steps
+  with CUDA events: ``step_ms(c, n) = forward_ms(c, n) + rest_ms(n)``.
+* **Start**: every batch size at the largest candidate for the first window (like a fixed budget; its trees
+  measure every candidate's acceptance at once), then the argmax, re-decided after every window. A batch size
+  changes budget only for a gain above :data:`SWITCH_MARGIN` (no flapping between near-equal candidates).
+
+The choice is one list indexed by batch size (:attr:`AutoBudget.lookup`). Under asynchronous scheduling vLLM's
+scheduler reads the same list object (its dynamic speculative decoding lookup, ``patches`` 1b), so a new choice
+reaches the next step it schedules; synchronously the runner's proposer reads it. Either way a step's trees are
+built at the size that was scheduled (late trees), so a change mid-flight costs one step counted as cut trees.
+Pure numpy: CI tests the policy on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+#: ``ddtree_budget``'s value that asks for this policy.
+AUTO = "auto"
+#: The largest candidate when ``ddtree_max_budget`` is not given: the README's budget (budget 256 paid on the test
+#: pair at batch 1 and 8, not at the Qwen3.6-27B shape's batch 8; a larger maximum also lowers how many requests a
+#: step can hold, ``config.fit_batch_limits``).
+DEFAULT_MAX_BUDGET = 64
+#: Verify steps observed before each decision.
+WINDOW_STEPS = 16
+#: Trees a candidate needs (after decay) before its acceptance is trusted.
+MIN_TREES = 32.0
+#: The weight of the past at each window (the rest is the new window's).
+KEEP = 0.75
+#: A batch size leaves its budget only for a candidate at least this much faster.
+SWITCH_MARGIN = 0.03
+#: Tree counts whose forward is timed at start-up (the rest are interpolated).
+TIMED_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def auto_candidates(draft_len: Optional[int], max_budget: int) -> Tuple[int, ...]:
+    """Powers of two from the smallest that holds the drafter's depth (8 when unknown) up to ``max_budget``, and
+    ``max_budget`` itself, ascending."""
+    smallest = max(8, draft_len or 0)
+    candidates = {1 << k for k in range(3, max_budget.bit_length()) if smallest <= (1 << k) <= max_budget}
+    candidates.add(max_budget)
+    return tuple(sorted(candidates))
+
+
+class StepCosts:
+    """Milliseconds per verify step by candidate and batch size: the forward timed at start-up, the rest live."""
+
+    def __init__(self, forward_ms: Mapping[int, Mapping[int, float]]):
+        # budget -> sorted (trees, ms) of its timed FULL-graph replays
+        self.forward = {int(b): sorted((int(n), float(ms)) for n, ms in by_n.items()) for b, by_n in forward_ms.items()}
+        self.rest: Dict[int, float] = {}  # batch size -> ms of a step beyond the target's forward (live)
+
+    def forward_ms(self, budget: int, trees: int) -> Optional[float]:
+        """The forward of ``trees`` trees of ``budget``: interpolated between the timed counts, extrapolated
+        linearly past the largest (per tree below the smallest); None when the budget was not timed."""
+        points = self.forward.get(budget)
+        if not points:
+            return None
+        counts = [n for n, _ in points]
+        i = bisect.bisect_left(counts, trees)
+        if i < len(points) and counts[i] == trees:
+            return points[i][1]
+        if i == 0:
+            return points[0][1] * trees / counts[0]
+        if i == len(points):
+            if len(points) == 1:
+                return points[0][1] * trees / counts[0]
+            (n0, m0), (n1, m1) = points[-2], points[-1]
+        else:
+            (n0, m0), (n1, m1) = points[i - 1], points[i]
+        return m0 + (m1 - m0) * (trees - n0) / (n1 - n0)
+
+    def observe_step(self, budget: int, trees: int, step_ms: float, keep: float = 0.9) -> None:
+        """A live step of ``trees`` trees of ``budget`` took ``step_ms`` on the GPU: updates the rest of the step at
+        that batch size (an exponential average)."""
+        forward = self.forward_ms(budget, trees)
+        if forward is None or not np.isfinite(step_ms) or step_ms <= 0:
+            return
+        rest = max(step_ms - forward, 0.0)
+        old = self.rest.get(trees)
+        self.rest[trees] = rest if old is None else keep * old + (1 - keep) * rest
+
+    def rest_ms(self, trees: int) -> float:
+        """The rest of a step at ``trees`` requests: measured there, else at the nearest measured batch size, else 0."""
+        if trees in self.rest:
+            return self.rest[trees]
+        if not self.rest:
+            return 0.0
+        nearest = min(self.rest, key=lambda n: (abs(n - trees), n))
+        return self.rest[nearest]
+
+    def step_ms(self, budget: int, trees: int) -> Optional[float]:
+        forward = self.forward_ms(budget, trees)
+        return None if forward is None else forward + self.rest_ms(trees)
+
+
+class AcceptanceByBudget:
+    """Each candidate's acceptance length on the engine's trees, counted exactly from larger or equal trees and
+    decayed window by window."""
+
+    def __init__(self, candidates: Sequence[int], keep: float = KEEP):
+        self.candidates = np.asarray(sorted(candidates), dtype=np.int64)
+        self.keep = keep
+        self.trees = np.zeros(self.candidates.shape[0])
+        self.kept = np.zeros(self.candidates.shape[0])
+        self._window_trees = np.zeros_like(self.trees)
+        self._window_kept = np.zeros_like(self.kept)
+
+    def observe(self, budgets: np.ndarray, whole: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
+        """One step's trees: ``budgets`` ``[R]`` each tree's budget, ``whole`` ``[R]`` whether it is the drafter's
+        whole tree (not cut, not a filler), ``drafts`` ``[R, P]`` the accepted path's draft numbers in pop order
+        (1-based, from depth 1), ``accepted`` ``[R]`` how many of them count."""
+        drafts = np.asarray(drafts, dtype=np.int64)
+        accepted = np.asarray(accepted, dtype=np.int64)
+        on_path = np.arange(drafts.shape[1])[None, :] < accepted[:, None]
+        caps = self.candidates[:, None]
+        counted = np.asarray(whole, dtype=bool)[None, :] & (np.asarray(budgets)[None, :] >= caps)  # [C, R]
+        kept = ((drafts[None, :, :] <= caps[:, :, None]) & on_path[None, :, :]).sum(axis=2)  # [C, R]
+        self._window_trees += counted.sum(axis=1)
+        self._window_kept += (counted * kept).sum(axis=1)
+
+    def close_window(self) -> None:
+        """Folds the window into the estimate: the past decays only for candidates the window observed."""
+        seen = self._window_trees > 0
+        self.trees[seen] = self.keep * self.trees[seen] + self._window_trees[seen]
+        self.kept[seen] = self.keep * self.kept[seen] + self._window_kept[seen]
+        self._window_trees[:] = 0
+        self._window_kept[:] = 0
+
+    def acceptance_length(self, min_trees: float = MIN_TREES) -> Dict[int, float]:
+        """Candidates with enough trees -> mean acceptance length (bonus token included)."""
+        return {
+            int(c): 1.0 + kept / trees
+            for c, trees, kept in zip(self.candidates, self.trees, self.kept)
+            if trees >= min_trees
+        }
+
+
+class AutoBudget:
+    """The live budget of every batch size (``lookup[n]``, ``n`` from 1 to ``max_num_seqs``)."""
+
+    def __init__(
+        self,
+        candidates: Sequence[int],
+        max_num_seqs: int,
+        window_steps: int = WINDOW_STEPS,
+        min_trees: float = MIN_TREES,
+        margin: float = SWITCH_MARGIN,
+    ):
+        if not candidates:
+            raise ValueError("auto budget needs at least one candidate")
+        self.candidates = tuple(sorted(candidates))
+        self.largest = self.candidates[-1]
+        # Index 0 too: vLLM's scheduler indexes its lookup by the batch size, from 0 (``build_dynamic_sd_schedule_lookup``).
+        self.lookup: List[int] = [self.largest] * (max_num_seqs + 1)
+        self.acceptance = AcceptanceByBudget(self.candidates)
+        self.costs: Optional[StepCosts] = None
+        self.window_steps, self.min_trees, self.margin = window_steps, min_trees, margin
+        self._steps_in_window = 0
+        self.decisions = 0
+        self.changes = 0
+        # Under asynchronous scheduling vLLM's scheduler places each step's drafts: the lookup may change only once
+        # the scheduler reads this very list (``attach_scheduler``); synchronously the runner's proposals decide.
+        self.needs_scheduler = False
+        self.attached = False
+
+    def budget_for(self, num_requests: int) -> int:
+        return self.lookup[min(max(num_requests, 0), len(self.lookup) - 1)]
+
+    def set_forward_costs(self, forward_ms: Mapping[int, Mapping[int, float]]) -> None:
+        self.costs = StepCosts(forward_ms)
+
+    def observe(self, budgets, whole, drafts, accepted) -> None:
+        """One observed verify step (see :meth:`AcceptanceByBudget.observe`)."""
+        self.acceptance.observe(budgets, whole, drafts, accepted)
+        self._steps_in_window += 1
+
+    def observe_step_time(self, budget: int, trees: int, step_ms: float) -> None:
+        if self.costs is not None:
+            self.costs.observe_step(budget, trees, step_ms)
+
+    def maybe_decide(self) -> bool:
+        """After a full window: folds it in and re-decides every batch size; True when the lookup changed."""
+        if self._steps_in_window < self.window_steps or (self.needs_scheduler and not self.attached):
+            return False
+        self._steps_in_window = 0
+        self.acceptance.close_window()
+        self.decisions += 1
+        changed = self.decide()
+        self.changes += int(changed)
+        return changed
+
+    def decide(self) -> bool:
+        """Re-decides every batch size in place (the list object is shared with vLLM's scheduler)."""
+        if self.costs is None:
+            return False  # no step costs: the largest budget everywhere, like a fixed budget
+        tau = self.acceptance.acceptance_length(self.min_trees)
+        if not tau:
+            return False
+        new = list(self.lookup)
+        for n in range(1, len(new)):
+            new[n] = self._best(n, tau, new[n])
+        changed = new != self.lookup
+        if changed:
+            self.lookup[:] = new
+        return changed
+
+    def _best(self, trees: int, tau: Mapping[int, float], current: int) -> int:
+        rates = {}
+        for c in self.candidates:
+            step = self.costs.step_ms(c, trees) if c in tau else None
+            if step is not None and step > 0:
+                rates[c] = tau[c] / step
+        if not rates:
+            return current
+        best = max(rates, key=lambda c: (rates[c], -c))
+        if current in rates and rates[best] <= rates[current] * (1 + self.margin):
+            return current
+        return best
+
+    def describe(self) -> str:
+        """The lookup as ranges, ``1-4: 64, 5-32: 16``, and what it rests on."""
+        ranges, start = [], 1
+        for n in range(2, len(self.lookup) + 1):
+            if n == len(self.lookup) or self.lookup[n] != self.lookup[start]:
+                last = n - 1
+                ranges.append(
+                    f"{start}-{last}: {self.lookup[start]}" if last > start else f"{start}: {self.lookup[start]}"
+                )
+                start = n
+        tau = self.acceptance.acceptance_length(self.min_trees)
+        accept = ", ".join(f"{c}: {t:.2f}" for c, t in sorted(tau.items()))
+        return f"budget by batch size {', '.join(ranges)} (acceptance length by budget {accept or 'not yet known'})"
+
+    def summary(self) -> Dict[str, object]:
+        costs = self.costs
+        return {
+            "candidates": list(self.candidates),
+            "lookup": self.describe(),
+            "decisions": self.decisions,
+            "changes": self.changes,
+            "acceptance_length": self.acceptance.acceptance_length(self.min_trees),
+            "forward_ms": {b: dict(points) for b, points in costs.forward.items()} if costs else {},
+            "rest_ms": dict(sorted(costs.rest.items())) if costs else {},
+        }
+
+
+class StepTimer:
+    """GPU milliseconds of live verify steps, from the start of ``execute_model`` to the end of the drafter's
+    launches, read a few steps later without waiting (a small ring of CUDA event pairs; a step finding none free
+    is not timed)."""
+
+    def __init__(self, make_event: Callable[[], object], slots: int = 4):
+        self.free = [(make_event(), make_event()) for _ in range(slots)]
+        self.pending: Deque[Tuple[object, Tuple[object, object]]] = deque()
+        self.current: Optional[Tuple[object, object]] = None
+
+    def start(self) -> None:
+        """Starts a step (again, if the last one never finished: a step that sampled nothing)."""
+        if self.current is None and self.free:
+            self.current = self.free.pop()
+        if self.current is not None:
+            self.current[0].record()
+
+    def finish(self, key) -> None:
+        """Ends the step started last; ``key`` names it (None: not a step worth timing, dropped)."""
+        pair, self.current = self.current, None
+        if pair is None:
+            return
+        if key is None:
+            self.free.append(pair)
+            return
+        pair[1].record()
+        self.pending.append((key, pair))
+
+    def landed(self) -> List[Tuple[object, float]]:
+        """``(key, ms)`` of the timed steps whose end has passed on the GPU, oldest first."""
+        out = []
+        while self.pending and self.pending[0][1][1].query():
+            key, (start, end) = self.pending.popleft()
+            out.append((key, float(start.elapsed_time(end))))
+            self.free.append((start, end))
+        return out
+
+
+def timed_counts(graphed: Sequence[int]) -> List[int]:
+    """Of a budget's graphed tree counts, those timed at start-up: :data:`TIMED_COUNTS` and the largest."""
+    graphed = sorted(set(graphed))
+    if not graphed:
+        return []
+    return sorted({n for n in graphed if n in TIMED_COUNTS} | {graphed[-1]})
+
+
+def forward_table(timings: Mapping[Tuple[int, int], float]) -> Dict[int, Dict[int, float]]:
+    """``{(budget, trees): ms}`` as ``{budget: {trees: ms}}``."""
+    table: Dict[int, Dict[int, float]] = {}
+    for (budget, trees), ms in timings.items():
+        table.setdefault(budget, {})[trees] = ms
+    return table
+
+
+# ---- the live lookup shared with vLLM's scheduler (``patches`` 1c) -----------------------------------------------
+#: The AutoBudget a runner of this process published for the scheduler built after it (at most one waits).
+_PUBLISHED: List[AutoBudget] = []
+
+
+def publish(auto: AutoBudget) -> None:
+    """A runner offers its live lookup to the scheduler its engine builds next in this process."""
+    _PUBLISHED[:] = [auto]
+
+
+def attach_scheduler(scheduler) -> bool:
+    """Hands the published lookup to ``scheduler`` (its ``dynamic_sd_lookup`` becomes the same list object); False
+    when no runner of this process published one of the same length (the runner then keeps the largest budget)."""
+    auto = _PUBLISHED.pop() if _PUBLISHED else None
+    if auto is None or len(auto.lookup) != len(scheduler.dynamic_sd_lookup):
+        return False
+    scheduler.dynamic_sd_lookup = auto.lookup
+    auto.attached = True
+    return True

@@ -1,0 +1,334 @@
+"""``ddtree_budget: "auto"`` (``ddtree.vllm.auto_budget``): the policy against a world whose best budget is known,
+its estimators against hand-computed values, and the hand-over of its lookup to vLLM's scheduler."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ddtree.vllm import auto_budget
+from ddtree.vllm.auto_budget import AcceptanceByBudget, AutoBudget, StepCosts, StepTimer, auto_candidates, timed_counts
+
+# Two kinds of accepted paths (draft numbers in pop order): what each candidate keeps of them is known by hand.
+DEEP = [1, 2, 20, 40, 60]  # keeps 2 drafts at budget 16, 3 at 32, 5 at 64
+SHALLOW = [1, 17, 33]  # keeps 1, 2, 3
+TAU = {16: 1 + (2 + 1) / 2, 32: 1 + (3 + 2) / 2, 64: 1 + (5 + 3) / 2}  # half of the trees each
+
+
+def _paths(trees: int):
+    drafts = np.zeros((trees, 6), dtype=np.int64)
+    accepted = np.zeros(trees, dtype=np.int64)
+    for r in range(trees):
+        path = DEEP if r % 2 == 0 else SHALLOW
+        drafts[r, : len(path)] = path
+        accepted[r] = len(path)
+    return drafts, accepted
+
+
+def _observe(auto: AutoBudget, budget: int, trees: int, steps: int) -> None:
+    drafts, accepted = _paths(trees)
+    for _ in range(steps):
+        auto.observe(np.full(trees, budget), np.ones(trees, dtype=bool), drafts, accepted)
+
+
+def test_candidates_are_powers_of_two_from_the_depth_up_to_the_maximum():
+    assert auto_candidates(15, 256) == (16, 32, 64, 128, 256)
+    assert auto_candidates(15, 100) == (16, 32, 64, 100)
+    assert auto_candidates(7, 64) == (8, 16, 32, 64)
+    assert auto_candidates(None, 64) == (8, 16, 32, 64)
+    assert auto_candidates(15, 15) == (15,)
+
+
+def test_acceptance_by_budget_counts_what_each_candidate_keeps_of_the_path():
+    est = AcceptanceByBudget((16, 32, 64))
+    drafts, accepted = _paths(4)
+    whole = np.array([True, True, True, False])  # a cut tree does not count
+    est.observe(np.array([64, 64, 32, 64]), whole, drafts, accepted)
+    est.close_window()
+    # Budget 64: trees 0 and 1; 32 and 16: trees 0, 1 and 2 (a budget-32 tree says nothing about 64).
+    assert est.trees.tolist() == [3, 3, 2]
+    assert est.acceptance_length(min_trees=1) == pytest.approx(
+        {16: 1 + (2 + 1 + 2) / 3, 32: 1 + (3 + 2 + 3) / 3, 64: 5.0}
+    )
+    assert est.acceptance_length(min_trees=3) == pytest.approx({16: 1 + 5 / 3, 32: 1 + 8 / 3})
+
+
+def test_acceptance_decays_by_window_and_only_where_the_window_saw_trees():
+    est = AcceptanceByBudget((16, 64), keep=0.5)
+    drafts, accepted = _paths(2)
+    est.observe(np.array([64, 64]), np.ones(2, dtype=bool), drafts, accepted)
+    est.close_window()
+    est.observe(np.array([16, 16]), np.ones(2, dtype=bool), drafts[1:2].repeat(2, axis=0), accepted[1:2].repeat(2))
+    est.close_window()
+    # 16: half of the old window (2 trees, 3 kept) plus the new one (2 shallow trees, 1 kept each); 64 untouched.
+    assert est.trees.tolist() == [3.0, 2.0]
+    assert est.kept.tolist() == [1.5 + 2, 8.0]
+
+
+def test_step_costs_interpolate_the_timed_counts_and_add_the_live_rest():
+    costs = StepCosts({64: {1: 2.0, 4: 5.0, 8: 9.0}, 16: {2: 1.0}})
+    assert costs.forward_ms(64, 1) == 2.0
+    assert costs.forward_ms(64, 2) == pytest.approx(3.0)  # between 1 and 4
+    assert costs.forward_ms(64, 16) == pytest.approx(17.0)  # past 8: the last slope
+    assert costs.forward_ms(16, 8) == pytest.approx(4.0)  # one timed count: per tree
+    assert costs.forward_ms(16, 1) == pytest.approx(0.5)
+    assert costs.forward_ms(32, 1) is None
+    assert costs.rest_ms(4) == 0.0
+    costs.observe_step(64, 4, 12.0)
+    assert costs.rest_ms(4) == pytest.approx(7.0) and costs.rest_ms(6) == pytest.approx(7.0)  # the nearest
+    costs.observe_step(64, 4, 22.0, keep=0.5)
+    assert costs.rest_ms(4) == pytest.approx(12.0)
+    assert costs.step_ms(16, 4) == pytest.approx(2.0 + 12.0)
+    costs.observe_step(32, 4, 50.0)  # a budget never timed says nothing
+    costs.observe_step(64, 4, float("nan"))
+    assert costs.rest_ms(4) == pytest.approx(12.0)
+
+
+def _world_costs():
+    """The forward of n trees of c: 4 ms plus 0.05 ms per token (a small model, where trees are not free)."""
+    return {c: {n: 4.0 + 0.05 * n * (c + 1) for n in (1, 2, 4, 8)} for c in (16, 32, 64)}
+
+
+def _oracle(n: int, rest: float) -> int:
+    rates = {c: TAU[c] / (4.0 + 0.05 * n * (c + 1) + rest) for c in TAU}  # the world's cost, linear in n
+    return max(rates, key=rates.get)
+
+
+def test_the_policy_finds_each_batch_sizes_best_budget():
+    auto = AutoBudget((16, 32, 64), max_num_seqs=8, window_steps=4, min_trees=8, margin=0.0)
+    auto.set_forward_costs(_world_costs())
+    assert auto.lookup == [64] * 9 and auto.budget_for(5) == 64 and auto.budget_for(99) == 64
+    for n in (1, 2, 4, 8):  # the rest of every step (drafter, sampling): 3 ms, seen on live budget-64 steps
+        auto.observe_step_time(64, n, _world_costs()[64][n] + 3.0)
+    _observe(auto, 64, trees=4, steps=3)
+    assert not auto.maybe_decide() and auto.lookup == [64] * 9  # the window is not full yet
+    _observe(auto, 64, trees=4, steps=1)
+    assert auto.maybe_decide()
+    want = [_oracle(n, 3.0) for n in range(1, 9)]
+    assert auto.lookup[1:] == want
+    assert want[0] == 64 and want[-1] == 16  # the world was built so that the answer depends on the batch size
+    assert auto.decisions == 1 and auto.changes == 1
+    assert "1-" in auto.describe() and ": 16" in auto.describe() and "64: 5.00" in auto.describe()
+    # Windows of the smaller trees keep the larger candidates' estimates: nothing changes.
+    _observe(auto, 16, trees=4, steps=4)
+    assert not auto.maybe_decide() and auto.lookup[1:] == want and auto.decisions == 2
+
+
+def test_a_batch_size_keeps_its_budget_unless_another_is_clearly_faster():
+    auto = AutoBudget((16, 64), max_num_seqs=2, window_steps=1, min_trees=1, margin=0.5)
+    auto.set_forward_costs({16: {1: 1.0, 2: 1.0}, 64: {1: 1.5, 2: 1.5}})  # 64: tau 5 / 1.5 against 16: 2.5 / 1.0
+    _observe(auto, 64, trees=2, steps=1)
+    assert not auto.maybe_decide() and auto.lookup[1:] == [64, 64]  # 16 is slower: 2.5 per ms against 3.33
+    auto.margin = 0.0
+    auto.set_forward_costs({16: {1: 1.0, 2: 1.0}, 64: {1: 2.1, 2: 2.1}})  # now 16 is 5 % faster
+    _observe(auto, 64, trees=2, steps=1)
+    assert auto.maybe_decide() and auto.lookup[1:] == [16, 16]
+    auto.margin = 0.1
+    auto.set_forward_costs({16: {1: 1.0, 2: 1.0}, 64: {1: 1.95, 2: 1.95}})  # 64 is 2.6 % faster: not enough
+    _observe(auto, 64, trees=2, steps=1)
+    assert not auto.maybe_decide() and auto.lookup[1:] == [16, 16]
+
+
+def test_without_costs_or_acceptance_every_batch_size_keeps_the_largest_budget():
+    auto = AutoBudget((16, 64), max_num_seqs=4, window_steps=1, min_trees=1)
+    _observe(auto, 64, trees=2, steps=1)
+    assert not auto.maybe_decide() and auto.lookup == [64] * 5  # no step costs (timing failed, or not yet)
+    fresh = AutoBudget((16, 64), max_num_seqs=4, window_steps=1, min_trees=1)
+    fresh.set_forward_costs({16: {1: 1.0}, 64: {1: 9.0}})
+    _observe(fresh, 64, trees=0, steps=1)  # a window without trees: no acceptance known yet
+    assert not fresh.maybe_decide() and fresh.lookup == [64] * 5
+    auto.set_forward_costs({16: {1: 1.0}, 64: {1: 9.0}})  # the costs arrive: the estimate kept decides
+    _observe(auto, 64, trees=0, steps=1)
+    assert auto.maybe_decide() and auto.lookup[1:] == [16] * 4
+
+
+def test_under_asynchronous_scheduling_nothing_changes_until_the_scheduler_reads_the_lookup():
+    auto = AutoBudget((16, 64), max_num_seqs=3, window_steps=1, min_trees=1)
+    auto.needs_scheduler = True
+    auto.set_forward_costs({16: {1: 1.0}, 64: {1: 9.0}})
+    _observe(auto, 64, trees=2, steps=1)
+    assert not auto.maybe_decide() and auto.lookup == [64] * 4
+    scheduler = SimpleNamespace(dynamic_sd_lookup=[0, 64, 64, 64])
+    auto_budget.publish(auto)
+    assert auto_budget.attach_scheduler(scheduler) and scheduler.dynamic_sd_lookup is auto.lookup
+    assert not auto_budget.attach_scheduler(SimpleNamespace(dynamic_sd_lookup=[0, 64]))  # taken: nothing waits
+    _observe(auto, 64, trees=2, steps=1)
+    assert auto.maybe_decide() and scheduler.dynamic_sd_lookup[1:] == [16, 16, 16]
+
+
+def test_a_lookup_of_another_length_is_not_attached():
+    auto = AutoBudget((16, 64), max_num_seqs=3)
+    auto_budget.publish(auto)
+    scheduler = SimpleNamespace(dynamic_sd_lookup=[0, 64])
+    assert not auto_budget.attach_scheduler(scheduler) and not auto.attached and scheduler.dynamic_sd_lookup == [0, 64]
+
+
+class _FakeEvent:
+    def __init__(self, clock):
+        self.clock, self.at, self.done = clock, None, False
+
+    def record(self):
+        self.at, self.done = self.clock[0], False
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def test_the_step_timer_reports_finished_steps_without_waiting():
+    clock = [0.0]
+    timer = StepTimer(lambda: _FakeEvent(clock), slots=2)
+    timer.start()
+    clock[0] = 5.0
+    timer.finish(("a",))
+    timer.start()
+    clock[0] = 6.0
+    timer.start()  # the step before sampled nothing: timed from here
+    clock[0] = 9.0
+    timer.finish(("b",))
+    timer.start()  # no slot free: not timed
+    timer.finish(("c",))
+    assert timer.landed() == []  # the GPU has not passed the end events yet
+    timer.pending[0][1][1].done = True
+    assert timer.landed() == [(("a",), 5.0)]
+    timer.pending[0][1][1].done = True
+    assert timer.landed() == [(("b",), 3.0)]
+    timer.start()
+    timer.finish(None)  # not a step of whole trees: dropped
+    assert not timer.pending and len(timer.free) == 2
+
+
+def test_timed_counts_are_the_powers_of_two_and_the_largest_of_the_graphed_counts():
+    assert timed_counts([]) == []
+    assert timed_counts(range(1, 41)) == [1, 2, 4, 8, 16, 32, 40]
+    assert timed_counts([3, 5, 6]) == [6]
+
+
+class _Recorder:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, message, *args):
+        self.lines.append(("info", message % args))
+
+    def warning(self, message, *args):
+        self.lines.append(("warning", message % args))
+
+
+def _auto_runner(monkeypatch, captured):
+    """A runner (no GPU, no vLLM engine) with ``auto`` candidates 16/32/64 at depth 15, top-K 8, FULL graphs of
+    ``captured`` ``(tokens per tree, trees)``."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, auto=True)
+    runner._ddtree_auto = AutoBudget(runner.ddtree_cfg.budgets, max_num_seqs=40)
+    runner.drafter = SimpleNamespace(top_k=8)
+    keys = {BatchDescriptor(num_tokens=t * n, num_reqs=n, uniform=True) for t, n in captured}
+    keys.add(BatchDescriptor(num_tokens=512))  # a PIECEWISE-style key without requests: not a tree graph
+    runner.cudagraph_dispatcher = SimpleNamespace(cudagraph_keys={CUDAGraphMode.FULL: keys})
+    monkeypatch.setattr(DDTreeGPUModelRunner, "_ddtree_full_graphs", lambda self: True)
+    log = _Recorder()
+    monkeypatch.setattr(runner_module, "logger", log)
+    return runner, log
+
+
+def test_the_runner_times_each_candidates_graphed_tree_counts_once(monkeypatch):
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    captured = [(17, n) for n in range(1, 41)] + [(33, n) for n in range(1, 20)] + [(65, n) for n in (1, 2, 3, 8)]
+    runner, log = _auto_runner(monkeypatch, captured)
+    timed = []
+
+    def time_forward(self, tokens, trees, full):
+        timed.append((tokens, trees, full))
+        return tokens * trees / 100
+
+    monkeypatch.setattr(DDTreeGPUModelRunner, "_ddtree_time_forward", time_forward)
+    runner.ddtree_time_candidates()
+    costs = runner._ddtree_auto.costs
+    assert {b: sorted(dict(p)) for b, p in costs.forward.items()} == {
+        16: [1, 2, 4, 8, 16, 32, 40],
+        32: [1, 2, 4, 8, 16, 19],
+        64: [1, 2, 8],
+    }
+    assert costs.forward_ms(32, 19) == pytest.approx(33 * 19 / 100) and all(full for *_, full in timed)
+    assert (
+        log.lines[0][0] == "info" and "candidates 16, 32, 64" in log.lines[0][1] and "(64, 8): 5.20" in log.lines[0][1]
+    )
+    runner.ddtree_time_candidates()  # once only
+    assert len(timed) == 7 + 6 + 3
+
+
+def test_a_failed_timing_leaves_the_largest_budget_and_says_so(monkeypatch):
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner, log = _auto_runner(monkeypatch, [(17, 1), (65, 1)])
+
+    def broken(self, tokens, trees, full):
+        raise RuntimeError("no graph")
+
+    monkeypatch.setattr(DDTreeGPUModelRunner, "_ddtree_time_forward", broken)
+    runner.ddtree_time_candidates()
+    assert runner._ddtree_auto.costs is None and runner.ddtree_budget_for(1) == 64
+    assert log.lines == [
+        (
+            "warning",
+            "DDTree auto: timing the candidate budgets failed (RuntimeError('no graph')); every batch size "
+            "keeps budget 64",
+        )
+    ]
+
+
+def test_each_step_feeds_the_timer_and_a_new_choice_is_logged(monkeypatch):
+    runner, log = _auto_runner(monkeypatch, [])
+    auto = runner._ddtree_auto
+    auto.window_steps, auto.min_trees = 1, 1
+    auto.set_forward_costs({16: {1: 1.0}, 32: {1: 2.0}, 64: {1: 9.0}})
+    finished = []
+    runner._ddtree_step_timer = SimpleNamespace(finish=finished.append, landed=lambda: [((64, 1), 12.0)])
+    runner._ddtree_whole_tree_tokens = 65
+    runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([65]))
+    _observe(auto, 64, trees=2, steps=1)
+    runner._ddtree_auto_step()
+    assert finished == [(64, 1)] and auto.costs.rest_ms(1) == pytest.approx(3.0)
+    # One request: tau 2.5 / 4 ms (16), 3.5 / 5 (32), 5 / 12 (64); the forward grows by the request from there.
+    assert runner.ddtree_budget_for(1) == 32 and runner.ddtree_budget_for(3) == runner.ddtree_budget_for(40) == 16
+    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1: 32" in log.lines[0][1]
+    runner._ddtree_whole_tree_tokens = 0  # a step that was not whole trees of one size: not timed
+    runner._ddtree_auto_step()
+    assert finished[-1] is None and len(log.lines) == 1
+
+
+def test_the_scheduler_of_an_auto_engine_reads_the_runners_lookup(monkeypatch):
+    from ddtree.vllm import patches
+    from ddtree.vllm.config import ADDITIONAL_CONFIG_KEY
+
+    class Scheduler:
+        def __init__(self, vllm_config, *args, **kwargs):
+            self.dynamic_sd_lookup = [0, 64, 64]
+
+    init = patches._live_auto_lookup(Scheduler.__init__)
+    log = _Recorder()
+    monkeypatch.setattr(patches, "_log", lambda: log)
+    auto = AutoBudget((16, 64), max_num_seqs=2)
+    auto_budget.publish(auto)
+    config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: {"auto": True}})
+    scheduler = object.__new__(Scheduler)
+    init(scheduler, config)
+    assert scheduler.dynamic_sd_lookup is auto.lookup and auto.attached and not log.lines
+    other = object.__new__(Scheduler)
+    init(other, config)  # nothing published in this process: a runner elsewhere
+    assert other.dynamic_sd_lookup == [0, 64, 64] and log.lines[0][0] == "warning"
+    plain = object.__new__(Scheduler)
+    auto_budget.publish(AutoBudget((16, 64), max_num_seqs=2))
+    init(plain, SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: {"auto": False}}))  # a schedule's own
+    assert plain.dynamic_sd_lookup == [0, 64, 64] and len(log.lines) == 1
+    auto_budget._PUBLISHED.clear()
