@@ -43,7 +43,7 @@ def child(args):
 
     spec = json.loads(args.spec) if args.spec else None
     max_batch = max(int(b) for b in args.batches.split(","))
-    budget = spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0)) if spec else 0
+    budget = largest_budget(spec)
     graph_mode = spec.pop("cudagraph_mode", None) if spec else None
     os.environ.update(spec.pop("env", {}) if spec else {})  # e.g. DDTREE_COMMIT_GRAPHS (the engine is in-process)
     kw = dict(
@@ -147,6 +147,19 @@ def child(args):
                 llm, prompts, params, os.path.join(args.out, f"profile_{args.name}_b{b}.txt")
             )
     print("RESULT-JSON " + json.dumps(rows), flush=True)
+
+
+def largest_budget(spec) -> int:
+    """The most draft tokens an engine's step schedules per request: a budget, a schedule's largest, ``auto``'s
+    maximum (default 64), or the chain's length (0 without speculation)."""
+    if not spec:
+        return 0
+    budget = spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0))
+    if isinstance(budget, dict):
+        return max(int(b) for b in budget.values())
+    if budget == "auto":
+        return int(spec.get("ddtree_max_budget", 64))
+    return int(budget)
 
 
 def main():

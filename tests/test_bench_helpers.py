@@ -171,3 +171,15 @@ def test_the_chain_estimate_is_set_beside_the_measured_chain_of_the_same_batch()
         {"engine": "ddtree-64-async", "batch": 8, "acceptance_length_if_chain": {}},  # nothing counted
     ]
     assert pair_bench.what_if_chain_checks(table) == [("ddtree-256-async", 1, 2.2, 2.15)]
+
+
+def test_the_pair_bench_sizes_batched_tokens_by_each_engines_largest_budget():
+    """A schedule or ``auto`` as ddtree_budget (the bench's child crashed on a schedule's dict before)."""
+    import bench_vllm_ddtree as pair_bench
+
+    assert pair_bench.largest_budget(None) == 0
+    assert pair_bench.largest_budget({"method": "dflash", "num_speculative_tokens": 15}) == 15
+    assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": 64}) == 64
+    assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": {"1": 256, "32": 64}}) == 256
+    assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": "auto"}) == 64
+    assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": "auto", "ddtree_max_budget": 256}) == 256
