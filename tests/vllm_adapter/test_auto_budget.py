@@ -101,7 +101,7 @@ def test_the_policy_finds_each_batch_sizes_best_budget():
     for n in (1, 2, 4, 8):  # the rest of every step (drafter, sampling): 3 ms, seen on live budget-64 steps
         auto.observe_step_time(64, n, _world_costs()[64][n] + 3.0)
     _observe(auto, 64, trees=4, steps=3)
-    assert not auto.maybe_decide() and auto.lookup == [64] * 9  # the window is not full yet
+    assert auto.maybe_decide() is None and auto.lookup == [64] * 9  # the window is not full yet
     _observe(auto, 64, trees=4, steps=1)
     assert auto.maybe_decide()
     want = [_oracle(n, 3.0) for n in range(1, 9)]
@@ -111,7 +111,7 @@ def test_the_policy_finds_each_batch_sizes_best_budget():
     assert "1-" in auto.describe() and ": 16" in auto.describe() and "64: 5.00" in auto.describe()
     # Windows of the smaller trees keep the larger candidates' estimates: nothing changes.
     _observe(auto, 16, trees=4, steps=4)
-    assert not auto.maybe_decide() and auto.lookup[1:] == want and auto.decisions == 2
+    assert auto.maybe_decide() is False and auto.lookup[1:] == want and auto.decisions == 2
 
 
 def test_a_batch_size_keeps_its_budget_unless_another_is_clearly_faster():
@@ -147,7 +147,7 @@ def test_under_asynchronous_scheduling_nothing_changes_until_the_scheduler_reads
     auto.needs_scheduler = True
     auto.set_forward_costs({16: {1: 1.0}, 64: {1: 9.0}})
     _observe(auto, 64, trees=2, steps=1)
-    assert not auto.maybe_decide() and auto.lookup == [64] * 4
+    assert auto.maybe_decide() is None and auto.lookup == [64] * 4
     scheduler = SimpleNamespace(dynamic_sd_lookup=[0, 64, 64, 64])
     auto_budget.publish(auto)
     assert auto_budget.attach_scheduler(scheduler) and scheduler.dynamic_sd_lookup is auto.lookup
@@ -305,6 +305,18 @@ def test_each_step_feeds_the_timer_and_a_new_choice_is_logged(monkeypatch):
     runner._ddtree_whole_tree_tokens = 0  # a step that was not whole trees of one size: not timed
     runner._ddtree_auto_step()
     assert finished[-1] is None and len(log.lines) == 1
+
+
+def test_the_first_choice_is_logged_even_when_it_keeps_the_largest_budget(monkeypatch):
+    runner, log = _auto_runner(monkeypatch, [])
+    auto = runner._ddtree_auto
+    auto.window_steps, auto.min_trees = 1, 1
+    auto.set_forward_costs({16: {1: 1.0}, 32: {1: 1.1}, 64: {1: 1.2}})  # trees nearly free: 64 everywhere
+    for _ in range(2):
+        _observe(auto, 64, trees=2, steps=1)
+        runner._ddtree_auto_step()
+    assert auto.decisions == 2 and auto.changes == 0 and runner.ddtree_budget_for(7) == 64
+    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-40: 64" in log.lines[0][1]
 
 
 def test_the_scheduler_of_an_auto_engine_reads_the_runners_lookup(monkeypatch):

@@ -197,10 +197,11 @@ class AutoBudget:
         if self.costs is not None:
             self.costs.observe_step(budget, trees, step_ms)
 
-    def maybe_decide(self) -> bool:
-        """After a full window: folds it in and re-decides every batch size; True when the lookup changed."""
+    def maybe_decide(self) -> Optional[bool]:
+        """After a full window: folds it in and re-decides every batch size. None: no decision this step; else
+        whether the lookup changed."""
         if self._steps_in_window < self.window_steps or (self.needs_scheduler and not self.attached):
-            return False
+            return None
         self._steps_in_window = 0
         self.acceptance.close_window()
         self.decisions += 1

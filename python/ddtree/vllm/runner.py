@@ -1077,7 +1077,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             timer.finish((tokens - 1, int(plan.num_nodes.shape[0])) if tokens and plan is not None else None)
             for (budget, trees), ms in timer.landed():
                 auto.observe_step_time(budget, trees, ms)
-        if auto.maybe_decide():
+        changed = auto.maybe_decide()
+        if changed or (changed is False and auto.decisions == 1):  # every change, and the first choice
             logger.info("DDTree auto: %s", auto.describe())
 
     def ddtree_time_candidates(self) -> None:
