@@ -73,15 +73,31 @@ def test_step_costs_interpolate_the_timed_counts_and_add_the_live_rest():
     assert costs.forward_ms(16, 8) == pytest.approx(4.0)  # one timed count: per tree
     assert costs.forward_ms(16, 1) == pytest.approx(0.5)
     assert costs.forward_ms(32, 1) is None
-    assert costs.rest_ms(4) == 0.0
+    assert costs.rest_ms(64, 4) == 0.0 and not costs.needs_probe()  # nothing live yet: nothing to probe for
     costs.observe_step(64, 4, 12.0)
-    assert costs.rest_ms(4) == pytest.approx(7.0) and costs.rest_ms(6) == pytest.approx(7.0)  # the nearest
+    assert costs.rest_ms(64, 4) == pytest.approx(7.0) and costs.rest_ms(64, 6) == pytest.approx(7.0)  # the nearest
     costs.observe_step(64, 4, 22.0, keep=0.5)
-    assert costs.rest_ms(4) == pytest.approx(12.0)
-    assert costs.step_ms(16, 4) == pytest.approx(2.0 + 12.0)
+    assert costs.rest_ms(64, 4) == pytest.approx(12.0)
+    assert costs.step_ms(16, 4) == pytest.approx(2.0 + 12.0)  # one budget measured: no per-token part yet
+    assert costs.needs_probe() and costs.per_token_ms() == 0.0
     costs.observe_step(32, 4, 50.0)  # a budget never timed says nothing
     costs.observe_step(64, 4, float("nan"))
-    assert costs.rest_ms(4) == pytest.approx(12.0)
+    assert costs.rest_ms(64, 4) == pytest.approx(12.0)
+
+
+def test_the_rest_of_a_step_grows_with_the_tokens_it_verifies():
+    """The part beyond the forward: 3 ms plus 0.01 ms per verified token, seen at two budgets at n = 4."""
+    costs = StepCosts({16: {4: 1.0}, 64: {4: 2.0}})
+    costs.observe_step(64, 4, 2.0 + 3.0 + 0.01 * 4 * 65)
+    costs.observe_step(16, 4, 1.0 + 3.0 + 0.01 * 4 * 17)
+    assert not costs.needs_probe() and costs.per_token_ms() == pytest.approx(0.01)
+    assert costs.rest_ms(16, 4) == pytest.approx(3.0 + 0.68) and costs.rest_ms(64, 8) == pytest.approx(3.0 + 5.2)
+    costs.observe_step(64, 2, 10.0)  # one budget at n = 2: its fixed part, the slope from n = 4
+    assert costs.rest_ms(16, 2) == pytest.approx(10.0 - 1.0 - 0.01 * 2 * 65 + 0.01 * 2 * 17)
+    slower = StepCosts({16: {4: 1.0}, 64: {4: 2.0}})
+    slower.observe_step(64, 4, 3.0)
+    slower.observe_step(16, 4, 9.0)  # the smaller tree's step longer: noise, not a negative per-token cost
+    assert slower.per_token_ms() == 0.0
 
 
 def _world_costs():
@@ -89,8 +105,14 @@ def _world_costs():
     return {c: {n: 4.0 + 0.05 * n * (c + 1) for n in (1, 2, 4, 8)} for c in (16, 32, 64)}
 
 
-def _oracle(n: int, rest: float) -> int:
-    rates = {c: TAU[c] / (4.0 + 0.05 * n * (c + 1) + rest) for c in TAU}  # the world's cost, linear in n
+def _world_step(c: int, n: int) -> float:
+    """A live step: the forward, 3 ms of drafter and the like, and 0.02 ms per verified token outside the forward
+    (logits, sampling), which the start-up timing does not see."""
+    return 4.0 + 0.05 * n * (c + 1) + 3.0 + 0.02 * n * (c + 1)
+
+
+def _oracle(n: int) -> int:
+    rates = {c: TAU[c] / _world_step(c, n) for c in TAU}
     return max(rates, key=rates.get)
 
 
@@ -98,20 +120,26 @@ def test_the_policy_finds_each_batch_sizes_best_budget():
     auto = AutoBudget((16, 32, 64), max_num_seqs=8, window_steps=4, min_trees=8, margin=0.0)
     auto.set_forward_costs(_world_costs())
     assert auto.lookup == [64] * 9 and auto.budget_for(5) == 64 and auto.budget_for(99) == 64
-    for n in (1, 2, 4, 8):  # the rest of every step (drafter, sampling): 3 ms, seen on live budget-64 steps
-        auto.observe_step_time(64, n, _world_costs()[64][n] + 3.0)
+    for n in range(1, 9):  # live budget-64 steps at every batch size
+        auto.observe_step_time(64, n, _world_step(64, n))
     _observe(auto, 64, trees=4, steps=3)
     assert auto.maybe_decide() is None and auto.lookup == [64] * 9  # the window is not full yet
     _observe(auto, 64, trees=4, steps=1)
-    assert auto.maybe_decide()
-    want = [_oracle(n, 3.0) for n in range(1, 9)]
-    assert auto.lookup[1:] == want
-    assert want[0] == 64 and want[-1] == 16  # the world was built so that the answer depends on the batch size
-    assert auto.decisions == 1 and auto.changes == 1
-    assert "1-" in auto.describe() and ": 16" in auto.describe() and "64: 5.00" in auto.describe()
-    # Windows of the smaller trees keep the larger candidates' estimates: nothing changes.
+    # Step times at one budget only: the per-token part is unknown, so a window at the smallest budget measures it.
+    assert auto.maybe_decide() and auto.probing and auto.lookup[1:] == [16] * 8 and auto.probes == 1
+    assert auto.describe().startswith("probing budget 16 for one window")
+    for n in range(1, 9):
+        auto.observe_step_time(16, n, _world_step(16, n))
     _observe(auto, 16, trees=4, steps=4)
-    assert auto.maybe_decide() is False and auto.lookup[1:] == want and auto.decisions == 2
+    auto.maybe_decide()
+    want = [_oracle(n) for n in range(1, 9)]
+    assert not auto.probing and auto.lookup[1:] == want and auto.probes == 1
+    assert want[0] == 64 and want[-1] == 16 and 32 in want  # the answer depends on the batch size
+    assert auto.costs.per_token_ms() == pytest.approx(0.02)
+    assert "64: 5.00" in auto.describe() and "16: 2.50" in auto.describe()
+    # Windows of the smaller trees keep the larger candidates' estimates: nothing changes, no more probes.
+    _observe(auto, 16, trees=4, steps=4)
+    assert auto.maybe_decide() is False and auto.lookup[1:] == want and auto.decisions == 3
 
 
 def test_a_batch_size_keeps_its_budget_unless_another_is_clearly_faster():
@@ -127,6 +155,37 @@ def test_a_batch_size_keeps_its_budget_unless_another_is_clearly_faster():
     auto.set_forward_costs({16: {1: 1.0, 2: 1.0}, 64: {1: 1.95, 2: 1.95}})  # 64 is 2.6 % faster: not enough
     _observe(auto, 64, trees=2, steps=1)
     assert not auto.maybe_decide() and auto.lookup[1:] == [16, 16]
+
+
+def test_probes_stop_once_two_budgets_are_timed_or_after_the_most_probes():
+    from ddtree.vllm.auto_budget import MAX_PROBES, PROBE_EVERY
+
+    auto = AutoBudget((16, 64), max_num_seqs=2, window_steps=1, min_trees=1, margin=0.0)
+    auto.set_forward_costs({16: {1: 1.0}, 64: {1: 1.2}})
+    auto.observe_step_time(64, 1, 5.0)
+    probed_at = []
+    for window in range(1, 1 + PROBE_EVERY * MAX_PROBES + 3):
+        _observe(auto, auto.lookup[1], trees=2, steps=1)  # the batch changes size: no batch size gets two budgets
+        auto.observe_step_time(auto.lookup[1], 2 if auto.probing else 1, 5.0)
+        auto.maybe_decide()
+        if auto.probing:
+            probed_at.append(window)
+    assert probed_at == [1 + PROBE_EVERY * k for k in range(MAX_PROBES)] and auto.probes == MAX_PROBES
+    # A probe that lands on a batch size timed at the largest budget settles it: no more probes.
+    settled = AutoBudget((16, 64), max_num_seqs=2, window_steps=1, min_trees=1, margin=0.0)
+    settled.set_forward_costs({16: {1: 1.0}, 64: {1: 1.2}})
+    settled.observe_step_time(64, 1, 5.0)
+    _observe(settled, 64, trees=2, steps=1)
+    assert settled.maybe_decide() and settled.probing
+    settled.observe_step_time(16, 1, 4.9)
+    _observe(settled, 16, trees=2, steps=1)
+    settled.maybe_decide()
+    assert not settled.probing and not settled.costs.needs_probe()
+    for _ in range(PROBE_EVERY * 2):
+        _observe(settled, settled.lookup[1], trees=2, steps=1)
+        settled.maybe_decide()
+        assert not settled.probing
+    assert settled.probes == 1 and settled.lookup[1:] == [64, 64]  # tau 5 / 5.05 ms against 2.5 / 4.85
 
 
 def test_without_costs_or_acceptance_every_batch_size_keeps_the_largest_budget():
@@ -293,15 +352,17 @@ def test_each_step_feeds_the_timer_and_a_new_choice_is_logged(monkeypatch):
     auto.window_steps, auto.min_trees = 1, 1
     auto.set_forward_costs({16: {1: 1.0}, 32: {1: 2.0}, 64: {1: 9.0}})
     finished = []
-    runner._ddtree_step_timer = SimpleNamespace(finish=finished.append, landed=lambda: [((64, 1), 12.0)])
+    landed = [((64, 1), 12.0), ((16, 1), 5.0)]  # two budgets at one batch size: no probe needed
+    runner._ddtree_step_timer = SimpleNamespace(finish=finished.append, landed=lambda: landed)
     runner._ddtree_whole_tree_tokens = 65
     runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([65]))
     _observe(auto, 64, trees=2, steps=1)
     runner._ddtree_auto_step()
-    assert finished == [(64, 1)] and auto.costs.rest_ms(1) == pytest.approx(3.0)
-    # One request: tau 2.5 / 4 ms (16), 3.5 / 5 (32), 5 / 12 (64); the forward grows by the request from there.
+    assert finished == [(64, 1)] and auto.costs.rest_ms(64, 1) == pytest.approx(3.5)
+    # Beyond the forward 3 ms (64) and 4 ms (16): no per-token part (a negative slope is noise), 3.5 ms each.
+    # One request: tau 2.5 / 4.5 ms (16), 3.5 / 5.5 (32), 5 / 12.5 (64); the forward grows by the request from there.
     assert runner.ddtree_budget_for(1) == 32 and runner.ddtree_budget_for(3) == runner.ddtree_budget_for(40) == 16
-    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1: 32" in log.lines[0][1]
+    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-2: 32, 3-40: 16" in log.lines[0][1]
     runner._ddtree_whole_tree_tokens = 0  # a step that was not whole trees of one size: not timed
     runner._ddtree_auto_step()
     assert finished[-1] is None and len(log.lines) == 1

@@ -12,10 +12,12 @@ machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` 
   is a prefix of a larger tree's pop order, so every tree says exactly what each candidate up to its own budget
   would have accepted (``what_if``). Counts decay window by window, so the estimate follows the traffic.
 * **Step cost** (:class:`StepCosts`): the target's forward for ``n`` trees of each candidate, timed at start-up by
-  replaying its FULL graph, plus the rest of the step (drafter, sampling, commit, host gaps), timed on live steps
-  with CUDA events: ``step_ms(c, n) = forward_ms(c, n) + rest_ms(n)``.
+  replaying its FULL graph, plus the rest of the step, timed on live steps with CUDA events: a part independent of
+  the tree (drafter, commit, host gaps) and a part per verified token (logits, per-node sampling), the latter read
+  from batch sizes timed at two budgets: ``step_ms(c, n) = forward_ms(c, n) + rest_ms(c, n)``.
 * **Start**: every batch size at the largest candidate for the first window (like a fixed budget; its trees
-  measure every candidate's acceptance at once), then the argmax, re-decided after every window. A batch size
+  measure every candidate's acceptance at once), then the argmax, re-decided after every window. While live steps
+  were timed at one budget only, a probe window runs the smallest candidate to time a second. A batch size
   changes budget only for a gain above :data:`SWITCH_MARGIN` (no flapping between near-equal candidates).
 
 The choice is one list indexed by batch size (:attr:`AutoBudget.lookup`). Under asynchronous scheduling vLLM's
@@ -47,6 +49,10 @@ MIN_TREES = 32.0
 KEEP = 0.75
 #: A batch size leaves its budget only for a candidate at least this much faster.
 SWITCH_MARGIN = 0.03
+#: Windows between probes, and the most probes an engine runs (a probe: one window at the smallest candidate while
+#: no batch size has live step times at two budgets).
+PROBE_EVERY = 4
+MAX_PROBES = 3
 #: Tree counts whose forward is timed at start-up (the rest are interpolated).
 TIMED_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -61,12 +67,20 @@ def auto_candidates(draft_len: Optional[int], max_budget: int) -> Tuple[int, ...
 
 
 class StepCosts:
-    """Milliseconds per verify step by candidate and batch size: the forward timed at start-up, the rest live."""
+    """Milliseconds per verify step by candidate and batch size: the target's forward timed at start-up, the rest
+    of the step on live steps.
+
+    The rest (drafter, logits, per-node sampling, walk, commit, host gaps) has a part that grows with the tokens a
+    step verifies (logits and sampling of ``n * (budget + 1)`` rows, outside the graphed forward) and a part that
+    does not. Its per-token slope is read from batch sizes measured at two budgets or more; until then it counts
+    as 0 (:meth:`needs_probe`: ``AutoBudget`` then runs a window at another budget to measure it).
+    """
 
     def __init__(self, forward_ms: Mapping[int, Mapping[int, float]]):
         # budget -> sorted (trees, ms) of its timed FULL-graph replays
         self.forward = {int(b): sorted((int(n), float(ms)) for n, ms in by_n.items()) for b, by_n in forward_ms.items()}
-        self.rest: Dict[int, float] = {}  # batch size -> ms of a step beyond the target's forward (live)
+        # (budget, trees) -> ms of a live step beyond the target's forward (an exponential average)
+        self.beyond: Dict[Tuple[int, int], float] = {}
 
     def forward_ms(self, budget: int, trees: int) -> Optional[float]:
         """The forward of ``trees`` trees of ``budget``: interpolated between the timed counts, extrapolated
@@ -89,27 +103,53 @@ class StepCosts:
         return m0 + (m1 - m0) * (trees - n0) / (n1 - n0)
 
     def observe_step(self, budget: int, trees: int, step_ms: float, keep: float = 0.9) -> None:
-        """A live step of ``trees`` trees of ``budget`` took ``step_ms`` on the GPU: updates the rest of the step at
-        that batch size (an exponential average)."""
+        """A live step of ``trees`` trees of ``budget`` took ``step_ms`` on the GPU."""
         forward = self.forward_ms(budget, trees)
         if forward is None or not np.isfinite(step_ms) or step_ms <= 0:
             return
-        rest = max(step_ms - forward, 0.0)
-        old = self.rest.get(trees)
-        self.rest[trees] = rest if old is None else keep * old + (1 - keep) * rest
+        beyond = max(step_ms - forward, 0.0)
+        old = self.beyond.get((budget, trees))
+        self.beyond[(budget, trees)] = beyond if old is None else keep * old + (1 - keep) * beyond
 
-    def rest_ms(self, trees: int) -> float:
-        """The rest of a step at ``trees`` requests: measured there, else at the nearest measured batch size, else 0."""
-        if trees in self.rest:
-            return self.rest[trees]
-        if not self.rest:
-            return 0.0
-        nearest = min(self.rest, key=lambda n: (abs(n - trees), n))
-        return self.rest[nearest]
+    def _by_trees(self) -> Dict[int, List[Tuple[int, float]]]:
+        by_trees: Dict[int, List[Tuple[int, float]]] = {}
+        for (budget, trees), ms in self.beyond.items():
+            by_trees.setdefault(trees, []).append((budget, ms))
+        return by_trees
+
+    def per_token_ms(self) -> float:
+        """The rest's slope against the verified tokens ``n * (budget + 1)``: least squares at each batch size
+        measured at two budgets or more, averaged over them by their points (0 when there is none; never below 0)."""
+        slopes, weights = [], []
+        for trees, points in self._by_trees().items():
+            if len(points) < 2:
+                continue
+            x = np.array([trees * (budget + 1) for budget, _ in points], dtype=np.float64)
+            y = np.array([ms for _, ms in points], dtype=np.float64)
+            spread = ((x - x.mean()) ** 2).sum()
+            if spread > 0:
+                slopes.append(((x - x.mean()) * (y - y.mean())).sum() / spread)
+                weights.append(len(points))
+        return max(0.0, float(np.average(slopes, weights=weights))) if slopes else 0.0
+
+    def needs_probe(self) -> bool:
+        """Live steps were timed, but no batch size at two budgets: the per-token part is unknown."""
+        return bool(self.beyond) and all(len(points) < 2 for points in self._by_trees().values())
+
+    def rest_ms(self, budget: int, trees: int) -> float:
+        """The rest of a step of ``trees`` trees of ``budget``: its budget-independent part measured at this batch
+        size (else at the nearest measured one, else 0), plus the per-token part."""
+        slope = self.per_token_ms()
+        by_trees = self._by_trees()
+        fixed = 0.0
+        if by_trees:
+            at = trees if trees in by_trees else min(by_trees, key=lambda n: (abs(n - trees), n))
+            fixed = max(0.0, float(np.mean([ms - slope * at * (b + 1) for b, ms in by_trees[at]])))
+        return fixed + slope * trees * (budget + 1)
 
     def step_ms(self, budget: int, trees: int) -> Optional[float]:
         forward = self.forward_ms(budget, trees)
-        return None if forward is None else forward + self.rest_ms(trees)
+        return None if forward is None else forward + self.rest_ms(budget, trees)
 
 
 class AcceptanceByBudget:
@@ -181,6 +221,14 @@ class AutoBudget:
         # the scheduler reads this very list (``attach_scheduler``); synchronously the runner's proposals decide.
         self.needs_scheduler = False
         self.attached = False
+        # A probe window runs the smallest candidate everywhere; the lookup it replaced is the one the next decision
+        # keeps or leaves (its hysteresis).
+        self.probes = 0
+        self._before_probe: Optional[List[int]] = None
+
+    @property
+    def probing(self) -> bool:
+        return self._before_probe is not None
 
     def budget_for(self, num_requests: int) -> int:
         return self.lookup[min(max(num_requests, 0), len(self.lookup) - 1)]
@@ -205,20 +253,35 @@ class AutoBudget:
         self._steps_in_window = 0
         self.acceptance.close_window()
         self.decisions += 1
-        changed = self.decide()
+        before = list(self.lookup)
+        self.decide()
+        if self._probe_due():
+            self._before_probe = list(self.lookup)
+            self.lookup[1:] = [self.candidates[0]] * (len(self.lookup) - 1)
+            self.probes += 1
+        changed = self.lookup != before
         self.changes += int(changed)
         return changed
 
+    def _probe_due(self) -> bool:
+        """A probe is due when live steps were timed at one budget only (``StepCosts.needs_probe``), at most
+        :data:`MAX_PROBES` times, :data:`PROBE_EVERY` windows apart, first at the first decision."""
+        if self.costs is None or len(self.candidates) < 2 or not self.costs.needs_probe():
+            return False
+        return self.probes < MAX_PROBES and self.decisions >= 1 + PROBE_EVERY * self.probes
+
     def decide(self) -> bool:
-        """Re-decides every batch size in place (the list object is shared with vLLM's scheduler)."""
+        """Re-decides every batch size in place (the list object is shared with vLLM's scheduler); after a probe,
+        from the lookup the probe replaced."""
+        current, self._before_probe = self._before_probe or list(self.lookup), None
         if self.costs is None:
+            self.lookup[:] = current
             return False  # no step costs: the largest budget everywhere, like a fixed budget
         tau = self.acceptance.acceptance_length(self.min_trees)
-        if not tau:
-            return False
-        new = list(self.lookup)
-        for n in range(1, len(new)):
-            new[n] = self._best(n, tau, new[n])
+        new = list(current)
+        if tau:
+            for n in range(1, len(new)):
+                new[n] = self._best(n, tau, new[n])
         changed = new != self.lookup
         if changed:
             self.lookup[:] = new
@@ -249,7 +312,14 @@ class AutoBudget:
                 start = n
         tau = self.acceptance.acceptance_length(self.min_trees)
         accept = ", ".join(f"{c}: {t:.2f}" for c, t in sorted(tau.items()))
-        return f"budget by batch size {', '.join(ranges)} (acceptance length by budget {accept or 'not yet known'})"
+        probe = (
+            f"probing budget {self.candidates[0]} for one window (live step times at one budget only); "
+            if self.probing
+            else ""
+        )
+        return (
+            f"{probe}budget by batch size {', '.join(ranges)} (acceptance length by budget {accept or 'not yet known'})"
+        )
 
     def summary(self) -> Dict[str, object]:
         costs = self.costs
@@ -260,7 +330,9 @@ class AutoBudget:
             "changes": self.changes,
             "acceptance_length": self.acceptance.acceptance_length(self.min_trees),
             "forward_ms": {b: dict(points) for b, points in costs.forward.items()} if costs else {},
-            "rest_ms": dict(sorted(costs.rest.items())) if costs else {},
+            "probes": self.probes,
+            "per_token_ms": costs.per_token_ms() if costs else 0.0,
+            "beyond_forward_ms": {f"{b}x{n}": ms for (b, n), ms in sorted(costs.beyond.items())} if costs else {},
         }
 
 
