@@ -31,7 +31,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_ddtree_e2e import CONSTRAINED_SCENARIOS, prompts  # noqa: E402
+from vllm_ddtree_e2e import CONSTRAINED_SCENARIOS, current_scenarios, prompts  # noqa: E402
 
 #: Scenarios replayed (the harness's greedy ones); each maps to its prompt set.
 PROMPT_SETS = {
@@ -250,7 +250,7 @@ def main() -> int:
         with open(path) as f:
             for engine, res in json.load(f)["results"].items():
                 merged = results.setdefault(engine, {"scenarios": {}})
-                merged["scenarios"].update(res.get("scenarios", {}))
+                merged["scenarios"].update(current_scenarios(res).get("scenarios", {}))  # this harness's prompts
     overrides = {}
     if args.scenario_settings:
         with open(args.scenario_settings) as f:

@@ -22,9 +22,11 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-late     the device walk plus trees built at the next verification, synchronous scheduling
   ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1 set explicitly)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
+  ddtree-auto       ddtree_budget "auto" (candidates 16, 32, 64), each batch size's budget chosen live
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
-prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt near max_model_len, stop tokens that end
+prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt 120 tokens below
+max_model_len decoded to its end (whole trees, then trees cut to what still fits), stop tokens that end
 requests mid-tree, the same stop tokens held back by min_tokens, greedy under a logit_bias and under penalties, requests aborted
 mid-tree (survivors and a later batch must be
 unaffected), temperature 1 with per-request seeds (run twice: must repeat).
@@ -49,6 +51,11 @@ import traceback
 
 WORK = "/tmp/ddtree_e2e"
 MAX_MODEL_LEN = 1024
+#: The near_max scenario's room below max_model_len: its request verifies whole trees first, then trees the
+#: scheduler cuts to what still fits (with 20 tokens of room, as before version 2, only one or two trees at all).
+NEAR_MAX_ROOM = 120
+#: Scenarios whose prompts or lengths changed, by version: results of another version are not reused or judged.
+SCENARIO_VERSIONS = {"near_max": 2}
 MAX_TOKENS = 48
 STOP_TOKENS = list(range(2, 12))
 MIN_P = 0.3
@@ -93,10 +100,11 @@ def prompts(vocab, given=None, seed=0):
     lens = [rnd.randint(4, 300) for _ in range(32)]
     lens[3] = 1  # a one-token prompt
     batch32 = [[rnd.randrange(2, vocab - 1) for _ in range(n)] for n in lens]
-    near_max = [rnd.randrange(2, vocab - 1) for _ in range(MAX_MODEL_LEN - 20)]
+    # Drawn at version 1's length, so that the draws after it (max_tokens) stay what earlier runs used.
+    near_max = [rnd.randrange(2, vocab - 1) for _ in range(MAX_MODEL_LEN - 20)][: MAX_MODEL_LEN - NEAR_MAX_ROOM]
     if given:
         batch32 = [list(p) for p in given["batch32"]][:32]
-        near_max = list(given["near_max"])[: MAX_MODEL_LEN - 20]
+        near_max = list(given["near_max"])[: MAX_MODEL_LEN - NEAR_MAX_ROOM]
     max_tokens = [rnd.randint(17, 64) for _ in range(32)]
     return dict(
         batch1=batch32[:3],
@@ -296,6 +304,8 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
                 res["scenarios"][sname]["trees"] = {k: after[k] - trees_before[k] for k in after}
             if sname in CONSTRAINED_SCENARIOS:  # what fp32_reference.py replays, kept with the outputs
                 res["scenarios"][sname]["settings"] = CONSTRAINED_SCENARIOS[sname]
+            if sname in SCENARIO_VERSIONS:
+                res["scenarios"][sname]["version"] = SCENARIO_VERSIONS[sname]
         except Exception:
             res["errors"][sname] = traceback.format_exc()[-4000:]
         if partial_path:  # what finished so far, for the parent when this child dies
@@ -322,7 +332,8 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
         return rows, sum(len(r["tokens"]) for r in rows)
 
     def near_max():
-        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=P["near_max"])], greedy(19), use_tqdm=False))
+        params = greedy(NEAR_MAX_ROOM - 1)  # up to max_model_len - 1
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=P["near_max"])], params, use_tqdm=False))
         return rows, len(rows[0]["tokens"])
 
     def constrained(sname):
@@ -558,9 +569,23 @@ def with_plain_gaps(rows, plain_scenario):
     return out
 
 
+def current_scenarios(result: dict) -> dict:
+    """An engine's results without the scenarios of another version than this harness's
+    (:data:`SCENARIO_VERSIONS`; a scenario without a version is version 1)."""
+    scenarios = result.get("scenarios")
+    if not isinstance(scenarios, dict):
+        return result
+    kept = {
+        name: res
+        for name, res in scenarios.items()
+        if not isinstance(res, dict) or res.get("version", 1) == SCENARIO_VERSIONS.get(name, 1)
+    }
+    return dict(result, scenarios=kept)
+
+
 def reused_results(spec: str, running) -> dict:
     """The engines' results of an earlier run, ``PATH[:ENGINE,...]`` (PATH a .json or .json.gz), without the
-    engines this run runs itself."""
+    engines this run runs itself, and without scenarios of another version (:func:`current_scenarios`)."""
     import gzip
 
     path, _, wanted = spec.partition(":")
@@ -570,7 +595,7 @@ def reused_results(spec: str, running) -> dict:
     missing = [n for n in names if n not in earlier]
     if missing:
         raise SystemExit(f"--reuse {spec}: no results for {missing} (it has {sorted(earlier)})")
-    return {n: earlier[n] for n in names if n not in running}
+    return {n: current_scenarios(earlier[n]) for n in names if n not in running}
 
 
 def main():
@@ -666,7 +691,8 @@ def main():
     results = {}
     if args.reuse:
         results.update(reused_results(args.reuse, args.engines.split(",")))
-        log(f"reused from {args.reuse}: {sorted(results)}", fh)
+        reused = {name: sorted(res.get("scenarios") or {}) for name, res in results.items()}
+        log(f"reused from {args.reuse} (scenarios of this harness's versions): {reused}", fh)
     started = time.time()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
     for name in args.engines.split(","):

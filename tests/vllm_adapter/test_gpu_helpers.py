@@ -332,6 +332,27 @@ def test_the_harness_reuses_chosen_engines_of_an_earlier_run_gzipped_or_not(tmp_
         reused_results(f"{packed}:plain,dflash", [])
 
 
+def test_results_of_an_older_near_max_are_neither_reused_nor_judged(tmp_path):
+    """near_max version 2 leaves 120 tokens of room (whole trees, then cut ones); a version-1 run (20 tokens, no
+    version recorded) had another prompt: its near_max rows are dropped, its other scenarios kept."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import MAX_MODEL_LEN, NEAR_MAX_ROOM, SCENARIO_VERSIONS, prompts, reused_results
+
+    old = {"scenarios": {"batch1": {"rows": []}, "near_max": {"rows": [{"tokens": [1] * 19}]}}}
+    new = {"scenarios": {"near_max": {"rows": [], "version": SCENARIO_VERSIONS["near_max"]}}}
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"results": {"plain": old, "ddtree64": new}}))
+    reused = reused_results(str(path), [])
+    assert list(reused["plain"]["scenarios"]) == ["batch1"] and list(reused["ddtree64"]["scenarios"]) == ["near_max"]
+    assert len(prompts(4096)["near_max"]) == MAX_MODEL_LEN - NEAR_MAX_ROOM
+    pair = {"batch32": [[5, 6]] * 32, "near_max": list(range(2, 1006))}
+    assert prompts(4096, pair)["near_max"] == list(range(2, 2 + MAX_MODEL_LEN - NEAR_MAX_ROOM))
+
+
 def test_every_engine_of_the_gpu_scripts_sets_known_switches_to_known_values():
     """A misspelt switch in a GPU engine would run the default path and waste the device time spent on it."""
     import sys
