@@ -471,7 +471,8 @@ SWITCH_COUNTERS = {
 def schedule_graphs_exercised(spec, summary):
     """``[(counter, passed)]``: every smaller budget of a budget schedule (or of ``auto``'s candidates) that verified
     trees also replayed FULL graphs of its own trees (``budget + 1`` tokens each; the pair's trees fill their
-    budget); ``auto`` also decided at least once (its choice may rightly stay the largest budget)."""
+    budget); ``auto`` also decided at least once (its choice may rightly stay the largest budget) and probed a
+    smaller budget (a change of budget mid-run)."""
     budget = (spec or {}).get("ddtree_budget")
     auto = summary.get("auto_budget") if budget == "auto" else None
     if isinstance(budget, dict):
@@ -487,7 +488,14 @@ def schedule_graphs_exercised(spec, summary):
         for b in sorted(budgets)
         if b < max(budgets) and used.get(b, 0) > 0
     ]
-    return checks + ([("auto_budget_decisions", auto.get("decisions", 0) > 0)] if auto else [])
+    if auto:
+        # Its first probe (one window at the smallest candidate, to time a second budget) changes the budget
+        # mid-run under whatever scheduling the engine runs: the switch itself is exercised.
+        checks += [
+            ("auto_budget_decisions", auto.get("decisions", 0) > 0),
+            ("auto_budget_probes", auto.get("probes", 0) > 0),
+        ]
+    return checks
 
 
 def step_graphs_exercised(env, summary):

@@ -284,14 +284,18 @@ def test_harness_fails_a_schedule_whose_smaller_trees_replayed_no_full_graph():
     assert schedule_graphs_exercised(spec, dict(ran, steps_by_budget={"64": 50})) == []  # budget 16 never used
     assert schedule_graphs_exercised(ENGINES["ddtree64"]["spec"], ran) == []
     # auto: its candidates' graphs, and at least one decision (keeping the largest budget is a decision too).
-    auto = dict(ran, auto_budget={"candidates": [16, 32, 64], "decisions": 3})
+    auto = dict(ran, auto_budget={"candidates": [16, 32, 64], "decisions": 3, "probes": 1})
     auto_spec = ENGINES["ddtree-auto"]["spec"]
     assert schedule_graphs_exercised(auto_spec, auto) == [
         ("full_graph_steps_of_budget_16", True),
         ("auto_budget_decisions", True),
+        ("auto_budget_probes", True),
     ]
     undecided = dict(auto, auto_budget={"candidates": [16, 32, 64], "decisions": 0}, steps_by_budget={"64": 9})
-    assert schedule_graphs_exercised(auto_spec, undecided) == [("auto_budget_decisions", False)]
+    assert schedule_graphs_exercised(auto_spec, undecided) == [
+        ("auto_budget_decisions", False),
+        ("auto_budget_probes", False),
+    ]
 
 
 def test_harness_keeps_the_finished_scenarios_of_a_child_that_died(tmp_path):
