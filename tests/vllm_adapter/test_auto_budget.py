@@ -405,3 +405,43 @@ def test_the_scheduler_of_an_auto_engine_reads_the_runners_lookup(monkeypatch):
     init(plain, SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: {"auto": False}}))  # a schedule's own
     assert plain.dynamic_sd_lookup == [0, 64, 64] and len(log.lines) == 1
     auto_budget._PUBLISHED.clear()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_in_random_worlds_the_policy_converges_to_the_best_budget_of_every_batch_size(seed):
+    """Random candidates, acceptance curves (rising with the budget), forward costs and per-token costs: after the
+    first window, a probe and one more window, every batch size holds the world's best candidate (no hysteresis),
+    and the lookup only ever holds candidates."""
+    rng = np.random.default_rng(seed)
+    candidates = tuple(sorted(rng.choice([8, 16, 32, 64, 128, 256], size=rng.integers(2, 5), replace=False)))
+    max_num_seqs = int(rng.integers(1, 12))
+    base, per_token, fixed, slope = rng.uniform(0.5, 5), rng.uniform(0, 0.05), rng.uniform(0, 5), rng.uniform(0, 0.05)
+
+    def forward(c, n):
+        return base + per_token * n * (c + 1)
+
+    def step(c, n):
+        return forward(c, n) + fixed + slope * n * (c + 1)
+
+    # Acceptance: each tree accepts a path whose draft numbers grow geometrically, so larger budgets keep more.
+    depth = int(rng.integers(2, 7))
+    path = np.cumsum(rng.integers(1, 40, size=depth))
+    tau = {c: 1.0 + float((path <= c).sum()) for c in candidates}
+    auto = AutoBudget(candidates, max_num_seqs, window_steps=2, min_trees=1, margin=0.0)
+    counts = sorted({1, 2, 4, 8, max_num_seqs} & set(range(1, max_num_seqs + 1)))
+    auto.set_forward_costs({c: {n: forward(c, n) for n in counts} for c in candidates})
+    drafts = np.tile(path, (3, 1))
+    accepted = np.full(3, depth)
+    for _ in range(3 * 2):  # three windows: the largest everywhere, the probe, the decision
+        used = {auto.budget_for(n) for n in range(1, max_num_seqs + 1)}
+        for n in range(1, max_num_seqs + 1):
+            auto.observe_step_time(auto.budget_for(n), n, step(auto.budget_for(n), n))
+        budget = min(used)
+        auto.observe(np.full(3, budget), np.ones(3, dtype=bool), drafts, accepted)
+        auto.maybe_decide()
+        assert set(auto.lookup[1:]) <= set(candidates)
+    assert auto.probes == 1 and not auto.probing
+    for n in range(1, max_num_seqs + 1):
+        best = max(candidates, key=lambda c: (tau[c] / step(c, n), -c))
+        chosen = auto.budget_for(n)
+        assert tau[chosen] / step(chosen, n) == pytest.approx(tau[best] / step(best, n), rel=1e-9), (n, chosen, best)
