@@ -188,6 +188,18 @@ def test_probes_stop_once_two_budgets_are_timed_or_after_the_most_probes():
     assert settled.probes == 1 and settled.lookup[1:] == [64, 64]  # tau 5 / 5.05 ms against 2.5 / 4.85
 
 
+def test_a_batch_size_keeps_its_budget_while_that_budgets_acceptance_is_not_trusted_yet():
+    """The smaller candidates can pass ``min_trees`` first (every tree counts for them, and a probe adds theirs);
+    a batch size leaves its budget only once that budget's own acceptance is trusted."""
+    auto = AutoBudget((16, 64), max_num_seqs=1, window_steps=1, min_trees=3, margin=0.0)
+    auto.set_forward_costs({16: {1: 1.0}, 64: {1: 1.1}})
+    drafts, accepted = _paths(2)
+    auto.observe(np.array([64, 64]), np.ones(2, dtype=bool), drafts, accepted)  # 2 trees count for both
+    auto.observe(np.array([16, 16]), np.ones(2, dtype=bool), drafts, accepted)  # 2 more for 16 only
+    assert auto.maybe_decide() is False and auto.lookup[1] == 64  # 16 is trusted (4 trees), 64 not (2)
+    assert set(auto.acceptance.acceptance_length(3)) == {16}
+
+
 def test_without_costs_or_acceptance_every_batch_size_keeps_the_largest_budget():
     auto = AutoBudget((16, 64), max_num_seqs=4, window_steps=1, min_trees=1)
     _observe(auto, 64, trees=2, steps=1)

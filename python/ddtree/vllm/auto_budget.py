@@ -21,7 +21,7 @@ machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` 
   changes budget only for a gain above :data:`SWITCH_MARGIN` (no flapping between near-equal candidates).
 
 The choice is one list indexed by batch size (:attr:`AutoBudget.lookup`). Under asynchronous scheduling vLLM's
-scheduler reads the same list object (its dynamic speculative decoding lookup, ``patches`` 1b), so a new choice
+scheduler reads the same list object (its dynamic speculative decoding lookup, ``patches`` 1b and 1c), so a choice
 reaches the next step it schedules; synchronously the runner's proposer reads it. Either way a step's trees are
 built at the size that was scheduled (late trees), so a change mid-flight costs one step counted as cut trees.
 Pure numpy: CI tests the policy on CPU.
@@ -293,10 +293,10 @@ class AutoBudget:
             step = self.costs.step_ms(c, trees) if c in tau else None
             if step is not None and step > 0:
                 rates[c] = tau[c] / step
-        if not rates:
-            return current
+        if current not in rates:
+            return current  # the budget in use is not measured enough yet: no comparison with it
         best = max(rates, key=lambda c: (rates[c], -c))
-        if current in rates and rates[best] <= rates[current] * (1 + self.margin):
+        if rates[best] <= rates[current] * (1 + self.margin):
             return current
         return best
 
