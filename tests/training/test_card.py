@@ -79,6 +79,14 @@ def test_card_lists_files_skips_and_errors_when_present():
     assert "Evaluation skipped (time box): ddtree-256." in text and "Evaluation error: RuntimeError('boom')." in text
 
 
+def test_card_checks_the_runs_own_goal():
+    metrics = copy.deepcopy(full_metrics())
+    metrics["eval"]["modes"]["chain"]["tau"] = 4.26
+    assert "Goal chain tau >= 2.5: **met**." in card.render(metrics)
+    metrics["goal_chain_tau"] = 4.5
+    assert "Goal chain tau >= 4.5: **NOT met**." in card.render(metrics)
+
+
 def test_card_flags_missing_numbers_and_unmet_goal():
     metrics = copy.deepcopy(full_metrics())
     del metrics["eval"]["modes"]["ddtree-64"]

@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also save the drafter after these fractions of its steps (e.g. 0.25 0.5) as drafter-25/, "
         "drafter-50/, ...: drafters of increasing strength for benches/tree_gain.py",
     )
+    run.add_argument(
+        "--goal-chain-tau",
+        type=float,
+        default=card.CHAIN_TAU_GOAL,
+        help="the held-out chain tau the card checks (the first pair's 2.5; issue 17's stronger pair: 4.5)",
+    )
     run.add_argument("--eval-prompts", type=int, default=16)
     run.add_argument("--eval-tokens", type=int, default=128)
     run.add_argument("--eval-threads", type=int, default=0, help="CPU threads for the fp32 reference (0: all)")
@@ -289,6 +295,7 @@ def run(args) -> Dict:
     metrics: Dict = {
         "command": "python -m ddtree.training " + " ".join(sys.argv[1:]),
         "seed": args.seed,
+        "goal_chain_tau": args.goal_chain_tau,
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "shapes": model.shapes_dict(target_shape, drafter_shape),
