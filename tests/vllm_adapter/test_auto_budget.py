@@ -4,6 +4,7 @@ its estimators against hand-computed values, and the hand-over of its lookup to 
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 
 from ddtree.vllm import auto_budget
@@ -457,3 +458,52 @@ def test_in_random_worlds_the_policy_converges_to_the_best_budget_of_every_batch
         best = max(candidates, key=lambda c: (tau[c] / step(c, n), -c))
         chosen = auto.budget_for(n)
         assert tau[chosen] / step(chosen, n) == pytest.approx(tau[best] / step(best, n), rel=1e-9), (n, chosen, best)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_timing_a_candidate_runs_dummy_trees_under_its_query_length(monkeypatch, full):
+    """FULL: one dummy run stages the trees, then the captured graph replays; eager: whole dummy runs, each on dummy
+    trees (the timing flag), so the GDN layers take the tree path; the flag is down afterwards, also on an error."""
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner, _ = _auto_runner(monkeypatch, [])
+    runner.uniform_decode_query_len = 65
+    runner.cudagraph_dispatcher.uniform_decode_query_len = 65
+    clock = [0.0]
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _ClockEvent(clock))
+    runs, replays = [], []
+
+    def dummy_run(self, num_tokens, cudagraph_runtime_mode=None, force_attention=False, uniform_decode=False):
+        runs.append((num_tokens, self.uniform_decode_query_len, self._ddtree_timing_trees, force_attention))
+        clock[0] += 2.0
+
+    graph = SimpleNamespace(replay=lambda: (replays.append(1), clock.__setitem__(0, clock[0] + 1.0)))
+    monkeypatch.setattr(DDTreeGPUModelRunner, "_dummy_run", dummy_run)
+    monkeypatch.setattr(DDTreeGPUModelRunner, "_ddtree_forward_graph", lambda self, n, t: graph if full else None)
+    ms = runner._ddtree_time_forward(17, 4, full)
+    assert ms == (1.0 if full else 2.0) and not runner._ddtree_timing_trees and runner.uniform_decode_query_len == 65
+    assert (
+        runs[0] == (68, 17, True, not full) and len(runs) == (1 if full else 4) and len(replays) == (3 if full else 0)
+    )
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(DDTreeGPUModelRunner, "_dummy_run", broken)
+    with pytest.raises(RuntimeError):
+        runner._ddtree_time_forward(17, 4, full)
+    assert not runner._ddtree_timing_trees and runner.uniform_decode_query_len == 65
+
+
+class _ClockEvent:
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+
+    def record(self):
+        self.at = self.clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.at - self.at

@@ -243,9 +243,12 @@ def gdn_conv_window(model_config) -> int:
 
 
 class DDTreeGPUModelRunner(GPUModelRunner):
-    # ``ddtree_budget: "auto"`` only (set in __init__): the live budgets and the timer of their steps.
+    # ``ddtree_budget: "auto"`` only (set in __init__): the live budgets and the timer of their steps; while its
+    # candidates are timed, dummy runs verify dummy trees in every graph mode (eager too: without a published tree
+    # the GDN layers would take vLLM's spec-decode path, which assumes B + 1 state slots per request).
     _ddtree_auto: Optional[AutoBudget] = None
     _ddtree_step_timer: Optional[StepTimer] = None
+    _ddtree_timing_trees = False
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -740,7 +743,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         tree_size = self.uniform_decode_query_len  # budget + 1, or a schedule's smaller trees during their capture
         trees = (
             uniform_decode
-            and self._ddtree_full_graphs()
+            and (self._ddtree_full_graphs() or self._ddtree_timing_trees)
             and hasattr(self, "drafter")
             and num_tokens % tree_size == 0
             and (force_attention or cudagraph_runtime_mode == CUDAGraphMode.FULL)
@@ -1130,19 +1133,25 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         replays after one dummy run has staged the trees' layout, or (no graph) whole eager dummy runs."""
         num_tokens = tree_tokens * trees
         mode = CUDAGraphMode.FULL if full else CUDAGraphMode.NONE
-        with self._ddtree_uniform_query_len(tree_tokens):
+        self._ddtree_timing_trees = True
+        try:
+            with self._ddtree_uniform_query_len(tree_tokens):
 
-            def run():
-                self._dummy_run(num_tokens, cudagraph_runtime_mode=mode, force_attention=not full, uniform_decode=True)
+                def run():
+                    self._dummy_run(
+                        num_tokens, cudagraph_runtime_mode=mode, force_attention=not full, uniform_decode=True
+                    )
 
-            run()  # stages this shape's dummy trees in the persistent buffers the graph reads
-            graph = self._ddtree_forward_graph(num_tokens, trees) if full else None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                graph.replay() if graph is not None else run()
-            end.record()
-            end.synchronize()
+                run()  # stages this shape's dummy trees in the persistent buffers the graph reads
+                graph = self._ddtree_forward_graph(num_tokens, trees) if full else None
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(repeats):
+                    graph.replay() if graph is not None else run()
+                end.record()
+                end.synchronize()
+        finally:
+            self._ddtree_timing_trees = False
         return start.elapsed_time(end) / repeats
 
     def _ddtree_forward_graph(self, num_tokens: int, trees: int):
