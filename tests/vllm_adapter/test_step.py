@@ -435,3 +435,27 @@ def test_a_late_proposal_at_a_schedules_smaller_budget():
     assert plan.proposed_budgets.tolist() == [6, 6] and plan.num_cut_trees == 0
     want = TreeStore(budget=12).propose(["a", "b"], lp, ids, budget=6)
     assert plan.draft_tokens.tolist() == want[0] + want[1]
+
+
+def test_a_settled_proposals_top_k_is_taken_in_one_piece():
+    """After settle the records hold rows of one copy of the top-K: a verification of them in order reads a slice
+    of it (no copy), a subset or another order one gather, a record proposed since (its own arrays) the stack of
+    each; every way gives the arrays np.stack of the records gives."""
+    from ddtree.vllm.step import top_k_arrays
+
+    rng = np.random.default_rng(3)
+    store = TreeStore(budget=12)
+    _, lp, ids, host, _ = _deferred(store, rng, ["a", "b", "c"])
+    store.settle()
+    host[...] = np.nan  # the host buffer is the next proposal's: nothing may point into it
+    records = {r: store.records[r] for r in "abc"}
+    whole_lp, whole_ids = top_k_arrays(store, list("abc"), [records[r] for r in "abc"])
+    assert np.array_equal(whole_lp, lp) and np.array_equal(whole_ids, ids)
+    assert np.shares_memory(whole_lp, records["a"].log_probs)  # a view of the settled copy
+    picked = top_k_arrays(store, ["c", "a"], [records["c"], records["a"]])
+    assert np.array_equal(picked[0], lp[[2, 0]]) and np.array_equal(picked[1], ids[[2, 0]])
+    later = TreeStore(budget=12)
+    later.propose(["b"], lp[1:2].copy(), ids[1:2].copy())  # a record of another proposal
+    mixed = top_k_arrays(store, ["a", "b"], [records["a"], later.records["b"]])
+    assert np.array_equal(mixed[0], lp[:2]) and np.array_equal(mixed[1], ids[:2])
+    assert not np.shares_memory(mixed[0], records["a"].log_probs)  # stacked

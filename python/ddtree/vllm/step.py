@@ -77,6 +77,10 @@ class TreeStore:
         # A proposal whose top-K is still on its way to the host (:meth:`defer`): its records get their arrays
         # at :meth:`settle`.
         self.deferred: Optional[DeferredProposal] = None
+        # The last settled proposal's top-K whole, ``(records by request, row by request, log_probs [R, L, K],
+        # token_ids [R, L, K])``: its records hold rows of these arrays, and a verification of them takes its
+        # batch's rows in one gather (:func:`top_k_arrays`).
+        self.settled: Optional[Tuple[Dict[str, "DraftRecord"], Dict[str, int], np.ndarray, np.ndarray]] = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -111,12 +115,16 @@ class TreeStore:
         if proposal.landed is not None:
             proposal.landed.synchronize()
         k = proposal.top_k
-        log_probs, token_ids = proposal.host[..., :k], proposal.host[..., k:].view(np.int32)
+        # One copy of each (the host buffer is reused by the next proposal); the records hold rows of them.
+        log_probs = np.array(proposal.host[..., :k])
+        token_ids = np.array(proposal.host[..., k:].view(np.int32))
+        by_id, rows = {}, {}
         for r, req_id in enumerate(proposal.req_ids):
             record = self.records.get(req_id)
             if record is not None and record.log_probs is None:
-                record.log_probs = np.array(log_probs[r])  # copies: the host buffer is reused by the next proposal
-                record.token_ids = np.array(token_ids[r])
+                record.log_probs, record.token_ids = log_probs[r], token_ids[r]
+                by_id[req_id], rows[req_id] = record, r
+        self.settled = (by_id, rows, log_probs, token_ids)
 
     def _step_budget(self, budget: Optional[int]) -> int:
         budget = self.budget if budget is None else budget
@@ -320,9 +328,8 @@ def plan_verify(
         if any(list(d) != r.token_list for d, r in zip(scheduled, records)):
             raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, placeholders)
     else:
-        trees = ddtree.build_trees(
-            np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records]), budgets, store.executor
-        )
+        log_probs, token_ids = top_k_arrays(store, tree_ids, records)
+        trees = ddtree.build_trees(log_probs, token_ids, budgets, store.executor)
         # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
         # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
         drafts = np.fromiter(itertools.chain.from_iterable(scheduled), dtype=np.int64, count=int(budgets.sum()))
@@ -461,6 +468,22 @@ def draft_token_layout(trees: "ddtree.TreeBatch", query_starts: np.ndarray) -> T
     counts = np.diff(trees.token_offsets).astype(np.int64)
     step_index = np.repeat(np.asarray(query_starts, dtype=np.int64), counts) + index_within_groups(counts) + 1
     return step_index, trees.tokens
+
+
+def top_k_arrays(
+    store: TreeStore, req_ids: Sequence[str], records: Sequence[DraftRecord]
+) -> Tuple[np.ndarray, np.ndarray]:
+    """The records' top-K as ``[R, L, K]`` log-probs and ids: rows of the last settled proposal taken in one gather
+    when every record is one of its (a slice when they are its rows in order), else stacked record by record."""
+    settled = store.settled
+    if settled is not None:
+        by_id, rows, log_probs, token_ids = settled
+        if all(by_id.get(req_id) is record for req_id, record in zip(req_ids, records)):
+            index = np.fromiter((rows[req_id] for req_id in req_ids), dtype=np.int64, count=len(req_ids))
+            if index.shape[0] and np.array_equal(index, np.arange(index[0], index[0] + index.shape[0])):
+                return log_probs[index[0] : index[0] + index.shape[0]], token_ids[index[0] : index[0] + index.shape[0]]
+            return log_probs[index], token_ids[index]
+    return np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records])
 
 
 def _proposed_trees(
