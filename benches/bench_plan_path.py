@@ -1,0 +1,190 @@
+"""The vLLM runner's plan path under asynchronous scheduling, on CPU tensors: host ms and tensor ops per step.
+
+    python benches/bench_plan_path.py [--batches 1 8 32] [--budget 64] [--depth 15] [--top-k 64] [--steps 60]
+        [--json FILE]
+
+What the GPU host does between vLLM's input preparation and the verification's launch, with the late trees the
+one-GPU default builds (``runner._prepare_inputs`` publishing the step from vLLM's counts, then
+``runner._preprocess``: the drafter's top-K settled, the trees built by the Rust core, laid out into the pinned
+staging buffer, uploaded and placed in the fixed buffers, positions and tree tokens written). The runner is built
+without an engine: vLLM's own parts of ``_prepare_inputs`` and ``_preprocess`` are stubbed out, and its tensors are
+CPU tensors, so a "device" op here is a CPU op.
+
+Two numbers per batch size, neither a GPU measurement:
+
+* ``host ms``: median wall time of the path. Python and numpy cost what they cost on a GPU host (scaled by the
+  CPU); a CPU tensor op costs its CPU work instead of a CUDA launch.
+* ``tensor ops``: aten operations per step that Python calls and that run a kernel or a copy on a GPU (views and
+  allocations left out, ops inside ops counted once), from the profiler: each is a launch (~5-10 us of host time)
+  on a GPU host. Deterministic.
+
+The trees are whole trees of the budget for every request (a FULL-graph step), a hybrid GDN target (conv window
+3), the device walk's node arrays included, the plan's step graphs off (no CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+#: aten ops that only make views, shapes or allocations: no kernel on a GPU.
+NO_KERNEL = {
+    "aten::view",
+    "aten::slice",
+    "aten::select",
+    "aten::as_strided",
+    "aten::reshape",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::expand",
+    "aten::t",
+    "aten::transpose",
+    "aten::alias",
+    "aten::detach",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::lift_fresh",
+    "aten::_reshape_alias",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::unbind",
+    "aten::split",
+    "aten::narrow",
+    "aten::permute",
+    "aten::contiguous",
+}
+
+
+def build_runner(batch: int, budget: int, depth: int, top_k: int):
+    """A runner with the one-GPU defaults (device walk, late trees, asynchronous scheduling), no engine."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.graphs import TreeStepBuffers
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.staging import StepStaging
+    from ddtree.vllm.step import TreeStore
+
+    GPUModelRunner._prepare_inputs = lambda self, scheduler_output, counts: ("logits indices", "spec metadata")
+    GPUModelRunner._preprocess = lambda self, *args: None
+    cpu = torch.device("cpu")
+    tokens = batch * (budget + 1)
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_cfg = DDTreeConfig(budget=budget, draft_len=depth, top_k=top_k)
+    runner.drafter = SimpleNamespace(store=TreeStore(budget), draft_len=depth, top_k=top_k)
+    runner.req_ids = [f"r{i}" for i in range(batch)]
+    runner.input_batch = SimpleNamespace(
+        req_ids=runner.req_ids, num_computed_tokens_cpu=np.arange(batch) * 100 + 500, num_reqs=batch
+    )
+    runner.num_decode_draft_tokens = SimpleNamespace(np=np.full(batch, budget))
+    runner._ddtree_conv_window = 3
+    runner._ddtree_buffers = TreeStepBuffers(cpu, max(batch, 4), tokens + 8, budget + 1, 4)
+    runner._ddtree_plan_staging, runner._ddtree_count_staging = StepStaging(cpu), StepStaging(cpu)
+    runner._ddtree_gdn_step, runner._ddtree_device_accept = None, True
+    runner.use_async_scheduling, runner._ddtree_early_token_index, runner._ddtree_late_step = True, None, None
+    runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, False, None
+    runner._ddtree_plan_graphs, runner.device, runner.uses_mrope = None, cpu, False
+    runner.ddtree_stats = DDTreeStats(depth)
+    runner.positions = torch.arange(tokens)
+    runner.max_num_reqs = max(batch, 4)
+    runner._ddtree_counts = LandingCounts(cpu, runner.max_num_reqs, width=depth + 2)
+    runner.input_ids = SimpleNamespace(gpu=torch.zeros(tokens, dtype=torch.int32))
+    return runner
+
+
+def defer_proposal(runner, rng) -> SimpleNamespace:
+    """The drafter's step: its top-K deferred as the proposer does (not timed); the scheduler's output for the
+    next step (placeholders of the budget for every request)."""
+    from ddtree.vllm.proposer import DDTreeProposer
+
+    cfg, batch = runner.ddtree_cfg, len(runner.req_ids)
+    proposer = object.__new__(DDTreeProposer)
+    proposer.store, proposer.runner, proposer.device = runner.drafter.store, runner, torch.device("cpu")
+    proposer.draft_len, proposer.top_k, proposer.budget, proposer.cfg = cfg.draft_len, cfg.top_k, cfg.budget, cfg
+    proposer._late_host = None
+    logits = torch.from_numpy(rng.normal(size=(batch * cfg.draft_len, 4 * cfg.top_k)).astype(np.float32) * 2.0)
+    values, ids = logits.topk(cfg.top_k, dim=-1)
+    log_probs = values - torch.logsumexp(logits, dim=-1, keepdim=True)
+    proposer._capture = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+    runner.ddtree_budget_for = lambda num_requests: cfg.budget
+    proposer._defer(runner.req_ids, batch)
+    placeholders = {req_id: [-1] * cfg.budget for req_id in runner.req_ids}
+    return SimpleNamespace(
+        total_num_scheduled_tokens=batch * (cfg.budget + 1), scheduled_spec_decode_tokens=placeholders
+    )
+
+
+def plan_step(runner, output) -> None:
+    """The timed path: publish from the counts, then settle, build, lay out, upload, place."""
+    from ddtree.vllm import context
+
+    batch = len(runner.req_ids)
+    runner._prepare_inputs(output, np.full(batch, runner.ddtree_cfg.budget + 1))
+    runner._preprocess(output, output.total_num_scheduled_tokens)
+    context.withdraw()
+
+
+def tensor_ops(runner, output) -> int:
+    """aten ops of one plan step that would run a kernel or a copy on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
+        plan_step(runner, output)
+
+    def top_level(event) -> bool:  # an op called by Python, not one inside another op (to -> _to_copy -> copy_)
+        parent = event.cpu_parent
+        return parent is None or not parent.name.startswith("aten::")
+
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_KERNEL and top_level(e))
+
+
+def measure(batch: int, budget: int, depth: int, top_k: int, steps: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    runner = build_runner(batch, budget, depth, top_k)
+    times = []
+    for step in range(steps + 5):  # the first steps warm the staging buffers up
+        output = defer_proposal(runner, rng)
+        start = time.perf_counter()
+        plan_step(runner, output)
+        if step >= 5:
+            times.append(time.perf_counter() - start)
+    ops = tensor_ops(runner, defer_proposal(runner, rng))
+    return {"batch": batch, "budget": budget, "host_ms": 1e3 * float(np.median(times)), "tensor_ops": ops}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=15)
+    parser.add_argument("--top-k", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}", flush=True)
+    rows = []
+    for batch in args.batches:
+        row = measure(batch, args.budget, args.depth, args.top_k, args.steps)
+        rows.append(row)
+        print(
+            f"budget {row['budget']:4d} batch {batch:3d}: host {row['host_ms']:.3f} ms, "
+            f"{row['tensor_ops']} tensor ops per step",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
