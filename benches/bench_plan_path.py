@@ -1,6 +1,6 @@
 """The vLLM runner's plan path under asynchronous scheduling, on CPU tensors: host ms and tensor ops per step.
 
-    python benches/bench_plan_path.py [--batches 1 8 32] [--budget 64] [--depth 15] [--top-k 64] [--steps 60]
+    python benches/bench_plan_path.py [--batches 1 8 32] [--budget 64] [--depth 15] [--top-k 64] [--steps 20]
         [--json FILE]
 
 What the GPU host does between vLLM's input preparation and the verification's launch, with the late trees the
@@ -12,8 +12,8 @@ CPU tensors, so a "device" op here is a CPU op.
 
 Two numbers per batch size, neither a GPU measurement:
 
-* ``host ms``: median wall time of the path. Python and numpy cost what they cost on a GPU host (scaled by the
-  CPU); a CPU tensor op costs its CPU work instead of a CUDA launch.
+* ``host ms``: wall time of the path, the best of 5 rounds' medians. Python and numpy cost what they cost on a GPU
+  host (scaled by the CPU); a CPU tensor op costs its CPU work instead of a CUDA launch.
 * ``tensor ops``: aten operations per step that Python calls and that run a kernel or a copy on a GPU (views and
   allocations left out, ops inside ops counted once), from the profiler: each is a launch (~5-10 us of host time)
   on a GPU host. Deterministic.
@@ -147,18 +147,22 @@ def tensor_ops(runner, output) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_KERNEL and top_level(e))
 
 
-def measure(batch: int, budget: int, depth: int, top_k: int, steps: int, seed: int = 0) -> dict:
+def measure(batch: int, budget: int, depth: int, top_k: int, steps: int, rounds: int = 5, seed: int = 0) -> dict:
+    """The best of ``rounds`` rounds' median step (a shared machine's noise only adds time), after 5 warm-up steps
+    (the staging buffers' first allocations)."""
     rng = np.random.default_rng(seed)
     runner = build_runner(batch, budget, depth, top_k)
-    times = []
-    for step in range(steps + 5):  # the first steps warm the staging buffers up
-        output = defer_proposal(runner, rng)
-        start = time.perf_counter()
-        plan_step(runner, output)
-        if step >= 5:
+    medians = []
+    for round_ in range(rounds):
+        times = []
+        for step in range(steps + (5 if round_ == 0 else 0)):
+            output = defer_proposal(runner, rng)
+            start = time.perf_counter()
+            plan_step(runner, output)
             times.append(time.perf_counter() - start)
+        medians.append(float(np.median(times[-steps:])))
     ops = tensor_ops(runner, defer_proposal(runner, rng))
-    return {"batch": batch, "budget": budget, "host_ms": 1e3 * float(np.median(times)), "tensor_ops": ops}
+    return {"batch": batch, "budget": budget, "host_ms": 1e3 * min(medians), "tensor_ops": ops}
 
 
 def main() -> None:
@@ -167,7 +171,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--top-k", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=20, help="steps per round (5 rounds)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(1)
