@@ -25,6 +25,7 @@ The trees are whole trees of the budget for every request (a FULL-graph step), a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -63,10 +64,22 @@ NO_KERNEL = {
 }
 
 
-def build_runner(batch: int, budget: int, depth: int, top_k: int):
-    """A runner with the one-GPU defaults (device walk, late trees, asynchronous scheduling), no engine."""
+@contextlib.contextmanager
+def vllm_parts_stubbed():
+    """vLLM's own ``_prepare_inputs`` and ``_preprocess`` (which need an engine) replaced while measuring."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    saved = GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess
+    GPUModelRunner._prepare_inputs = lambda self, scheduler_output, counts: ("logits indices", "spec metadata")
+    GPUModelRunner._preprocess = lambda self, *args: None
+    try:
+        yield
+    finally:
+        GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess = saved
+
+
+def build_runner(batch: int, budget: int, depth: int, top_k: int):
+    """A runner with the one-GPU defaults (device walk, late trees, asynchronous scheduling), no engine."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.counts import LandingCounts
     from ddtree.vllm.graphs import TreeStepBuffers
@@ -74,8 +87,6 @@ def build_runner(batch: int, budget: int, depth: int, top_k: int):
     from ddtree.vllm.staging import StepStaging
     from ddtree.vllm.step import TreeStore
 
-    GPUModelRunner._prepare_inputs = lambda self, scheduler_output, counts: ("logits indices", "spec metadata")
-    GPUModelRunner._preprocess = lambda self, *args: None
     cpu = torch.device("cpu")
     tokens = batch * (budget + 1)
     runner = object.__new__(DDTreeGPUModelRunner)
@@ -153,15 +164,16 @@ def measure(batch: int, budget: int, depth: int, top_k: int, steps: int, rounds:
     rng = np.random.default_rng(seed)
     runner = build_runner(batch, budget, depth, top_k)
     medians = []
-    for round_ in range(rounds):
-        times = []
-        for step in range(steps + (5 if round_ == 0 else 0)):
-            output = defer_proposal(runner, rng)
-            start = time.perf_counter()
-            plan_step(runner, output)
-            times.append(time.perf_counter() - start)
-        medians.append(float(np.median(times[-steps:])))
-    ops = tensor_ops(runner, defer_proposal(runner, rng))
+    with vllm_parts_stubbed():
+        for round_ in range(rounds):
+            times = []
+            for step in range(steps + (5 if round_ == 0 else 0)):
+                output = defer_proposal(runner, rng)
+                start = time.perf_counter()
+                plan_step(runner, output)
+                times.append(time.perf_counter() - start)
+            medians.append(float(np.median(times[-steps:])))
+        ops = tensor_ops(runner, defer_proposal(runner, rng))
     return {"batch": batch, "budget": budget, "host_ms": 1e3 * min(medians), "tensor_ops": ops}
 
 

@@ -183,3 +183,16 @@ def test_the_pair_bench_sizes_batched_tokens_by_each_engines_largest_budget():
     assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": {"1": 256, "32": 64}}) == 256
     assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": "auto"}) == 64
     assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": "auto", "ddtree_max_budget": 256}) == 256
+
+
+def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
+    """A small step of bench_plan_path: the runner's late-tree plan path runs without an engine, its tensor ops are
+    counted, and vLLM's runner methods are back afterwards (the bench stubs them while it measures)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import bench_plan_path
+
+    before = GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess
+    row = bench_plan_path.measure(batch=2, budget=8, depth=3, top_k=4, steps=2, rounds=1)
+    assert row["batch"] == 2 and row["host_ms"] > 0 and 5 <= row["tensor_ops"] <= 40
+    assert (GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess) == before
