@@ -81,6 +81,10 @@ class StepCosts:
         self.forward = {int(b): sorted((int(n), float(ms)) for n, ms in by_n.items()) for b, by_n in forward_ms.items()}
         # (budget, trees) -> ms of a live step beyond the target's forward (an exponential average)
         self.beyond: Dict[Tuple[int, int], float] = {}
+        # The rest's model read from ``beyond``, ``(per-token slope, budget-independent part by trees, the measured
+        # trees ascending)``: made once after each observation, not for every candidate and batch size a decision
+        # asks about.
+        self._model: Optional[Tuple[float, Dict[int, float], List[int]]] = None
 
     def forward_ms(self, budget: int, trees: int) -> Optional[float]:
         """The forward of ``trees`` trees of ``budget``: interpolated between the timed counts, extrapolated
@@ -110,6 +114,7 @@ class StepCosts:
         beyond = max(step_ms - forward, 0.0)
         old = self.beyond.get((budget, trees))
         self.beyond[(budget, trees)] = beyond if old is None else keep * old + (1 - keep) * beyond
+        self._model = None
 
     def _by_trees(self) -> Dict[int, List[Tuple[int, float]]]:
         by_trees: Dict[int, List[Tuple[int, float]]] = {}
@@ -120,6 +125,19 @@ class StepCosts:
     def per_token_ms(self) -> float:
         """The rest's slope against the verified tokens ``n * (budget + 1)``: least squares at each batch size
         measured at two budgets or more, averaged over them by their points (0 when there is none; never below 0)."""
+        return self._rest_model()[0]
+
+    def _rest_model(self) -> Tuple[float, Dict[int, float], List[int]]:
+        if self._model is None:
+            slope = self._slope()
+            fixed = {
+                trees: max(0.0, float(np.mean([ms - slope * trees * (b + 1) for b, ms in points])))
+                for trees, points in self._by_trees().items()
+            }
+            self._model = (slope, fixed, sorted(fixed))
+        return self._model
+
+    def _slope(self) -> float:
         slopes, weights = [], []
         for trees, points in self._by_trees().items():
             if len(points) < 2:
@@ -139,13 +157,13 @@ class StepCosts:
     def rest_ms(self, budget: int, trees: int) -> float:
         """The rest of a step of ``trees`` trees of ``budget``: its budget-independent part measured at this batch
         size (else at the nearest measured one, else 0), plus the per-token part."""
-        slope = self.per_token_ms()
-        by_trees = self._by_trees()
-        fixed = 0.0
-        if by_trees:
-            at = trees if trees in by_trees else min(by_trees, key=lambda n: (abs(n - trees), n))
-            fixed = max(0.0, float(np.mean([ms - slope * at * (b + 1) for b, ms in by_trees[at]])))
-        return fixed + slope * trees * (budget + 1)
+        slope, fixed, measured = self._rest_model()
+        per_token = slope * trees * (budget + 1)
+        if not measured:
+            return per_token
+        i = bisect.bisect_left(measured, trees)  # the nearest measured batch size, the smaller on a tie
+        at = min(measured[max(i - 1, 0) : i + 1], key=lambda n: (abs(n - trees), n))
+        return fixed[at] + per_token
 
     def step_ms(self, budget: int, trees: int) -> Optional[float]:
         forward = self.forward_ms(budget, trees)
@@ -270,22 +288,15 @@ class AutoBudget:
             return False
         return self.probes < MAX_PROBES and self.decisions >= 1 + PROBE_EVERY * self.probes
 
-    def decide(self) -> bool:
+    def decide(self) -> None:
         """Re-decides every batch size in place (the list object is shared with vLLM's scheduler); after a probe,
         from the lookup the probe replaced."""
         current, self._before_probe = self._before_probe or list(self.lookup), None
-        if self.costs is None:
-            self.lookup[:] = current
-            return False  # no step costs: the largest budget everywhere, like a fixed budget
         tau = self.acceptance.acceptance_length(self.min_trees)
-        new = list(current)
-        if tau:
-            for n in range(1, len(new)):
-                new[n] = self._best(n, tau, new[n])
-        changed = new != self.lookup
-        if changed:
-            self.lookup[:] = new
-        return changed
+        if self.costs is not None and tau:  # else (no step costs, no trusted acceptance): as it was
+            for n in range(1, len(current)):
+                current[n] = self._best(n, tau, current[n])
+        self.lookup[:] = current
 
     def _best(self, trees: int, tau: Mapping[int, float], current: int) -> int:
         rates = {}

@@ -77,10 +77,10 @@ class TreeStore:
         # A proposal whose top-K is still on its way to the host (:meth:`defer`): its records get their arrays
         # at :meth:`settle`.
         self.deferred: Optional[DeferredProposal] = None
-        # The last settled proposal's top-K whole, ``(records by request, row by request, log_probs [R, L, K],
+        # The last settled proposal's top-K whole, ``({request: (its record, its row)}, log_probs [R, L, K],
         # token_ids [R, L, K])``: its records hold rows of these arrays, and a verification of them takes its
         # batch's rows in one gather (:func:`top_k_arrays`).
-        self.settled: Optional[Tuple[Dict[str, "DraftRecord"], Dict[str, int], np.ndarray, np.ndarray]] = None
+        self.settled: Optional[Tuple[Dict[str, Tuple["DraftRecord", int]], np.ndarray, np.ndarray]] = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -118,13 +118,13 @@ class TreeStore:
         # One copy of each (the host buffer is reused by the next proposal); the records hold rows of them.
         log_probs = np.array(proposal.host[..., :k])
         token_ids = np.array(proposal.host[..., k:].view(np.int32))
-        by_id, rows = {}, {}
+        rows = {}
         for r, req_id in enumerate(proposal.req_ids):
             record = self.records.get(req_id)
             if record is not None and record.log_probs is None:
                 record.log_probs, record.token_ids = log_probs[r], token_ids[r]
-                by_id[req_id], rows[req_id] = record, r
-        self.settled = (by_id, rows, log_probs, token_ids)
+                rows[req_id] = (record, r)
+        self.settled = (rows, log_probs, token_ids)
 
     def _step_budget(self, budget: Optional[int]) -> int:
         budget = self.budget if budget is None else budget
@@ -323,6 +323,7 @@ def plan_verify(
     # trees built here, and the runner writes them into the step's input ids.
     placeholders = np.fromiter((d[0] == PLACEHOLDER for d in scheduled), dtype=bool, count=len(scheduled))
     trees = _proposed_trees(store, tree_ids, records, budgets)
+    token_ids = None  # the records' top-K ids when gathered for a build here
     if trees is not None:
         # The proposal's own trees: the scheduled drafts must be the lists handed to vLLM (compared as lists).
         if any(list(d) != r.token_list for d, r in zip(scheduled, records)):
@@ -357,8 +358,12 @@ def plan_verify(
     )
     if any(filler):
         plan.filler_mask = np.array(filler, dtype=bool)
-    if all(r.token_ids is not None for r in records):  # (settled above: always; statistics only, so never raise)
-        plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])  # the top-K rows are sorted
+    # The chain's drafts, for the statistics (the top-K rows are sorted): from the ids gathered for the build, else
+    # record by record (settled above: always set; statistics only, so never raise).
+    if token_ids is not None:
+        plan.top1_tokens = token_ids[:, :, 0]
+    elif all(r.token_ids is not None for r in records):
+        plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])
     return plan
 
 
@@ -477,9 +482,9 @@ def top_k_arrays(
     when every record is one of its (a slice when they are its rows in order), else stacked record by record."""
     settled = store.settled
     if settled is not None:
-        by_id, rows, log_probs, token_ids = settled
-        if all(by_id.get(req_id) is record for req_id, record in zip(req_ids, records)):
-            index = np.fromiter((rows[req_id] for req_id in req_ids), dtype=np.int64, count=len(req_ids))
+        rows, log_probs, token_ids = settled
+        if all(rows.get(req_id, (None,))[0] is record for req_id, record in zip(req_ids, records)):
+            index = np.fromiter((rows[req_id][1] for req_id in req_ids), dtype=np.int64, count=len(req_ids))
             if index.shape[0] and np.array_equal(index, np.arange(index[0], index[0] + index.shape[0])):
                 return log_probs[index[0] : index[0] + index.shape[0]], token_ids[index[0] : index[0] + index.shape[0]]
             return log_probs[index], token_ids[index]
