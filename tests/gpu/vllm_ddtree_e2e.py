@@ -606,6 +606,18 @@ def reused_results(spec: str, running) -> dict:
     return {n: current_scenarios(earlier[n]) for n in names if n not in running}
 
 
+def merged_reuse(specs, running) -> dict:
+    """:func:`reused_results` of several earlier runs, in order: an engine's scenarios from a later run replace
+    the same scenarios of an earlier one (the rest of its result, e.g. ``init_s``, is the later run's)."""
+    merged: dict = {}
+    for spec in specs:
+        for name, res in reused_results(spec, running).items():
+            scenarios = dict((merged.get(name) or {}).get("scenarios") or {})
+            scenarios.update(res.get("scenarios") or {})
+            merged[name] = dict(res, scenarios=scenarios)
+    return merged
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_e2e_out"))
@@ -630,10 +642,13 @@ def main():
     ap.add_argument("--scenarios", default="", help="comma-separated subset of the scenarios (default: all)")
     ap.add_argument(
         "--reuse",
-        default=None,
+        action="append",
+        default=[],
         help="vllm_ddtree_e2e.json (or .json.gz) of an earlier run on the same model, optionally followed by "
         "':ENGINE,ENGINE' to take only those: its engines' results join this run's (e.g. plain and ddtree64 at TP 1, "
-        "reused by a later ddtree64-tp2 run; benches/results/gpu-h200-e2e-034348c/vllm_ddtree_e2e.json.gz:plain)",
+        "reused by a later ddtree64-tp2 run; benches/results/gpu-h200-e2e-034348c/vllm_ddtree_e2e.json.gz:plain). "
+        "Repeatable: a later file's scenarios replace an earlier one's, engine by engine (e.g. an old run's plain "
+        "joined by a new run of plain on one changed scenario)",
     )
     ap.add_argument(
         "--model",
@@ -698,7 +713,7 @@ def main():
 
     results = {}
     if args.reuse:
-        results.update(reused_results(args.reuse, args.engines.split(",")))
+        results = merged_reuse(args.reuse, args.engines.split(","))
         reused = {name: sorted(res.get("scenarios") or {}) for name, res in results.items()}
         log(f"reused from {args.reuse} (scenarios of this harness's versions): {reused}", fh)
     started = time.time()

@@ -336,6 +336,28 @@ def test_the_harness_reuses_chosen_engines_of_an_earlier_run_gzipped_or_not(tmp_
         reused_results(f"{packed}:plain,dflash", [])
 
 
+def test_several_reused_runs_merge_scenario_by_scenario_the_later_run_winning(tmp_path):
+    """An old run's plain (every scenario, near_max of version 1) joined by a new run of plain on near_max alone:
+    the merged plain has the old batch1, the new near_max, and the new run's other fields."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import SCENARIO_VERSIONS, merged_reuse
+
+    old = {"init_s": 1, "scenarios": {"batch1": {"rows": [1]}, "stop": {"rows": [2]}, "near_max": {"rows": [3]}}}
+    new = {"init_s": 2, "scenarios": {"near_max": {"rows": [4], "version": SCENARIO_VERSIONS["near_max"]}}}
+    first, second = tmp_path / "old.json", tmp_path / "new.json"
+    first.write_text(json.dumps({"results": {"plain": old, "ddtree64": old}}))
+    second.write_text(json.dumps({"results": {"plain": new}}))
+    merged = merged_reuse([f"{first}:plain", str(second)], ["ddtree-auto"])
+    assert list(merged) == ["plain"] and merged["plain"]["init_s"] == 2
+    scenarios = merged["plain"]["scenarios"]
+    assert scenarios["batch1"] == {"rows": [1]} and scenarios["near_max"]["rows"] == [4] and "stop" in scenarios
+    assert merged_reuse([str(second), f"{first}:plain"], [])["plain"]["scenarios"]["near_max"]["rows"] == [4]
+
+
 def test_results_of_an_older_near_max_are_neither_reused_nor_judged(tmp_path):
     """near_max version 2 leaves 120 tokens of room (whole trees, then cut ones); a version-1 run (20 tokens, no
     version recorded) had another prompt: its near_max rows are dropped, its other scenarios kept."""
