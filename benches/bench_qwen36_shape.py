@@ -67,6 +67,10 @@ ENGINES = {
     "ddtree32-async": _tree(32, DDTREE_ASYNC_SCHEDULING="1"),
     # ... with a budget schedule: vLLM's asynchronous scheduler places each step's budget in drafts.
     "ddtree64to16-async": _tree({"1": 64, "8": 16}, DDTREE_ASYNC_SCHEDULING="1"),
+    # Trees of 2^k tokens with their root (budgets 2^k - 1): whole 16-row blocks of the tree GDN and attention
+    # kernels, where budget 2^k's one extra token opens a block of its own.
+    "ddtree63": _tree(63),
+    "ddtree63to15": _tree({"1": 63, "8": 15}),
 }
 
 

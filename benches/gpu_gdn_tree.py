@@ -1,6 +1,10 @@
 """GPU check + benchmark of the Triton tree GDN kernels at Qwen3.6-27B shapes (run on one H200).
 
     cd <repo> && PYTHONPATH=/tmp/site:python python3 benches/gpu_gdn_tree.py
+        [--budgets 16,64,256] [--batches 1,8,32] [--check-precisions tf32x3,ieee,tf32] [--sweep-from 64]
+
+Budgets of 2^k - 1 (``--budgets 15,16,63,64``) show what a tree of B + 1 nodes costs when B + 1 fills whole row
+blocks of the kernel (16 rows) against one node into a new block.
 
 (a) correctness: ``tree_gdn_verify`` (bf16 q/k/v, raw gates, vLLM-layout fp32 state pool read by index)
     against the fp32 torch reference ``tree_gated_delta_rule_batched`` for budgets 16/64/256 (+1 root) and
@@ -147,15 +151,15 @@ def errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple:
 # --------------------------------------------------------------------------
 
 
-def check_correctness(results: list) -> None:
+def check_correctness(results: list, budgets=(16, 64, 256), precisions=None) -> None:
     gen = torch.Generator().manual_seed(123)
-    for budget in (16, 64, 256):
+    for budget in budgets:
         for batch in (1, 8):
             try:
                 trees = [draft_like_parents(budget + 1, gen) for _ in range(batch)]
                 problem = Problem(trees, seed=budget + batch)
                 (ref_out, cache), states = problem.reference()
-                for precision in gdn_tree_triton.PRECISIONS:
+                for precision in precisions or gdn_tree_triton.PRECISIONS:
                     out, deltas, cum = problem.verify(precision=precision, out_dtype=torch.float32)
                     torch.cuda.synchronize()
                     o_abs, o_rel = errors(out, ref_out)
@@ -293,10 +297,10 @@ def describe(options: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in options.items()) or "default"
 
 
-def run_timings(main_rows: list, sweep_rows: list) -> None:
+def run_timings(main_rows: list, sweep_rows: list, budgets=(16, 64, 256), batches=(1, 8, 32), sweep_from=64) -> None:
     gen = torch.Generator().manual_seed(5)
-    for budget in (16, 64, 256):
-        for batch in (1, 8, 32):
+    for budget in budgets:
+        for batch in batches:
             label = f"budget {budget} (+1) x batch {batch}"
             row = {"budget": budget, "batch": batch}
             try:
@@ -337,7 +341,7 @@ def run_timings(main_rows: list, sweep_rows: list) -> None:
                 log(traceback.format_exc())
             row["vllm"] = time_vllm(batch)
             main_rows.append(row)
-            if budget >= 64 and "verify" in row:
+            if budget >= sweep_from and "verify" in row:
                 for options in SWEEP:
                     if elapsed() > DEADLINE_S:
                         log(f"  sweep {describe(options)}: skipped (time budget)")
@@ -449,7 +453,32 @@ def report(check_rows: list, main_rows: list, sweep_rows: list) -> str:
     return "\n".join(lines)
 
 
+def parse_args(argv=None):
+    import argparse
+
+    def numbers(text: str) -> tuple:
+        return tuple(int(x) for x in text.split(",") if x)
+
+    ap = argparse.ArgumentParser(description="tree GDN kernels at Qwen3.6-27B shapes (GPU)")
+    ap.add_argument("--budgets", type=numbers, default=(16, 64, 256), help="draft nodes per tree (B; B + 1 nodes)")
+    ap.add_argument("--batches", type=numbers, default=(1, 8, 32))
+    ap.add_argument(
+        "--check-precisions",
+        default=",".join(gdn_tree_triton.PRECISIONS),
+        help="dot precisions checked against the fp32 reference (timing uses the default, tf32x3)",
+    )
+    ap.add_argument("--sweep-from", type=int, default=64, help="budgets from this one on get the option sweep")
+    args = ap.parse_args(argv)
+    unknown = [p for p in args.check_precisions.split(",") if p not in gdn_tree_triton.PRECISIONS]
+    if unknown:
+        ap.error(f"--check-precisions: unknown {unknown}; known: {list(gdn_tree_triton.PRECISIONS)}")
+    if not args.budgets or min(args.budgets) < 1 or not args.batches or min(args.batches) < 1:
+        ap.error("--budgets and --batches must be positive integers")
+    return args
+
+
 def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to do")
         return
@@ -458,10 +487,10 @@ def main() -> None:
         log(f"vLLM import failed: {VLLM_ERROR} -- vLLM's kernel will not be measured")
     check_rows, main_rows, sweep_rows = [], [], []
     log("== (a) correctness ==")
-    check_correctness(check_rows)
+    check_correctness(check_rows, args.budgets, args.check_precisions.split(","))
     check_against_vllm()
     log(f"== (b) timing == (elapsed {elapsed():.0f} s)")
-    run_timings(main_rows, sweep_rows)
+    run_timings(main_rows, sweep_rows, args.budgets, args.batches, args.sweep_from)
     table = report(check_rows, main_rows, sweep_rows)
     log("")
     log(table)
