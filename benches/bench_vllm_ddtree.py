@@ -7,14 +7,15 @@ Without --target/--drafter it writes the tiny random Qwen3 target and DFlash
 drafter of ``ddtree.vllm.tiny_models`` (random drafter: acceptance near zero
 except where DDTree's top-K covers the tiny vocabulary). ``--prompts`` takes a
 JSON file ``{"batch32": [[token ids], ...]}`` (e.g. a trained pair's held-out
-prompts, cut or cycled to the batch size) instead of random token prompts. Each engine runs in
+prompts, cycled to ``--requests``) instead of random token prompts. Each engine runs in
 its own subprocess, under CUDA graphs as vLLM runs by default (``--eager``: every engine eager); each
 engine's rows are written to ``bench_vllm_ddtree.json`` as soon as that engine finishes (a run cut short
 keeps them), and one table is printed at the end:
 
     engine  batch  tokens/s  mean acceptance length  ms/step  host ms/step  (greedy, ignore_eos, token-id prompts)
 
-Each row: a warm-up ``generate`` at that batch size, then ``--repeats`` timed runs, the fastest reported.
+Each row: a warm-up ``generate`` at that batch size, then ``--repeats`` timed runs of the same ``--requests``
+requests (default 32), served b at a time (batch 1: 32 one-request runs), the fastest run reported.
 ``--profile-batches 8`` adds a torch.profiler table per engine and batch (``profile_<engine>_b8.txt``).
 
 Mean acceptance length = 1 + accepted / drafts from vLLM's own spec-decode
@@ -83,13 +84,18 @@ def child(args):
 
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
+        # Every batch size serves the same requests (``--requests``, the given prompts in order), b at a time:
+        # batch 1 is as many one-request runs, not one request (a single 128-token request is ~40 steps, where one
+        # scheduling hiccup moves the figure by tens of percent).
         if given:
-            prompts = [TokensPrompt(prompt_token_ids=list(given[i % len(given)])) for i in range(b)]
+            all_prompts = [TokensPrompt(prompt_token_ids=list(given[i % len(given)])) for i in range(args.requests)]
         else:
-            prompts = [
+            all_prompts = [
                 TokensPrompt(prompt_token_ids=[rnd.randrange(2, vocab - 1) for _ in range(args.prompt_len)])
-                for _ in range(b)
+                for _ in range(args.requests)
             ]
+        groups = [all_prompts[i : i + b] for i in range(0, len(all_prompts), b)]
+        prompts = groups[0]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
         # Warm-up at this batch size: Triton kernels specialise on shapes, and their first compilation must not
         # land in the timed run.
@@ -101,9 +107,11 @@ def child(args):
         window_start = llm.collective_rpc("ddtree_summary")[0] if is_tree else None
         for repeat in range(args.repeats):
             before = spec_metrics(llm)
-            t = time.time()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            dt = time.time() - t
+            dt, outs = 0.0, []
+            for group in groups:
+                t = time.time()
+                outs += llm.generate(group, params, use_tqdm=False)
+                dt += time.time() - t
             after = spec_metrics(llm)
             if best is None or dt < best[0]:
                 best = (dt, outs, before, after)
@@ -169,6 +177,12 @@ def main():
     ap.add_argument("--prompts", default=None, help="JSON file with a 'batch32' list of token-id prompts")
     ap.add_argument("--budgets", default="16,32,64,128,256")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="requests each batch size serves, b at a time (default 32: every prompt of the pair's held-out set)",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -265,6 +279,8 @@ def main():
             args.batches,
             "--max-tokens",
             str(args.max_tokens),
+            "--requests",
+            str(args.requests),
             "--prompt-len",
             str(args.prompt_len),
             "--max-model-len",

@@ -77,13 +77,28 @@ def test_step_costs_interpolate_the_timed_counts_and_add_the_live_rest():
     assert costs.rest_ms(64, 4) == 0.0 and not costs.needs_probe()  # nothing live yet: nothing to probe for
     costs.observe_step(64, 4, 12.0)
     assert costs.rest_ms(64, 4) == pytest.approx(7.0) and costs.rest_ms(64, 6) == pytest.approx(7.0)  # the nearest
-    costs.observe_step(64, 4, 22.0, keep=0.5)
-    assert costs.rest_ms(64, 4) == pytest.approx(12.0)
+    costs.observe_step(64, 4, 22.0)
+    assert costs.rest_ms(64, 4) == pytest.approx(12.0)  # the median of 7 and 17
     assert costs.step_ms(16, 4) == pytest.approx(2.0 + 12.0)  # one budget measured: no per-token part yet
     assert costs.needs_probe() and costs.per_token_ms() == 0.0
     costs.observe_step(32, 4, 50.0)  # a budget never timed says nothing
     costs.observe_step(64, 4, float("nan"))
     assert costs.rest_ms(64, 4) == pytest.approx(12.0)
+
+
+def test_a_few_slow_steps_do_not_move_the_rest_of_a_step():
+    """Live steps that paid a first compilation or an idle gap (100 ms where steps take 7) are outliers: the rest of
+    a step is the median of its last samples, and old samples leave the window."""
+    from ddtree.vllm.auto_budget import STEP_SAMPLES
+
+    costs = StepCosts({64: {1: 2.0}})
+    costs.observe_step(64, 1, 102.0)  # the first step of a shape: its kernels compile
+    for ms in (7.0, 7.2, 6.8, 7.1, 150.0, 7.0):
+        costs.observe_step(64, 1, ms)
+    assert costs.rest_ms(64, 1) == pytest.approx(5.1)  # the median of 100, 5, 5.2, 4.8, 5.1, 148, 5
+    for _ in range(STEP_SAMPLES):
+        costs.observe_step(64, 1, 9.0)
+    assert costs.rest_ms(64, 1) == pytest.approx(7.0)  # the window moved on
 
 
 def test_the_rest_of_a_step_grows_with_the_tokens_it_verifies():

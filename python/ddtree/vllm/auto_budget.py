@@ -53,6 +53,9 @@ SWITCH_MARGIN = 0.03
 #: no batch size has live step times at two budgets).
 PROBE_EVERY = 4
 MAX_PROBES = 3
+#: Live step times kept per (budget, trees): the rest of a step is their median, so a step that paid a kernel's
+#: first compilation, a graph capture or an idle gap (tens of ms where steps take a few) moves nothing.
+STEP_SAMPLES = 15
 #: Tree counts whose forward is timed at start-up (the rest are interpolated).
 TIMED_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -79,8 +82,9 @@ class StepCosts:
     def __init__(self, forward_ms: Mapping[int, Mapping[int, float]]):
         # budget -> sorted (trees, ms) of its timed FULL-graph replays
         self.forward = {int(b): sorted((int(n), float(ms)) for n, ms in by_n.items()) for b, by_n in forward_ms.items()}
-        # (budget, trees) -> ms of a live step beyond the target's forward (an exponential average)
+        # (budget, trees) -> ms of a live step beyond the target's forward: the median of the last STEP_SAMPLES
         self.beyond: Dict[Tuple[int, int], float] = {}
+        self._samples: Dict[Tuple[int, int], Deque[float]] = {}
         # The rest's model read from ``beyond``, ``(per-token slope, budget-independent part by trees, the measured
         # trees ascending)``: made once after each observation, not for every candidate and batch size a decision
         # asks about.
@@ -106,14 +110,14 @@ class StepCosts:
             (n0, m0), (n1, m1) = points[i - 1], points[i]
         return m0 + (m1 - m0) * (trees - n0) / (n1 - n0)
 
-    def observe_step(self, budget: int, trees: int, step_ms: float, keep: float = 0.9) -> None:
+    def observe_step(self, budget: int, trees: int, step_ms: float) -> None:
         """A live step of ``trees`` trees of ``budget`` took ``step_ms`` on the GPU."""
         forward = self.forward_ms(budget, trees)
         if forward is None or not np.isfinite(step_ms) or step_ms <= 0:
             return
-        beyond = max(step_ms - forward, 0.0)
-        old = self.beyond.get((budget, trees))
-        self.beyond[(budget, trees)] = beyond if old is None else keep * old + (1 - keep) * beyond
+        samples = self._samples.setdefault((budget, trees), deque(maxlen=STEP_SAMPLES))
+        samples.append(max(step_ms - forward, 0.0))
+        self.beyond[(budget, trees)] = float(np.median(samples))
         self._model = None
 
     def _by_trees(self) -> Dict[int, List[Tuple[int, float]]]:
