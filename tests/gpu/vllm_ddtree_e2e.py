@@ -713,7 +713,12 @@ def main():
 
     results = {}
     if args.reuse:
-        results = merged_reuse(args.reuse, args.engines.split(","))
+        # A file an earlier job should have written but did not (killed at its limit): this run's engines still run
+        # (the fp32 judge needs no plain), and the verdict lacks what that file would have given.
+        absent = [spec for spec in args.reuse if not os.path.exists(spec.partition(":")[0])]
+        for spec in absent:
+            log(f"--reuse {spec}: no such file; its engines' results are missing from this run's verdict", fh)
+        results = merged_reuse([spec for spec in args.reuse if spec not in absent], args.engines.split(","))
         reused = {name: sorted(res.get("scenarios") or {}) for name, res in results.items()}
         log(f"reused from {args.reuse} (scenarios of this harness's versions): {reused}", fh)
     started = time.time()
