@@ -522,3 +522,60 @@ class _ClockEvent:
 
     def elapsed_time(self, end):
         return end.at - self.at
+
+
+def _scalar_best(costs: StepCosts, candidates, tau, trees: int, current: int, margin: float) -> int:
+    """The decision for one batch size, candidate by candidate (the oracle of the vectorised one)."""
+    rates = {}
+    for c in candidates:
+        step = costs.step_ms(c, trees) if c in tau else None
+        if step is not None and step > 0:
+            rates[c] = tau[c] / step
+    if current not in rates:
+        return current
+    best = max(rates, key=lambda c: (rates[c], -c))
+    return current if rates[best] <= rates[current] * (1 + margin) else best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_vectorised_decision_equals_the_decision_batch_size_by_batch_size(seed):
+    """Random timed counts (one or several per budget, some budgets untimed), live samples at random (budget,
+    trees), random trusted acceptance and current budgets: every step cost and every choice equals the scalar one."""
+    rng = np.random.default_rng(seed)
+    candidates = (16, 32, 64, 128, 256)
+    timed = [c for c in candidates if rng.random() < 0.85] or [64]
+    forward = {
+        c: {int(n): float(rng.uniform(0.2, 5.0)) for n in rng.choice([1, 2, 4, 8, 16, 32], rng.integers(1, 5), False)}
+        for c in timed
+    }
+    costs = StepCosts(forward)
+    max_num_seqs = int(rng.integers(1, 70))
+    for _ in range(int(rng.integers(0, 12))):
+        costs.observe_step(int(rng.choice(timed)), int(rng.integers(1, max_num_seqs + 1)), float(rng.uniform(1, 30)))
+    trees = np.arange(1, max_num_seqs + 1)
+    table = costs.step_ms_table(candidates, trees)
+    for row, c in enumerate(candidates):
+        for col, n in enumerate(trees):
+            expected = costs.step_ms(c, int(n))
+            if expected is None:
+                assert np.isnan(table[row, col])
+            else:
+                assert table[row, col] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    tau = {c: float(rng.uniform(1.5, 6.0)) for c in candidates if rng.random() < 0.8}
+    margin = float(rng.choice([0.0, 0.03, 0.2]))
+    auto = AutoBudget(candidates, max_num_seqs, margin=margin)
+    auto.costs = costs
+    current = [int(rng.choice(candidates)) for _ in range(max_num_seqs)]
+    chosen = auto._best(tau, np.asarray(current)).tolist()
+    assert chosen == [_scalar_best(costs, candidates, tau, n, cur, margin) for n, cur in zip(trees, current)]
+
+
+def test_a_decision_at_256_sequences_is_one_table_not_a_loop():
+    """The decision runs in the step's path every window: at 256 sequences and 5 candidates it is a handful of
+    array operations (StepCosts.step_ms is not called per batch size and candidate)."""
+    auto = AutoBudget((16, 32, 64, 128, 256), max_num_seqs=256, window_steps=1, min_trees=1)
+    auto.set_forward_costs({c: {1: 1.0 + c / 100, 256: 10.0 + c / 10} for c in auto.candidates})
+    auto.costs.step_ms = None  # the scalar path would fail here
+    _observe(auto, 256, trees=4, steps=1)
+    auto.maybe_decide()
+    assert set(auto.lookup[1:]) <= set(auto.candidates)

@@ -173,6 +173,43 @@ class StepCosts:
         forward = self.forward_ms(budget, trees)
         return None if forward is None else forward + self.rest_ms(budget, trees)
 
+    def step_ms_table(self, budgets: Sequence[int], trees: np.ndarray) -> np.ndarray:
+        """:meth:`step_ms` for every budget and tree count at once, ``[len(budgets), len(trees)]`` (NaN where a
+        budget was not timed): a decision asks about every batch size up to ``max_num_seqs``."""
+        trees = np.asarray(trees, dtype=np.float64)
+        slope, fixed, measured = self._rest_model()
+        if measured:
+            known = np.asarray(measured, dtype=np.float64)
+            i = np.searchsorted(known, trees, side="left")
+            below, above = known[np.clip(i - 1, 0, None)], known[np.minimum(i, known.shape[0] - 1)]
+            nearest = np.where(np.abs(below - trees) <= np.abs(above - trees), below, above)  # the smaller on a tie
+            rest = np.array([fixed[int(n)] for n in nearest])
+        else:
+            rest = np.zeros_like(trees)
+        table = np.full((len(budgets), trees.shape[0]), np.nan)
+        for row, budget in enumerate(budgets):
+            forward = self._forward_row(budget, trees)
+            if forward is not None:
+                table[row] = forward + rest + slope * trees * (budget + 1)
+        return table
+
+    def _forward_row(self, budget: int, trees: np.ndarray) -> Optional[np.ndarray]:
+        """:meth:`forward_ms` over an array of tree counts (the same interpolation, the same arithmetic)."""
+        points = self.forward.get(budget)
+        if not points:
+            return None
+        counts = np.array([n for n, _ in points], dtype=np.float64)
+        ms = np.array([m for _, m in points], dtype=np.float64)
+        if counts.shape[0] == 1:
+            return ms[0] * trees / counts[0]
+        i = np.searchsorted(counts, trees, side="left")
+        upper = np.clip(i, 1, counts.shape[0] - 1)  # the segment [upper - 1, upper]; past the ends, the end one
+        n0, n1, m0, m1 = counts[upper - 1], counts[upper], ms[upper - 1], ms[upper]
+        out = m0 + (m1 - m0) * (trees - n0) / (n1 - n0)
+        out = np.where(i == 0, ms[0] * trees / counts[0], out)  # below the smallest count: per tree
+        exact = (i < counts.shape[0]) & (counts[np.minimum(i, counts.shape[0] - 1)] == trees)
+        return np.where(exact, ms[np.minimum(i, counts.shape[0] - 1)], out)
+
 
 class AcceptanceByBudget:
     """Each candidate's acceptance length on the engine's trees, counted exactly from larger or equal trees and
@@ -297,23 +334,27 @@ class AutoBudget:
         from the lookup the probe replaced."""
         current, self._before_probe = self._before_probe or list(self.lookup), None
         tau = self.acceptance.acceptance_length(self.min_trees)
-        if self.costs is not None and tau:  # else (no step costs, no trusted acceptance): as it was
-            for n in range(1, len(current)):
-                current[n] = self._best(n, tau, current[n])
+        if self.costs is not None and tau and len(current) > 1:  # else (no costs, no trusted acceptance): as it was
+            current[1:] = self._best(tau, np.asarray(current[1:], dtype=np.int64)).tolist()
         self.lookup[:] = current
 
-    def _best(self, trees: int, tau: Mapping[int, float], current: int) -> int:
-        rates = {}
-        for c in self.candidates:
-            step = self.costs.step_ms(c, trees) if c in tau else None
-            if step is not None and step > 0:
-                rates[c] = tau[c] / step
-        if current not in rates:
-            return current  # the budget in use is not measured enough yet: no comparison with it
-        best = max(rates, key=lambda c: (rates[c], -c))
-        if rates[best] <= rates[current] * (1 + self.margin):
-            return current
-        return best
+    def _best(self, tau: Mapping[int, float], current: np.ndarray) -> np.ndarray:
+        """Each batch size's candidate with the most accepted tokens per ms (the smaller on a tie); a batch size keeps
+        ``current`` unless the best beats it by more than the margin, or while its own budget is not measured enough
+        (no trusted acceptance, no timed forward): then there is nothing to compare with."""
+        candidates = np.asarray(self.candidates, dtype=np.int64)
+        trees = np.arange(1, current.shape[0] + 1)
+        steps = self.costs.step_ms_table(self.candidates, trees)
+        accepted = np.array([tau.get(int(c), np.nan) for c in candidates])[:, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rates = np.where(np.isfinite(steps) & (steps > 0), accepted / steps, np.nan)
+        rates = np.where(np.isnan(rates), -np.inf, rates)
+        columns = np.arange(trees.shape[0])
+        at = np.searchsorted(candidates, current).clip(0, candidates.shape[0] - 1)
+        current_rate = np.where(candidates[at] == current, rates[at, columns], -np.inf)
+        best = rates.argmax(axis=0)  # the first maximum: the smallest candidate among equals
+        move = np.isfinite(current_rate) & (rates[best, columns] > current_rate * (1 + self.margin))
+        return np.where(move, candidates[best], current)
 
     def describe(self) -> str:
         """The lookup as ranges, ``1-4: 64, 5-32: 16``, and what it rests on."""
