@@ -209,7 +209,8 @@ def main():
         "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-host: the tree walk on the host and trees "
         "built at proposal; ddtree-B-device: the walk on the device, trees built at proposal; ddtree-B-late: both "
         "on, synchronous scheduling; ddtree-B-async: under vLLM's asynchronous scheduling, the TP-1 default, set "
-        "explicitly)",
+        "explicitly; ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, "
+        "synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -228,6 +229,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     engines = [("none", None), ("dflash", {"method": "dflash", "num_speculative_tokens": args.draft_len})]
     default_engines = ["none", "dflash"] + [f"ddtree-{b}" for b in args.budgets.split(",")]
+    # Synchronous scheduling with the device walk and late trees (the asynchronous default's own parts).
+    late = {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1", "DDTREE_ASYNC_SCHEDULING": "0"}
     for b in (int(x) for x in args.budgets.split(",")):
         tree = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": b}
         engines.append((f"ddtree-{b}", tree))
@@ -239,7 +242,6 @@ def main():
         host = {"DDTREE_DEVICE_ACCEPT": "0", "DDTREE_LATE_TREES": "0"}
         engines.append((f"ddtree-{b}-host", dict(tree, env=host)))
         engines.append((f"ddtree-{b}-device", dict(tree, env=dict(host, DDTREE_DEVICE_ACCEPT="1"))))
-        late = {"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1", "DDTREE_ASYNC_SCHEDULING": "0"}
         engines.append((f"ddtree-{b}-late", dict(tree, env=late)))
         # vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1: the TP-1 default, set explicitly).
         engines.append((f"ddtree-{b}-async", dict(tree, env={"DDTREE_ASYNC_SCHEDULING": "1"})))
@@ -248,6 +250,8 @@ def main():
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}
     engines.append(("ddtree-auto", dict(auto, ddtree_max_budget=largest)))
     default_engines.append("ddtree-auto")
+    # The same under synchronous scheduling (its proposals, not vLLM's scheduler, follow the live choice).
+    engines.append(("ddtree-auto-late", dict(auto, ddtree_max_budget=largest, env=late)))
     if args.schedule is not None:
         engines.append(
             (
