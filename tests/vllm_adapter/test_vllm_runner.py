@@ -659,3 +659,45 @@ def test_a_whole_tree_steps_plan_replays_on_the_next_steps_upload():
         assert all(torch.equal(w, g) for w, g in zip(want, got)), seed
         assert graphed._ddtree_whole_tree_tokens == 7
     assert graphed._ddtree_plan_graphs.replayed == 2 and eager._ddtree_plan_graphs is None
+
+
+def test_under_async_scheduling_vllm_scatters_the_roots_and_leaves_the_draft_positions_to_the_trees(monkeypatch):
+    """vLLM's own ``_prepare_input_ids`` (run as is, on CPU tensors) puts the last step's sampled token at each
+    continuing request's root and, for the chain, its drafts after it; a ddtree runner keeps the roots and skips the
+    drafts (the tree placement writes them), and hands vLLM's draft tensor back afterwards."""
+    from vllm.v1.utils import CpuGpuBuffer
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    monkeypatch.setattr(gpu_model_runner, "PIN_MEMORY", False)  # no GPU here to pin for
+
+    def runner_with(cls):
+        runner = object.__new__(cls)
+        runner.device, runner.enable_prompt_embeds, runner.prev_num_spec_tokens = torch.device("cpu"), False, 3
+        runner.input_ids = CpuGpuBuffer(16, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False)
+        runner.input_ids.gpu.fill_(-7)  # what the placement would overwrite
+        runner.prev_positions = CpuGpuBuffer(4, dtype=torch.int64, device=torch.device("cpu"), pin_memory=False)
+        runner.prev_positions.np[:2] = [1, 0]  # the two requests swapped places since the last step
+        runner.input_batch = SimpleNamespace(
+            req_ids=["a", "b"], prev_sampled_token_ids=torch.tensor([[11], [22]], dtype=torch.int32)
+        )
+        runner._draft_token_ids = torch.tensor([[101, 102, 103], [201, 202, 203]])
+        return runner
+
+    scheduled = SimpleNamespace(scheduled_spec_decode_tokens={"a": [-1] * 3, "b": [-1] * 3})
+    cu_num_tokens = np.array([4, 8])
+    chain = runner_with(GPUModelRunner)
+    chain._prepare_input_ids(scheduled, 2, 8, cu_num_tokens)
+    assert chain.input_ids.gpu[:8].tolist() == [22, 201, 202, 203, 11, 101, 102, 103]
+    tree = runner_with(DDTreeGPUModelRunner)
+    drafts = tree._draft_token_ids
+    tree._prepare_input_ids(scheduled, 2, 8, cu_num_tokens)
+    assert tree.input_ids.gpu[:8].tolist() == [22, -7, -7, -7, 11, -7, -7, -7] and tree._draft_token_ids is drafts
+    # Synchronous scheduling (no sampled tokens kept on the device): vLLM's upload of the host's input ids, as is.
+    sync = runner_with(DDTreeGPUModelRunner)
+    sync.input_batch.prev_sampled_token_ids = None
+    sync.input_ids.np[:8] = np.arange(8)
+    sync._prepare_input_ids(scheduled, 2, 8, cu_num_tokens)
+    assert sync.input_ids.gpu[:8].tolist() == list(range(8))
