@@ -459,3 +459,27 @@ def test_a_settled_proposals_top_k_is_taken_in_one_piece():
     mixed = top_k_arrays(store, ["a", "b"], [records["a"], later.records["b"]])
     assert np.array_equal(mixed[0], lp[:2]) and np.array_equal(mixed[1], ids[:2])
     assert not np.shares_memory(mixed[0], records["a"].log_probs)  # stacked
+
+
+def test_a_step_of_known_drafts_and_placeholders_checks_the_known_ones():
+    """A rank that rebuilds trees (``build=False``) next to a late proposal's placeholders in one step: the known
+    drafts must be the rebuilt tree's, the placeholders are taken from the rebuilt tree."""
+    rng = np.random.default_rng(8)
+    lists, lp, ids = propose(TreeStore(budget=12), rng, ["a"])
+    late_rng_state = rng.bit_generator.state
+
+    def step(drafts_of_a):
+        store = TreeStore(budget=12)
+        store.propose(["a"], lp, ids, build=False)
+        rng.bit_generator.state = late_rng_state  # the same late proposal for b every time
+        placeholders, *_ = _deferred(store, rng, ["b"])
+        store.settle()
+        scheduled = {"a": drafts_of_a, "b": placeholders[0]}
+        return plan_verify(store, ["a", "b"], np.array([7, 30]), np.array([13, 13]), scheduled, conv_window=3)
+
+    plan = step(lists[0])
+    assert plan.draft_tokens[:12].tolist() == lists[0] and len(plan.draft_tokens) == 24
+    wrong = list(lists[0])
+    wrong[3] = (wrong[3] + 1) % 1000
+    with pytest.raises(DraftMismatchError, match="rebuilt tree differs"):
+        step(wrong)

@@ -333,11 +333,14 @@ def plan_verify(
         trees = ddtree.build_trees(log_probs, token_ids, budgets, store.executor)
         # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
         # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
-        drafts = np.fromiter(itertools.chain.from_iterable(scheduled), dtype=np.int64, count=int(budgets.sum()))
+        # Only the known drafts are read into an array: a late step's are all placeholders (32 x 256 Python ints at
+        # batch 32, ~0.15 ms a step for nothing).
+        known_rows = [d for d, placeholder in zip(scheduled, placeholders) if not placeholder]
+        count = int(budgets[~placeholders].sum())
+        drafts = np.fromiter(itertools.chain.from_iterable(known_rows), dtype=np.int64, count=count)
         if placeholders.any():
-            known = np.repeat(~placeholders, budgets)
             same = np.array_equal(np.diff(trees.token_offsets), budgets)
-            same = same and np.array_equal(trees.tokens[known], drafts[known])
+            same = same and np.array_equal(trees.tokens[np.repeat(~placeholders, budgets)], drafts)
         else:
             same = np.array_equal(trees.tokens, drafts)
         if not same:
