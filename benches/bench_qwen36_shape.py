@@ -267,6 +267,8 @@ def run_engine(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+    # Triton's autotuning results kept on disk: an engine after the first skips autotuning vLLM's GDN kernels.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if profile_batches:
         enable_scopes()
     import torch
