@@ -181,9 +181,9 @@ class StepCosts:
         if measured:
             known = np.asarray(measured, dtype=np.float64)
             i = np.searchsorted(known, trees, side="left")
-            below, above = known[np.clip(i - 1, 0, None)], known[np.minimum(i, known.shape[0] - 1)]
-            nearest = np.where(np.abs(below - trees) <= np.abs(above - trees), below, above)  # the smaller on a tie
-            rest = np.array([fixed[int(n)] for n in nearest])
+            below, above = np.clip(i - 1, 0, None), np.minimum(i, known.shape[0] - 1)
+            closer_below = np.abs(known[below] - trees) <= np.abs(known[above] - trees)  # the smaller on a tie
+            rest = np.array([fixed[n] for n in measured])[np.where(closer_below, below, above)]
         else:
             rest = np.zeros_like(trees)
         table = np.full((len(budgets), trees.shape[0]), np.nan)
