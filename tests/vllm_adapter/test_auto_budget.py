@@ -190,10 +190,10 @@ def test_probes_stop_once_two_budgets_are_timed_or_after_the_most_probes():
     # A probe that lands on a batch size timed at the largest budget settles it: no more probes.
     settled = AutoBudget((16, 64), max_num_seqs=2, window_steps=1, min_trees=1, margin=0.0)
     settled.set_forward_costs({16: {1: 1.0}, 64: {1: 1.2}})
-    settled.observe_step_time(64, 1, 5.0)
+    settled.observe_step_time(64, 2, 5.0)
     _observe(settled, 64, trees=2, steps=1)
     assert settled.maybe_decide() and settled.probing
-    settled.observe_step_time(16, 1, 4.9)
+    settled.observe_step_time(16, 2, 4.9)
     _observe(settled, 16, trees=2, steps=1)
     settled.maybe_decide()
     assert not settled.probing and not settled.costs.needs_probe()
@@ -201,7 +201,8 @@ def test_probes_stop_once_two_budgets_are_timed_or_after_the_most_probes():
         _observe(settled, settled.lookup[1], trees=2, steps=1)
         settled.maybe_decide()
         assert not settled.probing
-    assert settled.probes == 1 and settled.lookup[1:] == [64, 64]  # tau 5 / 5.05 ms against 2.5 / 4.85
+    # At 2 trees: tau 5 / 5.15 ms against 2.5 / 4.75 (the forward 2.4 and 2.0, the rest 2.75 either way).
+    assert settled.probes == 1 and settled.lookup[1:] == [64, 64]
 
 
 def test_a_batch_size_keeps_its_budget_while_that_budgets_acceptance_is_not_trusted_yet():
@@ -378,19 +379,21 @@ def test_each_step_feeds_the_timer_and_a_new_choice_is_logged(monkeypatch):
     runner, log = _auto_runner(monkeypatch, [])
     auto = runner._ddtree_auto
     auto.window_steps, auto.min_trees = 1, 1
-    auto.set_forward_costs({16: {1: 1.0}, 32: {1: 2.0}, 64: {1: 9.0}})
+    auto.set_forward_costs({16: {2: 1.0}, 32: {2: 2.0}, 64: {2: 9.0}})
     finished = []
-    landed = [((64, 1), 12.0), ((16, 1), 5.0)]  # two budgets at one batch size: no probe needed
+    landed = [((64, 2), 12.0), ((16, 2), 5.0)]  # two budgets at the step's batch size: no probe needed
     runner._ddtree_step_timer = SimpleNamespace(finish=finished.append, landed=lambda: landed)
     runner._ddtree_whole_tree_tokens = 65
-    runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([65]))
+    runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([65, 65]))
     _observe(auto, 64, trees=2, steps=1)
     runner._ddtree_auto_step()
-    assert finished == [(64, 1)] and auto.costs.rest_ms(64, 1) == pytest.approx(3.5)
+    assert finished == [(64, 2)] and auto.costs.rest_ms(64, 2) == pytest.approx(3.5)
     # Beyond the forward 3 ms (64) and 4 ms (16): no per-token part (a negative slope is noise), 3.5 ms each.
-    # One request: tau 2.5 / 4.5 ms (16), 3.5 / 5.5 (32), 5 / 12.5 (64); the forward grows by the request from there.
-    assert runner.ddtree_budget_for(1) == 32 and runner.ddtree_budget_for(3) == runner.ddtree_budget_for(40) == 16
-    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-2: 32, 3-40: 16" in log.lines[0][1]
+    # Two requests: tau 2.5 / 4.5 ms (16), 3.5 / 5.5 (32), 5 / 12.5 (64); the forward scales by the request count
+    # (one timed count), so 32 wins up to 4 requests (3.5 / 7.5 against 2.5 / 5.5) and 16 from 5 (2.5 / 6 ms).
+    assert runner.ddtree_budget_for(1) == runner.ddtree_budget_for(4) == 32
+    assert runner.ddtree_budget_for(5) == runner.ddtree_budget_for(40) == 16
+    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-4: 32, 5-40: 16" in log.lines[0][1]
     runner._ddtree_whole_tree_tokens = 0  # a step that was not whole trees of one size: not timed
     runner._ddtree_auto_step()
     assert finished[-1] is None and len(log.lines) == 1
@@ -579,3 +582,45 @@ def test_a_decision_at_256_sequences_is_one_table_not_a_loop():
     _observe(auto, 256, trees=4, steps=1)
     auto.maybe_decide()
     assert set(auto.lookup[1:]) <= set(auto.candidates)
+
+
+def test_a_batch_size_far_from_the_probed_one_is_probed_again_and_its_slope_counts_most():
+    """The H200's failure (`gpu-h200-pair-cb8bd51`): traffic at 1 request first, probed there, then at 8, where the
+    per-token part decides. Here 0.1 ms per verified token, and the batch-1 probe's small trees happened to look
+    slower (+6 ms, noise): read at 1 request alone the slope is negative (so 0) and 64 looks best at 8 requests. A
+    second probe in the octave of 8 measures it where it matters, and the pooled slope weighs each batch size by
+    its token spread, so 8 requests set it: 16 is chosen at 8 requests, as the true step costs say."""
+    from ddtree.vllm.auto_budget import STEP_SAMPLES
+
+    def forward(c, n):
+        return 0.3 + 0.0005 * n * (c + 1)
+
+    def step(c, n):
+        return forward(c, n) + 4.0 + 0.5 * n + 0.1 * n * (c + 1)
+
+    auto = AutoBudget((16, 32, 64), max_num_seqs=8, window_steps=2, min_trees=1, margin=0.0)
+    auto.set_forward_costs({c: {n: forward(c, n) for n in (1, 2, 4, 8)} for c in (16, 32, 64)})
+
+    def window(n, noise_of_16=0.0):
+        for i in range(2):
+            budget = auto.budget_for(n)
+            for _ in range(STEP_SAMPLES):
+                auto.observe_step_time(budget, n, step(budget, n) + (noise_of_16 if budget == 16 else 0.0))
+            rows = [DEEP if (r + i) % 2 == 0 else SHALLOW for r in range(n)]  # half deep, half shallow: TAU
+            drafts = np.zeros((n, 6), dtype=np.int64)
+            for r, path in enumerate(rows):
+                drafts[r, : len(path)] = path
+            auto.observe(np.full(n, budget), np.ones(n, dtype=bool), drafts, np.array([len(p) for p in rows]))
+        auto.maybe_decide()
+
+    window(1)
+    assert auto.probing and auto.probes == 1  # batch 1: timed at one budget only
+    window(1, noise_of_16=6.0)
+    assert not auto.probing and auto.costs.per_token_ms() == 0.0 and auto.budget_for(8) == 64
+    window(8)
+    assert auto.probing and auto.probes == 2  # batch 8: its octave has no batch size timed at two budgets
+    window(8)
+    true_best = max((16, 32, 64), key=lambda c: TAU[c] / step(c, 8))
+    assert true_best == 16 and auto.budget_for(8) == 16 and auto.costs.per_token_ms() == pytest.approx(0.1, rel=0.02)
+    window(8)
+    assert auto.probes == 2 and not auto.probing  # settled: no third probe

@@ -14,10 +14,12 @@ machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` 
 * **Step cost** (:class:`StepCosts`): the target's forward for ``n`` trees of each candidate, timed at start-up by
   replaying its FULL graph, plus the rest of the step, timed on live steps with CUDA events: a part independent of
   the tree (drafter, commit, host gaps) and a part per verified token (logits, per-node sampling), the latter read
-  from batch sizes timed at two budgets: ``step_ms(c, n) = forward_ms(c, n) + rest_ms(c, n)``.
+  from batch sizes timed at two budgets (pooled, each weighted by its token spread, so larger batches set it):
+  ``step_ms(c, n) = forward_ms(c, n) + rest_ms(c, n)``.
 * **Start**: every batch size at the largest candidate for the first window (like a fixed budget; its trees
-  measure every candidate's acceptance at once), then the argmax, re-decided after every window. While live steps
-  were timed at one budget only, a probe window runs the smallest candidate to time a second. A batch size
+  measure every candidate's acceptance at once), then the argmax, re-decided after every window. While no batch
+  size of the traffic's octave (``[2^k, 2^(k+1))`` requests) was timed at two budgets, a probe window runs the
+  smallest candidate to time a second there. A batch size
   changes budget only for a gain above :data:`SWITCH_MARGIN` (no flapping between near-equal candidates).
 
 The choice is one list indexed by batch size (:attr:`AutoBudget.lookup`). Under asynchronous scheduling vLLM's
@@ -49,8 +51,8 @@ MIN_TREES = 32.0
 KEEP = 0.75
 #: A batch size leaves its budget only for a candidate at least this much faster.
 SWITCH_MARGIN = 0.03
-#: Windows between probes, and the most probes an engine runs (a probe: one window at the smallest candidate while
-#: no batch size has live step times at two budgets).
+#: Windows between probes of one octave of batch sizes, and the most probes per octave (a probe: one window at the
+#: smallest candidate while no batch size of the traffic's octave has live step times at two budgets).
 PROBE_EVERY = 4
 MAX_PROBES = 3
 #: Live step times kept per (budget, trees): the rest of a step is their median, so a step that paid a kernel's
@@ -151,12 +153,22 @@ class StepCosts:
             spread = ((x - x.mean()) ** 2).sum()
             if spread > 0:
                 slopes.append(((x - x.mean()) * (y - y.mean())).sum() / spread)
-                weights.append(len(points))
+                # Pooled least squares (one intercept per batch size): a batch size weighs by its token spread, so
+                # 8 trees timed at two budgets outweigh 1 tree (8x the tokens between the same two budgets).
+                weights.append(spread)
         return max(0.0, float(np.average(slopes, weights=weights))) if slopes else 0.0
 
-    def needs_probe(self) -> bool:
-        """Live steps were timed, but no batch size at two budgets: the per-token part is unknown."""
-        return bool(self.beyond) and all(len(points) < 2 for points in self._by_trees().values())
+    def needs_probe(self, trees: Optional[int] = None) -> bool:
+        """Live steps were timed, but no batch size at two budgets: the per-token part is unknown. With ``trees``:
+        no batch size of ``trees``' octave (``[2^k, 2^(k+1))``) at two budgets, where the slope would be read from
+        far smaller or larger batches only (a slope read at 1 tree, ~0.2 ms between budgets 16 and 256, is mostly
+        noise at the scale of a host-bound step)."""
+        if not self.beyond:
+            return False
+        measured = (n for n, points in self._by_trees().items() if len(points) >= 2)
+        if trees is None:
+            return next(measured, None) is None
+        return all(n.bit_length() != int(trees).bit_length() for n in measured)
 
     def rest_ms(self, budget: int, trees: int) -> float:
         """The rest of a step of ``trees`` trees of ``budget``: its budget-independent part measured at this batch
@@ -281,9 +293,11 @@ class AutoBudget:
         self.needs_scheduler = False
         self.attached = False
         # A probe window runs the smallest candidate everywhere; the lookup it replaced is the one the next decision
-        # keeps or leaves (its hysteresis).
+        # keeps or leaves (its hysteresis). Probes are counted per octave of the batch size the traffic had.
         self.probes = 0
+        self._probes_by_octave: Dict[int, Tuple[int, int]] = {}  # octave -> (probes, decision of the last)
         self._before_probe: Optional[List[int]] = None
+        self._window_batch_sizes: Dict[int, int] = {}  # trees per observed step -> steps, this window
 
     @property
     def probing(self) -> bool:
@@ -299,6 +313,8 @@ class AutoBudget:
         """One observed verify step (see :meth:`AcceptanceByBudget.observe`)."""
         self.acceptance.observe(budgets, whole, drafts, accepted)
         self._steps_in_window += 1
+        trees = len(budgets)
+        self._window_batch_sizes[trees] = self._window_batch_sizes.get(trees, 0) + 1
 
     def observe_step_time(self, budget: int, trees: int, step_ms: float) -> None:
         if self.costs is not None:
@@ -314,20 +330,31 @@ class AutoBudget:
         self.decisions += 1
         before = list(self.lookup)
         self.decide()
-        if self._probe_due():
+        typical, self._window_batch_sizes = self._typical_batch_size(), {}
+        if self._probe_due(typical):
             self._before_probe = list(self.lookup)
             self.lookup[1:] = [self.candidates[0]] * (len(self.lookup) - 1)
             self.probes += 1
+            octave = typical.bit_length()
+            self._probes_by_octave[octave] = (self._probes_by_octave.get(octave, (0, 0))[0] + 1, self.decisions)
         changed = self.lookup != before
         self.changes += int(changed)
         return changed
 
-    def _probe_due(self) -> bool:
-        """A probe is due when live steps were timed at one budget only (``StepCosts.needs_probe``), at most
-        :data:`MAX_PROBES` times, :data:`PROBE_EVERY` windows apart, first at the first decision."""
-        if self.costs is None or len(self.candidates) < 2 or not self.costs.needs_probe():
+    def _typical_batch_size(self) -> int:
+        """The trees per step the window saw most often (the larger on a tie; 1 when it saw none)."""
+        if not self._window_batch_sizes:
+            return 1
+        return max(self._window_batch_sizes, key=lambda n: (self._window_batch_sizes[n], n))
+
+    def _probe_due(self, trees: int) -> bool:
+        """A probe is due when the window's batch size has no batch size of its octave timed at two budgets
+        (``StepCosts.needs_probe``): at most :data:`MAX_PROBES` times per octave, :data:`PROBE_EVERY` windows
+        apart, the first at the first decision that sees that octave."""
+        if self.costs is None or len(self.candidates) < 2 or not self.costs.needs_probe(trees):
             return False
-        return self.probes < MAX_PROBES and self.decisions >= 1 + PROBE_EVERY * self.probes
+        done, last = self._probes_by_octave.get(trees.bit_length(), (0, 0))
+        return done < MAX_PROBES and (done == 0 or self.decisions >= last + PROBE_EVERY)
 
     def decide(self) -> None:
         """Re-decides every batch size in place (the list object is shared with vLLM's scheduler); after a probe,
