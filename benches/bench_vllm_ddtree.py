@@ -219,6 +219,9 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(args)
+    largest_batch = max(int(b) for b in args.batches.split(","))
+    if args.requests < largest_batch:
+        ap.error(f"--requests {args.requests} cannot fill batch {largest_batch}: give at least {largest_batch}")
 
     if not args.target:
         from ddtree.vllm.tiny_models import write_drafter, write_target

@@ -196,3 +196,16 @@ def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
     row = bench_plan_path.measure(batch=2, budget=8, depth=3, top_k=4, steps=2, rounds=1)
     assert row["batch"] == 2 and row["host_ms"] > 0 and 5 <= row["tensor_ops"] <= 40
     assert (GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess) == before
+
+
+def test_the_pair_bench_refuses_fewer_requests_than_its_largest_batch(monkeypatch, capsys):
+    """Every batch size serves ``--requests`` requests b at a time: fewer than the largest batch would run that
+    row with a smaller batch under its name."""
+    import sys
+
+    import bench_vllm_ddtree as pair_bench
+
+    monkeypatch.setattr(sys, "argv", ["bench_vllm_ddtree.py", "--batches", "1,8", "--requests", "4"])
+    with pytest.raises(SystemExit):
+        pair_bench.main()
+    assert "--requests 4 cannot fill batch 8" in capsys.readouterr().err
