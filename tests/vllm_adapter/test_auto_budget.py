@@ -74,13 +74,13 @@ def test_step_costs_interpolate_the_timed_counts_and_add_the_live_rest():
     assert costs.forward_ms(16, 8) == pytest.approx(4.0)  # one timed count: per tree
     assert costs.forward_ms(16, 1) == pytest.approx(0.5)
     assert costs.forward_ms(32, 1) is None
-    assert costs.rest_ms(64, 4) == 0.0 and not costs.needs_probe()  # nothing live yet: nothing to probe for
+    assert costs.rest_ms(64, 4) == 0.0 and not costs.needs_probe(4)  # nothing live yet: nothing to probe for
     costs.observe_step(64, 4, 12.0)
     assert costs.rest_ms(64, 4) == pytest.approx(7.0) and costs.rest_ms(64, 6) == pytest.approx(7.0)  # the nearest
     costs.observe_step(64, 4, 22.0)
     assert costs.rest_ms(64, 4) == pytest.approx(12.0)  # the median of 7 and 17
     assert costs.step_ms(16, 4) == pytest.approx(2.0 + 12.0)  # one budget measured: no per-token part yet
-    assert costs.needs_probe() and costs.per_token_ms() == 0.0
+    assert costs.needs_probe(4) and costs.per_token_ms() == 0.0
     costs.observe_step(32, 4, 50.0)  # a budget never timed says nothing
     costs.observe_step(64, 4, float("nan"))
     assert costs.rest_ms(64, 4) == pytest.approx(12.0)
@@ -106,7 +106,7 @@ def test_the_rest_of_a_step_grows_with_the_tokens_it_verifies():
     costs = StepCosts({16: {4: 1.0}, 64: {4: 2.0}})
     costs.observe_step(64, 4, 2.0 + 3.0 + 0.01 * 4 * 65)
     costs.observe_step(16, 4, 1.0 + 3.0 + 0.01 * 4 * 17)
-    assert not costs.needs_probe() and costs.per_token_ms() == pytest.approx(0.01)
+    assert not costs.needs_probe(4) and costs.per_token_ms() == pytest.approx(0.01)
     assert costs.rest_ms(16, 4) == pytest.approx(3.0 + 0.68) and costs.rest_ms(64, 8) == pytest.approx(3.0 + 5.2)
     costs.observe_step(64, 2, 10.0)  # one budget at n = 2: its fixed part, the slope from n = 4
     assert costs.rest_ms(16, 2) == pytest.approx(10.0 - 1.0 - 0.01 * 2 * 65 + 0.01 * 2 * 17)
@@ -196,7 +196,7 @@ def test_probes_stop_once_two_budgets_are_timed_or_after_the_most_probes():
     settled.observe_step_time(16, 2, 4.9)
     _observe(settled, 16, trees=2, steps=1)
     settled.maybe_decide()
-    assert not settled.probing and not settled.costs.needs_probe()
+    assert not settled.probing and not settled.costs.needs_probe(2)
     for _ in range(PROBE_EVERY * 2):
         _observe(settled, settled.lookup[1], trees=2, steps=1)
         settled.maybe_decide()

@@ -31,7 +31,6 @@ Pure numpy: CI tests the policy on CPU.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -95,22 +94,8 @@ class StepCosts:
     def forward_ms(self, budget: int, trees: int) -> Optional[float]:
         """The forward of ``trees`` trees of ``budget``: interpolated between the timed counts, extrapolated
         linearly past the largest (per tree below the smallest); None when the budget was not timed."""
-        points = self.forward.get(budget)
-        if not points:
-            return None
-        counts = [n for n, _ in points]
-        i = bisect.bisect_left(counts, trees)
-        if i < len(points) and counts[i] == trees:
-            return points[i][1]
-        if i == 0:
-            return points[0][1] * trees / counts[0]
-        if i == len(points):
-            if len(points) == 1:
-                return points[0][1] * trees / counts[0]
-            (n0, m0), (n1, m1) = points[-2], points[-1]
-        else:
-            (n0, m0), (n1, m1) = points[i - 1], points[i]
-        return m0 + (m1 - m0) * (trees - n0) / (n1 - n0)
+        row = self._forward_row(budget, np.array([trees], dtype=np.float64))
+        return None if row is None else float(row[0])
 
     def observe_step(self, budget: int, trees: int, step_ms: float) -> None:
         """A live step of ``trees`` trees of ``budget`` took ``step_ms`` on the GPU."""
@@ -158,52 +143,49 @@ class StepCosts:
                 weights.append(spread)
         return max(0.0, float(np.average(slopes, weights=weights))) if slopes else 0.0
 
-    def needs_probe(self, trees: Optional[int] = None) -> bool:
-        """Live steps were timed, but no batch size at two budgets: the per-token part is unknown. With ``trees``:
-        no batch size of ``trees``' octave (``[2^k, 2^(k+1))``) at two budgets, where the slope would be read from
-        far smaller or larger batches only (a slope read at 1 tree, ~0.2 ms between budgets 16 and 256, is mostly
-        noise at the scale of a host-bound step)."""
+    def needs_probe(self, trees: int) -> bool:
+        """Live steps were timed, but no batch size of ``trees``' octave (``[2^k, 2^(k+1))``) at two budgets: the
+        per-token part there would be read from far smaller or larger batches only (a slope read at 1 tree, ~0.2 ms
+        between budgets 16 and 256, is mostly noise at the scale of a host-bound step)."""
         if not self.beyond:
             return False
         measured = (n for n, points in self._by_trees().items() if len(points) >= 2)
-        if trees is None:
-            return next(measured, None) is None
         return all(n.bit_length() != int(trees).bit_length() for n in measured)
 
     def rest_ms(self, budget: int, trees: int) -> float:
         """The rest of a step of ``trees`` trees of ``budget``: its budget-independent part measured at this batch
         size (else at the nearest measured one, else 0), plus the per-token part."""
-        slope, fixed, measured = self._rest_model()
-        per_token = slope * trees * (budget + 1)
-        if not measured:
-            return per_token
-        i = bisect.bisect_left(measured, trees)  # the nearest measured batch size, the smaller on a tie
-        at = min(measured[max(i - 1, 0) : i + 1], key=lambda n: (abs(n - trees), n))
-        return fixed[at] + per_token
+        slope = self._rest_model()[0]
+        return float(self._fixed_row(np.array([trees], dtype=np.float64))[0]) + slope * trees * (budget + 1)
 
     def step_ms(self, budget: int, trees: int) -> Optional[float]:
-        forward = self.forward_ms(budget, trees)
-        return None if forward is None else forward + self.rest_ms(budget, trees)
+        step = self.step_ms_table([budget], np.array([trees]))[0, 0]
+        return None if np.isnan(step) else float(step)
 
     def step_ms_table(self, budgets: Sequence[int], trees: np.ndarray) -> np.ndarray:
         """:meth:`step_ms` for every budget and tree count at once, ``[len(budgets), len(trees)]`` (NaN where a
         budget was not timed): a decision asks about every batch size up to ``max_num_seqs``."""
         trees = np.asarray(trees, dtype=np.float64)
-        slope, fixed, measured = self._rest_model()
-        if measured:
-            known = np.asarray(measured, dtype=np.float64)
-            i = np.searchsorted(known, trees, side="left")
-            below, above = np.clip(i - 1, 0, None), np.minimum(i, known.shape[0] - 1)
-            closer_below = np.abs(known[below] - trees) <= np.abs(known[above] - trees)  # the smaller on a tie
-            rest = np.array([fixed[n] for n in measured])[np.where(closer_below, below, above)]
-        else:
-            rest = np.zeros_like(trees)
+        slope = self._rest_model()[0]
+        rest = self._fixed_row(trees)
         table = np.full((len(budgets), trees.shape[0]), np.nan)
         for row, budget in enumerate(budgets):
             forward = self._forward_row(budget, trees)
             if forward is not None:
                 table[row] = forward + rest + slope * trees * (budget + 1)
         return table
+
+    def _fixed_row(self, trees: np.ndarray) -> np.ndarray:
+        """The rest's budget-independent part for each tree count: that of the nearest measured batch size (the
+        smaller on a tie), 0 while none was measured."""
+        _, fixed, measured = self._rest_model()
+        if not measured:
+            return np.zeros_like(trees)
+        known = np.asarray(measured, dtype=np.float64)
+        i = np.searchsorted(known, trees, side="left")
+        below, above = np.clip(i - 1, 0, None), np.minimum(i, known.shape[0] - 1)
+        closer_below = np.abs(known[below] - trees) <= np.abs(known[above] - trees)
+        return np.array([fixed[n] for n in measured])[np.where(closer_below, below, above)]
 
     def _forward_row(self, budget: int, trees: np.ndarray) -> Optional[np.ndarray]:
         """:meth:`forward_ms` over an array of tree counts (the same interpolation, the same arithmetic)."""
