@@ -32,11 +32,15 @@ def _observe(auto: AutoBudget, budget: int, trees: int, steps: int) -> None:
         auto.observe(np.full(trees, budget), np.ones(trees, dtype=bool), drafts, accepted)
 
 
-def test_candidates_are_powers_of_two_from_the_depth_up_to_the_maximum():
-    assert auto_candidates(15, 256) == (16, 32, 64, 128, 256)
-    assert auto_candidates(15, 100) == (16, 32, 64, 100)
-    assert auto_candidates(7, 64) == (8, 16, 32, 64)
-    assert auto_candidates(None, 64) == (8, 16, 32, 64)
+def test_candidates_fill_whole_row_blocks_from_the_depth_up_to_the_maximum():
+    # 2^k - 1 nodes and the root: 2^k tokens per tree; the maximum is the engine's B whatever its form.
+    assert auto_candidates(15, 256) == (15, 31, 63, 127, 255, 256)
+    assert auto_candidates(15, 63) == (15, 31, 63)
+    assert auto_candidates(15, 100) == (15, 31, 63, 100)
+    assert auto_candidates(7, 64) == (7, 15, 31, 63, 64)
+    assert auto_candidates(None, 63) == (7, 15, 31, 63)
+    assert auto_candidates(16, 40) == (31, 40)  # the smallest holds the depth
+    assert auto_candidates(16, 16) == (16,)
     assert auto_candidates(15, 15) == (15,)
 
 
@@ -306,7 +310,7 @@ class _Recorder:
 
 
 def _auto_runner(monkeypatch, captured):
-    """A runner (no GPU, no vLLM engine) with ``auto`` candidates 16/32/64 at depth 15, top-K 8, FULL graphs of
+    """A runner (no GPU, no vLLM engine) with ``auto`` candidates 15/31/63 at depth 15, top-K 8, FULL graphs of
     ``captured`` ``(tokens per tree, trees)``."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.forward_context import BatchDescriptor
@@ -316,7 +320,7 @@ def _auto_runner(monkeypatch, captured):
     from ddtree.vllm.runner import DDTreeGPUModelRunner
 
     runner = object.__new__(DDTreeGPUModelRunner)
-    runner.ddtree_cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, auto=True)
+    runner.ddtree_cfg = DDTreeConfig(budget=63, draft_len=15, top_k=8, auto=True)
     runner._ddtree_auto = AutoBudget(runner.ddtree_cfg.budgets, max_num_seqs=40)
     runner.drafter = SimpleNamespace(top_k=8)
     keys = {BatchDescriptor(num_tokens=t * n, num_reqs=n, uniform=True) for t, n in captured}
@@ -331,7 +335,7 @@ def _auto_runner(monkeypatch, captured):
 def test_the_runner_times_each_candidates_graphed_tree_counts_once(monkeypatch):
     from ddtree.vllm.runner import DDTreeGPUModelRunner
 
-    captured = [(17, n) for n in range(1, 41)] + [(33, n) for n in range(1, 20)] + [(65, n) for n in (1, 2, 3, 8)]
+    captured = [(16, n) for n in range(1, 41)] + [(32, n) for n in range(1, 20)] + [(64, n) for n in (1, 2, 3, 8)]
     runner, log = _auto_runner(monkeypatch, captured)
     timed = []
 
@@ -343,13 +347,13 @@ def test_the_runner_times_each_candidates_graphed_tree_counts_once(monkeypatch):
     runner.ddtree_time_candidates()
     costs = runner._ddtree_auto.costs
     assert {b: sorted(dict(p)) for b, p in costs.forward.items()} == {
-        16: [1, 2, 4, 8, 16, 32, 40],
-        32: [1, 2, 4, 8, 16, 19],
-        64: [1, 2, 8],
+        15: [1, 2, 4, 8, 16, 32, 40],
+        31: [1, 2, 4, 8, 16, 19],
+        63: [1, 2, 8],
     }
-    assert costs.forward_ms(32, 19) == pytest.approx(33 * 19 / 100) and all(full for *_, full in timed)
+    assert costs.forward_ms(31, 19) == pytest.approx(32 * 19 / 100) and all(full for *_, full in timed)
     assert (
-        log.lines[0][0] == "info" and "candidates 16, 32, 64" in log.lines[0][1] and "(64, 8): 5.20" in log.lines[0][1]
+        log.lines[0][0] == "info" and "candidates 15, 31, 63" in log.lines[0][1] and "(63, 8): 5.12" in log.lines[0][1]
     )
     runner.ddtree_time_candidates()  # once only
     assert len(timed) == 7 + 6 + 3
@@ -358,19 +362,19 @@ def test_the_runner_times_each_candidates_graphed_tree_counts_once(monkeypatch):
 def test_a_failed_timing_leaves_the_largest_budget_and_says_so(monkeypatch):
     from ddtree.vllm.runner import DDTreeGPUModelRunner
 
-    runner, log = _auto_runner(monkeypatch, [(17, 1), (65, 1)])
+    runner, log = _auto_runner(monkeypatch, [(16, 1), (64, 1)])
 
     def broken(self, tokens, trees, full):
         raise RuntimeError("no graph")
 
     monkeypatch.setattr(DDTreeGPUModelRunner, "_ddtree_time_forward", broken)
     runner.ddtree_time_candidates()
-    assert runner._ddtree_auto.costs is None and runner.ddtree_budget_for(1) == 64
+    assert runner._ddtree_auto.costs is None and runner.ddtree_budget_for(1) == 63
     assert log.lines == [
         (
             "warning",
             "DDTree auto: timing the candidate budgets failed (RuntimeError('no graph')); every batch size "
-            "keeps budget 64",
+            "keeps budget 63",
         )
     ]
 
@@ -379,21 +383,21 @@ def test_each_step_feeds_the_timer_and_a_new_choice_is_logged(monkeypatch):
     runner, log = _auto_runner(monkeypatch, [])
     auto = runner._ddtree_auto
     auto.window_steps, auto.min_trees = 1, 1
-    auto.set_forward_costs({16: {2: 1.0}, 32: {2: 2.0}, 64: {2: 9.0}})
+    auto.set_forward_costs({15: {2: 1.0}, 31: {2: 2.0}, 63: {2: 9.0}})
     finished = []
-    landed = [((64, 2), 12.0), ((16, 2), 5.0)]  # two budgets at the step's batch size: no probe needed
+    landed = [((63, 2), 12.0), ((15, 2), 5.0)]  # two budgets at the step's batch size: no probe needed
     runner._ddtree_step_timer = SimpleNamespace(finish=finished.append, landed=lambda: landed)
-    runner._ddtree_whole_tree_tokens = 65
-    runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([65, 65]))
-    _observe(auto, 64, trees=2, steps=1)
+    runner._ddtree_whole_tree_tokens = 64
+    runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([64, 64]))
+    _observe(auto, 63, trees=2, steps=1)
     runner._ddtree_auto_step()
-    assert finished == [(64, 2)] and auto.costs.rest_ms(64, 2) == pytest.approx(3.5)
-    # Beyond the forward 3 ms (64) and 4 ms (16): no per-token part (a negative slope is noise), 3.5 ms each.
-    # Two requests: tau 2.5 / 4.5 ms (16), 3.5 / 5.5 (32), 5 / 12.5 (64); the forward scales by the request count
-    # (one timed count), so 32 wins up to 4 requests (3.5 / 7.5 against 2.5 / 5.5) and 16 from 5 (2.5 / 6 ms).
-    assert runner.ddtree_budget_for(1) == runner.ddtree_budget_for(4) == 32
-    assert runner.ddtree_budget_for(5) == runner.ddtree_budget_for(40) == 16
-    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-4: 32, 5-40: 16" in log.lines[0][1]
+    assert finished == [(63, 2)] and auto.costs.rest_ms(63, 2) == pytest.approx(3.5)
+    # Beyond the forward 3 ms (63) and 4 ms (15): no per-token part (a negative slope is noise), 3.5 ms each.
+    # Two requests: tau 2.5 / 4.5 ms (15), 3.5 / 5.5 (31), 5 / 12.5 (63); the forward scales by the request count
+    # (one timed count), so 31 wins up to 4 requests (3.5 / 7.5 against 2.5 / 5.5) and 15 from 5 (2.5 / 6 ms).
+    assert runner.ddtree_budget_for(1) == runner.ddtree_budget_for(4) == 31
+    assert runner.ddtree_budget_for(5) == runner.ddtree_budget_for(40) == 15
+    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-4: 31, 5-40: 15" in log.lines[0][1]
     runner._ddtree_whole_tree_tokens = 0  # a step that was not whole trees of one size: not timed
     runner._ddtree_auto_step()
     assert finished[-1] is None and len(log.lines) == 1
@@ -403,12 +407,12 @@ def test_the_first_choice_is_logged_even_when_it_keeps_the_largest_budget(monkey
     runner, log = _auto_runner(monkeypatch, [])
     auto = runner._ddtree_auto
     auto.window_steps, auto.min_trees = 1, 1
-    auto.set_forward_costs({16: {1: 1.0}, 32: {1: 1.1}, 64: {1: 1.2}})  # trees nearly free: 64 everywhere
+    auto.set_forward_costs({15: {1: 1.0}, 31: {1: 1.1}, 63: {1: 1.2}})  # trees nearly free: 63 everywhere
     for _ in range(2):
-        _observe(auto, 64, trees=2, steps=1)
+        _observe(auto, 63, trees=2, steps=1)
         runner._ddtree_auto_step()
-    assert auto.decisions == 2 and auto.changes == 0 and runner.ddtree_budget_for(7) == 64
-    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-40: 64" in log.lines[0][1]
+    assert auto.decisions == 2 and auto.changes == 0 and runner.ddtree_budget_for(7) == 63
+    assert log.lines == [("info", "DDTree auto: " + auto.describe())] and "1-40: 63" in log.lines[0][1]
 
 
 def test_the_scheduler_of_an_auto_engine_reads_the_runners_lookup(monkeypatch):

@@ -16,6 +16,8 @@ from ddtree.vllm.config import (
     commit_graphs_enabled,
     device_accept_enabled,
     late_trees_enabled,
+    lone_row_advice,
+    lone_row_budgets,
     whole_tree_gdn_metadata_enabled,
     cudagraph_mode_choice,
     engine_overrides,
@@ -512,18 +514,28 @@ def test_a_budget_schedule_as_vllms_dynamic_speculation_schedule():
 
 def test_an_auto_budget_with_its_candidates():
     spec, cfg = parse_spec_config(dict(BASE, ddtree_budget="auto"))
-    assert cfg.auto and cfg.budget == 64 and spec["num_speculative_tokens"] == 64  # the default largest candidate
-    assert cfg.budgets == (16, 32, 64) and cfg.varies_by_batch_size and cfg.budget_schedule is None
-    assert budget_description(cfg) == "auto (candidates 16, 32, 64)"
+    assert cfg.auto and cfg.budget == 63 and spec["num_speculative_tokens"] == 63  # the default largest candidate
+    assert cfg.budgets == (15, 31, 63) and cfg.varies_by_batch_size and cfg.budget_schedule is None
+    assert budget_description(cfg) == "auto (candidates 15, 31, 63)"
     _, cfg = parse_spec_config(dict(BASE, ddtree_budget="auto", ddtree_max_budget=256))
-    assert cfg.budgets == (16, 32, 64, 128, 256)
+    assert cfg.budgets == (15, 31, 63, 127, 255, 256) and cfg.budget == 256
     assert DDTreeConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # through additional_config
     # The depth known only from the drafter: the candidates follow it.
     _, cfg = parse_spec_config(dict(BASE, ddtree_budget="auto", num_speculative_tokens=None))
-    assert cfg.budgets == (8, 16, 32, 64) and resolve_draft_len(cfg, 16).budgets == (16, 32, 64)
-    with pytest.raises(DDTreeConfigError, match=r"ddtree_max_budget=64 is smaller than the drafter's depth 99"):
+    assert cfg.budgets == (7, 15, 31, 63) and resolve_draft_len(cfg, 16).budgets == (15, 31, 63)
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_max_budget=63 is smaller than the drafter's depth 99"):
         resolve_draft_len(cfg, 100)
     assert not parse_spec_config(BASE)[1].varies_by_batch_size
+
+
+def test_budgets_that_open_a_kernel_block_for_one_row_get_a_hint():
+    assert lone_row_budgets(parse_spec_config(BASE)[1]) == (64,)
+    assert lone_row_budgets(parse_spec_config(dict(BASE, ddtree_budget={"1": 256, "8": 63, "32": 16}))[1]) == (16, 256)
+    for quiet in (63, 100, 15, {"1": 255, "8": 31}, "auto"):
+        cfg = parse_spec_config(dict(BASE, ddtree_budget=quiet))[1]
+        assert lone_row_budgets(cfg) == () and lone_row_advice(cfg) is None
+    advice = lone_row_advice(parse_spec_config(BASE)[1])
+    assert "budget(s) 64 verify one token past a multiple of 16" in advice and "63 for 64" in advice
 
 
 @pytest.mark.parametrize(
@@ -551,9 +563,9 @@ def test_auto_runs_with_one_gpu_only():
 def test_auto_captures_every_candidate_at_every_batch_size_and_starts_at_the_largest():
     from ddtree.vllm.config import dynamic_sd_schedule, graphed_tree_counts
 
-    cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8, auto=True)
+    cfg = DDTreeConfig(budget=63, draft_len=15, top_k=8, auto=True)
     graphs = schedule_tree_graphs(cfg, lambda budget: budget + 1, 40, 1024)
-    assert {size for size, _ in graphs} == {17, 33}  # the largest's graphs are vLLM's own
-    assert sorted(n for size, n in graphs if size == 17) == [1, 2, 3] + list(range(4, 33)) + [40]
-    assert sorted(n for size, n in graphs if size == 33) == [n for n in graphed_tree_counts(40) if n * 33 <= 1024]
-    assert dynamic_sd_schedule(cfg, 40) == [(1, 40, 64)]  # vLLM's scheduler starts from the largest everywhere
+    assert {size for size, _ in graphs} == {16, 32}  # the largest's graphs are vLLM's own
+    assert sorted(n for size, n in graphs if size == 16) == [1, 2, 3] + list(range(4, 33)) + [40]
+    assert sorted(n for size, n in graphs if size == 32) == [n for n in graphed_tree_counts(40) if n * 32 <= 1024]
+    assert dynamic_sd_schedule(cfg, 40) == [(1, 40, 63)]  # vLLM's scheduler starts from the largest everywhere

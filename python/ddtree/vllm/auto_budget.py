@@ -6,8 +6,9 @@ machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` 
 
     acceptance_length(c) / step_ms(c, n)
 
-* **Candidates**: powers of two from the drafter's depth up to ``ddtree_max_budget`` (and that maximum), each with
-  FULL CUDA graphs of its trees at every captured batch size (``config.schedule_tree_graphs``).
+* **Candidates**: budgets of ``2^k - 1`` from the drafter's depth up to ``ddtree_max_budget`` (and that maximum), so
+  that a tree and its root fill whole 16-row blocks of the tree kernels (:func:`auto_candidates`), each with FULL
+  CUDA graphs of its trees at every captured batch size (``config.schedule_tree_graphs``).
 * **Acceptance** (:class:`AcceptanceByBudget`): from the engine's own verified trees. A tree of a smaller budget
   is a prefix of a larger tree's pop order, so every tree says exactly what each candidate up to its own budget
   would have accepted (``what_if``). Counts decay window by window, so the estimate follows the traffic.
@@ -40,8 +41,8 @@ import numpy as np
 AUTO = "auto"
 #: The largest candidate when ``ddtree_max_budget`` is not given: the README's budget (budget 256 paid on the test
 #: pair at batch 1 and 8, not at the Qwen3.6-27B shape's batch 8; a larger maximum also lowers how many requests a
-#: step can hold, ``config.fit_batch_limits``).
-DEFAULT_MAX_BUDGET = 64
+#: step can hold, ``config.fit_batch_limits``). 63, not 64: see :func:`auto_candidates`.
+DEFAULT_MAX_BUDGET = 63
 #: Verify steps observed before each decision.
 WINDOW_STEPS = 16
 #: Trees a candidate needs (after decay) before its acceptance is trusted.
@@ -62,12 +63,16 @@ TIMED_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def auto_candidates(draft_len: Optional[int], max_budget: int) -> Tuple[int, ...]:
-    """Powers of two from the smallest that holds the drafter's depth (8 when unknown) up to ``max_budget``, and
-    ``max_budget`` itself, ascending."""
-    smallest = max(8, draft_len or 0)
-    candidates = {1 << k for k in range(3, max_budget.bit_length()) if smallest <= (1 << k) <= max_budget}
-    candidates.add(max_budget)
-    return tuple(sorted(candidates))
+    """Budgets of ``2^k - 1`` from the smallest that holds the drafter's depth (7 when unknown) up to
+    ``max_budget``, and ``max_budget`` itself (the engine's ``B``), ascending.
+
+    A tree of ``2^k - 1`` nodes and its root is ``2^k`` query tokens, whole 16-row blocks of the tree GDN and
+    attention kernels; one node more opens a block for one row. On an H200 at the Qwen3.6-27B GDN shape a tree of
+    64 tokens verifies in 54.7 us per layer against 69.6 us for 65 (200.8 against 254.4 at 8 trees; 16 tokens
+    12.4 us against 26.1 for 17: ``benches/results/gpu-h200-gdn-blocks-768591a``), for one node's acceptance."""
+    smallest = max(7, draft_len or 0)
+    blocks = {(1 << k) - 1 for k in range(3, max_budget.bit_length() + 1)}
+    return tuple(sorted({b for b in blocks if smallest <= b <= max_budget} | {max_budget}))
 
 
 class StepCosts:

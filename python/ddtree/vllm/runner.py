@@ -58,6 +58,7 @@ from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
     async_scheduling_lacks,
+    lone_row_advice,
     budget_description,
     commit_graphs_enabled,
     device_accept_enabled,
@@ -354,6 +355,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             "the next verification" if self._ddtree_late_trees else "proposal",
             "asynchronous" if self.use_async_scheduling else "synchronous",
         )
+        advice = lone_row_advice(self.ddtree_cfg)
+        if advice:
+            logger.info("DDTree: %s", advice)
 
     def _ddtree_check_async(self, top_k: int) -> None:
         """What asynchronous scheduling needs (``config.async_scheduling_lacks``), checked again with the drafter's
