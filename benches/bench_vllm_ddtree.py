@@ -30,6 +30,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -67,11 +68,16 @@ def child(args):
     from ddtree.vllm.tiny_models import engine_kwargs_for
 
     kw.update(engine_kwargs_for(args.target))
+    if args.kv_cache_gib:
+        # Engines starting side by side: vLLM's memory profiling would count the others' allocations as its own.
+        kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.profile_batches:
         enable_scopes()
     started = time.time()
     llm = LLM(**kw)
     init_s = time.time() - started
+    if args.gate:
+        wait_for_turn(args.gate, args.name)
     given = None
     if args.prompts:
         with open(args.prompts) as f:
@@ -151,10 +157,24 @@ def child(args):
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
             json.dump([list(o.outputs[0].token_ids) for o in outs], f)
         if b in profile_batches:
+            profiled = SamplingParams(
+                temperature=0.0, max_tokens=args.profile_tokens or args.max_tokens, ignore_eos=True, detokenize=False
+            )
             row["profile"] = profile_generate(
-                llm, prompts, params, os.path.join(args.out, f"profile_{args.name}_b{b}.txt")
+                llm,
+                prompts,
+                profiled,
+                os.path.join(args.out, f"profile_{args.name}_b{b}.txt"),
+                stacks=not args.profile_no_stacks,
             )
     print("RESULT-JSON " + json.dumps(rows), flush=True)
+
+
+def wait_for_turn(gate: str, name: str) -> None:
+    """An engine started beside others says it is ready and waits until the parent gives it the GPU alone."""
+    open(os.path.join(gate, f"{name}.ready"), "w").close()
+    while not os.path.exists(os.path.join(gate, f"{name}.go")):
+        time.sleep(0.05)
 
 
 def largest_budget(spec) -> int:
@@ -196,10 +216,27 @@ def main():
     )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
-    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per engine for its start, and again for its runs")
+    ap.add_argument(
+        "--concurrent-starts",
+        type=int,
+        default=1,
+        help="engines starting at once (default 1: one after the other). Their starts overlap (vLLM's profiling run, "
+        "torch.compile, graph capture: 120-190 s each for the pair on an H200); the timed runs still have the GPU "
+        "to themselves, one engine after the other in --engines order. Above 1 every engine gets --kv-cache-gib of "
+        "KV cache instead of vLLM's memory profiling",
+    )
+    ap.add_argument("--kv-cache-gib", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--gate", default="", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row; the fastest is reported")
     ap.add_argument(
         "--profile-batches", default="", help="batch sizes to run once more under torch.profiler (tables in --out)"
+    )
+    ap.add_argument(
+        "--profile-tokens", type=int, default=0, help="new tokens per profiled request (default --max-tokens)"
+    )
+    ap.add_argument(
+        "--profile-no-stacks", action="store_true", help="profiles without Python stacks (a much smaller timeline)"
     )
     ap.add_argument(
         "--engines",
@@ -271,66 +308,11 @@ def main():
     if unknown:
         raise SystemExit(f"--engines: unknown {unknown}; known: {list(known)}")
     engines = [(name, known[name]) for name in wanted]  # in the order given
-    table = []
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
     # Triton keeps its autotuning results on disk, so an engine after the first skips the autotuning of vLLM's GDN
     # kernels (each engine's profiling run took 74-81 s on an H200, for dflash as for ddtree).
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    for name, spec in engines:
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--child",
-            "--target",
-            args.target,
-            "--drafter",
-            str(args.drafter),
-            "--batches",
-            args.batches,
-            "--max-tokens",
-            str(args.max_tokens),
-            "--requests",
-            str(args.requests),
-            "--prompt-len",
-            str(args.prompt_len),
-            "--max-model-len",
-            str(args.max_model_len),
-            "--gpu-memory-utilization",
-            str(args.gpu_memory_utilization),
-            "--repeats",
-            str(args.repeats),
-            "--draft-len",
-            str(args.draft_len),
-            "--profile-batches",
-            args.profile_batches,
-            "--name",
-            name,
-            "--out",
-            args.out,
-        ]
-        if args.prompts:
-            cmd += ["--prompts", args.prompts]
-        if spec:
-            cmd += ["--spec", json.dumps(spec)]
-        if args.eager:
-            cmd.append("--eager")
-        t = time.time()
-        try:
-            with open(os.path.join(args.out, f"bench_{name}.log"), "w") as log:
-                proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.timeout)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
-            if line is None:
-                print(f"{name}: FAILED rc={proc.returncode}, see {args.out}/bench_{name}.log", flush=True)
-                continue
-            for row in json.loads(line[len("RESULT-JSON ") :]):
-                table.append(dict(row, engine=name))
-            print(f"{name}: done in {time.time() - t:.0f}s", flush=True)
-            with open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w") as f:  # kept if a later engine dies
-                json.dump(table, f, indent=1)
-        except subprocess.TimeoutExpired:
-            print(f"{name}: TIMEOUT after {args.timeout}s", flush=True)
-        except Exception:
-            traceback.print_exc()
+    table = run_engines(args, engines, env)
     chain = {row["batch"]: row["tokens_per_s"] for row in table if row["engine"] == "dflash"}
     print(
         f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'mean acc len':>14}{'ms/step':>10}{'host ms':>9}"
@@ -350,6 +332,98 @@ def main():
         for engine, batch, estimate, measured in checks:
             print(f"  {engine} batch {batch}: {estimate:.3f} estimated, {measured:.3f} measured")
     json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
+
+
+#: KV cache per engine when engines start side by side (``--concurrent-starts``): the pair's 32 requests of 2048
+#: tokens need well under 1 GiB; vLLM's profiling would give each engine tens of GiB.
+CONCURRENT_KV_CACHE_GIB = 4.0
+
+
+def child_command(args, name: str, spec, gate: str) -> list:
+    """The command line of one engine's subprocess."""
+    concurrent = args.concurrent_starts > 1
+    memory = (
+        min(args.gpu_memory_utilization, 0.9 / args.concurrent_starts) if concurrent else args.gpu_memory_utilization
+    )
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        "--target",
+        args.target,
+        "--drafter",
+        str(args.drafter),
+    ]
+    cmd += ["--batches", args.batches, "--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
+    cmd += ["--prompt-len", str(args.prompt_len), "--max-model-len", str(args.max_model_len)]
+    cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
+    cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]
+    cmd += ["--name", name, "--out", args.out] + (["--profile-no-stacks"] if args.profile_no_stacks else [])
+    if concurrent:
+        cmd += ["--gate", gate, "--kv-cache-gib", str(CONCURRENT_KV_CACHE_GIB)]
+    if args.prompts:
+        cmd += ["--prompts", args.prompts]
+    if spec:
+        cmd += ["--spec", json.dumps(spec)]
+    if args.eager:
+        cmd.append("--eager")
+    return cmd
+
+
+def run_engines(args, engines: list, env: dict) -> list:
+    """Every engine's rows, in order. Up to ``--concurrent-starts`` engines start at once; each engine's timed runs
+    begin only after the one before it has exited, so no run shares the GPU. Rows are written as each engine ends."""
+    gate = tempfile.mkdtemp(prefix="gate_", dir=args.out) if args.concurrent_starts > 1 else ""
+    waiting, started, table = list(engines), [], []
+    while waiting or started:
+        while waiting and len(started) < args.concurrent_starts:
+            name, spec = waiting.pop(0)
+            log = open(os.path.join(args.out, f"bench_{name}.log"), "w")
+            proc = subprocess.Popen(
+                child_command(args, name, spec, gate), env=env, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+            started.append((name, proc, log, time.time()))
+        name, proc, log, launched = started.pop(0)
+        try:
+            rows = engine_rows(args, name, proc, gate, launched)
+        finally:
+            log.close()
+        if rows is None:
+            continue
+        table += [dict(row, engine=name) for row in rows]
+        print(f"{name}: done in {time.time() - launched:.0f}s", flush=True)
+        with open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w") as f:  # kept if a later engine dies
+            json.dump(table, f, indent=1)
+    return table
+
+
+def engine_rows(args, name: str, proc, gate: str, launched: float):
+    """One engine's rows once it has run (None, said on stdout, when it failed or ran out of time). With a gate the
+    engine first reports ready and is then let run; ``--timeout`` bounds its start and, again, its runs."""
+    try:
+        if gate:
+            while not os.path.exists(os.path.join(gate, f"{name}.ready")):
+                if proc.poll() is not None:
+                    break
+                if time.time() - launched > args.timeout:
+                    raise subprocess.TimeoutExpired(name, args.timeout)
+                time.sleep(0.2)
+            open(os.path.join(gate, f"{name}.go"), "w").close()
+        stdout, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        print(f"{name}: TIMEOUT after {args.timeout}s", flush=True)
+        return None
+    except Exception:
+        traceback.print_exc()
+        proc.kill()
+        return None
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
+    if line is None:
+        print(f"{name}: FAILED rc={proc.returncode}, see {args.out}/bench_{name}.log", flush=True)
+        return None
+    return json.loads(line[len("RESULT-JSON ") :])
 
 
 def what_if_chain_checks(table: list) -> list:

@@ -16,7 +16,7 @@ def enable_scopes() -> None:
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
 
 
-def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> dict:
+def profile_generate(llm, prompts, params, path: str, row_limit: int = 40, stacks: bool = True) -> dict:
     """One more ``generate`` under torch.profiler. The top ops by GPU and by CPU time go to ``path``; the
     timeline (Chrome trace format, gzip) to ``path`` with ``.trace.json.gz`` in place of its extension: where
     the GPU waits for the host between kernels shows there, not in the tables. Returns :func:`idle_summary` of
@@ -24,15 +24,19 @@ def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> di
 
     Works with vLLM's in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the benches set) and one
     GPU: a tensor-parallel engine's other ranks run in processes the profiler does not see.
+
+    ``stacks=False`` leaves out the Python stacks (and so the table of syncs by call site): every host op then no
+    longer carries its stack in the timeline, which for ~30 steps of the pair at batch 8 ran past 80 MB and took
+    minutes to write on an H200 host.
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     # with_stack: the host syncs (nonzero, item, blocking copies) are attributed to the Python lines that make
     # them (verbose: without it torch 2.11 records empty stacks).
-    stacks = torch._C._profiler._ExperimentalConfig(verbose=True)
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True) if stacks else None
     with profile(
-        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, experimental_config=stacks
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks, experimental_config=verbose
     ) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
@@ -40,8 +44,9 @@ def profile_generate(llm, prompts, params, path: str, row_limit: int = 40) -> di
     with open(path, "w") as handle:
         handle.write(averages.table(sort_by="cuda_time_total", row_limit=row_limit) + "\n")
         handle.write(averages.table(sort_by="cpu_time_total", row_limit=row_limit) + "\n")
-        handle.write("Operations that can wait for the GPU, by the Python lines that made them:\n")
-        handle.write(syncs_by_stack(prof, row_limit))
+        if stacks:
+            handle.write("Operations that can wait for the GPU, by the Python lines that made them:\n")
+            handle.write(syncs_by_stack(prof, row_limit))
         handle.write("\nNamed ranges (vLLM's runner phases, ddtree's parts; needs enable_scopes()):\n")
         handle.write(scopes_table(averages))
     raw = os.path.splitext(path)[0] + ".trace.json"

@@ -209,3 +209,68 @@ def test_the_pair_bench_refuses_fewer_requests_than_its_largest_batch(monkeypatc
     with pytest.raises(SystemExit):
         pair_bench.main()
     assert "--requests 4 cannot fill batch 8" in capsys.readouterr().err
+
+
+def _fake_engine_args(tmp_path, concurrent: int, timeout: int = 20):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(out=str(tmp_path), concurrent_starts=concurrent, timeout=timeout)
+
+
+def test_engines_started_side_by_side_run_one_after_the_other(tmp_path, monkeypatch):
+    """With --concurrent-starts the engines start together, but each one's timed runs wait until the engine
+    before it has exited (checked by the run intervals the fake engines log), and rows come back in order."""
+    import bench_vllm_ddtree as pair
+
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "sys.path.insert(0, sys.argv[3])\n"
+        "import bench_vllm_ddtree as pair\n"
+        "name, gate, start_s = sys.argv[1], sys.argv[2], float(sys.argv[4])\n"
+        "launched = time.time(); time.sleep(start_s)  # the engine's start\n"
+        "if gate: pair.wait_for_turn(gate, name)\n"
+        "began = time.time(); time.sleep(0.3); ended = time.time()\n"
+        "with open(os.path.join(os.path.dirname(gate) if gate else '.', 'runs.txt'), 'a') as f:\n"
+        "    f.write(f'{name} {launched} {began} {ended}\\n')\n"
+        "print('RESULT-JSON ' + json.dumps([{'batch': 1, 'tokens_per_s': 1.0}]))\n"
+    )
+    benches = str(Path(pair.__file__).parent)
+    starts = {"a": 1.0, "b": 0.1, "c": 0.1}  # b and c are ready long before a has run
+    monkeypatch.setattr(
+        pair,
+        "child_command",
+        lambda args, name, spec, gate: [sys.executable, str(script), name, gate, benches, str(starts[name])],
+    )
+    table = pair.run_engines(_fake_engine_args(tmp_path, 3), [("a", None), ("b", None), ("c", None)], {})
+    assert [row["engine"] for row in table] == ["a", "b", "c"]
+    lines = (line.split() for line in open(tmp_path / "runs.txt"))
+    runs = sorted((float(b), float(e), float(launched), n) for n, launched, b, e in lines)
+    assert [n for *_, n in runs] == ["a", "b", "c"]
+    assert all(runs[i][1] <= runs[i + 1][0] for i in range(2))  # no two runs overlap
+    assert runs[1][2] < runs[0][0] and runs[2][2] < runs[0][0]  # b and c started before a ran
+    assert json.loads((tmp_path / "bench_vllm_ddtree.json").read_text())[-1]["engine"] == "c"
+
+
+def test_an_engine_that_never_gets_ready_times_out_and_the_next_one_runs(tmp_path, monkeypatch, capsys):
+    import bench_vllm_ddtree as pair
+
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "sys.path.insert(0, sys.argv[3])\n"
+        "import bench_vllm_ddtree as pair\n"
+        "if sys.argv[1] == 'stuck': time.sleep(60)\n"
+        "if sys.argv[1] == 'broken': sys.exit(3)\n"
+        "pair.wait_for_turn(sys.argv[2], sys.argv[1])\n"
+        "print('RESULT-JSON ' + json.dumps([{'batch': 8}]))\n"
+    )
+    benches = str(Path(pair.__file__).parent)
+    monkeypatch.setattr(
+        pair, "child_command", lambda args, name, spec, gate: [sys.executable, str(script), name, gate, benches]
+    )
+    engines = [("stuck", None), ("broken", None), ("fine", None)]
+    table = pair.run_engines(_fake_engine_args(tmp_path, 2, timeout=2), engines, {})
+    printed = capsys.readouterr().out
+    assert [row["engine"] for row in table] == ["fine"]
+    assert "stuck: TIMEOUT after 2s" in printed and "broken: FAILED rc=3" in printed
