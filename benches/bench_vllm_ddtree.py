@@ -385,7 +385,7 @@ def run_engines(args, engines: list, env: dict) -> list:
             started.append((name, proc, log, time.time()))
         name, proc, log, launched = started.pop(0)
         try:
-            rows = engine_rows(args, name, proc, gate, launched)
+            rows = engine_rows(args, name, proc, gate, launched, [(n, p, t) for n, p, _, t in started])
         finally:
             log.close()
         if rows is None:
@@ -397,17 +397,28 @@ def run_engines(args, engines: list, env: dict) -> list:
     return table
 
 
-def engine_rows(args, name: str, proc, gate: str, launched: float):
+def wait_ready(gate: str, name: str, proc, launched: float, timeout: float) -> None:
+    """Returns once the engine has said it is ready or has exited; raises ``TimeoutExpired`` past ``timeout``
+    seconds from its launch."""
+    while not os.path.exists(os.path.join(gate, f"{name}.ready")) and proc.poll() is None:
+        if time.time() - launched > timeout:
+            raise subprocess.TimeoutExpired(name, timeout)
+        time.sleep(0.2)
+
+
+def engine_rows(args, name: str, proc, gate: str, launched: float, starting: list = ()):
     """One engine's rows once it has run (None, said on stdout, when it failed or ran out of time). With a gate the
-    engine first reports ready and is then let run; ``--timeout`` bounds its start and, again, its runs."""
+    engine first reports ready, and is let run only once every other engine still ``starting`` (``(name, process,
+    launch time)``) is ready too or gone: no start (compilation, vLLM's profiling run, graph capture) overlaps a timed
+    run. ``--timeout`` bounds an engine's start and, again, its runs."""
     try:
         if gate:
-            while not os.path.exists(os.path.join(gate, f"{name}.ready")):
-                if proc.poll() is not None:
-                    break
-                if time.time() - launched > args.timeout:
-                    raise subprocess.TimeoutExpired(name, args.timeout)
-                time.sleep(0.2)
+            wait_ready(gate, name, proc, launched, args.timeout)
+            for other, other_proc, other_launched in starting:
+                try:
+                    wait_ready(gate, other, other_proc, other_launched, args.timeout)
+                except subprocess.TimeoutExpired:
+                    pass  # its own turn kills it and says so
             open(os.path.join(gate, f"{name}.go"), "w").close()
         stdout, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:

@@ -218,8 +218,9 @@ def _fake_engine_args(tmp_path, concurrent: int, timeout: int = 20):
 
 
 def test_engines_started_side_by_side_run_one_after_the_other(tmp_path, monkeypatch):
-    """With --concurrent-starts the engines start together, but each one's timed runs wait until the engine
-    before it has exited (checked by the run intervals the fake engines log), and rows come back in order."""
+    """With --concurrent-starts the engines start together, but no engine's timed runs overlap another engine's
+    runs or start (checked on the intervals the fake engines log), and rows come back in order. Two at a time for
+    three engines: the third starts when the first has ended, and the second waits for that start."""
     import bench_vllm_ddtree as pair
 
     script = tmp_path / "engine.py"
@@ -228,27 +229,30 @@ def test_engines_started_side_by_side_run_one_after_the_other(tmp_path, monkeypa
         "sys.path.insert(0, sys.argv[3])\n"
         "import bench_vllm_ddtree as pair\n"
         "name, gate, start_s = sys.argv[1], sys.argv[2], float(sys.argv[4])\n"
-        "launched = time.time(); time.sleep(start_s)  # the engine's start\n"
-        "if gate: pair.wait_for_turn(gate, name)\n"
+        "launched = time.time(); time.sleep(start_s); ready = time.time()  # the engine's start\n"
+        "pair.wait_for_turn(gate, name)\n"
         "began = time.time(); time.sleep(0.3); ended = time.time()\n"
-        "with open(os.path.join(os.path.dirname(gate) if gate else '.', 'runs.txt'), 'a') as f:\n"
-        "    f.write(f'{name} {launched} {began} {ended}\\n')\n"
+        "with open(os.path.join(os.path.dirname(gate), 'runs.txt'), 'a') as f:\n"
+        "    f.write(f'{name} {launched} {ready} {began} {ended}\\n')\n"
         "print('RESULT-JSON ' + json.dumps([{'batch': 1, 'tokens_per_s': 1.0}]))\n"
     )
     benches = str(Path(pair.__file__).parent)
-    starts = {"a": 1.0, "b": 0.1, "c": 0.1}  # b and c are ready long before a has run
+    starts = {"a": 1.0, "b": 0.1, "c": 0.6}  # b is ready long before a; c starts while b waits
     monkeypatch.setattr(
         pair,
         "child_command",
         lambda args, name, spec, gate: [sys.executable, str(script), name, gate, benches, str(starts[name])],
     )
-    table = pair.run_engines(_fake_engine_args(tmp_path, 3), [("a", None), ("b", None), ("c", None)], {})
+    table = pair.run_engines(_fake_engine_args(tmp_path, 2), [("a", None), ("b", None), ("c", None)], {})
     assert [row["engine"] for row in table] == ["a", "b", "c"]
-    lines = (line.split() for line in open(tmp_path / "runs.txt"))
-    runs = sorted((float(b), float(e), float(launched), n) for n, launched, b, e in lines)
-    assert [n for *_, n in runs] == ["a", "b", "c"]
-    assert all(runs[i][1] <= runs[i + 1][0] for i in range(2))  # no two runs overlap
-    assert runs[1][2] < runs[0][0] and runs[2][2] < runs[0][0]  # b and c started before a ran
+    logged = {n: tuple(map(float, times)) for n, *times in (line.split() for line in open(tmp_path / "runs.txt"))}
+    assert sorted(logged, key=lambda n: logged[n][2]) == ["a", "b", "c"]  # runs in --engines order
+    assert logged["b"][0] < logged["a"][2]  # b started before a ran: the starts overlapped
+    for n, (_, _, began, ended) in logged.items():
+        for other, (launched, ready, other_began, other_ended) in logged.items():
+            if other != n:  # no run overlaps another engine's start or run
+                assert ended <= launched or began >= ready, (n, other)
+                assert ended <= other_began or began >= other_ended, (n, other)
     assert json.loads((tmp_path / "bench_vllm_ddtree.json").read_text())[-1]["engine"] == "c"
 
 
