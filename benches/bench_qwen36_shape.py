@@ -262,7 +262,14 @@ def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
 
 
 def run_engine(
-    name: str, batches, tp: int = 1, profile_dir: str = "", profile_batches=(), eager=False, ab: str = ""
+    name: str,
+    batches,
+    tp: int = 1,
+    profile_dir: str = "",
+    profile_batches=(),
+    eager=False,
+    ab: str = "",
+    profile_stacks: bool = True,
 ) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -366,6 +373,7 @@ def run_engine(
                 prompts,
                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                 os.path.join(profile_dir, f"profile_{name}_tp{tp}_b{bs}.txt"),
+                stacks=profile_stacks,
             )
     return res
 
@@ -412,6 +420,11 @@ def main() -> None:
         "in --out; rank 0 only)",
     )
     ap.add_argument(
+        "--profile-no-stacks",
+        action="store_true",
+        help="profiles without Python stacks (a much smaller timeline, written in seconds rather than a minute)",
+    )
+    ap.add_argument(
         "--ab",
         default="",
         help="comma-separated switches: ddtree engines time each batch once more per switch in the same process, "
@@ -427,7 +440,9 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:
         profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
-        result = run_engine(args.child, batches, args.tp, args.out, profile_batches, args.eager, args.ab)
+        result = run_engine(
+            args.child, batches, args.tp, args.out, profile_batches, args.eager, args.ab, not args.profile_no_stacks
+        )
         print("RESULT-JSON " + json.dumps(result), flush=True)
         return
     os.makedirs(args.out, exist_ok=True)
@@ -453,6 +468,7 @@ def main() -> None:
                         "--profile-batches",
                         args.profile_batches,
                     ]
+                    + (["--profile-no-stacks"] if args.profile_no_stacks else [])
                     + (["--eager"] if args.eager else [])
                     + (["--ab", args.ab] if args.ab else []),
                     stdout=subprocess.PIPE,

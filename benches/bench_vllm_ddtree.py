@@ -28,12 +28,10 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 
+from engine_turns import memory_share, new_gate, run_in_turns, wait_for_turn
 from gpu_profile import enable_scopes, profile_generate, timed_host_ms
 
 
@@ -168,13 +166,6 @@ def child(args):
                 stacks=not args.profile_no_stacks,
             )
     print("RESULT-JSON " + json.dumps(rows), flush=True)
-
-
-def wait_for_turn(gate: str, name: str) -> None:
-    """An engine started beside others says it is ready and waits until the parent gives it the GPU alone."""
-    open(os.path.join(gate, f"{name}.ready"), "w").close()
-    while not os.path.exists(os.path.join(gate, f"{name}.go")):
-        time.sleep(0.05)
 
 
 def largest_budget(spec) -> int:
@@ -341,10 +332,7 @@ CONCURRENT_KV_CACHE_GIB = 4.0
 
 def child_command(args, name: str, spec, gate: str) -> list:
     """The command line of one engine's subprocess."""
-    concurrent = args.concurrent_starts > 1
-    memory = (
-        min(args.gpu_memory_utilization, 0.9 / args.concurrent_starts) if concurrent else args.gpu_memory_utilization
-    )
+    memory = memory_share(args.gpu_memory_utilization, args.concurrent_starts)
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -359,7 +347,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]
     cmd += ["--name", name, "--out", args.out] + (["--profile-no-stacks"] if args.profile_no_stacks else [])
-    if concurrent:
+    if gate:
         cmd += ["--gate", gate, "--kv-cache-gib", str(CONCURRENT_KV_CACHE_GIB)]
     if args.prompts:
         cmd += ["--prompts", args.prompts]
@@ -371,70 +359,27 @@ def child_command(args, name: str, spec, gate: str) -> list:
 
 
 def run_engines(args, engines: list, env: dict) -> list:
-    """Every engine's rows, in order. Up to ``--concurrent-starts`` engines start at once; each engine's timed runs
-    begin only after the one before it has exited, so no run shares the GPU. Rows are written as each engine ends."""
-    gate = tempfile.mkdtemp(prefix="gate_", dir=args.out) if args.concurrent_starts > 1 else ""
-    waiting, started, table = list(engines), [], []
-    while waiting or started:
-        while waiting and len(started) < args.concurrent_starts:
-            name, spec = waiting.pop(0)
-            log = open(os.path.join(args.out, f"bench_{name}.log"), "w")
-            proc = subprocess.Popen(
-                child_command(args, name, spec, gate), env=env, stdout=subprocess.PIPE, stderr=log, text=True
-            )
-            started.append((name, proc, log, time.time()))
-        name, proc, log, launched = started.pop(0)
-        try:
-            rows = engine_rows(args, name, proc, gate, launched, [(n, p, t) for n, p, _, t in started])
-        finally:
-            log.close()
-        if rows is None:
+    """Every engine's rows, in order (``engine_turns``: up to ``--concurrent-starts`` engines start at once, each
+    engine's timed runs have the GPU alone). Rows are written as each engine ends."""
+    gate = new_gate(args.out, args.concurrent_starts)
+    jobs = [
+        (name, child_command(args, name, spec, gate), os.path.join(args.out, f"bench_{name}.log"))
+        for name, spec in engines
+    ]
+    table = []
+    for turn in run_in_turns(jobs, gate, args.concurrent_starts, args.timeout, env):
+        line = next((x for x in turn.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
+        if turn.outcome == "timeout":
+            print(f"{turn.name}: TIMEOUT after {args.timeout}s", flush=True)
             continue
-        table += [dict(row, engine=name) for row in rows]
-        print(f"{name}: done in {time.time() - launched:.0f}s", flush=True)
+        if line is None:
+            print(f"{turn.name}: FAILED rc={turn.returncode}, see {args.out}/bench_{turn.name}.log", flush=True)
+            continue
+        table += [dict(row, engine=turn.name) for row in json.loads(line[len("RESULT-JSON ") :])]
+        print(f"{turn.name}: done", flush=True)
         with open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w") as f:  # kept if a later engine dies
             json.dump(table, f, indent=1)
     return table
-
-
-def wait_ready(gate: str, name: str, proc, launched: float, timeout: float) -> None:
-    """Returns once the engine has said it is ready or has exited; raises ``TimeoutExpired`` past ``timeout``
-    seconds from its launch."""
-    while not os.path.exists(os.path.join(gate, f"{name}.ready")) and proc.poll() is None:
-        if time.time() - launched > timeout:
-            raise subprocess.TimeoutExpired(name, timeout)
-        time.sleep(0.2)
-
-
-def engine_rows(args, name: str, proc, gate: str, launched: float, starting: list = ()):
-    """One engine's rows once it has run (None, said on stdout, when it failed or ran out of time). With a gate the
-    engine first reports ready, and is let run only once every other engine still ``starting`` (``(name, process,
-    launch time)``) is ready too or gone: no start (compilation, vLLM's profiling run, graph capture) overlaps a timed
-    run. ``--timeout`` bounds an engine's start and, again, its runs."""
-    try:
-        if gate:
-            wait_ready(gate, name, proc, launched, args.timeout)
-            for other, other_proc, other_launched in starting:
-                try:
-                    wait_ready(gate, other, other_proc, other_launched, args.timeout)
-                except subprocess.TimeoutExpired:
-                    pass  # its own turn kills it and says so
-            open(os.path.join(gate, f"{name}.go"), "w").close()
-        stdout, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        print(f"{name}: TIMEOUT after {args.timeout}s", flush=True)
-        return None
-    except Exception:
-        traceback.print_exc()
-        proc.kill()
-        return None
-    line = next((x for x in stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
-    if line is None:
-        print(f"{name}: FAILED rc={proc.returncode}, see {args.out}/bench_{name}.log", flush=True)
-        return None
-    return json.loads(line[len("RESULT-JSON ") :])
 
 
 def what_if_chain_checks(table: list) -> list:

@@ -1,0 +1,103 @@
+"""Engines of a GPU bench, each in its own subprocess, started side by side and timed one at a time.
+
+An engine's start (torch.compile, vLLM's profiling run, CUDA-graph capture) takes 2-4 minutes on an H200, and a
+device call lasts at most 10: one after the other, three pair engines or two Qwen3.6-27B-shape engines fit. Started
+side by side, the starts overlap; the timed runs must not share the GPU with anything, so each engine, once
+started, says so (``wait_for_turn``: a ``<name>.ready`` file in the gate folder) and waits for its turn (a
+``<name>.go`` file). :func:`run_in_turns` gives the turns in the engines' order, and only when no engine is still
+starting: no start overlaps a timed run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+
+def wait_for_turn(gate: str, name: str) -> None:
+    """In an engine's process, once it has started: say so, and wait until it may use the GPU alone."""
+    open(os.path.join(gate, f"{name}.ready"), "w").close()
+    while not os.path.exists(os.path.join(gate, f"{name}.go")):
+        time.sleep(0.05)
+
+
+def memory_share(utilization: float, concurrent: int) -> float:
+    """The ``gpu_memory_utilization`` of one of ``concurrent`` engines sharing a GPU (at most 90% in all)."""
+    return min(utilization, 0.9 / concurrent) if concurrent > 1 else utilization
+
+
+def new_gate(out_dir: str, concurrent: int) -> str:
+    """The gate folder for ``concurrent`` engines at once ("" for one at a time: no gate, no waiting)."""
+    return tempfile.mkdtemp(prefix="gate_", dir=out_dir) if concurrent > 1 else ""
+
+
+#: One engine: its name, its command line, the file its stderr goes to.
+Job = Tuple[str, Sequence[str], str]
+
+
+@dataclass
+class Turn:
+    """How one engine ended: ``outcome`` "done" (exit status 0), "failed" (another status, or it could not be
+    waited for) or "timeout" (its start, or its runs, took longer than allowed; killed)."""
+
+    name: str
+    outcome: str
+    stdout: str = ""
+    returncode: Optional[int] = None
+
+
+def run_in_turns(
+    jobs: Sequence[Job], gate: str, concurrent: int, timeout: float, env: Optional[dict] = None
+) -> Iterator[Turn]:
+    """Runs every job, up to ``concurrent`` started at once, and yields a :class:`Turn` per job in the jobs' order
+    as each ends (``timeout`` bounds an engine's start and, again, its runs). With a gate an engine's turn comes once
+    it and every other engine still starting are ready (or gone)."""
+    waiting: List[Job] = list(jobs)
+    started: list = []  # (name, process, log, launched)
+    while waiting or started:
+        while waiting and len(started) < max(1, concurrent):
+            name, command, log_path = waiting.pop(0)
+            log = open(log_path, "w")
+            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+            started.append((name, process, log, time.time()))
+        name, process, log, launched = started.pop(0)
+        try:
+            turn = _take_turn(gate, name, process, launched, timeout, [(n, p, t) for n, p, _, t in started])
+        finally:
+            log.close()
+        yield turn
+
+
+def _take_turn(gate: str, name: str, process, launched: float, timeout: float, starting) -> Turn:
+    try:
+        if gate:
+            _wait_ready(gate, name, process, launched, timeout)
+            for other, other_process, other_launched in starting:
+                try:
+                    _wait_ready(gate, other, other_process, other_launched, timeout)
+                except subprocess.TimeoutExpired:
+                    pass  # its own turn kills it and says so
+            open(os.path.join(gate, f"{name}.go"), "w").close()
+        stdout, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        return Turn(name, "timeout")
+    except Exception:
+        traceback.print_exc()
+        process.kill()
+        return Turn(name, "failed")
+    return Turn(name, "done" if process.returncode == 0 else "failed", stdout, process.returncode)
+
+
+def _wait_ready(gate: str, name: str, process, launched: float, timeout: float) -> None:
+    """Returns once the engine is ready or has exited; raises ``TimeoutExpired`` past ``timeout`` s from launch."""
+    while not os.path.exists(os.path.join(gate, f"{name}.ready")) and process.poll() is None:
+        if time.time() - launched > timeout:
+            raise subprocess.TimeoutExpired(name, timeout)
+        time.sleep(0.2)
