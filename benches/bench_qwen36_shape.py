@@ -344,6 +344,7 @@ def run_engine(
             row["verify_steps"] = steps
             row["mean_acceptance_length"] = after["mean_acceptance_length"]
             row["host_ms_per_verify_step"] = timed_host_ms(before, after)
+            row["vllm_host_ms_per_verify_step"] = timed_host_ms(before, after, "vllm_host_ms_per_verify_step")
             for counter in (
                 "full_graph_steps",
                 "commit_graph_steps",

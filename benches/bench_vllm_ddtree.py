@@ -141,6 +141,7 @@ def child(args):
             # commit with its graph captures and Triton compiles, left out).
             summary = llm.collective_rpc("ddtree_summary")[0]
             row["host_ms_per_verify_step"] = timed_host_ms(window_start, summary)
+            row["vllm_host_ms_per_verify_step"] = timed_host_ms(window_start, summary, "vllm_host_ms_per_verify_step")
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
             # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (engine life so

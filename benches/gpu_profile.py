@@ -219,16 +219,17 @@ def compress(path: str) -> str:
     return path + ".gz"
 
 
-def timed_host_ms(before: dict, after: dict) -> dict:
+def timed_host_ms(before: dict, after: dict, key: str = "host_ms_per_verify_step") -> dict:
     """Host ms per verify step, by part, over the steps between two ``ddtree_summary`` snapshots.
 
     The summary's own figures average over the engine's life, so one-time costs (a size's first commit with its
     graph capture, Triton compiles) would weigh in: up to 17 ms of "commit" per step in the records before
-    gpu-h200-gdn-metadata-ffa8839, where the steady state is 0.3 ms."""
+    gpu-h200-gdn-metadata-ffa8839, where the steady state is 0.3 ms. ``key``: ``vllm_host_ms_per_verify_step`` for
+    the parts of vLLM's step the runner times (the forward's launch)."""
     steps = after["verify_steps"] - before["verify_steps"]
     if steps <= 0:
         return {}
-    now, then = after["host_ms_per_verify_step"], before["host_ms_per_verify_step"]
+    now, then = after.get(key, {}), before.get(key, {})
     return {
         part: (ms * after["verify_steps"] - then.get(part, 0.0) * before["verify_steps"]) / steps
         for part, ms in now.items()

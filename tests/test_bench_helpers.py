@@ -127,6 +127,9 @@ def test_host_ms_cover_only_the_timed_steps():
     assert timed["commit"] == pytest.approx(0.3) and timed["plan"] == pytest.approx(0.5)
     assert timed["build"] == pytest.approx(0.15)  # a part first timed in this run
     assert bench.timed_host_ms(after, after) == {}
+    before["vllm_host_ms_per_verify_step"] = {"forward launch": 3.0}
+    after["vllm_host_ms_per_verify_step"] = {"forward launch": 2.0}
+    assert bench.timed_host_ms(before, after, "vllm_host_ms_per_verify_step") == {"forward launch": pytest.approx(1.5)}
 
 
 def test_gpu_time_is_summed_by_kernel_family_and_compared_with_the_chain():

@@ -112,6 +112,9 @@ class DDTreeStats:
         self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
         # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit); GPU waits are outside the timed blocks.
         self.host_seconds: Dict[str, float] = {}
+        # Host seconds of vLLM's own parts that sit between a step's trees and its verification: the target's
+        # forward launch (a FULL step: one CUDA-graph replay). Trees built late make the GPU wait through it.
+        self.vllm_host_seconds: Dict[str, float] = {}
         self.steps_by_budget: Dict[int, int] = {}  # verify steps by the budget their trees were proposed with
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
         # WHAT_IF_EVERY-th verify step (its numpy work, ~0.1 ms a step on a slow CPU, sampled, not skipped: the
@@ -191,6 +194,9 @@ class DDTreeStats:
             **({"auto_budget": self.auto.summary()} if self.auto is not None else {}),
             "host_ms_per_verify_step": {
                 part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.host_seconds.items())
+            },
+            "vllm_host_ms_per_verify_step": {
+                part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.vllm_host_seconds.items())
             },
         }
 
@@ -393,6 +399,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def _build_attention_metadata(self, *args, **kwargs):
         with record_function_or_nullcontext("vllm: _build_attention_metadata"):
             return super()._build_attention_metadata(*args, **kwargs)
+
+    def _model_forward(self, *args, **kwargs):
+        """vLLM's, its host time kept as ``forward launch`` (``vllm_host_ms_per_verify_step``): on a GPU profile of
+        the Qwen3.6-27B shape the first kernel of a FULL step ran ~4 ms after the forward's range began, as its
+        CUDA-graph launch returned, with the GPU idle since the trees were built (``gpu-h200-27b-shape-768591a``)."""
+        start = time.perf_counter()
+        try:
+            return super()._model_forward(*args, **kwargs)
+        finally:
+            seconds = self.ddtree_stats.vllm_host_seconds
+            seconds["forward launch"] = seconds.get("forward launch", 0.0) + time.perf_counter() - start
 
     def _preprocess(self, *args, **kwargs):
         late, self._ddtree_late_step = self._ddtree_late_step, None
