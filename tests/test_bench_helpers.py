@@ -281,3 +281,13 @@ def test_an_engine_that_never_gets_ready_times_out_and_the_next_one_runs(tmp_pat
     printed = capsys.readouterr().out
     assert [row["engine"] for row in table] == ["fine"]
     assert "stuck: TIMEOUT after 2s" in printed and "broken: FAILED rc=3" in printed
+
+
+def test_the_launch_gate_bench_says_it_needs_a_gpu_where_there_is_none():
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benches" / "gpu_launch_gate.py"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(script), "--nodes", "10"], env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
