@@ -16,7 +16,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence
 
 
 def wait_for_turn(gate: str, name: str) -> None:
@@ -36,14 +36,16 @@ def new_gate(out_dir: str, concurrent: int) -> str:
     return tempfile.mkdtemp(prefix="gate_", dir=out_dir) if concurrent > 1 else ""
 
 
-#: One engine: its name, its command line, the file its stderr goes to.
-Job = Tuple[str, Sequence[str], str]
+#: One engine: its name, its command line, the file its stderr goes to, and optionally its environment (a dict; the
+#: ``env`` of :func:`run_in_turns` otherwise).
+Job = tuple
 
 
 @dataclass
 class Turn:
     """How one engine ended: ``outcome`` "done" (exit status 0), "failed" (another status, or it could not be
-    waited for) or "timeout" (its start, or its runs, took longer than allowed; killed)."""
+    waited for), "timeout" (its start, or its runs, took longer than allowed; killed) or "skipped" (not started:
+    too little time left before the deadline)."""
 
     name: str
     outcome: str
@@ -52,38 +54,57 @@ class Turn:
 
 
 def run_in_turns(
-    jobs: Sequence[Job], gate: str, concurrent: int, timeout: float, env: Optional[dict] = None
+    jobs: Sequence[Job],
+    gate: str,
+    concurrent: int,
+    timeout: float,
+    env: Optional[dict] = None,
+    deadline: Optional[float] = None,
+    min_left: float = 45.0,
 ) -> Iterator[Turn]:
     """Runs every job, up to ``concurrent`` started at once, and yields a :class:`Turn` per job in the jobs' order
-    as each ends (``timeout`` bounds an engine's start and, again, its runs). With a gate an engine's turn comes once
-    it and every other engine still starting are ready (or gone)."""
+    as each ends. ``timeout`` bounds an engine's start and, again, its runs; with a ``deadline`` (``time.time()``
+    seconds) a job is not started with less than ``min_left`` seconds to go, and no wait runs past it. With a gate
+    an engine's turn comes once it and every other engine still starting are ready (or gone)."""
     waiting: List[Job] = list(jobs)
-    started: list = []  # (name, process, log, launched)
+    started: list = []  # (name, process or None when skipped, log, launched)
     while waiting or started:
         while waiting and len(started) < max(1, concurrent):
-            name, command, log_path = waiting.pop(0)
+            name, command, log_path, *job_env = waiting.pop(0)
+            if deadline is not None and deadline - time.time() < min_left:
+                started.append((name, None, None, time.time()))
+                continue
             log = open(log_path, "w")
-            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+            process = subprocess.Popen(
+                command, env=job_env[0] if job_env else env, stdout=subprocess.PIPE, stderr=log, text=True
+            )
             started.append((name, process, log, time.time()))
         name, process, log, launched = started.pop(0)
+        if process is None:
+            yield Turn(name, "skipped")
+            continue
+        others = [(n, p, t) for n, p, _, t in started if p is not None]
         try:
-            turn = _take_turn(gate, name, process, launched, timeout, [(n, p, t) for n, p, _, t in started])
+            turn = _take_turn(gate, name, process, launched, timeout, others, deadline)
         finally:
             log.close()
         yield turn
 
 
-def _take_turn(gate: str, name: str, process, launched: float, timeout: float, starting) -> Turn:
+def _take_turn(
+    gate: str, name: str, process, launched: float, timeout: float, starting, deadline: Optional[float]
+) -> Turn:
+    end = float("inf") if deadline is None else deadline
     try:
         if gate:
-            _wait_ready(gate, name, process, launched, timeout)
+            _wait_ready(gate, name, process, min(launched + timeout, end))
             for other, other_process, other_launched in starting:
                 try:
-                    _wait_ready(gate, other, other_process, other_launched, timeout)
+                    _wait_ready(gate, other, other_process, min(other_launched + timeout, end))
                 except subprocess.TimeoutExpired:
                     pass  # its own turn kills it and says so
             open(os.path.join(gate, f"{name}.go"), "w").close()
-        stdout, _ = process.communicate(timeout=timeout)
+        stdout, _ = process.communicate(timeout=max(1.0, min(timeout, end - time.time())))
     except subprocess.TimeoutExpired:
         process.kill()
         process.communicate()
@@ -95,9 +116,9 @@ def _take_turn(gate: str, name: str, process, launched: float, timeout: float, s
     return Turn(name, "done" if process.returncode == 0 else "failed", stdout, process.returncode)
 
 
-def _wait_ready(gate: str, name: str, process, launched: float, timeout: float) -> None:
-    """Returns once the engine is ready or has exited; raises ``TimeoutExpired`` past ``timeout`` s from launch."""
+def _wait_ready(gate: str, name: str, process, ready_by: float) -> None:
+    """Returns once the engine is ready or has exited; raises ``TimeoutExpired`` past ``ready_by`` (``time.time()``)."""
     while not os.path.exists(os.path.join(gate, f"{name}.ready")) and process.poll() is None:
-        if time.time() - launched > timeout:
-            raise subprocess.TimeoutExpired(name, timeout)
+        if time.time() > ready_by:
+            raise subprocess.TimeoutExpired(name, ready_by)
         time.sleep(0.2)

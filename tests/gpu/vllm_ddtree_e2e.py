@@ -48,6 +48,10 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+from engine_turns import memory_share, new_gate, run_in_turns, wait_for_turn  # noqa: E402
 
 WORK = "/tmp/ddtree_e2e"
 MAX_MODEL_LEN = 1024
@@ -192,7 +196,14 @@ def diff_metrics(after, before):
     return d
 
 
-def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_path=None):
+#: KV cache per engine when engines start side by side (``--concurrent-starts``): the harness's largest scenario
+#: (32 requests near max_model_len) needs well under 1 GiB with the pair; vLLM's profiling would give tens of GiB.
+CONCURRENT_KV_CACHE_GIB = 4.0
+
+
+def run_child(
+    name, target, drafter, only_scenarios=(), eager=False, partial_path=None, gate="", concurrent=1, kv_cache_gib=0.0
+):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM, SamplingParams
@@ -210,7 +221,7 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=32,
         max_num_batched_tokens=16384,
-        gpu_memory_utilization=0.35,
+        gpu_memory_utilization=memory_share(0.35, concurrent),
         seed=0,
         disable_log_stats=False,
         enable_prefix_caching=False,
@@ -227,8 +238,13 @@ def run_child(name, target, drafter, only_scenarios=(), eager=False, partial_pat
         kw["tensor_parallel_size"] = conf["tp"]
     if "num_gpu_blocks_override" in conf:
         kw["num_gpu_blocks_override"] = conf["num_gpu_blocks_override"]
+    if kv_cache_gib:
+        # Engines starting side by side: vLLM's memory profiling would count the others' allocations as its own.
+        kw["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     t0 = time.time()
     llm = LLM(**kw)
+    if gate:
+        wait_for_turn(gate, name)
     res = {
         "engine": name,
         "init_s": round(time.time() - t0, 1),
@@ -618,6 +634,14 @@ def merged_reuse(specs, running) -> dict:
     return merged
 
 
+def engine_command(args, name: str, gate: str) -> list:
+    """The command line of one engine's subprocess (``gate``: engines started side by side)."""
+    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out, "--model", args.model]
+    command += ["--scenarios", args.scenarios, "--concurrent-starts", str(args.concurrent_starts)]
+    command += (["--eager"] if args.eager else []) + (["--gate", gate] if gate else [])
+    return command + (["--kv-cache-gib", str(CONCURRENT_KV_CACHE_GIB)] if gate else [])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_e2e_out"))
@@ -638,6 +662,15 @@ def main():
         "pair on an H200, a warm compile cache about a minute less",
     )
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
+    ap.add_argument(
+        "--concurrent-starts",
+        type=int,
+        default=1,
+        help="engines starting at once (benches/engine_turns.py: their starts overlap, each engine's scenarios run "
+        "with the GPU to itself; each gets --kv-cache-gib of KV cache instead of vLLM's memory profiling)",
+    )
+    ap.add_argument("--kv-cache-gib", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--gate", default="", help=argparse.SUPPRESS)
     ap.add_argument("--engines", default="plain,dflash,ddtree16,ddtree256,ddtree64-preempt")
     ap.add_argument("--scenarios", default="", help="comma-separated subset of the scenarios (default: all)")
     ap.add_argument(
@@ -678,6 +711,9 @@ def main():
             [x for x in args.scenarios.split(",") if x],
             args.eager,
             partial_results_path(args.out, args.child),
+            args.gate,
+            args.concurrent_starts,
+            args.kv_cache_gib,
         )
         print("RESULT-JSON " + json.dumps(res), flush=True)
         return
@@ -726,61 +762,40 @@ def main():
     # Triton keeps its autotuning results on disk, so an engine after the first skips the autotuning of vLLM's GDN
     # kernels (each engine's profiling run took 74-81 s on an H200, for dflash as for ddtree).
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    gate = new_gate(args.out, args.concurrent_starts)
+    jobs = []
     for name in args.engines.split(","):
-        t = time.time()
-        left = args.deadline - (t - started)
-        if left < 45:
-            log(f"{name}: SKIPPED, {left:.0f}s left of the {args.deadline}s deadline", fh)
+        child_env = dict(env, **ENGINES.get(name, {}).get("env", {}))
+        jobs.append((name, engine_command(args, name, gate), os.path.join(args.out, f"engine_{name}.log"), child_env))
+    turns = run_in_turns(jobs, gate, args.concurrent_starts, args.timeout, deadline=started + args.deadline)
+    for turn in turns:
+        name, child_log = turn.name, os.path.join(args.out, f"engine_{turn.name}.log")
+        if turn.outcome == "skipped":
+            log(f"{name}: SKIPPED, less than 45s left of the {args.deadline}s deadline", fh)
             continue
-        timeout = int(min(args.timeout, left))
-        env_c = dict(env, **ENGINES.get(name, {}).get("env", {}))
-        child_log = os.path.join(args.out, f"engine_{name}.log")
-        try:
-            with open(child_log, "w") as clog:
-                proc = subprocess.run(
-                    [
-                        sys.executable,
-                        os.path.abspath(__file__),
-                        "--child",
-                        name,
-                        "--out",
-                        args.out,
-                        "--model",
-                        args.model,
-                        "--scenarios",
-                        args.scenarios,
-                    ]
-                    + (["--eager"] if args.eager else []),
-                    env=env_c,
-                    stdout=subprocess.PIPE,
-                    stderr=clog,
-                    text=True,
-                    timeout=timeout,
-                )
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
-            if line is None:
-                tail = open(child_log).read()[-3000:]
-                log(f"{name}: no result (rc {proc.returncode}); stderr tail:\n{tail}", fh)
-                res = load_partial_results(args.out, name, fh)
-                if res is None:
-                    continue
-            else:
-                res = json.loads(line[len("RESULT-JSON ") :])
-            results[name] = res
-            # Kept as each engine finishes: a run killed from outside (a device call's time limit) keeps them.
-            with open(os.path.join(args.out, "vllm_ddtree_e2e.json"), "w") as partial:
-                json.dump({"results": results, "verdict": None, "partial": True}, partial)
-            log(f"{name}: init {res['init_s']}s, total {time.time() - t:.0f}s, errors {list(res['errors'])}", fh)
-            for sname, err in res["errors"].items():
-                log(f"  {name}/{sname} FAILED:\n{err}", fh)
-        except subprocess.TimeoutExpired:
-            log(f"{name}: TIMEOUT after {timeout}s (see {child_log})", fh)
+        if turn.outcome == "timeout":
+            log(f"{name}: TIMEOUT (see {child_log})", fh)
             log(open(child_log).read()[-3000:], fh)
             partial = load_partial_results(args.out, name, fh)
             if partial is not None:
                 results[name] = partial
-        except Exception:
-            log(f"{name}: harness failure\n{traceback.format_exc()}", fh)
+            continue
+        line = next((x for x in turn.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
+        if line is None:
+            tail = open(child_log).read()[-3000:]
+            log(f"{name}: no result (rc {turn.returncode}); stderr tail:\n{tail}", fh)
+            res = load_partial_results(args.out, name, fh)
+            if res is None:
+                continue
+        else:
+            res = json.loads(line[len("RESULT-JSON ") :])
+        results[name] = res
+        # Kept as each engine finishes: a run killed from outside (a device call's time limit) keeps them.
+        with open(os.path.join(args.out, "vllm_ddtree_e2e.json"), "w") as partial:
+            json.dump({"results": results, "verdict": None, "partial": True}, partial)
+        log(f"{name}: init {res['init_s']}s, errors {list(res['errors'])}", fh)
+        for sname, err in res["errors"].items():
+            log(f"  {name}/{sname} FAILED:\n{err}", fh)
 
     # ---- report ----
     verdict = {}

@@ -399,3 +399,42 @@ def test_every_engine_of_the_gpu_scripts_sets_known_switches_to_known_values():
     for name, env in engines.items():
         assert set(env) <= switches, (name, set(env) - switches)
         assert all(value in ("0", "1") for value in env.values()), (name, env)
+
+
+def test_the_harness_starts_engines_side_by_side_and_keeps_each_ones_results(tmp_path, monkeypatch):
+    """``--concurrent-starts 2``: both engines get the gate and a fixed KV cache, their results are kept in order, and
+    an engine left without time before the deadline is reported as skipped (fake engines; no GPU)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import vllm_ddtree_e2e as harness
+
+    fake = tmp_path / "engine.py"
+    fake.write_text(
+        "import json, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from engine_turns import wait_for_turn\n"
+        "name, args = sys.argv[2], sys.argv[3:]\n"
+        "gate = args[args.index('--gate') + 1]\n"
+        "assert args[args.index('--kv-cache-gib') + 1] == '4.0'\n"
+        "wait_for_turn(gate, name)\n"
+        "print('RESULT-JSON ' + json.dumps({'engine': name, 'init_s': 1.0, 'scenarios': {}, 'errors': {}}))\n"
+    )
+    benches = str(Path(harness.__file__).resolve().parents[2] / "benches")
+    real = harness.engine_command
+
+    def command(args, name, gate):
+        return [sys.executable, str(fake), benches, name] + real(args, name, gate)[3:]
+
+    monkeypatch.setattr(harness, "engine_command", command)
+    pair = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+    argv = ["vllm_ddtree_e2e.py", "--model", str(pair), "--out", str(tmp_path / "out"), "--engines", "plain,ddtree16"]
+    monkeypatch.setattr(sys, "argv", argv + ["--concurrent-starts", "2", "--deadline", "120"])
+    harness.main()
+    saved = json.loads((tmp_path / "out" / "vllm_ddtree_e2e.json").read_text())
+    assert list(saved["results"]) == ["plain", "ddtree16"]
+    monkeypatch.setattr(sys, "argv", argv + ["--concurrent-starts", "2", "--deadline", "30"])  # < 45 s: none start
+    harness.main()
+    logged = (tmp_path / "out" / "vllm_ddtree_e2e.log").read_text()
+    assert "plain: SKIPPED" in logged and "ddtree16: SKIPPED" in logged
