@@ -19,10 +19,19 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
 
+#: The environment variable that tells an engine which process started it.
+PARENT_ENV = "ENGINE_TURNS_PARENT"
+
+
 def wait_for_turn(gate: str, name: str) -> None:
-    """In an engine's process, once it has started: say so, and wait until it may use the GPU alone."""
+    """In an engine's process, once it has started: say so, and wait until it may use the GPU alone. An engine
+    whose parent is gone exits instead of holding its GPU memory forever."""
+    # The parent that started this engine (``run_in_turns`` says which: by now it may be gone already).
+    parent = int(os.environ.get(PARENT_ENV, os.getppid()))
     open(os.path.join(gate, f"{name}.ready"), "w").close()
     while not os.path.exists(os.path.join(gate, f"{name}.go")):
+        if os.getppid() != parent:
+            raise SystemExit(f"{name}: the bench that started this engine is gone")
         time.sleep(0.05)
 
 
@@ -75,9 +84,8 @@ def run_in_turns(
                 started.append((name, None, None, time.time()))
                 continue
             log = open(log_path, "w")
-            process = subprocess.Popen(
-                command, env=job_env[0] if job_env else env, stdout=subprocess.PIPE, stderr=log, text=True
-            )
+            child_env = dict(job_env[0] if job_env else env or os.environ, **{PARENT_ENV: str(os.getpid())})
+            process = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=log, text=True)
             started.append((name, process, log, time.time()))
         name, process, log, launched = started.pop(0)
         if process is None:

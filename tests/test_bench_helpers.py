@@ -291,3 +291,31 @@ def test_the_launch_gate_bench_says_it_needs_a_gpu_where_there_is_none():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, str(script), "--nodes", "10"], env=env, capture_output=True, text=True)
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+
+
+def test_an_engine_waiting_for_its_turn_exits_when_its_bench_is_gone(tmp_path):
+    """A waiting engine whose parent died (killed from outside) must not hold its GPU memory forever."""
+    import subprocess
+
+    benches = Path(__file__).resolve().parents[1] / "benches"
+    waiter = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from engine_turns import wait_for_turn; "
+        "wait_for_turn(sys.argv[2], 'orphan')"
+    )
+    # The shell starts the waiter in the background and exits at once: the waiter's parent is gone.
+    script = f"ENGINE_TURNS_PARENT=$$ {sys.executable} -c \"{waiter}\" {benches} {tmp_path} >/dev/null 2>&1 & echo $!"
+    pid = int(subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.strip())
+    import os
+    import time
+
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the orphaned engine kept waiting")
+    assert (tmp_path / "orphan.ready").exists() and not (tmp_path / "orphan.go").exists()
