@@ -69,8 +69,12 @@ ENGINES = {
     "ddtree64to16-async": _tree({"1": 64, "8": 16}, DDTREE_ASYNC_SCHEDULING="1"),
     # Trees of 2^k tokens with their root (budgets 2^k - 1): whole 16-row blocks of the tree GDN and attention
     # kernels, where budget 2^k's one extra token opens a block of its own.
+    "ddtree15": _tree(15),
     "ddtree63": _tree(63),
+    "ddtree255": _tree(255),
     "ddtree63to15": _tree({"1": 63, "8": 15}),
+    "ddtree63-late": _tree(63, DDTREE_DEVICE_ACCEPT="1", DDTREE_LATE_TREES="1", DDTREE_ASYNC_SCHEDULING="0"),
+    "ddtree-auto": _tree("auto"),  # candidates 15, 31, 63 (the default maximum)
 }
 
 
@@ -403,7 +407,7 @@ def keep_partial(out: str, name: str, results: dict, how: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/qwen36_shape_out"))
-    ap.add_argument("--engines", default="dflash,ddtree16,ddtree64,ddtree256")
+    ap.add_argument("--engines", default="dflash,ddtree15,ddtree63,ddtree255")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--child", default=None)
     ap.add_argument(

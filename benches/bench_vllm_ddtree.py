@@ -1,6 +1,6 @@
 """Throughput and acceptance of vLLM 0.25.x: no speculation vs vLLM's DFlash vs DDTree (GPU).
 
-    python benches/bench_vllm_ddtree.py [--target DIR --drafter DIR [--prompts FILE]] [--budgets 16,32,64,128,256]
+    python benches/bench_vllm_ddtree.py [--target DIR --drafter DIR [--prompts FILE]] [--budgets 15,31,63,127,255]
                                         [--batches 1,8,32] [--max-tokens 128] [--out DIR] [--eager]
 
 Without --target/--drafter it writes the tiny random Qwen3 target and DFlash
@@ -187,7 +187,7 @@ def main():
     ap.add_argument("--target")
     ap.add_argument("--drafter")
     ap.add_argument("--prompts", default=None, help="JSON file with a 'batch32' list of token-id prompts")
-    ap.add_argument("--budgets", default="16,32,64,128,256")
+    ap.add_argument("--budgets", default="15,31,63,127,255")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument(
         "--requests",
