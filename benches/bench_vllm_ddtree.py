@@ -31,6 +31,7 @@ import random
 import sys
 import time
 
+import engine_turns
 from engine_turns import memory_share, new_gate, run_in_turns, wait_for_turn
 from gpu_profile import enable_scopes, profile_generate, timed_host_ms
 
@@ -209,17 +210,7 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--eager", action="store_true", help="every engine in eager mode (default: CUDA graphs)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per engine for its start, and again for its runs")
-    ap.add_argument(
-        "--concurrent-starts",
-        type=int,
-        default=1,
-        help="engines starting at once (default 1: one after the other). Their starts overlap (vLLM's profiling run, "
-        "torch.compile, graph capture: 120-190 s each for the pair on an H200); the timed runs still have the GPU "
-        "to themselves, one engine after the other in --engines order. Above 1 every engine gets --kv-cache-gib of "
-        "KV cache instead of vLLM's memory profiling",
-    )
-    ap.add_argument("--kv-cache-gib", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--gate", default="", help=argparse.SUPPRESS)
+    engine_turns.add_arguments(ap)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row; the fastest is reported")
     ap.add_argument(
         "--profile-batches", default="", help="batch sizes to run once more under torch.profiler (tables in --out)"

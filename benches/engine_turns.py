@@ -35,6 +35,24 @@ def wait_for_turn(gate: str, name: str) -> None:
         time.sleep(0.05)
 
 
+def add_arguments(parser) -> None:
+    """``--concurrent-starts`` for a bench's parent, and the hidden ``--gate`` and ``--kv-cache-gib`` it passes to the
+    engines it starts."""
+    import argparse
+
+    parser.add_argument(
+        "--concurrent-starts",
+        type=int,
+        default=1,
+        help="engines starting at once (default 1: one after the other). Their starts overlap (vLLM's profiling run, "
+        "torch.compile, graph capture: 2-3 minutes per pair engine on an H200); each engine's timed runs or scenarios "
+        "still have the GPU to themselves, in --engines order. Above 1 every engine gets a fixed KV cache instead of "
+        "vLLM's memory profiling (which would count the other engines' allocations)",
+    )
+    parser.add_argument("--kv-cache-gib", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--gate", default="", help=argparse.SUPPRESS)
+
+
 def memory_share(utilization: float, concurrent: int) -> float:
     """The ``gpu_memory_utilization`` of one of ``concurrent`` engines sharing a GPU (at most 90% in all)."""
     return min(utilization, 0.9 / concurrent) if concurrent > 1 else utilization

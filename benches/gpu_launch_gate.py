@@ -203,6 +203,16 @@ def gated_graph(torch, gate, name: str, nodes: int = 2000) -> dict:
     }
 
 
+def for_each_gate(torch, gates, measure, row: str) -> None:
+    """One table row per gate: ``measure(torch, gate, name)``'s result formatted by ``row`` (a failure: its
+    traceback, and the next gate runs)."""
+    for name, gate in gates:
+        try:
+            log(f"| {name} | " + row.format(**measure(torch, gate, name)) + " |")
+        except Exception:
+            log(traceback.format_exc())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", default="500,1000,2000,4000", help="kernels per graph for (a)")
@@ -241,25 +251,13 @@ def main() -> None:
     except Exception:
         log(traceback.format_exc())
     log("\n## (b, c) gates: data written after queueing, flag write to done (ms, median of 20)\n")
-    log("| gate | correct steps | flag to done ms | same work ungated ms |")
-    log("|---|---:|---:|---:|")
-    for name, gate in gates:
-        try:
-            r = gated_copy(torch, gate, name)
-            log(f"| {name} | {r['correct_steps']}/{r['of']} | {r['flag_to_done_ms']:.3f} | {r['ungated_ms']:.3f} |")
-        except Exception:
-            log(traceback.format_exc())
+    log("| gate | correct steps | flag to done ms | same work ungated ms |\n|---|---:|---:|---:|")
+    for_each_gate(torch, gates, gated_copy, "{correct_steps}/{of} | {flag_to_done_ms:.3f} | {ungated_ms:.3f}")
     if gates and "error" in locals() and int(error.item()):
         log("Triton spin: its time limit passed at least once (the flag was not seen)")
     log("\n## (c) a gated 2000-kernel graph: release to done, against launching it once ready (ms, median)\n")
-    log("| gate | gated, release to done | launched after ready, launch to done |")
-    log("|---|---:|---:|")
-    for name, gate in gates:
-        try:
-            r = gated_graph(torch, gate, name)
-            log(f"| {name} | {r['gated_release_to_done_ms']:.3f} | {r['launch_after_ready_to_done_ms']:.3f} |")
-        except Exception:
-            log(traceback.format_exc())
+    log("| gate | gated, release to done | launched after ready, launch to done |\n|---|---:|---:|")
+    for_each_gate(torch, gates, gated_graph, "{gated_release_to_done_ms:.3f} | {launch_after_ready_to_done_ms:.3f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "launch_gate.md"), "w") as handle:
         handle.write("# Launch gate measurements\n\n" + "\n".join(LOG) + "\n")

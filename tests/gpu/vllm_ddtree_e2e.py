@@ -51,6 +51,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+from engine_turns import add_arguments as add_turn_arguments  # noqa: E402
 from engine_turns import memory_share, new_gate, run_in_turns, wait_for_turn  # noqa: E402
 
 WORK = "/tmp/ddtree_e2e"
@@ -662,15 +663,7 @@ def main():
         "pair on an H200, a warm compile cache about a minute less",
     )
     ap.add_argument("--deadline", type=int, default=450, help="seconds for the whole run (engines left are skipped)")
-    ap.add_argument(
-        "--concurrent-starts",
-        type=int,
-        default=1,
-        help="engines starting at once (benches/engine_turns.py: their starts overlap, each engine's scenarios run "
-        "with the GPU to itself; each gets --kv-cache-gib of KV cache instead of vLLM's memory profiling)",
-    )
-    ap.add_argument("--kv-cache-gib", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--gate", default="", help=argparse.SUPPRESS)
+    add_turn_arguments(ap)
     ap.add_argument("--engines", default="plain,dflash,ddtree16,ddtree256,ddtree64-preempt")
     ap.add_argument("--scenarios", default="", help="comma-separated subset of the scenarios (default: all)")
     ap.add_argument(
