@@ -14,6 +14,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree16    method "ddtree", budget 16 (ddtree64 likewise): the defaults (with one GPU vLLM's asynchronous
               scheduling, the tree walk on the device, trees built at the next verification)
   ddtree256   method "ddtree", budget 256 (= vocab: every first-level candidate is in the tree)
+  ddtree63, ddtree255  budgets 2^k - 1, the recommended ones (trees of whole 16-row kernel blocks)
   ddtree64-preempt  budget 64 with a KV cache small enough to force preemption (ddtree64-async-preempt: the same
                     with DDTREE_ASYNC_SCHEDULING=1 set explicitly)
   ddtree64to16 a budget schedule: 64 below 8 drafting requests, 16 from 8 on (each in FULL graphs of its trees)
@@ -22,7 +23,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-late     the device walk plus trees built at the next verification, synchronous scheduling
   ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1 set explicitly)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
-  ddtree-auto       ddtree_budget "auto" (candidates 16, 32, 64), each batch size's budget chosen live
+  ddtree-auto       ddtree_budget "auto" (candidates 15, 31, 63), each batch size's budget chosen live
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt 120 tokens below
@@ -138,9 +139,12 @@ ENGINES = {
     "ddtree64-tp2": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, tp=2),
     "plain-tp2": dict(spec=None, tp=2),
     "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
+    # Budgets 2^k - 1 (the recommended ones): trees of whole 16-row kernel blocks, no partly filled last block.
+    "ddtree63": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 63}),
+    "ddtree255": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 255}),
     # A budget schedule: 64 below 8 drafting requests, 16 from 8 on, each budget in FULL graphs of its own trees.
     "ddtree64to16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}}),
-    # ddtree_budget "auto" (candidates 16, 32, 64): each batch size's budget chosen live, changing mid-run.
+    # ddtree_budget "auto" (candidates 15, 31, 63): each batch size's budget chosen live, changing mid-run.
     "ddtree-auto": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": "auto"}),
     # The host paths the TP-1 defaults replaced (the tree walk on the host, trees built at proposal).
     "ddtree64-host": dict(

@@ -64,7 +64,7 @@ MAX_DRAFT_LEN = 64
 DDTREE_KEYS = {
     "ddtree_budget": "tree budget B: draft nodes verified per request and step (required); a schedule by batch size; "
     "or \"auto\"",
-    "ddtree_max_budget": "with ddtree_budget \"auto\": the largest candidate budget (default 64)",
+    "ddtree_max_budget": f"with ddtree_budget \"auto\": the largest candidate budget (default {DEFAULT_MAX_BUDGET})",
     "ddtree_top_k": "candidates kept per drafter position (default min(B, vocab size))",
     "ddtree_num_threads": "threads of the Rust tree builder (default 1)",
 }
