@@ -336,16 +336,17 @@ def test_what_if_counts_a_systematic_sample_of_the_steps():
 def test_smaller_budgets_are_a_ladder_below_the_largest_with_the_schedules():
     from ddtree.vllm.config import DDTreeConfig, smaller_budgets
 
-    assert smaller_budgets(DDTreeConfig(budget=64, draft_len=15, top_k=None)) == (8, 16, 32)
+    assert smaller_budgets(DDTreeConfig(budget=64, draft_len=15, top_k=None)) == (7, 15, 31, 63)
+    assert smaller_budgets(DDTreeConfig(budget=63, draft_len=15, top_k=None)) == (7, 15, 31)
     schedule = ((1, 100), (8, 24))
     assert smaller_budgets(DDTreeConfig(budget=100, draft_len=15, top_k=None, budget_schedule=schedule)) == (
-        8,
-        16,
+        7,
+        15,
         24,
-        32,
-        64,
+        31,
+        63,
     )
-    assert smaller_budgets(DDTreeConfig(budget=8, draft_len=7, top_k=None)) == ()
+    assert smaller_budgets(DDTreeConfig(budget=7, draft_len=7, top_k=None)) == ()
 
 
 def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():

@@ -164,8 +164,9 @@ def tree_size(budget: int, top_k: int, draft_len: int) -> int:
 
 def smaller_budgets(cfg: "DDTreeConfig") -> Tuple[int, ...]:
     """The budgets below an engine's largest whose acceptance its statistics estimate from the trees it verifies
-    (``DDTreeStats``): powers of two from 8 and the schedule's budgets, ascending."""
-    ladder = {1 << k for k in range(3, MAX_BUDGET.bit_length())} | set(cfg.budgets)
+    (``DDTreeStats``): budgets ``2^k - 1`` from 7 (the recommended sizes: ``auto_budget.auto_candidates``) and the
+    schedule's budgets, ascending."""
+    ladder = {(1 << k) - 1 for k in range(3, MAX_BUDGET.bit_length() + 1)} | set(cfg.budgets)
     return tuple(sorted(b for b in ladder if b < cfg.budget))
 
 
