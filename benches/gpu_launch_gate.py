@@ -126,7 +126,7 @@ def triton_spin_gate():
     def spin_until(flag_ptr, value, error_ptr, limit_ns):
         start = tl.extra.cuda.globaltimer()
         seen = tl.load(flag_ptr, volatile=True)
-        waited = 0
+        waited = start - start  # an int64 zero: a loop-carried variable keeps its first type
         while (seen < value) & (waited < limit_ns):
             seen = tl.load(flag_ptr, volatile=True)
             waited = tl.extra.cuda.globaltimer() - start
