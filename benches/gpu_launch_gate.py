@@ -118,7 +118,9 @@ class _Pointer:
         return self.tensor.data_ptr()
 
 
-def triton_spin_gate():
+def spin_kernel():
+    """The Triton gate: one program spinning on volatile loads of a 32-bit flag until it reaches ``value``, or
+    until ``limit_ns`` of the GPU's global timer have passed (then it sets ``error_ptr[0]`` and lets the stream go)."""
     import triton
     import triton.language as tl
 
@@ -132,6 +134,12 @@ def triton_spin_gate():
             waited = tl.extra.cuda.globaltimer() - start
         if seen < value:
             tl.store(error_ptr, 1)
+
+    return spin_until
+
+
+def triton_spin_gate():
+    spin_until = spin_kernel()
 
     def wait(torch, flag, value: int, error, limit_ms: float = 2000.0) -> None:
         spin_until[(1,)](_Pointer(flag), value, error, int(limit_ms * 1e6))

@@ -319,3 +319,18 @@ def test_an_engine_waiting_for_its_turn_exits_when_its_bench_is_gone(tmp_path):
         os.kill(pid, 9)
         raise AssertionError("the orphaned engine kept waiting")
     assert (tmp_path / "orphan.ready").exists() and not (tmp_path / "orphan.go").exists()
+
+
+def test_the_launch_gates_spin_kernel_compiles_for_an_h200_without_one():
+    """The gate kernel is compiled to PTX for sm_90 on this CPU: volatile loads of the flag and the global timer
+    (a loop-carried counter typed int32 would not compile: Triton keeps a loop variable's first type)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import gpu_launch_gate
+
+    signature = {"flag_ptr": "*i32", "value": "i32", "error_ptr": "*i32", "limit_ns": "i64"}
+    source = ASTSource(fn=gpu_launch_gate.spin_kernel(), signature=signature, constexprs={})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "ld.volatile" in ptx and "globaltimer" in ptx
