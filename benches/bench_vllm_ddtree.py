@@ -32,7 +32,7 @@ import sys
 import time
 
 import engine_turns
-from engine_turns import memory_share, new_gate, run_in_turns, wait_for_turn
+from engine_turns import engine_arguments, kv_cache_kwargs, memory_share, new_gate, run_in_turns, wait_for_turn
 from gpu_profile import enable_scopes, profile_generate, timed_host_ms
 
 
@@ -66,10 +66,7 @@ def child(args):
         kw["compilation_config"] = {"cudagraph_mode": graph_mode}
     from ddtree.vllm.tiny_models import engine_kwargs_for
 
-    kw.update(engine_kwargs_for(args.target))
-    if args.kv_cache_gib:
-        # Engines starting side by side: vLLM's memory profiling would count the others' allocations as its own.
-        kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+    kw.update(engine_kwargs_for(args.target), **kv_cache_kwargs(args.kv_cache_gib))
     if args.profile_batches:
         enable_scopes()
     started = time.time()
@@ -317,11 +314,6 @@ def main():
     json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
 
 
-#: KV cache per engine when engines start side by side (``--concurrent-starts``): the pair's 32 requests of 2048
-#: tokens need well under 1 GiB; vLLM's profiling would give each engine tens of GiB.
-CONCURRENT_KV_CACHE_GIB = 4.0
-
-
 def child_command(args, name: str, spec, gate: str) -> list:
     """The command line of one engine's subprocess."""
     memory = memory_share(args.gpu_memory_utilization, args.concurrent_starts)
@@ -339,8 +331,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]
     cmd += ["--name", name, "--out", args.out] + (["--profile-no-stacks"] if args.profile_no_stacks else [])
-    if gate:
-        cmd += ["--gate", gate, "--kv-cache-gib", str(CONCURRENT_KV_CACHE_GIB)]
+    cmd += engine_arguments(gate)
     if args.prompts:
         cmd += ["--prompts", args.prompts]
     if spec:

@@ -53,6 +53,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gate", default="", help=argparse.SUPPRESS)
 
 
+#: KV cache per engine when engines start side by side: the pair bench's and the e2e harness's largest batches (32
+#: requests of up to 2048 tokens) need well under 1 GiB with the test pair; vLLM's profiling would give each tens.
+CONCURRENT_KV_CACHE_GIB = 4.0
+
+
+def engine_arguments(gate: str) -> list:
+    """What a bench's parent adds to an engine's command line when engines start side by side (nothing otherwise)."""
+    return ["--gate", gate, "--kv-cache-gib", str(CONCURRENT_KV_CACHE_GIB)] if gate else []
+
+
+def kv_cache_kwargs(kv_cache_gib: float) -> dict:
+    """The ``LLM`` keyword for an engine's fixed KV cache (none: vLLM's memory profiling sizes it). Engines starting
+    side by side need it: the profiling would count the other engines' allocations as its own."""
+    return {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
+
+
 def memory_share(utilization: float, concurrent: int) -> float:
     """The ``gpu_memory_utilization`` of one of ``concurrent`` engines sharing a GPU (at most 90% in all)."""
     return min(utilization, 0.9 / concurrent) if concurrent > 1 else utilization

@@ -53,7 +53,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 from engine_turns import add_arguments as add_turn_arguments  # noqa: E402
-from engine_turns import memory_share, new_gate, run_in_turns, wait_for_turn  # noqa: E402
+from engine_turns import engine_arguments, kv_cache_kwargs, memory_share, new_gate, run_in_turns  # noqa: E402
+from engine_turns import wait_for_turn  # noqa: E402
 
 WORK = "/tmp/ddtree_e2e"
 MAX_MODEL_LEN = 1024
@@ -201,11 +202,6 @@ def diff_metrics(after, before):
     return d
 
 
-#: KV cache per engine when engines start side by side (``--concurrent-starts``): the harness's largest scenario
-#: (32 requests near max_model_len) needs well under 1 GiB with the pair; vLLM's profiling would give tens of GiB.
-CONCURRENT_KV_CACHE_GIB = 4.0
-
-
 def run_child(
     name, target, drafter, only_scenarios=(), eager=False, partial_path=None, gate="", concurrent=1, kv_cache_gib=0.0
 ):
@@ -243,9 +239,7 @@ def run_child(
         kw["tensor_parallel_size"] = conf["tp"]
     if "num_gpu_blocks_override" in conf:
         kw["num_gpu_blocks_override"] = conf["num_gpu_blocks_override"]
-    if kv_cache_gib:
-        # Engines starting side by side: vLLM's memory profiling would count the others' allocations as its own.
-        kw["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    kw.update(kv_cache_kwargs(kv_cache_gib))
     t0 = time.time()
     llm = LLM(**kw)
     if gate:
@@ -643,8 +637,7 @@ def engine_command(args, name: str, gate: str) -> list:
     """The command line of one engine's subprocess (``gate``: engines started side by side)."""
     command = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out, "--model", args.model]
     command += ["--scenarios", args.scenarios, "--concurrent-starts", str(args.concurrent_starts)]
-    command += (["--eager"] if args.eager else []) + (["--gate", gate] if gate else [])
-    return command + (["--kv-cache-gib", str(CONCURRENT_KV_CACHE_GIB)] if gate else [])
+    return command + (["--eager"] if args.eager else []) + engine_arguments(gate)
 
 
 def main():

@@ -62,6 +62,12 @@ STEP_SAMPLES = 15
 TIMED_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def block_budgets(smallest: int, largest: int) -> List[int]:
+    """Budgets ``2^k - 1`` (a tree and its root fill whole 16-row kernel blocks, :func:`auto_candidates`) within
+    ``[smallest, largest]``, ascending."""
+    return [b for b in ((1 << k) - 1 for k in range(1, largest.bit_length() + 1)) if smallest <= b <= largest]
+
+
 def auto_candidates(draft_len: Optional[int], max_budget: int) -> Tuple[int, ...]:
     """Budgets of ``2^k - 1`` from the smallest that holds the drafter's depth (7 when unknown) up to
     ``max_budget``, and ``max_budget`` itself (the engine's ``B``), ascending.
@@ -70,9 +76,7 @@ def auto_candidates(draft_len: Optional[int], max_budget: int) -> Tuple[int, ...
     attention kernels; one node more opens a block for one row. On an H200 at the Qwen3.6-27B GDN shape a tree of
     64 tokens verifies in 54.7 us per layer against 69.6 us for 65 (200.8 against 254.4 at 8 trees; 16 tokens
     12.4 us against 26.1 for 17: ``benches/results/gpu-h200-gdn-blocks-768591a``), for one node's acceptance."""
-    smallest = max(7, draft_len or 0)
-    blocks = {(1 << k) - 1 for k in range(3, max_budget.bit_length() + 1)}
-    return tuple(sorted({b for b in blocks if smallest <= b <= max_budget} | {max_budget}))
+    return tuple(sorted(set(block_budgets(max(7, draft_len or 0), max_budget)) | {max_budget}))
 
 
 class StepCosts:

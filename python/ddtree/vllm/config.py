@@ -37,7 +37,7 @@ import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ddtree.errors import DDTreeError
-from ddtree.vllm.auto_budget import AUTO, DEFAULT_MAX_BUDGET, auto_candidates
+from ddtree.vllm.auto_budget import AUTO, DEFAULT_MAX_BUDGET, auto_candidates, block_budgets
 
 METHOD = "ddtree"
 ADDITIONAL_CONFIG_KEY = "ddtree"
@@ -166,7 +166,7 @@ def smaller_budgets(cfg: "DDTreeConfig") -> Tuple[int, ...]:
     """The budgets below an engine's largest whose acceptance its statistics estimate from the trees it verifies
     (``DDTreeStats``): budgets ``2^k - 1`` from 7 (the recommended sizes: ``auto_budget.auto_candidates``) and the
     schedule's budgets, ascending."""
-    ladder = {(1 << k) - 1 for k in range(3, MAX_BUDGET.bit_length() + 1)} | set(cfg.budgets)
+    ladder = set(block_budgets(7, MAX_BUDGET)) | set(cfg.budgets)
     return tuple(sorted(b for b in ladder if b < cfg.budget))
 
 

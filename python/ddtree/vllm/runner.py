@@ -192,13 +192,12 @@ class DDTreeStats:
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
             **{f"acceptance_length_if_{what}": result for what, result in self.what_if.summary().items()},
             **({"auto_budget": self.auto.summary()} if self.auto is not None else {}),
-            "host_ms_per_verify_step": {
-                part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.host_seconds.items())
-            },
-            "vllm_host_ms_per_verify_step": {
-                part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(self.vllm_host_seconds.items())
-            },
+            "host_ms_per_verify_step": self._per_verify_step_ms(self.host_seconds),
+            "vllm_host_ms_per_verify_step": self._per_verify_step_ms(self.vllm_host_seconds),
         }
+
+    def _per_verify_step_ms(self, seconds_by_part: Dict[str, float]) -> Dict[str, float]:
+        return {part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(seconds_by_part.items())}
 
 
 def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool) -> None:
