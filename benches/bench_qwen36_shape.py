@@ -75,6 +75,8 @@ ENGINES = {
     "ddtree63to15": _tree({"1": 63, "8": 15}),
     "ddtree63-late": _tree(63, DDTREE_DEVICE_ACCEPT="1", DDTREE_LATE_TREES="1", DDTREE_ASYNC_SCHEDULING="0"),
     "ddtree-auto": _tree("auto"),  # candidates 15, 31, 63 (the default maximum)
+    # The forward queued after the trees are built (DDTREE_LAUNCH_AHEAD=0): the A/B of the early launch.
+    "ddtree63to15-behind": _tree({"1": 63, "8": 15}, DDTREE_LAUNCH_AHEAD="0"),
 }
 
 
@@ -355,6 +357,7 @@ def run_engine(
                 "walk_graph_steps",
                 "device_accept_steps",
                 "late_tree_steps",
+                "early_launch_steps",
                 "early_output_steps",
                 "whole_tree_gdn_metadata_builds",
             ):

@@ -142,6 +142,8 @@ def child(args):
             row["vllm_host_ms_per_verify_step"] = timed_host_ms(window_start, summary, "vllm_host_ms_per_verify_step")
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
+            # Engine life so far: steps whose forward was queued before their trees (DDTREE_LAUNCH_AHEAD).
+            row["early_launch_steps"] = summary.get("early_launch_steps", 0)
             # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (engine life so
             # far, warm-ups included): the chain's figure beside the dflash engine's own measured one.
             row["acceptance_length_if_budget"] = summary.get("acceptance_length_if_budget", {})
@@ -226,8 +228,8 @@ def main():
         "DDTREE_COMMIT_GRAPHS=0, the GDN commit layer by layer; ddtree-B-host: the tree walk on the host and trees "
         "built at proposal; ddtree-B-device: the walk on the device, trees built at proposal; ddtree-B-late: both "
         "on, synchronous scheduling; ddtree-B-async: under vLLM's asynchronous scheduling, the TP-1 default, set "
-        "explicitly; ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, "
-        "synchronous)",
+        "explicitly; ddtree-B-behind: the forward queued after the trees are built, DDTREE_LAUNCH_AHEAD=0; "
+        "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ddtree_bench_out"))
@@ -265,6 +267,8 @@ def main():
         engines.append((f"ddtree-{b}-late", dict(tree, env=late)))
         # vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1: the TP-1 default, set explicitly).
         engines.append((f"ddtree-{b}-async", dict(tree, env={"DDTREE_ASYNC_SCHEDULING": "1"})))
+        # ... with each forward queued after its trees are built (DDTREE_LAUNCH_AHEAD=0; the default queues it first).
+        engines.append((f"ddtree-{b}-behind", dict(tree, env={"DDTREE_LAUNCH_AHEAD": "0"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}

@@ -493,6 +493,7 @@ def test_the_docs_list_every_switch_with_its_default():
         "DDTREE_ASYNC_SCHEDULING": (config.async_scheduling_enabled({}, 1), config.async_scheduling_enabled({}, 2)),
         "DDTREE_COMMIT_GRAPHS": (config.commit_graphs_enabled({}),) * 2,
         "DDTREE_STEP_GRAPHS": (config.step_graphs_enabled({}),) * 2,
+        "DDTREE_LAUNCH_AHEAD": (config.launch_ahead_enabled({}),) * 2,
         "DDTREE_WHOLE_TREE_GDN_METADATA": (config.whole_tree_gdn_metadata_enabled({}),) * 2,
     }
     for name, (one_gpu, tensor_parallel) in defaults.items():

@@ -729,3 +729,129 @@ def test_the_forward_launch_is_timed_apart_from_ddtrees_own_host_work(monkeypatc
     summary = runner.ddtree_stats.summary()
     assert summary["vllm_host_ms_per_verify_step"]["forward launch"] >= 20.0
     assert "forward launch" not in summary["host_ms_per_verify_step"]
+
+
+def _whole_async_runner(capture, gate=None):
+    """A runner under asynchronous scheduling about to verify two whole trees of 7 tokens (``_whole_async_step``),
+    with ``capture`` standing in for CUDA-graph capture of the plan's placement and ``gate`` as its launch gate."""
+    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.graphs import ShapeGraphs
+    from ddtree.vllm.staging import StepStaging
+
+    cpu = torch.device("cpu")
+    runner, _, _ = _mixed_hybrid_step()
+    runner.use_async_scheduling, runner.max_num_reqs = True, 4
+    runner._ddtree_count_staging, runner._ddtree_late_step = StepStaging(cpu), None
+    runner._ddtree_counts = LandingCounts(cpu, 4)
+    runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([6, 6]))
+    runner._ddtree_plan_graphs, runner._ddtree_gate = ShapeGraphs(capture), gate
+    return runner
+
+
+def _whole_async_step(runner, seed, forward):
+    """One step of ``_whole_async_runner``: the drafter's late proposal, vLLM's preparation (placeholders, flat
+    positions from the GPU's starts), the FULL dispatch, ``_preprocess`` and the forward (``forward(runner)`` stands
+    in for vLLM's launch)."""
+    from ddtree.vllm import context
+    from ddtree.vllm.step import TreeStore
+
+    runner.drafter.store = TreeStore(6)
+    proposer, _, _ = _late_proposer(runner, runner.drafter.store, 2, seed=seed)
+    runner.drafter.draft_len, runner.drafter.top_k = 3, 4
+    proposer._defer(["a", "b"], 2)
+    runner.input_batch = SimpleNamespace(req_ids=["a", "b"], num_reqs=2, num_computed_tokens_cpu=np.array([90, 99]))
+    runner.positions = torch.cat([torch.arange(20, 27), torch.arange(30, 37)]) + seed
+    runner.input_ids = SimpleNamespace(gpu=torch.zeros(14, dtype=torch.int32))
+    output = SimpleNamespace(total_num_scheduled_tokens=14, scheduled_spec_decode_tokens={"a": [-1] * 6, "b": [-1] * 6})
+    try:
+        runner._prepare_inputs(output, np.array([7, 7]))
+        runner._ddtree_full_graph = (14, 2)  # vLLM's dispatch: a FULL graph of two whole trees
+        runner._preprocess("scheduler output", 14)
+        runner._model_forward(input_ids="ids")
+    finally:
+        context.withdraw()
+    forward(runner)
+    return [runner.positions.clone(), runner.input_ids.gpu.clone(), runner._ddtree_buffers.ancestor_bits[:14].clone()]
+
+
+def test_a_whole_tree_step_queues_its_forward_before_its_trees_and_releases_it_once_they_are_written(monkeypatch):
+    """DDTREE_LAUNCH_AHEAD: from a step shape's second step on, _preprocess queues the gate, the plan's upload and
+    its placement and returns without waiting for the drafter; vLLM's forward is launched while the trees are not
+    built and the gate holds; then the trees are written into the pinned buffer and the gate released. What the GPU
+    runs after the release (the copy and the placement, deferred here until then) gives the step the trees the
+    ungated path gives it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.launch_gate import StreamGate
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("indices", "metadata"))
+    monkeypatch.setattr(GPUModelRunner, "_preprocess", lambda self, *a: None)
+    launches = []
+    monkeypatch.setattr(GPUModelRunner, "_model_forward", lambda self, **kw: launches.append(self.launch_state()))
+
+    stream = []  # what the GPU runs behind the gate, run here at its release
+
+    class DeferringGate(StreamGate):
+        def release(self, ticket):
+            super().release(ticket)
+            while stream:
+                stream.pop(0)()
+
+    def deferred_capture(recorded):
+        recorded()  # a capture runs the Python once (on a GPU it records; here it computes)
+        return lambda: stream.append(recorded)
+
+    waits = []
+    gate = DeferringGate(torch.device("cpu"), wait=lambda stream, address, value, flags: waits.append(value) or 0)
+    gated = _whole_async_runner(deferred_capture, gate)
+    staging, upload_ahead = gated._ddtree_plan_staging, gated._ddtree_plan_staging.upload_ahead
+
+    def deferred_upload():  # the copy reads the pinned buffer when the GPU runs it, after the release
+        views = upload_ahead()
+        stream.append(lambda: staging._device_buffer.copy_(staging._host))
+        return views
+
+    monkeypatch.setattr(staging, "upload_ahead", deferred_upload)
+    ungated = _whole_async_runner(lambda work: work)
+    for runner in (gated, ungated):
+        runner.launch_state = lambda self=runner: (self.drafter.store.deferred is not None, len(stream), gate.released)
+    for seed in (1, 2, 3):
+        want = _whole_async_step(ungated, seed, lambda r: None)
+        got = _whole_async_step(gated, seed, lambda r: None)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), seed
+    # The first step of the shape captured its placement and ran ungated; the next two queued ahead.
+    assert waits == [1, 2] and gate.released == 2 and gated.ddtree_stats.early_launch_steps == 2
+    gated_launches = launches[1::2]
+    assert gated_launches[0][:2] == (False, 0)  # first step: trees built before the launch, nothing queued
+    # Later steps: at the forward's launch the drafter's proposal is not turned into trees yet, the copy and the
+    # placement wait behind the gate, which is not released.
+    assert gated_launches[1:] == [(True, 2, 0), (True, 2, 1)]
+    assert ungated.ddtree_stats.early_launch_steps == 0
+
+
+def test_an_early_launch_whose_forward_fails_or_never_comes_lets_the_gpu_go(monkeypatch):
+    """The gate is released whatever happens after it is queued: a forward that raises releases it, and a step
+    that never reached its forward is released at the next _preprocess."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.launch_gate import StreamGate
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("indices", "metadata"))
+    monkeypatch.setattr(GPUModelRunner, "_preprocess", lambda self, *a: None)
+    monkeypatch.setattr(GPUModelRunner, "_model_forward", lambda self, **kw: None)
+    gate = StreamGate(torch.device("cpu"), wait=lambda *a: 0)
+    runner = _whole_async_runner(lambda work: work, gate)
+    _whole_async_step(runner, 1, lambda r: None)  # captures the placement
+
+    def failing_forward(self, **kw):
+        raise ValueError("the forward failed")
+
+    monkeypatch.setattr(GPUModelRunner, "_model_forward", failing_forward)
+    with pytest.raises(ValueError, match="forward failed"):
+        _whole_async_step(runner, 2, lambda r: None)
+    assert gate.released == 1 and runner._ddtree_early is None
+    monkeypatch.setattr(GPUModelRunner, "_model_forward", lambda self, **kw: None)
+    runner._ddtree_early = SimpleNamespace(release=lambda: released.append(True))  # a step without its forward
+    released = []
+    _whole_async_step(runner, 3, lambda r: None)
+    assert released == [True] and gate.released == 2

@@ -51,6 +51,7 @@ DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
 ASYNC_SCHEDULING_ENV = "DDTREE_ASYNC_SCHEDULING"
 STEP_GRAPHS_ENV = "DDTREE_STEP_GRAPHS"
+LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -440,6 +441,14 @@ def step_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     the positions, the tree tokens into vLLM's input ids), the KV moves two per attention layer.
     """
     return env_switch(environ, STEP_GRAPHS_ENV, "1", {"1": "step graphs", "0": "launch by launch"})
+
+
+def launch_ahead_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether, under asynchronous scheduling, a step of whole trees that replays a FULL graph queues its input copy,
+    its placement and its forward before its trees are built, behind a device-side gate the host releases once they
+    are (``ddtree.vllm.launch_gate``; on unless DDTREE_LAUNCH_AHEAD=0). Without it the GPU idles from the drafter's
+    end through the tree build, the placement's launches and vLLM's forward launch."""
+    return env_switch(environ, LAUNCH_AHEAD_ENV, "1", {"1": "forward queued before the trees", "0": "after them"})
 
 
 def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> bool:

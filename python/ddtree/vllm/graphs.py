@@ -239,6 +239,10 @@ class ShapeGraphs:
         self._graphs: Dict[tuple, tuple] = {}
         self.replayed = 0
 
+    def has(self, key) -> bool:
+        """Whether ``key``'s graph exists (its next :meth:`run` replays, capturing nothing: no synchronization)."""
+        return key in self._graphs
+
     def run(self, key, work: Callable[[], Optional[Dict[str, torch.Tensor]]]):
         """``work``'s outputs for ``key``: replayed, or (first call) from ``work`` run as is."""
         entry = self._graphs.get(key)

@@ -27,7 +27,9 @@ Subclass of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` installed by
 
 Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING``, on by default with one GPU) ``_prepare_inputs``
 publishes the step from vLLM's counts only and ``_preprocess``, after vLLM's metadata builds, does the rest of the
-plan.
+plan. A step of whole trees that replays a FULL graph goes further (``DDTREE_LAUNCH_AHEAD``): ``_preprocess``
+queues a gate, the plan's upload and its placement without waiting, vLLM launches the forward behind them, and
+``_model_forward`` then builds the trees into the queued upload and releases the gate (``launch_gate``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from ddtree.vllm.config import (
     device_accept_enabled,
     graphed_tree_counts,
     late_trees_enabled,
+    launch_ahead_enabled,
     schedule_tree_graphs,
     smaller_budgets,
     step_graphs_enabled,
@@ -79,8 +82,10 @@ from ddtree.vllm.graphs import (
     WalkGraphs,
     cuda_graph_capture,
 )
+from ddtree.vllm import launch_gate
+from ddtree.vllm.launch_gate import StreamGate
 from ddtree.vllm.staging import StepStaging
-from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_verify, tree_token_layout
+from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_specs, plan_verify, tree_token_layout
 from ddtree.vllm.what_if import PeriodicLog, WhatIfAcceptance, log_interval, whole_proposed_trees
 from ddtree.vllm import auto_budget
 from ddtree.vllm.auto_budget import AutoBudget, StepTimer
@@ -90,6 +95,24 @@ logger = get_logger(__name__)
 
 #: The verify steps whose trees also count what smaller budgets and the chain would have accepted: one in this many.
 WHAT_IF_EVERY = 4
+
+
+@dataclasses.dataclass
+class EarlyLaunch:
+    """A step queued before its trees exist: the gate's ticket, and the device side of the upload and placement
+    queued behind it (``_ddtree_queue_early``), for ``_ddtree_prepare`` to finish once the trees are built."""
+
+    gate: StreamGate
+    ticket: int
+    staging: StepStaging  # the plan's, its upload queued behind the gate
+    late_step: tuple  # _ddtree_prepare's arguments
+    gpu: Dict[str, torch.Tensor]
+    placed: Dict[str, torch.Tensor]
+
+    def release(self) -> None:
+        """Lets the GPU copy the staging and run what follows (idempotent); the staging's views are its own again."""
+        self.staging.data_written()
+        self.gate.release(self.ticket)
 
 
 class DDTreeStats:
@@ -103,6 +126,7 @@ class DDTreeStats:
         self.walk_graph_steps = 0  # FULL steps whose device walk replayed a walk graph
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
+        self.early_launch_steps = 0  # of those, steps whose forward was queued before the trees (DDTREE_LAUNCH_AHEAD)
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
         self.trees = 0
         self.partial_trees = 0  # trees verified with fewer nodes than proposed (cut: max_model_len, token budget)
@@ -182,6 +206,7 @@ class DDTreeStats:
             "walk_graph_steps": self.walk_graph_steps,
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,
+            "early_launch_steps": self.early_launch_steps,
             "early_output_steps": self.early_output_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
@@ -258,6 +283,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_step_timer: Optional[StepTimer] = None
     _ddtree_timing_trees = False
 
+    # Off until __init__ sets them (the CPU tests build runners without it).
+    _ddtree_gate: Optional[StreamGate] = None
+    _ddtree_early: Optional[EarlyLaunch] = None
+
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         data = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
@@ -315,6 +344,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_count_staging = StepStaging(self.device)
         self._ddtree_late_step: Optional[tuple] = None
         self._ddtree_early_token_index: Optional[np.ndarray] = None
+        # DDTREE_LAUNCH_AHEAD: the gate a step of whole trees queues its forward behind (None: off, or no
+        # asynchronous scheduling) and the step queued so (set in _preprocess, finished in _model_forward).
+        self._ddtree_gate = self._ddtree_make_gate()
+        self._ddtree_early: Optional[EarlyLaunch] = None
         self._ddtree_commit_graphs: Optional[CommitGraphs] = None
         # Late trees (DDTREE_LATE_TREES; the benches toggle it in-process for an A/B): the proposer defers the
         # tree build to the next verification; and, with the device walk, the step's chain rows travel to the host
@@ -364,6 +397,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if advice:
             logger.info("DDTree: %s", advice)
 
+    def _ddtree_make_gate(self) -> Optional[StreamGate]:
+        """The launch gate, under asynchronous scheduling with DDTREE_LAUNCH_AHEAD on and a driver that has stream
+        waits (otherwise None, said in the log)."""
+        if not self.use_async_scheduling or not launch_ahead_enabled():
+            return None
+        missing = launch_gate.probe(self.device)
+        if missing is not None:
+            logger.info("DDTree: forwards are launched after their trees (DDTREE_LAUNCH_AHEAD): %s", missing)
+            return None
+        return StreamGate(self.device)
+
     def _ddtree_check_async(self, top_k: int) -> None:
         """What asynchronous scheduling needs (``config.async_scheduling_lacks``), checked again with the drafter's
         depth and top-K resolved (at start-up the user may have given neither)."""
@@ -403,24 +447,69 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """vLLM's, its host time kept as ``forward launch`` (``vllm_host_ms_per_verify_step``): on a GPU profile of
         the Qwen3.6-27B shape the first kernel of a FULL step ran ~4 ms after the forward's range began, as its
         CUDA-graph launch returned, with the GPU idle since the trees were built (``gpu-h200-27b-shape-768591a``)."""
+        early, self._ddtree_early = self._ddtree_early, None
         start = time.perf_counter()
         try:
-            return super()._model_forward(*args, **kwargs)
+            output = super()._model_forward(*args, **kwargs)
+        except BaseException:
+            if early is not None:
+                early.release()  # no trees will come: the GPU must not wait for them
+            raise
         finally:
             seconds = self.ddtree_stats.vllm_host_seconds
             seconds["forward launch"] = seconds.get("forward launch", 0.0) + time.perf_counter() - start
+        if early is not None:
+            # The forward is queued behind the gate: now the trees, and the gate's release.
+            self._ddtree_settle_and_prepare(early.late_step, early)
+        return output
 
     def _preprocess(self, *args, **kwargs):
         late, self._ddtree_late_step = self._ddtree_late_step, None
-        if late is not None:
+        if self._ddtree_early is not None:  # queued by a step that never reached its forward: let the GPU go
+            self._ddtree_early, stale = None, self._ddtree_early
+            stale.release()
+        if late is not None and not self._ddtree_queue_early(late):
             # Asynchronous scheduling: the trees arrive now, after vLLM's metadata builds and before the input
             # ids are embedded; the wait is for the drafter of the step before, queued ahead on the GPU.
+            self._ddtree_settle_and_prepare(late)
+        with record_function_or_nullcontext("vllm: _preprocess"):
+            return super()._preprocess(*args, **kwargs)
+
+    def _ddtree_settle_and_prepare(self, late: tuple, early: Optional[EarlyLaunch] = None) -> None:
+        try:
             with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
                 self.drafter.store.settle()
             with self.ddtree_stats.timed("plan"):
-                self._ddtree_prepare(*late)
-        with record_function_or_nullcontext("vllm: _preprocess"):
-            return super()._preprocess(*args, **kwargs)
+                self._ddtree_prepare(*late, early=early)
+        finally:
+            if early is not None:
+                early.release()  # a no-op when _ddtree_prepare released it (the usual case)
+
+    def _ddtree_queue_early(self, late: tuple) -> bool:
+        """DDTREE_LAUNCH_AHEAD: for a step of whole trees that replays a FULL graph whose placement graph exists,
+        queues the gate, the plan's upload (of a layout fixed by the counts) and the placement's replay, without
+        waiting for the drafter; vLLM then launches the forward behind them. False: the step is prepared now."""
+        gate, graphs = self._ddtree_gate, self._ddtree_plan_graphs
+        whole = self._ddtree_whole_tree_tokens
+        if gate is None or graphs is None or not self._ddtree_step_graphs_on or not whole:
+            return False
+        if self._ddtree_full_graph is None:  # PIECEWISE or eager steps run Python in the forward: no gate there
+            return False
+        scheduler_output, _, _, _, num_reqs = late
+        total = scheduler_output.total_num_scheduled_tokens
+        staging = self._ddtree_plan_staging
+        # A whole-tree step: every request verifies one tree of ``whole`` tokens, all of them placeholders.
+        specs = plan_specs(num_reqs, num_reqs, total, self._ddtree_buffers.words, self._ddtree_conv_window, True)
+        staging.host_arrays(self._ddtree_plan_specs(specs, total, self._ddtree_conv_window > 0)[0])
+        key = (staging.layout_key(), total, True)
+        if not graphs.has(key):  # its first step captures (which synchronizes): prepared now
+            return False
+        ticket = gate.queue()  # on vLLM's current stream, where the copy, the placement and the forward follow
+        gpu = staging.upload_ahead()
+        placed = graphs.run(key, functools.partial(self._ddtree_place_plan, gpu, total, True))
+        self._ddtree_early = EarlyLaunch(gate, ticket, staging, late, gpu, placed)
+        self.ddtree_stats.early_launch_steps += 1
+        return True
 
     def _prepare_input_ids(self, scheduler_output, *args, **kwargs):
         """vLLM's, without its scatter of the last proposal's drafts under asynchronous scheduling.
@@ -474,7 +563,18 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs
             )
 
-    def _ddtree_prepare(self, scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs):
+    def _ddtree_prepare(
+        self,
+        scheduler_output,
+        num_scheduled_tokens,
+        logits_indices,
+        spec_decode_metadata,
+        num_reqs,
+        early: Optional[EarlyLaunch] = None,
+    ):
+        """Builds the step's trees and plan, uploads and places it and publishes it (or, published from the counts
+        under asynchronous scheduling, fills what was published). ``early``: the upload and placement are queued
+        already, behind a gate released here once the plan is written into the upload's pinned buffer."""
         total = scheduler_output.total_num_scheduled_tokens
         hybrid = self._ddtree_conv_window > 0
         extras: Dict[str, np.ndarray] = {}  # the runner's own arrays in the same upload (filled below)
@@ -490,22 +590,26 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # Asynchronous scheduling gives every decoding request placeholders, also where the drafter did not run.
             unproposed=(self.drafter.draft_len, self.drafter.top_k) if self.use_async_scheduling else None,
         )
-        early, self._ddtree_early_token_index = self._ddtree_early_token_index, None
+        published, self._ddtree_early_token_index = self._ddtree_early_token_index, None
         if plan is None:
-            if early is not None:
+            if published is not None:
                 raise RuntimeError("DDTree: a step published with trees verifies none (a bug)")
             return logits_indices, spec_decode_metadata
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
         fill_plan_extras(extras, plan, total)
-        gpu = self._ddtree_plan_staging.upload_host()
         late = plan.draft_tokens is not None
         self.ddtree_stats.late_tree_steps += late
-        if early is not None:  # published from the counts: the step's whole-tree size is known already
+        if published is not None:  # published from the counts: the step's whole-tree size is known already
             whole = self._ddtree_whole_tree_tokens
         else:
             whole = self._ddtree_is_whole_tree_step(plan.num_nodes, num_reqs, total)
-        placed = self._ddtree_place(gpu, total, late, whole)
+        if early is not None:
+            early.release()  # the GPU copies the plan now, then places it and runs the forward queued behind it
+            gpu, placed = early.gpu, early.placed
+        else:
+            gpu = self._ddtree_plan_staging.upload_host()
+            placed = self._ddtree_place(gpu, total, late, whole)
         self._ddtree_flat_positions = placed["flat_positions"]
         layout = self._ddtree_buffers.views(
             int(gpu["row_start"].shape[0]),
@@ -513,9 +617,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             int(gpu["node_offsets"].shape[0]) - 1 if "node_offsets" in gpu else None,
             "conv_index" in gpu,
         )
-        if early is not None:
+        if published is not None:
             # Published from the counts before vLLM built the metadata (the views `load` just filled).
-            if not np.array_equal(plan.token_index, early):
+            if not np.array_equal(plan.token_index, published):
                 raise RuntimeError("DDTree: the trees' tokens differ from the counts the step was published with")
         else:
             self._ddtree_publish(
@@ -605,6 +709,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """Views of the plan staging's pinned buffer for the plan (returned: the Rust core writes them) and, into
         ``extras``, for what the runner adds: M-RoPE's root rows and depths, and the non-tree tokens of a hybrid
         target's mixed step."""
+        full_specs, extra_names = self._ddtree_plan_specs(specs, total, hybrid)
+        views = self._ddtree_plan_staging.host_arrays(full_specs)
+        extras.update((name, views.pop(name)) for name in extra_names)
+        return views
+
+    def _ddtree_plan_specs(self, specs, total: int, hybrid: bool) -> Tuple[Dict[str, tuple], List[str]]:
+        """The plan staging's layout for the plan's ``specs``: those and the runner's own (named second)."""
         num_tree_tokens = specs["token_index"][1][0]
         extra_specs = {}
         if self.uses_mrope or self.use_async_scheduling:
@@ -616,9 +727,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if self._ddtree_device_accept:
             extra_specs.update((name, (np.int64, (num_tree_tokens,))) for name in device_accept.NODE_ARRAYS)
             extra_specs["tree_query_starts"] = (np.int64, (specs["batch_index"][1][0],))
-        views = self._ddtree_plan_staging.host_arrays({**specs, **extra_specs})
-        extras.update((name, views.pop(name)) for name in extra_specs)
-        return views
+        return {**specs, **extra_specs}, list(extra_specs)
 
     def _ddtree_check_spec_rows(self, plan: VerifyPlan, num_reqs: int) -> None:
         # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as

@@ -12,6 +12,10 @@ the pinned buffer (a recorded CUDA event: in practice long done, so the wait cos
 of an upload stay valid until the next upload into the same staging; the runner keeps one staging per phase
 (verification inputs, acceptance outputs), each uploaded once per step.
 
+An upload may also be queued before its data exists (:meth:`StepStaging.upload_ahead`), behind a device-side wait
+that the caller releases once it has filled the views (``ddtree.vllm.launch_gate``): the copy reads the pinned
+buffer when it runs, not when it is queued.
+
 Torch only (no vLLM import): CI tests it on CPU, where the buffers are ordinary memory.
 """
 
@@ -51,6 +55,7 @@ class StepStaging:
         self._device_views: Dict[str, torch.Tensor] = {}
         self._total = 0
         self._pending = False  # host_arrays() handed out views that upload_host() has not copied yet
+        self._awaiting_data = False  # upload_ahead() queued a copy of views not yet filled (data_written() ends it)
         self._grow(initial_bytes)
 
     def _grow(self, nbytes: int) -> None:
@@ -75,6 +80,15 @@ class StepStaging:
         views are then reused, not made again.
         """
         key = tuple((name, dtype, tuple(shape)) for name, (dtype, shape) in specs.items())
+        if self._awaiting_data:
+            # The copy of these views is queued already and waits for them: filling is all that is left (waiting
+            # for that copy here would wait for ever).
+            if key != self._key:
+                raise RuntimeError(
+                    f"DDTree: a step's arrays {_names(key)} differ from the layout its early upload was queued with "
+                    f"{_names(self._key)} (a bug)"
+                )
+            return dict(self._host_views)
         if key != self._key:
             self._lay_out(key)
         else:
@@ -125,6 +139,18 @@ class StepStaging:
         self.uploads += 1
         return dict(self._device_views)
 
+    def upload_ahead(self) -> Dict[str, torch.Tensor]:
+        """:meth:`upload_host` of views not filled yet: the caller has queued a wait on the stream that it releases
+        after filling them (the next :meth:`host_arrays` of the same layout hands them out without waiting for this
+        copy), and calls :meth:`data_written` then."""
+        views = self.upload_host()
+        self._awaiting_data = True
+        return views
+
+    def data_written(self) -> None:
+        """The views of the last :meth:`upload_ahead` are filled; the staging goes back to its usual order."""
+        self._awaiting_data = False
+
     def upload(self, arrays: Sequence[np.ndarray]) -> List[torch.Tensor]:
         """Device tensors with the dtypes and shapes of ``arrays`` (numpy), after one host-to-device copy.
 
@@ -145,6 +171,10 @@ _DTYPES = {
     np.dtype(np.float32): torch.float32,
     np.dtype(np.bool_): torch.bool,
 }
+
+
+def _names(key) -> List[str]:
+    return [f"{name}{list(shape)}" for name, _, shape in key or ()]
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -391,6 +391,22 @@ def layout_specs(num_rows: int, num_trees: int, num_nodes: int, words: int, conv
     return specs
 
 
+def plan_specs(
+    num_rows: int, num_trees: int, num_nodes: int, words: int, conv_window: int, placeholder_drafts: bool
+) -> ArraySpecs:
+    """Every array :func:`plan_verify` asks ``arrays`` for: the layout's, the tree rows (``batch_index``) and, for
+    placeholder drafts, each draft token and its index among the step's tokens. Counts only: the runner lays out an
+    upload from them before the trees exist (``launch_gate``)."""
+    specs = {
+        "batch_index": (np.int64, (num_trees,)),
+        **layout_specs(num_rows, num_trees, num_nodes, words, conv_window),
+    }
+    if placeholder_drafts:
+        specs["draft_step_index"] = (np.int64, (num_nodes - num_trees,))
+        specs["draft_tokens"] = (np.int32, (num_nodes - num_trees,))
+    return specs
+
+
 def _lay_out(
     trees,
     rows,
@@ -411,11 +427,7 @@ def _lay_out(
     total, num_trees = int(node_offsets[-1]), len(rows)
     if words is None:
         words = ancestor_words(int(sizes.max()))
-    specs = {"batch_index": (np.int64, (num_trees,)), **layout_specs(num_reqs, num_trees, total, words, conv_window)}
-    if placeholder_drafts:
-        specs["draft_step_index"] = (np.int64, (total - num_trees,))
-        specs["draft_tokens"] = (np.int32, (total - num_trees,))
-    out = arrays(specs)
+    out = arrays(plan_specs(num_reqs, num_trees, total, words, conv_window, placeholder_drafts))
     batch_index = out.pop("batch_index")
     batch_index[:] = rows
     query_starts = query_start[batch_index]
