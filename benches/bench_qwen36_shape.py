@@ -358,6 +358,7 @@ def run_engine(
                 "device_accept_steps",
                 "late_tree_steps",
                 "early_launch_steps",
+                "landed_before_launch_steps",
                 "early_output_steps",
                 "whole_tree_gdn_metadata_builds",
             ):

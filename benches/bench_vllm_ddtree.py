@@ -144,6 +144,7 @@ def child(args):
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
             # Engine life so far: steps whose forward was queued before their trees (DDTREE_LAUNCH_AHEAD).
             row["early_launch_steps"] = summary.get("early_launch_steps", 0)
+            row["landed_before_launch_steps"] = summary.get("landed_before_launch_steps", 0)
             # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (engine life so
             # far, warm-ups included): the chain's figure beside the dflash engine's own measured one.
             row["acceptance_length_if_budget"] = summary.get("acceptance_length_if_budget", {})

@@ -748,10 +748,10 @@ def _whole_async_runner(capture, gate=None):
     return runner
 
 
-def _whole_async_step(runner, seed, forward):
-    """One step of ``_whole_async_runner``: the drafter's late proposal, vLLM's preparation (placeholders, flat
-    positions from the GPU's starts), the FULL dispatch, ``_preprocess`` and the forward (``forward(runner)`` stands
-    in for vLLM's launch)."""
+def _whole_async_step(runner, seed, forward, landed=False):
+    """One step of ``_whole_async_runner``: the drafter's late proposal (its top-K still on its way to the host unless
+    ``landed``), vLLM's preparation (placeholders, flat positions from the GPU's starts), the FULL dispatch,
+    ``_preprocess`` and the forward (``forward(runner)`` stands in for vLLM's launch)."""
     from ddtree.vllm import context
     from ddtree.vllm.step import TreeStore
 
@@ -759,6 +759,7 @@ def _whole_async_step(runner, seed, forward):
     proposer, _, _ = _late_proposer(runner, runner.drafter.store, 2, seed=seed)
     runner.drafter.draft_len, runner.drafter.top_k = 3, 4
     proposer._defer(["a", "b"], 2)
+    runner.drafter.store.deferred.landed = SimpleNamespace(query=lambda: landed, synchronize=lambda: None)
     runner.input_batch = SimpleNamespace(req_ids=["a", "b"], num_reqs=2, num_computed_tokens_cpu=np.array([90, 99]))
     runner.positions = torch.cat([torch.arange(20, 27), torch.arange(30, 37)]) + seed
     runner.input_ids = SimpleNamespace(gpu=torch.zeros(14, dtype=torch.int32))
@@ -799,7 +800,8 @@ def test_a_whole_tree_step_queues_its_forward_before_its_trees_and_releases_it_o
 
     def deferred_capture(recorded):
         recorded()  # a capture runs the Python once (on a GPU it records; here it computes)
-        return lambda: stream.append(recorded)
+        # A replay runs in stream order: after the gate's release while a ticket is held, else at once.
+        return lambda: stream.append(recorded) if gate._queued != gate.released else recorded()
 
     waits = []
     gate = DeferringGate(torch.device("cpu"), wait=lambda stream, address, value, flags: waits.append(value) or 0)
@@ -827,6 +829,13 @@ def test_a_whole_tree_step_queues_its_forward_before_its_trees_and_releases_it_o
     # placement wait behind the gate, which is not released.
     assert gated_launches[1:] == [(True, 2, 0), (True, 2, 1)]
     assert ungated.ddtree_stats.early_launch_steps == 0
+    # A proposal whose top-K has landed already (the GPU has nothing to hide the build behind): built now, ungated.
+    launches.clear()
+    want = _whole_async_step(ungated, 4, lambda r: None, landed=True)
+    got = _whole_async_step(gated, 4, lambda r: None, landed=True)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert waits == [1, 2] and launches[1][:2] == (False, 0)
+    assert gated.ddtree_stats.landed_before_launch_steps == 1 and gated.ddtree_stats.early_launch_steps == 2
 
 
 def test_an_early_launch_whose_forward_fails_or_never_comes_lets_the_gpu_go(monkeypatch):

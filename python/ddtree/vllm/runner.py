@@ -127,6 +127,7 @@ class DDTreeStats:
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
         self.early_launch_steps = 0  # of those, steps whose forward was queued before the trees (DDTREE_LAUNCH_AHEAD)
+        self.landed_before_launch_steps = 0  # ... and steps that could have been, but the drafter had finished
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
         self.trees = 0
         self.partial_trees = 0  # trees verified with fewer nodes than proposed (cut: max_model_len, token budget)
@@ -207,6 +208,7 @@ class DDTreeStats:
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,
             "early_launch_steps": self.early_launch_steps,
+            "landed_before_launch_steps": self.landed_before_launch_steps,
             "early_output_steps": self.early_output_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
@@ -494,6 +496,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if gate is None or graphs is None or not self._ddtree_step_graphs_on or not whole:
             return False
         if self._ddtree_full_graph is None:  # PIECEWISE or eager steps run Python in the forward: no gate there
+            return False
+        if self.drafter.store.has_landed():
+            # The GPU is done with the drafter: nothing to overlap the tree build with. Gated anyway, the test pair's
+            # steps were ~1 ms slower at batch 1 and 8 (``gpu-h200-pair-launch-ahead-632c917``).
+            self.ddtree_stats.landed_before_launch_steps += 1
             return False
         scheduler_output, _, _, _, num_reqs = late
         total = scheduler_output.total_num_scheduled_tokens

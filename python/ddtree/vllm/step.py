@@ -107,6 +107,11 @@ class TreeStore:
         proposal.req_ids = tuple(req_ids)
         return [[PLACEHOLDER] * size for _ in req_ids]
 
+    def has_landed(self) -> bool:
+        """Whether :meth:`settle` would return without waiting for the GPU (no deferred proposal, or its copy done)."""
+        proposal = self.deferred
+        return proposal is None or proposal.landed is None or bool(proposal.landed.query())
+
     def settle(self) -> None:
         """Waits for the deferred proposal's copy (if any) and gives its remaining records their own arrays."""
         proposal, self.deferred = self.deferred, None
