@@ -6,7 +6,7 @@ Why: on a Qwen3.6-27B-shape profile (``benches/results/gpu-h200-27b-shape-768591
 FULL verification ran ~4 ms after its forward's range began, when ``cudaGraphLaunch`` returned, and the GPU had
 been idle since the drafter finished: ddtree builds a step's trees on the host after the drafter's top-K lands, so
 the graph's launch cannot overlap GPU work the way vLLM's chain's does. The remedy designed in
-``docs/async-scheduling.md`` ("Next") queues the launch early, behind a device-side wait for a host flag. This
+``docs/async-scheduling.md`` ("Launching the forward before the trees exist") queues the launch early, behind a device-side wait for a host flag. This
 script measures what that rests on:
 
 (a) **graph launch**: host time of ``CUDAGraph.replay()`` for graphs of N small kernels, and how much of it the GPU
