@@ -48,7 +48,11 @@ class StepStaging:
         self._host: Optional[torch.Tensor] = None
         self._host_np: Optional[np.ndarray] = None
         self._device_buffer: Optional[torch.Tensor] = None
-        self._copied: Optional[torch.cuda.Event] = None
+        self._copied: Optional[torch.cuda.Event] = None  # the last upload's event while it may be pending
+        # One event, recorded again by every upload, instead of a new one (and a driver event created) per upload on
+        # the step's critical path (the upload's event was ~0.05 ms of host time in a 27B-shape profile; the saving
+        # of reuse is not measured by itself).
+        self._event: Optional[torch.cuda.Event] = None
         self.uploads = 0
         self._key: Optional[tuple] = None  # the current layout's (name, dtype, shape)s
         self._host_views: Dict[str, np.ndarray] = {}
@@ -134,8 +138,10 @@ class StepStaging:
         if total:
             self._device_buffer[:total].copy_(self._host[:total], non_blocking=True)
             if self._pin:
-                self._copied = torch.cuda.Event()
-                self._copied.record()
+                if self._event is None:
+                    self._event = torch.cuda.Event()
+                self._event.record()
+                self._copied = self._event
         self.uploads += 1
         return dict(self._device_views)
 
