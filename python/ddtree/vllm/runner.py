@@ -446,9 +446,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return super()._build_attention_metadata(*args, **kwargs)
 
     def _model_forward(self, *args, **kwargs):
-        """vLLM's, its host time kept as ``forward launch`` (``vllm_host_ms_per_verify_step``): on a GPU profile of
-        the Qwen3.6-27B shape the first kernel of a FULL step ran ~4 ms after the forward's range began, as its
-        CUDA-graph launch returned, with the GPU idle since the trees were built (``gpu-h200-27b-shape-768591a``)."""
+        """vLLM's, its host time kept as ``forward launch`` (``vllm_host_ms_per_verify_step``; 1.2 ms per batch-1
+        step at the Qwen3.6-27B shape, ``gpu-h200-27b-launch-ahead-632c917``), then, for a step queued ahead of its
+        trees (``_ddtree_queue_early``), the trees and the gate's release: the GPU ran through that launch idle
+        before (``gpu-h200-27b-shape-768591a``)."""
         early, self._ddtree_early = self._ddtree_early, None
         start = time.perf_counter()
         try:
