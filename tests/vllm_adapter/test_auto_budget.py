@@ -52,10 +52,28 @@ def test_acceptance_by_budget_counts_what_each_candidate_keeps_of_the_path():
     est.close_window()
     # Budget 64: trees 0 and 1; 32 and 16: trees 0, 1 and 2 (a budget-32 tree says nothing about 64).
     assert est.trees.tolist() == [3, 3, 2]
+    # 64 is 32's estimate plus what 64 keeps beyond 32 on trees 0 and 1 (5 - 3 and 3 - 2): 1.5 per tree.
     assert est.acceptance_length(min_trees=1) == pytest.approx(
-        {16: 1 + (2 + 1 + 2) / 3, 32: 1 + (3 + 2 + 3) / 3, 64: 5.0}
+        {16: 1 + (2 + 1 + 2) / 3, 32: 1 + (3 + 2 + 3) / 3, 64: 1 + 8 / 3 + 1.5}
     )
     assert est.acceptance_length(min_trees=3) == pytest.approx({16: 1 + 5 / 3, 32: 1 + 8 / 3})
+
+
+def test_a_budget_not_run_lately_follows_the_traffic_through_its_gain_on_common_trees():
+    """Traffic changes while only the smallest budget runs: the larger budgets' estimates move with it (the smallest's
+    fresh level plus what each keeps beyond the next smaller one on trees that said both), never below a smaller
+    budget's. From its own trees alone, 64 would stay at the old traffic's 4.0 while 16 rose to 1 + 11/7."""
+    est = AcceptanceByBudget((16, 32, 64), keep=0.75)
+    shallow_drafts, shallow_accepted = _paths(2)
+    est.observe(np.full(4, 64), np.ones(4, dtype=bool), shallow_drafts[1:].repeat(4, 0), shallow_accepted[1:].repeat(4))
+    est.close_window()  # 4 shallow trees of budget 64: 16 keeps 1, 32 keeps 2, 64 keeps 3
+    deep_drafts, deep_accepted = shallow_drafts[:1].repeat(4, 0), shallow_accepted[:1].repeat(4)
+    est.observe(np.full(4, 16), np.ones(4, dtype=bool), deep_drafts, deep_accepted)
+    est.close_window()  # 4 deep trees of budget 16: 16 keeps 2 (they say nothing about 32 or 64)
+    tau = est.acceptance_length(min_trees=1)
+    base = 1 + (0.75 * 4 * 1 + 4 * 2) / (0.75 * 4 + 4)
+    assert tau == pytest.approx({16: base, 32: base + 1, 64: base + 2})
+    assert 1 + est.kept[2] / est.trees[2] == pytest.approx(4.0)  # what 64's own trees alone say
 
 
 def test_acceptance_decays_by_window_and_only_where_the_window_saw_trees():
