@@ -108,9 +108,14 @@ class EarlyLaunch:
     late_step: tuple  # _ddtree_prepare's arguments
     gpu: Dict[str, torch.Tensor]
     placed: Dict[str, torch.Tensor]
+    released: bool = False
 
     def release(self) -> None:
-        """Lets the GPU copy the staging and run what follows (idempotent); the staging's views are its own again."""
+        """Lets the GPU copy the staging and run what follows (once; later calls do nothing); the staging's views
+        are its own again."""
+        if self.released:
+            return
+        self.released = True
         self.staging.data_written()
         self.gate.release(self.ticket)
 
@@ -468,8 +473,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _preprocess(self, *args, **kwargs):
         late, self._ddtree_late_step = self._ddtree_late_step, None
-        if self._ddtree_early is not None:  # queued by a step that never reached its forward: let the GPU go
-            self._ddtree_early, stale = None, self._ddtree_early
+        stale, self._ddtree_early = self._ddtree_early, None
+        if stale is not None:  # queued by a step that never reached its forward: let the GPU go
             stale.release()
         if late is not None and not self._ddtree_queue_early(late):
             # Asynchronous scheduling: the trees arrive now, after vLLM's metadata builds and before the input
