@@ -239,6 +239,20 @@ def set_late_trees(worker, on: bool) -> bool:
     return previous
 
 
+def set_launch_ahead(worker, on: bool) -> bool:
+    """(collective_rpc) Queues eligible forwards ahead of their trees behind the stream gate (DDTREE_LAUNCH_AHEAD) or
+    prepares every step before its forward; returns the previous setting. Off keeps the gate aside for the restore."""
+    runner = worker.model_runner
+    previous = runner._ddtree_gate is not None
+    if on and not previous:
+        runner._ddtree_gate, runner._ddtree_gate_aside = getattr(runner, "_ddtree_gate_aside", None), None
+        if runner._ddtree_gate is None:
+            raise RuntimeError("launch ahead cannot be turned on: the engine started without it (DDTREE_LAUNCH_AHEAD)")
+    elif not on and previous:
+        runner._ddtree_gate_aside, runner._ddtree_gate = runner._ddtree_gate, None
+    return previous
+
+
 #: ``--ab NAME[,NAME...]``: each ddtree batch is timed once more in the same engine per NAME, the switches turned
 #: one after the other and kept (the first timing has the engine's own settings): the setter and its setting.
 AB_SWITCHES = {
@@ -248,6 +262,7 @@ AB_SWITCHES = {
     "no-late-trees": (set_late_trees, False),
     "no-device-accept": (set_device_accept, False),
     "no-step-graphs": (set_step_graphs, False),
+    "no-launch-ahead": (set_launch_ahead, False),
 }
 
 
@@ -258,9 +273,15 @@ def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
         for name in ab.split(","):
             setter, setting = AB_SWITCHES[name]
             restore.append((setter, llm.collective_rpc(setter, args=(setting,))[0]))
+            before = llm.collective_rpc("ddtree_summary")[0]
             switched, _ = timed_generate(llm, prompts, OUT_TOKENS)
+            after = llm.collective_rpc("ddtree_summary")[0]
             ms = round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2)
-            rows.append({"switches": ab.split(",")[: len(rows) + 1], "ms_per_decode_step": ms})
+            row = {"switches": ab.split(",")[: len(rows) + 1], "ms_per_decode_step": ms}
+            # What the switched run did (a switch that did not take would show here, not only in a timing).
+            for counter in ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps"):
+                row[counter] = after.get(counter, 0) - before.get(counter, 0)
+            rows.append(row)
     finally:
         for setter, previous in reversed(restore):
             llm.collective_rpc(setter, args=(previous,))
@@ -440,7 +461,7 @@ def main() -> None:
         "the switches turned one after the other and kept: gdn-metadata (patch 10 off), device-accept / "
         "no-device-accept (the tree walk on the device / the host), late-trees / no-late-trees (trees built at the "
         "next verification / at proposal), no-step-graphs (the walk, plan and KV moves launch by launch instead of "
-        "CUDA graphs)",
+        "CUDA graphs), no-launch-ahead (every step prepared before its forward)",
     )
     args = ap.parse_args()
     unknown = [name for name in args.ab.split(",") if name and name not in AB_SWITCHES]

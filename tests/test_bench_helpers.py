@@ -3,6 +3,7 @@ later times out or dies (its child's stdout is lost then; only the rows it wrote
 gpu_profile.py lists where a step waits for the GPU and keeps its timelines compressed."""
 
 import json
+import types
 import sys
 from pathlib import Path
 
@@ -334,3 +335,15 @@ def test_the_launch_gates_spin_kernel_compiles_for_an_h200_without_one():
     source = ASTSource(fn=gpu_launch_gate.spin_kernel(), signature=signature, constexprs={})
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert "ld.volatile" in ptx and "globaltimer" in ptx
+
+
+def test_the_launch_ahead_switch_sets_the_gate_aside_and_restores_it():
+    gate = object()
+    runner = types.SimpleNamespace(_ddtree_gate=gate)
+    worker = types.SimpleNamespace(model_runner=runner)
+    assert bench.set_launch_ahead(worker, False) is True and runner._ddtree_gate is None
+    assert bench.set_launch_ahead(worker, False) is False and runner._ddtree_gate is None
+    assert bench.set_launch_ahead(worker, True) is False and runner._ddtree_gate is gate
+    started_without = types.SimpleNamespace(model_runner=types.SimpleNamespace(_ddtree_gate=None))
+    with pytest.raises(RuntimeError, match="DDTREE_LAUNCH_AHEAD"):
+        bench.set_launch_ahead(started_without, True)
