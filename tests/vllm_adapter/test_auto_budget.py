@@ -421,6 +421,24 @@ def test_each_step_feeds_the_timer_and_a_new_choice_is_logged(monkeypatch):
     assert finished[-1] is None and len(log.lines) == 1
 
 
+def test_a_step_that_captured_a_graph_is_not_timed(monkeypatch):
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    runner, _ = _auto_runner(monkeypatch, [])
+    finished = []
+    runner._ddtree_step_timer = SimpleNamespace(start=lambda: None, finish=finished.append, landed=lambda: [])
+    runner._ddtree_whole_tree_tokens = 64
+    runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([64, 64]))
+    graphs = ShapeGraphs(lambda work: work)
+    monkeypatch.setattr(ShapeGraphs, "first_runs", ShapeGraphs.first_runs)  # the process-wide count, restored
+    for key in ("new shape", "new shape", "another"):
+        runner._ddtree_first_runs_at_start = ShapeGraphs.first_runs  # what execute_model notes at the step's start
+        graphs.run(key, lambda: None)
+        runner._ddtree_auto_step()
+    # The first run of a key compiles and captures: that step is dropped; its replay is timed.
+    assert finished == [None, (63, 2), None]
+
+
 def test_the_first_choice_is_logged_even_when_it_keeps_the_largest_budget(monkeypatch):
     runner, log = _auto_runner(monkeypatch, [])
     auto = runner._ddtree_auto

@@ -234,6 +234,12 @@ class ShapeGraphs:
     stand-in that returns the work as its replay).
     """
 
+    #: Keys run for the first time, over every instance in the process: such a run compiles, allocates and captures
+    #: (which synchronizes), tens of ms where a step takes a few. ``auto``'s step timer leaves out a step that raised
+    #: it (``runner._ddtree_auto_step``): on the pair, budgets met late (15 at probes, 63 at 11-32 requests) kept
+    #: such steps as their medians and ``auto`` took budget 15 at batch 32 (``gpu-h200-pair-landed-ae204db``).
+    first_runs = 0
+
     def __init__(self, capture):
         self._capture = capture
         self._graphs: Dict[tuple, tuple] = {}
@@ -251,6 +257,7 @@ class ShapeGraphs:
             replay()
             self.replayed += 1
             return dict(outputs)
+        ShapeGraphs.first_runs += 1
         result = work()
         outputs: Dict[str, torch.Tensor] = {}
 

@@ -288,6 +288,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     # the GDN layers would take vLLM's spec-decode path, which assumes B + 1 state slots per request).
     _ddtree_auto: Optional[AutoBudget] = None
     _ddtree_step_timer: Optional[StepTimer] = None
+    _ddtree_first_runs_at_start = 0  # ShapeGraphs.first_runs when the timed step started
     _ddtree_timing_trees = False
 
     # Off until __init__ sets them (the CPU tests build runners without it).
@@ -973,6 +974,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         if self._ddtree_step_timer is not None:
             self._ddtree_step_timer.start()
+            self._ddtree_first_runs_at_start = ShapeGraphs.first_runs
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
@@ -1238,7 +1240,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         auto, timer = self._ddtree_auto, self._ddtree_step_timer
         if timer is not None:
             tokens, plan = self._ddtree_whole_tree_tokens, self._ddtree_plan
-            timer.finish((tokens - 1, int(plan.num_nodes.shape[0])) if tokens and plan is not None else None)
+            # A step that ran a graph key for the first time (compiled, captured, synchronized) says nothing of
+            # the steps after it.
+            settled = ShapeGraphs.first_runs == self._ddtree_first_runs_at_start
+            timed = tokens and plan is not None and settled
+            timer.finish((tokens - 1, int(plan.num_nodes.shape[0])) if timed else None)
             for (budget, trees), ms in timer.landed():
                 auto.observe_step_time(budget, trees, ms)
         changed = auto.maybe_decide()
