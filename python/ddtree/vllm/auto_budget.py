@@ -426,6 +426,10 @@ class AutoBudget:
             "probes": self.probes,
             "per_token_ms": costs.per_token_ms() if costs else 0.0,
             "beyond_forward_ms": {f"{b}x{n}": ms for (b, n), ms in sorted(costs.beyond.items())} if costs else {},
+            # How many live steps each median above rests on (a median of one or two is that step's own time).
+            "beyond_forward_samples": {f"{b}x{n}": len(q) for (b, n), q in sorted(costs._samples.items())}
+            if costs
+            else {},
         }
 
 
