@@ -22,7 +22,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-device   budget 64 with the tree walk on the device only (DDTREE_LATE_TREES=0)
   ddtree64-late     the device walk plus trees built at the next verification, synchronous scheduling
   ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling, FULL steps' forwards queued before their
-                    trees (DDTREE_ASYNC_SCHEDULING=1 and DDTREE_LAUNCH_AHEAD=1 set explicitly)
+                    trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
+                    lands before the host reaches the step, where the default does not gate)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
   ddtree-auto       ddtree_budget "auto" (candidates 15, 31, 63), each batch size's budget chosen live
 
@@ -169,7 +170,7 @@ ENGINES = {
     # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds.
     "ddtree64-async": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "1"},
+        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always"},
     ),
     # ... with a budget schedule (vLLM's asynchronous scheduler places each step's budget in drafts).
     "ddtree64to16-async": dict(
@@ -184,7 +185,7 @@ ENGINES = {
     # Preemption under asynchronous scheduling (it takes effect a step late there).
     "ddtree64-async-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "1"},
+        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always"},
         num_gpu_blocks_override=40,
         only=("batch32",),
     ),
@@ -530,7 +531,7 @@ def switched_paths_exercised(env, summary):
     return [
         (counter, summary.get(counter, 0) > 0)
         for switch, counters in SWITCH_COUNTERS.items()
-        if env.get(switch) == "1"
+        if env.get(switch) in ("1", "always")
         for counter in counters
     ]
 

@@ -251,6 +251,8 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert switched_paths_exercised(ENGINES["ddtree64"].get("env", {}), {}) == []
     synchronous = dict(ran, async_scheduling=False)  # the switch was set but the engine ran synchronously
     assert ("async_scheduling", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], synchronous)
+    # Launch ahead set to `always` (gated although the drafter has landed) must show gated steps.
+    assert ("early_launch_steps", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], ran)
 
 
 def test_harness_fails_an_engine_whose_device_walk_replayed_no_graph():

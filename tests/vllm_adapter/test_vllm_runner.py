@@ -836,6 +836,25 @@ def test_a_whole_tree_step_queues_its_forward_before_its_trees_and_releases_it_o
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     assert waits == [1, 2] and launches[1][:2] == (False, 0)
     assert gated.ddtree_stats.landed_before_launch_steps == 1 and gated.ddtree_stats.early_launch_steps == 2
+    # DDTREE_LAUNCH_AHEAD=always (tests): such a step is queued behind the gate all the same, with the same trees.
+    gated._ddtree_gate_landed_steps = True
+    launches.clear()
+    want = _whole_async_step(ungated, 5, lambda r: None, landed=True)
+    got = _whole_async_step(gated, 5, lambda r: None, landed=True)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert waits == [1, 2, 3] and launches[1][:2] == (True, 2)
+    assert gated.ddtree_stats.landed_before_launch_steps == 2 and gated.ddtree_stats.early_launch_steps == 3
+
+
+def test_launch_ahead_mode_names_its_values():
+    from ddtree.vllm.config import DDTreeConfigError, launch_ahead_enabled, launch_ahead_mode
+
+    assert launch_ahead_mode({}) == "1" and launch_ahead_enabled({})
+    assert launch_ahead_mode({"DDTREE_LAUNCH_AHEAD": " Always "}) == "always"
+    assert launch_ahead_enabled({"DDTREE_LAUNCH_AHEAD": "always"})
+    assert not launch_ahead_enabled({"DDTREE_LAUNCH_AHEAD": "0"})
+    with pytest.raises(DDTreeConfigError, match="DDTREE_LAUNCH_AHEAD must be one of 1 .*always .*got 'yes'"):
+        launch_ahead_mode({"DDTREE_LAUNCH_AHEAD": "yes"})
 
 
 def test_an_early_launch_whose_forward_fails_or_never_comes_lets_the_gpu_go(monkeypatch):

@@ -448,7 +448,26 @@ def launch_ahead_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     its placement and its forward before its trees are built, behind a device-side gate the host releases once they
     are (``ddtree.vllm.launch_gate``; on unless DDTREE_LAUNCH_AHEAD=0). Without it the GPU idles from the drafter's
     end through the tree build, the placement's launches and vLLM's forward launch."""
-    return env_switch(environ, LAUNCH_AHEAD_ENV, "1", {"1": "forward queued before the trees", "0": "after them"})
+    return launch_ahead_mode(environ) != "0"
+
+
+def launch_ahead_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """DDTREE_LAUNCH_AHEAD: ``"1"`` (default) gates a step only while the drafter's top-K is still on its way (once
+    it has landed there is nothing to overlap, and gating cost ~1 ms per step on the test pair,
+    ``gpu-h200-pair-launch-ahead-632c917``); ``"0"`` never; ``"always"`` gates every eligible step, landed or not:
+    slower, for tests that must run the gate on a pair whose drafter always lands first (the e2e harness)."""
+    value = environ.get(LAUNCH_AHEAD_ENV, "1").strip().lower()
+    if value not in LAUNCH_AHEAD_MODES:
+        choices = ", ".join(f"{k} ({v})" for k, v in LAUNCH_AHEAD_MODES.items())
+        raise DDTreeConfigError(f"{LAUNCH_AHEAD_ENV} must be one of {choices}; got {value!r}")
+    return value
+
+
+LAUNCH_AHEAD_MODES = {
+    "1": "the forward queued before the trees while the drafter runs, the default",
+    "0": "queued after them",
+    "always": "queued before them on every eligible step, for tests",
+}
 
 
 def whole_tree_gdn_metadata_enabled(environ: Mapping[str, str] = os.environ) -> bool:

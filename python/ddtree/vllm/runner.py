@@ -67,6 +67,7 @@ from ddtree.vllm.config import (
     graphed_tree_counts,
     late_trees_enabled,
     launch_ahead_enabled,
+    launch_ahead_mode,
     schedule_tree_graphs,
     smaller_budgets,
     step_graphs_enabled,
@@ -293,6 +294,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     # Off until __init__ sets them (the CPU tests build runners without it).
     _ddtree_gate: Optional[StreamGate] = None
+    _ddtree_gate_landed_steps = False
     _ddtree_early: Optional[EarlyLaunch] = None
 
     def __init__(self, vllm_config, device):
@@ -355,6 +357,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # DDTREE_LAUNCH_AHEAD: the gate a step of whole trees queues its forward behind (None: off, or no
         # asynchronous scheduling) and the step queued so (set in _preprocess, finished in _model_forward).
         self._ddtree_gate = self._ddtree_make_gate()
+        self._ddtree_gate_landed_steps = launch_ahead_mode() == "always"  # gate also when the drafter has landed
         self._ddtree_early: Optional[EarlyLaunch] = None
         self._ddtree_commit_graphs: Optional[CommitGraphs] = None
         # Late trees (DDTREE_LATE_TREES; the benches toggle it in-process for an A/B): the proposer defers the
@@ -506,9 +509,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return False
         if self.drafter.store.has_landed():
             # The GPU is done with the drafter: nothing to overlap the tree build with. Gated anyway, the test pair's
-            # steps were ~1 ms slower at batch 1 and 8 (``gpu-h200-pair-launch-ahead-632c917``).
+            # steps were ~1 ms slower at batch 1 and 8 (``gpu-h200-pair-launch-ahead-632c917``);
+            # DDTREE_LAUNCH_AHEAD=always gates them still, for tests of the gate on such a pair.
             self.ddtree_stats.landed_before_launch_steps += 1
-            return False
+            if not self._ddtree_gate_landed_steps:
+                return False
         scheduler_output, _, _, _, num_reqs = late
         total = scheduler_output.total_num_scheduled_tokens
         staging = self._ddtree_plan_staging
