@@ -400,7 +400,9 @@ def test_every_engine_of_the_gpu_scripts_sets_known_switches_to_known_values():
     assert len(engines) > 20
     for name, env in engines.items():
         assert set(env) <= switches, (name, set(env) - switches)
-        assert all(value in ("0", "1") for value in env.values()), (name, env)
+        known = {switch: ("0", "1") for switch in switches}
+        known[config.LAUNCH_AHEAD_ENV] = tuple(config.LAUNCH_AHEAD_MODES)
+        assert all(value in known[switch] for switch, value in env.items()), (name, env)
 
 
 def test_the_harness_starts_engines_side_by_side_and_keeps_each_ones_results(tmp_path, monkeypatch):
