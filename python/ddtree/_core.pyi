@@ -249,6 +249,14 @@ def verify_layout_into(
     row_start: npt.NDArray[np.int32],
     node_offsets: npt.NDArray[np.int32],
     conv_index: Optional[npt.NDArray[np.int64]] = None,
+    depths: Optional[npt.NDArray[np.int64]] = None,
+    root_index: Optional[npt.NDArray[np.int64]] = None,
+    node_parents: Optional[npt.NDArray[np.int64]] = None,
+    node_tree: Optional[npt.NDArray[np.int64]] = None,
+    node_local: Optional[npt.NDArray[np.int64]] = None,
+    node_tokens: Optional[npt.NDArray[np.int64]] = None,
+    draft_step_index: Optional[npt.NDArray[np.int64]] = None,
+    draft_tokens: Optional[npt.NDArray[np.int32]] = None,
 ) -> None:
     """One engine step's verification layout of ``batch``, written into the caller's arrays (e.g. views of
     one reused pinned buffer, copied to the GPU in one transfer); every element is written.
@@ -260,6 +268,12 @@ def verify_layout_into(
     largest tree; extra words zeroed); ``row_start`` ``[num_rows]`` (each batch row's first bits row, -1 for
     rows without a tree); ``node_offsets`` ``[R + 1]``; ``conv_index`` ``[T, w + 1]`` for hybrid targets (conv
     window ``w``): rows of ``cat(histories [R*w], tree inputs [T])`` forming each node's window, itself last.
+
+    Optional per-node outputs, each written when given (int64 ``[T]``): ``depths``; ``root_index`` (the step
+    index of the node's root, ``query_starts[r]``); ``node_parents`` (the parent as a node of the batch, a root
+    itself); ``node_tree``; ``node_local`` (index within its tree); ``node_tokens`` (the draft token, a root 0).
+    Per draft node (``[T - R]``, pop order, tree by tree): ``draft_step_index`` (int64, its index among the
+    step's tokens) and ``draft_tokens`` (int32), for an engine that scheduled placeholders in their place.
 
     Raises:
         ValueError: a wrong-sized or shared output (naming it), a row outside ``row_start`` or given twice.

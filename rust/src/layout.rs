@@ -21,6 +21,7 @@ use crate::batch::{AcceptedBatch, TreeBatch};
 use crate::compile::{compile_into, kv_moves, words_per_row, CompiledSlots};
 use crate::error::{DdtreeError, Result};
 use crate::limits::{at_most, MAX_WINDOW};
+use crate::tree::TreeView;
 
 /// Where each tree of a batch sits in the engine's step (all `[R]`, R = the batch's trees).
 #[derive(Clone, Copy, Debug)]
@@ -55,6 +56,105 @@ pub struct VerifyLayout<'a> {
     /// (empty when `window` is 0).
     pub conv_index: &'a mut [i64],
     pub window: usize,
+    /// What an engine's device side needs per node besides the above (each written when given).
+    pub nodes: NodeArrays<'a>,
+}
+
+/// Per-node arrays of a step for an engine that places the tree tokens and walks the trees on its device,
+/// in the batch's node order (T nodes, R trees); each is written when given.
+#[derive(Default)]
+pub struct NodeArrays<'a> {
+    /// `[T]`: the node's depth.
+    pub depths: Option<&'a mut [i64]>,
+    /// `[T]`: the step index of its tree's root (`query_starts[r]`).
+    pub root_index: Option<&'a mut [i64]>,
+    /// `[T]`: its parent as a node of the batch (a root: itself).
+    pub parents: Option<&'a mut [i64]>,
+    /// `[T]`: its tree.
+    pub tree: Option<&'a mut [i64]>,
+    /// `[T]`: its index within its tree (the root 0).
+    pub local: Option<&'a mut [i64]>,
+    /// `[T]`: its draft token (a root: 0).
+    pub tokens: Option<&'a mut [i64]>,
+    /// `[T - R]`: each draft node's index among the step's query tokens ...
+    pub draft_step_index: Option<&'a mut [i64]>,
+    /// `[T - R]`: ... and its token, for an engine that scheduled placeholders in their place.
+    pub draft_tokens: Option<&'a mut [i32]>,
+}
+
+impl NodeArrays<'_> {
+    fn check(&self, total: usize, r_count: usize) -> Result<()> {
+        let per_node = [
+            ("depths", &self.depths),
+            ("root_index", &self.root_index),
+            ("node_parents", &self.parents),
+            ("node_tree", &self.tree),
+            ("node_local", &self.local),
+            ("node_tokens", &self.tokens),
+        ];
+        for (arg, slot) in per_node {
+            if let Some(slot) = slot {
+                expect_len(arg, slot.len(), total, "[T]")?;
+            }
+        }
+        let drafts = total - r_count;
+        if let Some(slot) = &self.draft_step_index {
+            expect_len("draft_step_index", slot.len(), drafts, "[T - R]")?;
+        }
+        if let Some(slot) = &self.draft_tokens {
+            expect_len("draft_tokens", slot.len(), drafts, "[T - R]")?;
+        }
+        Ok(())
+    }
+
+    /// Tree `r`'s nodes (batch nodes `first ..`, its root at step index `first_query`).
+    fn fill_tree(&mut self, tree: TreeView<'_>, r: usize, first: usize, first_query: i64) -> Result<()> {
+        let nodes = first..first + tree.len();
+        if let Some(out) = self.depths.as_deref_mut() {
+            for (slot, &depth) in out[nodes.clone()].iter_mut().zip(tree.depths) {
+                *slot = i64::from(depth);
+            }
+        }
+        if let Some(out) = self.root_index.as_deref_mut() {
+            out[nodes.clone()].fill(first_query);
+        }
+        if let Some(out) = self.parents.as_deref_mut() {
+            for (i, (slot, &parent)) in out[nodes.clone()].iter_mut().zip(tree.parents).enumerate() {
+                let local = if parent >= 0 { parent as usize } else { i };
+                *slot = (first + local) as i64;
+            }
+        }
+        if let Some(out) = self.tree.as_deref_mut() {
+            out[nodes.clone()].fill(r as i64);
+        }
+        if let Some(out) = self.local.as_deref_mut() {
+            for (i, slot) in out[nodes.clone()].iter_mut().enumerate() {
+                *slot = i as i64;
+            }
+        }
+        if let Some(out) = self.tokens.as_deref_mut() {
+            out[first] = 0;
+            out[first + 1..nodes.end].copy_from_slice(tree.tokens);
+        }
+        // Tree r's drafts are the batch's draft slots first - r .. (every earlier tree has one root).
+        let drafts = first - r..first - r + tree.tokens.len();
+        if let Some(out) = self.draft_step_index.as_deref_mut() {
+            for (j, slot) in out[drafts.clone()].iter_mut().enumerate() {
+                *slot = first_query + 1 + j as i64;
+            }
+        }
+        if let Some(out) = self.draft_tokens.as_deref_mut() {
+            for (slot, &token) in out[drafts].iter_mut().zip(tree.tokens) {
+                *slot = i32::try_from(token).map_err(|_| {
+                    DdtreeError::value(
+                        "draft_tokens",
+                        format!("tree {r}: token {token} does not fit int32"),
+                    )
+                })?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes one step's verification layout; see the module docs.
@@ -101,6 +201,8 @@ pub fn verify_layout_into(
         "[T, window + 1]",
     )?;
     mark_tree_rows(place.rows, batch, out.row_start)?;
+    let mut node_arrays = out.nodes;
+    node_arrays.check(total, r_count)?;
 
     let history_rows = (r_count * out.window) as i64;
     let mut windows = Vec::new(); // one tree's tree-local windows, reused across the batch
@@ -113,6 +215,7 @@ pub fn verify_layout_into(
         let first_logit = place.logit_starts[r];
         step_index("query_starts", first_query, n)?;
         step_index("logit_starts", first_logit, n)?;
+        node_arrays.fill_tree(tree, r, nodes.start, first_query)?;
         for (i, (query, logit)) in out.token_index[nodes.clone()]
             .iter_mut()
             .zip(&mut out.logit_rows[nodes.clone()])
@@ -491,6 +594,7 @@ mod tests {
             node_offsets: &mut offsets,
             conv_index: &mut conv,
             window: 3,
+            nodes: NodeArrays::default(),
         };
         verify_layout_into(&batch, place, out).unwrap();
         let compiled = compile_trees(&batch, &starts, 3).unwrap();
@@ -512,6 +616,70 @@ mod tests {
         }
         // Tree 1's root: its own history rows (3..6 for request 1 of 2, w = 3), then itself (row 6 + n0).
         assert_eq!(conv[n0 * 4..n0 * 4 + 4], [3, 4, 5, 6 + n0 as i64]);
+    }
+
+    #[test]
+    fn node_arrays_follow_their_definitions_and_refuse_wrong_sizes() {
+        let batch = batch();
+        let (total, r_count) = (batch.total_nodes(), batch.requests());
+        let (rows, starts, query, logit) = ([1i64, 0], [10i64, 20], [7i64, 1], [0i64, 5]);
+        let run = |drafts: usize, depths: &mut Vec<i64>| {
+            let (mut ti, mut lr, mut pos) = (vec![0; total], vec![0; total], vec![0; total]);
+            let (mut bits, mut row_start, mut offsets) = (vec![0u32; total], vec![0i32; 2], vec![0i32; 3]);
+            let (mut root, mut parents, mut tree, mut local, mut tokens) =
+                (vec![-9; total], vec![-9; total], vec![-9; total], vec![-9; total], vec![-9; total]);
+            let (mut step, mut draft) = (vec![-9i64; drafts], vec![-9i32; drafts]);
+            let place = StepPlacement { rows: &rows, starts: &starts, query_starts: &query, logit_starts: &logit };
+            let out = VerifyLayout {
+                token_index: &mut ti,
+                logit_rows: &mut lr,
+                positions: &mut pos,
+                ancestor_bits: &mut bits,
+                words: 1,
+                row_start: &mut row_start,
+                node_offsets: &mut offsets,
+                conv_index: &mut [],
+                window: 0,
+                nodes: NodeArrays {
+                    depths: Some(depths),
+                    root_index: Some(&mut root),
+                    parents: Some(&mut parents),
+                    tree: Some(&mut tree),
+                    local: Some(&mut local),
+                    tokens: Some(&mut tokens),
+                    draft_step_index: Some(&mut step),
+                    draft_tokens: Some(&mut draft),
+                },
+            };
+            verify_layout_into(&batch, place, out).map(|()| (ti, root, parents, tree, local, tokens, step, draft))
+        };
+        let mut depths = vec![-9; total];
+        let (ti, root, parents, tree, local, tokens, step, draft) = run(total - r_count, &mut depths).unwrap();
+        let (mut drafts_seen, mut k) = (Vec::new(), 0);
+        for r in 0..r_count {
+            let view = batch.tree(r);
+            let first = batch.node_offsets[r] as usize;
+            for i in 0..view.len() {
+                let t = first + i;
+                assert_eq!(depths[t], i64::from(view.depths[i]));
+                assert_eq!(root[t], query[r]);
+                let parent = if i == 0 { t } else { first + view.parents[i] as usize };
+                assert_eq!(parents[t], parent as i64);
+                assert_eq!((tree[t], local[t]), (r as i64, i as i64));
+                assert_eq!(tokens[t], if i == 0 { 0 } else { view.tokens[i - 1] });
+                if i > 0 {
+                    // Draft k of the batch is node t: its step index is the node's, its token the node's.
+                    assert_eq!((step[k], i64::from(draft[k])), (ti[t], view.tokens[i - 1]));
+                    drafts_seen.push(k);
+                    k += 1;
+                }
+            }
+        }
+        assert_eq!(drafts_seen.len(), total - r_count);
+        let err = run(total, &mut vec![0; total]).err().expect("a [T] draft array is refused");
+        assert!(err.to_string().contains("draft_step_index"), "{err}");
+        let err = run(total - r_count, &mut vec![0; total + 1]).err().expect("a wrong depths is refused");
+        assert!(err.to_string().contains("depths"), "{err}");
     }
 
     #[test]
@@ -605,6 +773,7 @@ mod tests {
             node_offsets: &mut offsets,
             conv_index: &mut [],
             window: 0,
+            nodes: NodeArrays::default(),
         };
         let err = verify_layout_into(&batch, place, out)
             .unwrap_err()

@@ -28,6 +28,7 @@ pub use build::TreeBuilder;
 pub use compile::{kv_moves, words_per_row, CompiledTree};
 pub use error::{DdtreeError, Result};
 pub use layout::{
-    acceptance_layout_into, verify_layout_into, AcceptanceLayout, StepPlacement, VerifyLayout,
+    acceptance_layout_into, verify_layout_into, AcceptanceLayout, NodeArrays, StepPlacement,
+    VerifyLayout,
 };
 pub use tree::{DraftDistribution, TokenId, Tree, TreeView};

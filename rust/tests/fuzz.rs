@@ -145,6 +145,7 @@ proptest! {
             node_offsets: &mut offsets,
             conv_index: &mut conv,
             window,
+            nodes: Default::default(),
         };
         let _ = verify_layout_into(&batch, place, out);
 

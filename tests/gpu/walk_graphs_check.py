@@ -48,8 +48,7 @@ def make_step(rng, num_trees, depth, width, budget, conv_window, cut, arrays=Non
 
 
 def on_device(plan, device) -> device_accept.DeviceTrees:
-    arrays = {name: np.empty(plan.num_tree_tokens, dtype=np.int64) for name in device_accept.NODE_ARRAYS}
-    device_accept.node_arrays(plan.trees, arrays)
+    arrays = device_accept.node_arrays(plan.trees)
     tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
     return device_accept.DeviceTrees(
         **tensors,

@@ -38,8 +38,7 @@ def random_step(rng, conv_window):
 
 
 def device_trees(plan):
-    arrays = {name: np.empty(plan.num_tree_tokens, dtype=np.int64) for name in device_accept.NODE_ARRAYS}
-    device_accept.node_arrays(plan.trees, arrays)
+    arrays = device_accept.node_arrays(plan.trees)
     tensors = {name: torch.from_numpy(a) for name, a in arrays.items()}
     return device_accept.DeviceTrees(
         **tensors,

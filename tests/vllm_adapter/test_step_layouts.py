@@ -61,6 +61,55 @@ def test_layouts_equal_the_numpy_oracle(seed, requests, window, extra_words):
         assert np.array_equal(got[name], want[name]), name
 
 
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6))
+def test_node_outputs_equal_their_numpy_reference(seed, requests):
+    """The optional per-node outputs (the runner's device side) against ``device_accept.node_arrays`` and the
+    definitions: every draft node's step index and token, tree by tree in pop order."""
+    from ddtree.vllm import device_accept
+    from ddtree.vllm.step import index_within_groups
+
+    rng = np.random.default_rng(seed)
+    trees = _trees(rng, requests)
+    rows, starts, query, logit, _ = _placement(rng, trees, requests + 2)
+    total, num_trees = int(trees.node_offsets[-1]), len(trees)
+    reference = device_accept.node_arrays(trees)
+    sizes = np.diff(trees.node_offsets).astype(np.int64)
+    drafts = np.diff(trees.token_offsets).astype(np.int64)
+    want = {
+        "depths": reference["node_depths"],
+        "root_index": np.repeat(query, sizes),
+        **{name: reference[name] for name in device_accept.NODE_ARRAYS},
+        "draft_step_index": np.repeat(query, drafts) + index_within_groups(drafts) + 1,
+        "draft_tokens": trees.tokens.astype(np.int32),
+    }
+    got = {name: np.full(total, 7, dtype=np.int64) for name in want}
+    got["draft_step_index"] = np.full(total - num_trees, 7, dtype=np.int64)
+    got["draft_tokens"] = np.full(total - num_trees, 7, dtype=np.int32)
+    layout = {
+        name: np.full_like(a, 7)
+        for name, a in verify_layout(trees, rows, starts, query, logit, requests + 2, 1, 0).items()
+    }
+    ddtree.verify_layout_into(trees, rows, starts, query, logit, **layout, **got)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    # A draft node's step index is its node's, and its token the node's: the two layouts agree.
+    assert np.array_equal(got["draft_step_index"], layout["token_index"][got["node_local"] > 0])
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(depths=np.zeros(2, dtype=np.int64)), ValueError, "depths: expected shape"),
+        (dict(node_tree=np.zeros(3, dtype=np.int32)), TypeError, "node_tree: expected int64"),
+        (dict(draft_step_index=np.zeros(3, dtype=np.int64)), ValueError, "draft_step_index: expected shape"),
+        (dict(draft_tokens=np.zeros(2, dtype=np.int64)), TypeError, "draft_tokens: expected int32"),
+    ],
+)
+def test_node_output_errors_name_the_argument(change, error, message):
+    with pytest.raises(error, match=message):
+        ddtree.verify_layout_into(_one_tree(), 0, 0, 0, 0, **_outputs(), **change)
+
+
 def test_a_plan_and_its_acceptance_fit_in_one_staging_buffer():
     """The runner's path: the Rust core writes disjoint views of one (pinned) buffer, uploaded in one copy."""
     rng = np.random.default_rng(3)

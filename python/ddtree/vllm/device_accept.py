@@ -27,29 +27,32 @@ import torch
 
 from ddtree.vllm.step import index_within_groups
 
-#: Host arrays the plan uploads for the device walk (``node_arrays``), beside the verification layout.
-NODE_ARRAYS = ("node_parents", "node_depths", "node_tree", "node_local", "node_tokens")
+#: Host arrays the plan uploads for the device walk beside the verification layout and the nodes' ``depths``,
+#: written by the Rust layout (``ddtree.verify_layout_into``; :func:`node_arrays` is their numpy reference).
+NODE_ARRAYS = ("node_parents", "node_tree", "node_local", "node_tokens")
 
 
-def node_arrays(trees, out: Dict[str, np.ndarray]) -> None:
-    """Fills ``out``'s int64 ``[T]`` arrays (:data:`NODE_ARRAYS`) for the trees of a step, in the plan's node
-    order: each node's parent as a node index of the step (a root: itself), depth, tree, index in its tree and
-    draft token (a root: 0, never read)."""
+def node_arrays(trees) -> Dict[str, np.ndarray]:
+    """The numpy reference of the device walk's per-node inputs (what the runner has the Rust layout write): int64
+    ``[T]`` arrays in the plan's node order, each node's parent as a node index of the step (a root: itself), depth
+    (``node_depths``), tree, index in its tree and draft token (a root: 0, never read)."""
     offsets = np.asarray(trees.node_offsets, dtype=np.int64)
     sizes = np.diff(offsets)
     tree = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
     local = index_within_groups(sizes)
     parents = np.asarray(trees.parents, dtype=np.int64)
-    out["node_tree"][:] = tree
-    out["node_local"][:] = local
-    out["node_parents"][:] = np.where(parents >= 0, offsets[tree] + parents, offsets[tree] + local)
-    out["node_depths"][:] = trees.depths
-    tokens = out["node_tokens"]
-    tokens[:] = 0
+    tokens = np.zeros(tree.shape[0], dtype=np.int64)
     # Tree r's draft token k belongs to its node k + 1 (the root has none).
     token_offsets = np.asarray(trees.token_offsets, dtype=np.int64)
     non_root = local > 0
     tokens[non_root] = np.asarray(trees.tokens, dtype=np.int64)[token_offsets[tree[non_root]] + local[non_root] - 1]
+    return {
+        "node_parents": np.where(parents >= 0, offsets[tree] + parents, offsets[tree] + local),
+        "node_depths": np.asarray(trees.depths, dtype=np.int64),
+        "node_tree": tree,
+        "node_local": local,
+        "node_tokens": tokens,
+    }
 
 
 @dataclasses.dataclass

@@ -86,7 +86,15 @@ from ddtree.vllm.graphs import (
 from ddtree.vllm import launch_gate
 from ddtree.vllm.launch_gate import StreamGate
 from ddtree.vllm.staging import StepStaging
-from ddtree.vllm.step import AcceptPlan, VerifyPlan, accept, plan_specs, plan_verify, tree_token_layout
+from ddtree.vllm.step import (
+    NODE_OUTPUTS,
+    AcceptPlan,
+    VerifyPlan,
+    accept,
+    plan_specs,
+    plan_verify,
+    tree_token_layout,
+)
 from ddtree.vllm.what_if import PeriodicLog, WhatIfAcceptance, log_interval, whole_proposed_trees
 from ddtree.vllm import auto_budget
 from ddtree.vllm.auto_budget import AutoBudget, StepTimer
@@ -253,15 +261,9 @@ def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool
 
 
 def fill_plan_extras(extras: Dict[str, np.ndarray], plan: VerifyPlan, total: int) -> None:
-    """Fills the runner's arrays that ride in the plan's upload (see ``_ddtree_plan_arrays``)."""
-    if "root_index" in extras:
-        # A tree token's position is its root's plus its depth: for M-RoPE (for text the three sections of a decode
-        # position are equal; taking the root's keeps a multimodal offset), and under asynchronous scheduling, where
-        # only the GPU knows each request's start.
-        extras["root_index"][:] = np.repeat(plan.query_starts, plan.num_nodes)
-        extras["depths"][:] = plan.trees.depths
-    if "node_parents" in extras:  # the device walk's inputs (DDTREE_DEVICE_ACCEPT)
-        device_accept.node_arrays(plan.trees, extras)
+    """Fills the runner's arrays that ride in the plan's upload and that the Rust layout does not write (see
+    ``_ddtree_plan_arrays``)."""
+    if "tree_query_starts" in extras:  # the device walk's (DDTREE_DEVICE_ACCEPT)
         extras["tree_query_starts"][:] = plan.query_starts
     if "other_index" in extras:
         extras["other_index"][:] = other_tokens(total, plan.token_index)
@@ -650,6 +652,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if "node_parents" in gpu:
             plan.device_trees = device_accept.DeviceTrees(
                 **{name: gpu[name] for name in device_accept.NODE_ARRAYS},
+                node_depths=gpu["depths"],
                 node_offsets=placed["node_offsets"],
                 query_starts=gpu["tree_query_starts"],
                 token_index=gpu["token_index"],
@@ -730,21 +733,25 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         target's mixed step."""
         full_specs, extra_names = self._ddtree_plan_specs(specs, total, hybrid)
         views = self._ddtree_plan_staging.host_arrays(full_specs)
-        extras.update((name, views.pop(name)) for name in extra_names)
+        extras.update((name, views.pop(name)) for name in extra_names if name not in NODE_OUTPUTS)
         return views
 
     def _ddtree_plan_specs(self, specs, total: int, hybrid: bool) -> Tuple[Dict[str, tuple], List[str]]:
         """The plan staging's layout for the plan's ``specs``: those and the runner's own (named second)."""
         num_tree_tokens = specs["token_index"][1][0]
+        per_node = (np.int64, (num_tree_tokens,))
         extra_specs = {}
         if self.uses_mrope or self.use_async_scheduling:
-            extra_specs["root_index"] = (np.int64, (num_tree_tokens,))
-            extra_specs["depths"] = (np.int64, (num_tree_tokens,))
+            # A tree token's position is its root's plus its depth: for M-RoPE (for text the three sections of a
+            # decode position are equal; taking the root's keeps a multimodal offset), and under asynchronous
+            # scheduling, where only the GPU knows each request's start.
+            extra_specs["root_index"] = extra_specs["depths"] = per_node
         if hybrid and num_tree_tokens < total and not self.use_async_scheduling:
             # (Under asynchronous scheduling the step was published with its own, from the counts.)
             extra_specs["other_index"] = (np.int64, (total - num_tree_tokens,))
         if self._ddtree_device_accept:
-            extra_specs.update((name, (np.int64, (num_tree_tokens,))) for name in device_accept.NODE_ARRAYS)
+            # The device walk's inputs (its node depths are ``depths``, uploaded once).
+            extra_specs.update((name, per_node) for name in ("depths", *device_accept.NODE_ARRAYS))
             extra_specs["tree_query_starts"] = (np.int64, (specs["batch_index"][1][0],))
         return {**specs, **extra_specs}, list(extra_specs)
 

@@ -396,6 +396,21 @@ def layout_specs(num_rows: int, num_trees: int, num_nodes: int, words: int, conv
     return specs
 
 
+#: Optional outputs of :func:`ddtree.verify_layout_into` beyond the layout: per node (``[T]`` int64) its depth, its
+#: tree's root among the step's tokens, its parent as a node of the step, its tree, its index in its tree and its
+#: draft token; per draft node (``[T - R]``) its index among the step's tokens and its token (int32).
+NODE_OUTPUTS = (
+    "depths",
+    "root_index",
+    "node_parents",
+    "node_tree",
+    "node_local",
+    "node_tokens",
+    "draft_step_index",
+    "draft_tokens",
+)
+
+
 def plan_specs(
     num_rows: int, num_trees: int, num_nodes: int, words: int, conv_window: int, placeholder_drafts: bool
 ) -> ArraySpecs:
@@ -436,12 +451,18 @@ def _lay_out(
     batch_index = out.pop("batch_index")
     batch_index[:] = rows
     query_starts = query_start[batch_index]
-    draft_step_index, draft_tokens = out.pop("draft_step_index", None), out.pop("draft_tokens", None)
-    if placeholder_drafts:
-        draft_step_index[:], draft_tokens[:] = draft_token_layout(trees, query_starts)
+    # Per-node arrays the caller's allocator added (the runner's device side): written by the same Rust call.
+    node_arrays = {name: out.pop(name) for name in NODE_OUTPUTS if name in out}
     ddtree.verify_layout_into(
-        trees, batch_index, num_computed_tokens[batch_index], query_starts, logit_start[batch_index], **out
+        trees,
+        batch_index,
+        num_computed_tokens[batch_index],
+        query_starts,
+        logit_start[batch_index],
+        **out,
+        **node_arrays,
     )
+    draft_step_index, draft_tokens = node_arrays.get("draft_step_index"), node_arrays.get("draft_tokens")
     return VerifyPlan(
         batch_index=batch_index,
         trees=trees,
@@ -485,14 +506,6 @@ def index_within_groups(counts: np.ndarray) -> np.ndarray:
     """``[0, 1, .., counts[0] - 1, 0, 1, .., counts[1] - 1, ...]`` (int64)."""
     counts = np.asarray(counts, dtype=np.int64)
     return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def draft_token_layout(trees: "ddtree.TreeBatch", query_starts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """``(step_index, tokens)`` of every draft node: tree ``t``'s ``j``-th draft (pop order) is the step's token
-    ``query_starts[t] + j + 1`` (its root first, then the drafts in the order vLLM scheduled them)."""
-    counts = np.diff(trees.token_offsets).astype(np.int64)
-    step_index = np.repeat(np.asarray(query_starts, dtype=np.int64), counts) + index_within_groups(counts) + 1
-    return step_index, trees.tokens
 
 
 def top_k_arrays(

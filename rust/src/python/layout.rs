@@ -3,7 +3,7 @@
 use numpy::PyReadwriteArrayDyn;
 
 use super::*;
-use crate::layout::{self, AcceptanceLayout, StepPlacement, VerifyLayout};
+use crate::layout::{self, AcceptanceLayout, NodeArrays, StepPlacement, VerifyLayout};
 
 /// A C-contiguous, writable output array of `dims` dimensions and element type `T`, borrowed for this call
 /// (rust-numpy's borrow registry refuses two outputs that share memory).
@@ -25,6 +25,16 @@ fn output<'py, T: Element>(
         )
         .into()
     })
+}
+
+/// [`output`] of an argument that may be None.
+fn optional_output<'py, T: Element>(
+    obj: Option<&Bound<'py, PyAny>>,
+    arg: &'static str,
+    expected: &'static str,
+    dtype: &'static str,
+) -> PyResult<Option<PyReadwriteArrayDyn<'py, T>>> {
+    obj.map(|o| output::<T>(o, arg, expected, dtype)).transpose()
 }
 
 fn slice_mut<'a, T: Element>(array: &'a mut PyReadwriteArrayDyn<'_, T>) -> &'a mut [T] {
@@ -81,11 +91,15 @@ impl<'py> Bits<'py> {
 }
 
 /// verify_layout_into(batch, rows, starts, query_starts, logit_starts, *, token_index, logit_rows,
-/// positions, ancestor_bits, row_start, node_offsets, conv_index=None) -> None
+/// positions, ancestor_bits, row_start, node_offsets, conv_index=None, depths=None, root_index=None,
+/// node_parents=None, node_tree=None, node_local=None, node_tokens=None, draft_step_index=None,
+/// draft_tokens=None) -> None
 #[pyfunction]
 #[pyo3(signature = (
     batch, rows, starts, query_starts, logit_starts, *,
-    token_index, logit_rows, positions, ancestor_bits, row_start, node_offsets, conv_index=None
+    token_index, logit_rows, positions, ancestor_bits, row_start, node_offsets, conv_index=None,
+    depths=None, root_index=None, node_parents=None, node_tree=None, node_local=None, node_tokens=None,
+    draft_step_index=None, draft_tokens=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn verify_layout_into(
@@ -102,6 +116,14 @@ pub(crate) fn verify_layout_into(
     row_start: &Bound<'_, PyAny>,
     node_offsets: &Bound<'_, PyAny>,
     conv_index: Option<&Bound<'_, PyAny>>,
+    depths: Option<&Bound<'_, PyAny>>,
+    root_index: Option<&Bound<'_, PyAny>>,
+    node_parents: Option<&Bound<'_, PyAny>>,
+    node_tree: Option<&Bound<'_, PyAny>>,
+    node_local: Option<&Bound<'_, PyAny>>,
+    node_tokens: Option<&Bound<'_, PyAny>>,
+    draft_step_index: Option<&Bound<'_, PyAny>>,
+    draft_tokens: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let requests = batch.inner.requests();
     let rows = per_request_ints(rows, "rows", requests)?;
@@ -115,9 +137,7 @@ pub(crate) fn verify_layout_into(
     let mut bits = Bits::new(ancestor_bits)?;
     let mut row_start = output::<i32>(row_start, "row_start", "[num_rows]", "int32")?;
     let mut node_offsets = output::<i32>(node_offsets, "node_offsets", "[R + 1]", "int32")?;
-    let mut conv = conv_index
-        .map(|c| output::<i64>(c, "conv_index", "[T, window + 1]", dtype))
-        .transpose()?;
+    let mut conv = optional_output::<i64>(conv_index, "conv_index", "[T, window + 1]", dtype)?;
     let window = match &conv {
         Some(c) if width(c) < 2 => {
             return Err(
@@ -127,6 +147,16 @@ pub(crate) fn verify_layout_into(
         Some(c) => width(c) - 1,
         None => 0,
     };
+    let mut depths = optional_output::<i64>(depths, "depths", t, dtype)?;
+    let mut root_index = optional_output::<i64>(root_index, "root_index", t, dtype)?;
+    let mut node_parents = optional_output::<i64>(node_parents, "node_parents", t, dtype)?;
+    let mut node_tree = optional_output::<i64>(node_tree, "node_tree", t, dtype)?;
+    let mut node_local = optional_output::<i64>(node_local, "node_local", t, dtype)?;
+    let mut node_tokens = optional_output::<i64>(node_tokens, "node_tokens", t, dtype)?;
+    let mut draft_step_index =
+        optional_output::<i64>(draft_step_index, "draft_step_index", "[T - R]", dtype)?;
+    let mut draft_tokens =
+        optional_output::<i32>(draft_tokens, "draft_tokens", "[T - R]", "int32")?;
     let words = bits.words();
     let place = StepPlacement {
         rows: &rows,
@@ -144,8 +174,18 @@ pub(crate) fn verify_layout_into(
         node_offsets: slice_mut(&mut node_offsets),
         conv_index: conv.as_mut().map(slice_mut).unwrap_or_default(),
         window,
+        nodes: NodeArrays {
+            depths: depths.as_mut().map(slice_mut),
+            root_index: root_index.as_mut().map(slice_mut),
+            parents: node_parents.as_mut().map(slice_mut),
+            tree: node_tree.as_mut().map(slice_mut),
+            local: node_local.as_mut().map(slice_mut),
+            tokens: node_tokens.as_mut().map(slice_mut),
+            draft_step_index: draft_step_index.as_mut().map(slice_mut),
+            draft_tokens: draft_tokens.as_mut().map(slice_mut),
+        },
     };
-    let elements = batch.inner.total_nodes().saturating_mul(words + window + 4);
+    let elements = batch.inner.total_nodes().saturating_mul(words + window + 12);
     run_core(py, elements, || {
         layout::verify_layout_into(&batch.inner, place, out)
     })
