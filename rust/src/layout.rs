@@ -108,7 +108,13 @@ impl NodeArrays<'_> {
     }
 
     /// Tree `r`'s nodes (batch nodes `first ..`, its root at step index `first_query`).
-    fn fill_tree(&mut self, tree: TreeView<'_>, r: usize, first: usize, first_query: i64) -> Result<()> {
+    fn fill_tree(
+        &mut self,
+        tree: TreeView<'_>,
+        r: usize,
+        first: usize,
+        first_query: i64,
+    ) -> Result<()> {
         let nodes = first..first + tree.len();
         if let Some(out) = self.depths.as_deref_mut() {
             for (slot, &depth) in out[nodes.clone()].iter_mut().zip(tree.depths) {
@@ -119,7 +125,8 @@ impl NodeArrays<'_> {
             out[nodes.clone()].fill(first_query);
         }
         if let Some(out) = self.parents.as_deref_mut() {
-            for (i, (slot, &parent)) in out[nodes.clone()].iter_mut().zip(tree.parents).enumerate() {
+            for (i, (slot, &parent)) in out[nodes.clone()].iter_mut().zip(tree.parents).enumerate()
+            {
                 let local = if parent >= 0 { parent as usize } else { i };
                 *slot = (first + local) as i64;
             }
@@ -625,11 +632,22 @@ mod tests {
         let (rows, starts, query, logit) = ([1i64, 0], [10i64, 20], [7i64, 1], [0i64, 5]);
         let run = |drafts: usize, depths: &mut Vec<i64>| {
             let (mut ti, mut lr, mut pos) = (vec![0; total], vec![0; total], vec![0; total]);
-            let (mut bits, mut row_start, mut offsets) = (vec![0u32; total], vec![0i32; 2], vec![0i32; 3]);
-            let (mut root, mut parents, mut tree, mut local, mut tokens) =
-                (vec![-9; total], vec![-9; total], vec![-9; total], vec![-9; total], vec![-9; total]);
+            let (mut bits, mut row_start, mut offsets) =
+                (vec![0u32; total], vec![0i32; 2], vec![0i32; 3]);
+            let (mut root, mut parents, mut tree, mut local, mut tokens) = (
+                vec![-9; total],
+                vec![-9; total],
+                vec![-9; total],
+                vec![-9; total],
+                vec![-9; total],
+            );
             let (mut step, mut draft) = (vec![-9i64; drafts], vec![-9i32; drafts]);
-            let place = StepPlacement { rows: &rows, starts: &starts, query_starts: &query, logit_starts: &logit };
+            let place = StepPlacement {
+                rows: &rows,
+                starts: &starts,
+                query_starts: &query,
+                logit_starts: &logit,
+            };
             let out = VerifyLayout {
                 token_index: &mut ti,
                 logit_rows: &mut lr,
@@ -651,19 +669,25 @@ mod tests {
                     draft_tokens: Some(&mut draft),
                 },
             };
-            verify_layout_into(&batch, place, out).map(|()| (ti, root, parents, tree, local, tokens, step, draft))
+            verify_layout_into(&batch, place, out)
+                .map(|()| (ti, root, parents, tree, local, tokens, step, draft))
         };
         let mut depths = vec![-9; total];
-        let (ti, root, parents, tree, local, tokens, step, draft) = run(total - r_count, &mut depths).unwrap();
+        let (ti, root_index, parents, tree, local, tokens, step, draft) =
+            run(total - r_count, &mut depths).unwrap();
         let (mut drafts_seen, mut k) = (Vec::new(), 0);
-        for r in 0..r_count {
+        for (r, &root) in query.iter().enumerate() {
             let view = batch.tree(r);
             let first = batch.node_offsets[r] as usize;
             for i in 0..view.len() {
                 let t = first + i;
                 assert_eq!(depths[t], i64::from(view.depths[i]));
-                assert_eq!(root[t], query[r]);
-                let parent = if i == 0 { t } else { first + view.parents[i] as usize };
+                assert_eq!(root_index[t], root);
+                let parent = if i == 0 {
+                    t
+                } else {
+                    first + view.parents[i] as usize
+                };
                 assert_eq!(parents[t], parent as i64);
                 assert_eq!((tree[t], local[t]), (r as i64, i as i64));
                 assert_eq!(tokens[t], if i == 0 { 0 } else { view.tokens[i - 1] });
@@ -676,9 +700,10 @@ mod tests {
             }
         }
         assert_eq!(drafts_seen.len(), total - r_count);
-        let err = run(total, &mut vec![0; total]).err().expect("a [T] draft array is refused");
+        let err = run(total, &mut vec![0; total]).expect_err("a [T] draft array is refused");
         assert!(err.to_string().contains("draft_step_index"), "{err}");
-        let err = run(total - r_count, &mut vec![0; total + 1]).err().expect("a wrong depths is refused");
+        let err =
+            run(total - r_count, &mut vec![0; total + 1]).expect_err("a wrong depths is refused");
         assert!(err.to_string().contains("depths"), "{err}");
     }
 

@@ -34,7 +34,8 @@ fn optional_output<'py, T: Element>(
     expected: &'static str,
     dtype: &'static str,
 ) -> PyResult<Option<PyReadwriteArrayDyn<'py, T>>> {
-    obj.map(|o| output::<T>(o, arg, expected, dtype)).transpose()
+    obj.map(|o| output::<T>(o, arg, expected, dtype))
+        .transpose()
 }
 
 fn slice_mut<'a, T: Element>(array: &'a mut PyReadwriteArrayDyn<'_, T>) -> &'a mut [T] {
@@ -185,7 +186,10 @@ pub(crate) fn verify_layout_into(
             draft_tokens: draft_tokens.as_mut().map(slice_mut),
         },
     };
-    let elements = batch.inner.total_nodes().saturating_mul(words + window + 12);
+    let elements = batch
+        .inner
+        .total_nodes()
+        .saturating_mul(words + window + 12);
     run_core(py, elements, || {
         layout::verify_layout_into(&batch.inner, place, out)
     })
