@@ -367,3 +367,54 @@ def test_walk_graphs_replay_a_shape_on_each_steps_inputs_and_capture_each_shape_
     assert len(captured) == 1 and graphs.replayed == 2
     graphs.walk(trees, target, *args[:3], 0)  # another shape (no GDN conv): its own graph
     assert len(captured) == 2 and graphs.replayed == 2
+
+
+def test_walk_graphs_read_the_trees_in_place_and_copy_inputs_that_keep_moving():
+    """A graph keyed by the trees' addresses reads them where they are: a later step's trees written into the same
+    tensors (the plan's upload views) are what its replay walks. Trees at new addresses get graphs of their own,
+    up to ADDRESS_SETS per shape; after that the shape's walks copy their inputs, still exact."""
+    import dataclasses
+
+    from test_device_accept import agreeing_target, device_trees, random_step
+
+    from ddtree.vllm.device_accept import accept_on_device
+    from ddtree.vllm.graphs import WalkGraphs
+
+    captured = []
+
+    def capture(work):
+        captured.append(work)
+        return work
+
+    def same_shape_step(seed):
+        # Steps of one shape: trees of fixed sizes, different tokens and parents.
+        rng = np.random.default_rng(seed)
+        while True:
+            plan, depth = random_step(rng, conv_window=3)
+            if (
+                plan.trees.node_offsets.tolist() == first.trees.node_offsets.tolist()
+                and plan.num_tokens == first.num_tokens
+            ):
+                return plan, rng
+
+    first, depth = random_step(np.random.default_rng(11), conv_window=3)
+    graphs = WalkGraphs(capture)
+    args = (depth + 2, int(first.trees.draft_depth) + 1, first.num_tokens, 3)
+    in_place = device_trees(first)
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        plan = first if step == 0 else same_shape_step(100 + step)[0]
+        fresh = device_trees(plan)
+        for field in dataclasses.fields(fresh):  # the upload rewrites the same views
+            getattr(in_place, field.name).copy_(getattr(fresh, field.name))
+        target = torch.from_numpy(agreeing_target(rng, plan))
+        got, want = graphs.walk(in_place, target, *args), accept_on_device(fresh, target, *args)
+        assert all(torch.equal(got[k], want[k]) for k in want), step
+    assert len(captured) == 1 and graphs.replayed == 2
+    for step in range(WalkGraphs.ADDRESS_SETS + 2):  # new tensors every step: ADDRESS_SETS - 1 more graphs, then one
+        plan = same_shape_step(200 + step)[0]
+        moving = device_trees(plan)
+        target = torch.from_numpy(agreeing_target(rng, plan))
+        got, want = graphs.walk(moving, target, *args), accept_on_device(moving, target, *args)
+        assert all(torch.equal(got[k], want[k]) for k in want), step
+    assert len(captured) == WalkGraphs.ADDRESS_SETS + 1

@@ -173,20 +173,27 @@ class CapturedCommits:
 
 class WalkGraphs:
     """The device walk of a FULL tree step (:func:`ddtree.vllm.device_accept.accept_on_device`) as one CUDA graph
-    per step shape.
+    per step shape and input addresses.
 
     The walk is ~40 small torch operations whose launches cost the host 1.71 ms per batch-1 step at the
     Qwen3.6-27B shape (``gpu-h200-async-b798afe``). A FULL step's shapes repeat (``N`` whole trees), so the first
-    walk of a shape runs eagerly, is then captured (capturing runs nothing), and later walks of that shape copy
-    their inputs into the graph's own (the plan's upload and the target's tokens: about ten copies) and replay
-    it. The results are the graph's outputs, rewritten by its next replay: the step reads them before that (the
-    chain rows are copied out, the KV moves, commit and drafter are queued right after the walk).
-    ``capture`` is :func:`cuda_graph_capture` on a GPU (tests pass a stand-in).
+    walk of a key runs eagerly, is then captured (capturing runs nothing), and later walks replay it. The trees'
+    arrays are views of the plan's upload and the placement graph's outputs, which stay at the same addresses while
+    the step shape repeats: a graph keyed by those addresses reads them where they are, and only the target's
+    tokens are copied in (one copy, where copying every input took about ten launches). A shape whose inputs keep
+    moving gets :attr:`ADDRESS_SETS` graphs, then its walks copy their inputs into the shape's own. The results are
+    the graph's outputs, rewritten by its next replay: the step reads them before that (the chain rows are copied
+    out, the KV moves, commit and drafter are queued right after the walk). ``capture`` is
+    :func:`cuda_graph_capture` on a GPU (tests pass a stand-in).
     """
+
+    #: Input addresses a shape gets its own graph for before its walks copy their inputs instead.
+    ADDRESS_SETS = 4
 
     def __init__(self, capture):
         self._graphs = ShapeGraphs(capture)
-        self._inputs: Dict[tuple, tuple] = {}  # the graph's own inputs (a list, and as trees), by key
+        self._inputs: Dict[tuple, tuple] = {}  # by key: (the graph's target, the trees it reads)
+        self._address_sets: Dict[tuple, int] = {}  # by shape: graphs keyed by input addresses
 
     @property
     def replayed(self) -> int:
@@ -196,18 +203,28 @@ class WalkGraphs:
         from ddtree.vllm.device_accept import accept_on_device
 
         fields = [f.name for f in dataclasses.fields(trees)]
-        inputs = [getattr(trees, name) for name in fields] + [target]
-        key = (width, path_width, num_tokens, conv_window) + tuple((t.shape, t.dtype) for t in inputs)
+        inputs = [getattr(trees, name) for name in fields]
+        shape = (width, path_width, num_tokens, conv_window) + tuple(
+            (t.shape, t.stride(), t.dtype) for t in [*inputs, target]
+        )
+        key = shape + tuple(t.data_ptr() for t in inputs)
         entry = self._inputs.get(key)
-        if entry is None:  # the first walk of a shape runs on fresh copies, then the graph is captured on them
-            static = [t.clone() for t in inputs]
-            entry = self._inputs[key] = (static, dataclasses.replace(trees, **dict(zip(fields, static[:-1]))))
-        else:
-            for own, given in zip(entry[0], inputs):
-                own.copy_(given)
-        static, static_trees = entry
+        if entry is None and self._address_sets.get(shape, 0) < self.ADDRESS_SETS:
+            self._address_sets[shape] = self._address_sets.get(shape, 0) + 1
+            entry = self._inputs[key] = (target.clone(), trees)  # the trees read in place
+        elif entry is None:  # inputs that keep moving: copied into the shape's own
+            key = shape + ("copied",)
+            entry = self._inputs.get(key)
+            if entry is None:
+                own = [t.clone() for t in inputs]
+                entry = self._inputs[key] = (target.clone(), dataclasses.replace(trees, **dict(zip(fields, own))))
+            else:
+                for name, given in zip(fields, inputs):
+                    getattr(entry[1], name).copy_(given)
+        own_target, own_trees = entry
+        own_target.copy_(target)
         args = (width, path_width, num_tokens, conv_window)
-        return self._graphs.run(key, lambda: accept_on_device(static_trees, static[-1], *args))
+        return self._graphs.run(key, lambda: accept_on_device(own_trees, own_target, *args))
 
 
 def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], None]]:
