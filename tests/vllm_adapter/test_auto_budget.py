@@ -273,41 +273,35 @@ def test_a_lookup_of_another_length_is_not_attached():
     assert not auto_budget.attach_scheduler(scheduler) and not auto.attached and scheduler.dynamic_sd_lookup == [0, 64]
 
 
-class _FakeEvent:
-    def __init__(self, clock):
-        self.clock, self.at, self.done = clock, None, False
-
-    def record(self):
-        self.at, self.done = self.clock[0], False
-
-    def query(self):
-        return self.done
-
-    def elapsed_time(self, end):
-        return end.at - self.at
-
-
-def test_the_step_timer_reports_finished_steps_without_waiting():
+def test_the_step_timer_times_each_step_until_the_next_starts_and_keeps_only_runs_of_timed_steps():
     clock = [0.0]
-    timer = StepTimer(lambda: _FakeEvent(clock), slots=2)
+    timer = StepTimer(clock=lambda: clock[0])
     timer.start()
-    clock[0] = 5.0
-    timer.finish(("a",))
+    clock[0] = 0.005
+    timer.finish(("a",))  # known when the next step starts
+    assert timer.landed() == []
+    clock[0] = 0.008  # the loop's own work between the steps is the step's too
     timer.start()
-    clock[0] = 6.0
-    timer.start()  # the step before sampled nothing: timed from here
-    clock[0] = 9.0
+    clock[0] = 0.010
     timer.finish(("b",))
-    timer.start()  # no slot free: not timed
-    timer.finish(("c",))
-    assert timer.landed() == []  # the GPU has not passed the end events yet
-    timer.pending[0][1][1].done = True
-    assert timer.landed() == [(("a",), 5.0)]
-    timer.pending[0][1][1].done = True
-    assert timer.landed() == [(("b",), 3.0)]
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(("a",), 8.0)]
+    clock[0] = 0.013
     timer.start()
-    timer.finish(None)  # not a step of whole trees: dropped
-    assert not timer.pending and len(timer.free) == 2
+    timer.start()  # the step before sampled nothing: b's time stays from its start to the first of these
+    clock[0] = 0.020
+    timer.finish(("c",))
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(("b",), 5.0)]
+    clock[0] = 0.500  # an idle engine, then a prefill: c's time would hold the idle gap, so it is dropped
+    timer.start()
+    timer.finish(None)
+    clock[0] = 0.510
+    timer.start()
+    timer.finish(("d",))
+    clock[0] = 0.515
+    timer.start()
+    timer.finish(("e",))
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(("d",), 5.0)]
+    assert timer.landed() == []
 
 
 def test_timed_counts_are_the_powers_of_two_and_the_largest_of_the_graphed_counts():

@@ -382,8 +382,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_auto.needs_scheduler = bool(self.use_async_scheduling)
             auto_budget.publish(self._ddtree_auto)
             self.ddtree_stats.auto = self._ddtree_auto
-            if self.device.type == "cuda":
-                self._ddtree_step_timer = StepTimer(lambda: torch.cuda.Event(enable_timing=True))
+            self._ddtree_step_timer = StepTimer()
         if self.speculative_config is not None and hasattr(self, "drafter"):
             from ddtree.vllm.proposer import DDTreeProposer
             from ddtree.vllm.sampler import DDTreeRejectionSampler
@@ -1247,8 +1246,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     # ---- ddtree_budget "auto" ---------------------------------------------------------------------
     def _ddtree_auto_step(self) -> None:
-        """After a step: its GPU time when it verified whole trees of one size, the timed steps that have landed,
-        and the policy's window (a new choice is logged)."""
+        """After a step: whether it is timed (it verified whole trees of one size and captured no graph), the steps
+        whose time is known, and the policy's window (a new choice is logged)."""
         auto, timer = self._ddtree_auto, self._ddtree_step_timer
         if timer is not None:
             tokens, plan = self._ddtree_whole_tree_tokens, self._ddtree_plan
