@@ -376,6 +376,7 @@ def run_engine(
                 "full_graph_steps",
                 "commit_graph_steps",
                 "walk_graph_steps",
+                "walk_copied_steps",
                 "device_accept_steps",
                 "late_tree_steps",
                 "early_launch_steps",

@@ -418,3 +418,4 @@ def test_walk_graphs_read_the_trees_in_place_and_copy_inputs_that_keep_moving():
         got, want = graphs.walk(moving, target, *args), accept_on_device(moving, target, *args)
         assert all(torch.equal(got[k], want[k]) for k in want), step
     assert len(captured) == WalkGraphs.ADDRESS_SETS + 1
+    assert graphs.copied_walks == 3  # the six moving walks: three more address sets (four in all), then copies

@@ -194,6 +194,7 @@ class WalkGraphs:
         self._graphs = ShapeGraphs(capture)
         self._inputs: Dict[tuple, tuple] = {}  # by key: (the graph's target, the trees it reads)
         self._address_sets: Dict[tuple, int] = {}  # by shape: graphs keyed by input addresses
+        self.copied_walks = 0  # walks that copied their trees in (inputs that kept moving)
 
     @property
     def replayed(self) -> int:
@@ -213,6 +214,7 @@ class WalkGraphs:
             self._address_sets[shape] = self._address_sets.get(shape, 0) + 1
             entry = self._inputs[key] = (target.clone(), trees)  # the trees read in place
         elif entry is None:  # inputs that keep moving: copied into the shape's own
+            self.copied_walks += 1
             key = shape + ("copied",)
             entry = self._inputs.get(key)
             if entry is None:

@@ -138,6 +138,7 @@ class DDTreeStats:
         self.full_graph_steps_by_tree_tokens: Dict[int, int] = {}  # the same, by the graph's tokens per tree
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
         self.walk_graph_steps = 0  # FULL steps whose device walk replayed a walk graph
+        self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
         self.early_launch_steps = 0  # of those, steps whose forward was queued before the trees (DDTREE_LAUNCH_AHEAD)
@@ -219,6 +220,7 @@ class DDTreeStats:
             "full_graph_steps_by_tree_tokens": dict(sorted(self.full_graph_steps_by_tree_tokens.items())),
             "commit_graph_steps": self.commit_graph_steps,
             "walk_graph_steps": self.walk_graph_steps,
+            "walk_copied_steps": self.walk_copied_steps,
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,
             "early_launch_steps": self.early_launch_steps,
@@ -1089,10 +1091,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             graphs = self._ddtree_walk_graphs_for_step()
             self._ddtree_walk_replayed = False
             if graphs is not None:
-                before = graphs.replayed
+                before, copied = graphs.replayed, graphs.copied_walks
                 gpu = graphs.walk(plan.device_trees, node_tokens, *walk_args)
                 self._ddtree_walk_replayed = graphs.replayed > before
                 self.ddtree_stats.walk_graph_steps += self._ddtree_walk_replayed
+                self.ddtree_stats.walk_copied_steps += graphs.copied_walks > copied
             else:
                 gpu = device_accept.accept_on_device(plan.device_trees, node_tokens, *walk_args)
         self._ddtree_accept = None
