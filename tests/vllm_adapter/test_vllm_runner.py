@@ -857,6 +857,23 @@ def test_launch_ahead_mode_names_its_values():
         launch_ahead_mode({"DDTREE_LAUNCH_AHEAD": "yes"})
 
 
+def test_a_step_of_decodes_only_is_published_without_uploading_its_counts(monkeypatch):
+    """When every scheduled token is a tree token the tree tokens are the step's tokens in order: the step is
+    published with the buffers' fixed step indices (the GDN layers read the leading rows), nothing uploaded from
+    the counts; a mixed step still uploads its tree and other tokens (the asynchronous test above)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", lambda self, so, n: ("indices", "metadata"))
+    monkeypatch.setattr(GPUModelRunner, "_preprocess", lambda self, *a: None)
+    monkeypatch.setattr(GPUModelRunner, "_model_forward", lambda self, **kw: None)
+    runner = _whole_async_runner(lambda work: work)
+    _whole_async_step(runner, 1, lambda r: None)
+    step = runner._ddtree_gdn_step
+    assert runner._ddtree_count_staging.uploads == 0 and step.other_index is None
+    assert step.token_index.tolist() == list(range(14))
+    assert step.token_index.data_ptr() == runner._ddtree_buffers.step_index.data_ptr()
+
+
 def test_an_early_launch_whose_forward_fails_or_never_comes_lets_the_gpu_go(monkeypatch):
     """The gate is released whatever happens after it is queued: a forward that raises releases it, and a step
     that never reached its forward is released at the next _preprocess."""

@@ -59,6 +59,8 @@ class TreeStepBuffers:
         self.conv_index = (
             torch.zeros((max_tokens, conv_width), dtype=torch.int64, device=self.device) if conv_width else None
         )
+        # 0 .. max_tokens - 1: the tree tokens' step indices when every scheduled token is a tree token.
+        self.step_index = torch.arange(max_tokens, dtype=torch.int64, device=self.device)
 
     def load(
         self,

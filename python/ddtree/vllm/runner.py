@@ -713,14 +713,21 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return False
         rows, num_nodes, token_index = counts
         hybrid = self._ddtree_conv_window > 0
-        specs = {"token_index": (np.int64, token_index.shape)}
-        if hybrid and token_index.shape[0] < total:
-            specs["other_index"] = (np.int64, (total - token_index.shape[0],))
-        host = self._ddtree_count_staging.host_arrays(specs)
-        host["token_index"][:] = token_index
-        if "other_index" in host:
-            host["other_index"][:] = other_tokens(total, token_index)
-        gpu = self._ddtree_count_staging.upload_host()
+        step_index = self._ddtree_buffers.step_index
+        if token_index.shape[0] == total and total <= step_index.shape[0]:
+            # Every scheduled token is a tree token (a step of decodes only): the tree tokens are the step's tokens
+            # in order, and the GDN layers read the leading rows without an index. No upload (one copy launch and
+            # its host work a step).
+            gpu = {"token_index": step_index[:total]}
+        else:
+            specs = {"token_index": (np.int64, token_index.shape)}
+            if hybrid and token_index.shape[0] < total:
+                specs["other_index"] = (np.int64, (total - token_index.shape[0],))
+            host = self._ddtree_count_staging.host_arrays(specs)
+            host["token_index"][:] = token_index
+            if "other_index" in host:
+                host["other_index"][:] = other_tokens(total, token_index)
+            gpu = self._ddtree_count_staging.upload_host()
         num_trees = int(rows.shape[0])
         layout = self._ddtree_buffers.views(num_reqs, int(token_index.shape[0]), num_trees, conv=hybrid)
         self._ddtree_publish(layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), num_trees)
