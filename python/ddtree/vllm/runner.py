@@ -633,17 +633,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             gpu = self._ddtree_plan_staging.upload_host()
             placed = self._ddtree_place(gpu, total, late, whole)
         self._ddtree_flat_positions = placed["flat_positions"]
-        layout = self._ddtree_buffers.views(
-            int(gpu["row_start"].shape[0]),
-            int(gpu["ancestor_bits"].shape[0]),
-            int(gpu["node_offsets"].shape[0]) - 1 if "node_offsets" in gpu else None,
-            "conv_index" in gpu,
-        )
         if published is not None:
             # Published from the counts before vLLM built the metadata (the views `load` just filled).
             if not np.array_equal(plan.token_index, published):
                 raise RuntimeError("DDTree: the trees' tokens differ from the counts the step was published with")
         else:
+            layout = self._ddtree_buffers.views(
+                int(gpu["row_start"].shape[0]),
+                int(gpu["ancestor_bits"].shape[0]),
+                int(gpu["node_offsets"].shape[0]) - 1 if "node_offsets" in gpu else None,
+                "conv_index" in gpu,
+            )
             self._ddtree_publish(
                 layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), int(plan.batch_index.shape[0])
             )
