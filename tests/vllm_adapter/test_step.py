@@ -404,6 +404,12 @@ def test_counts_alone_give_the_plans_tree_rows_and_token_index():
     assert rows.tolist() == plan.batch_index.tolist() and num_nodes.tolist() == plan.num_nodes.tolist()
     assert token_index.tolist() == plan.token_index.tolist() == list(range(4, 17)) + list(range(18, 24))
     assert tree_token_layout(["p"], np.array([4]), {}) is None
+    # Every request with drafts (decodes only): the step's tokens in order, the plan's too.
+    assert propose(store, np.random.default_rng(9), ["a", "b"])[0] == lists  # the same trees, proposed again
+    rows, num_nodes, token_index = tree_token_layout(["a", "b"], np.array([13, 6]), scheduled)
+    plan = plan_verify(store, ["a", "b"], np.array([7, 30]), np.array([13, 6]), scheduled)
+    assert rows.tolist() == [0, 1] and num_nodes.tolist() == [13, 6]
+    assert token_index.tolist() == plan.token_index.tolist() == list(range(19))
 
 
 def test_placeholders_without_a_proposal_verify_a_filler_tree_only_when_asked():

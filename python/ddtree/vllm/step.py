@@ -497,6 +497,8 @@ def tree_token_layout(
     rows = np.fromiter((i for i, req_id in enumerate(req_ids) if scheduled_spec_tokens.get(req_id)), dtype=np.int64)
     if rows.shape[0] == 0:
         return None
+    if rows.shape[0] == n.shape[0]:  # every request verifies a tree (decodes only): its tokens are all the step's
+        return rows, n, np.arange(int(n.sum()), dtype=np.int64)
     query_start = np.concatenate([[0], np.cumsum(n)])
     num_nodes = n[rows]
     return rows, num_nodes, np.repeat(query_start[rows], num_nodes) + index_within_groups(num_nodes)
