@@ -1,7 +1,7 @@
 """Run GPU jobs side by side, each on its own GPUs and under its own time limit, and always
 leave one archive of everything they wrote.
 
-    python3 benches/gpu_jobs.py --archive $OUT/run.tgz --deadline 560 \
+    python3 benches/gpu_jobs.py --archive $OUT/run.tgz --deadline 560 --commit <the commit of the files sent> \
         --job "0|330|pair|python3 tests/gpu/vllm_ddtree_e2e.py --model tests/fixtures/models --out {dir}" \
         --job "1|330|qn|python3 tests/gpu/vllm_ddtree_e2e.py --model tiny-qwen3-next-all-experts --out {dir}" \
         --job "0,1|200|tp2|python3 tests/gpu/vllm_ddtree_e2e.py --reuse {work}/pair/vllm_ddtree_e2e.json ..."
@@ -112,19 +112,37 @@ def tail(path: str, lines: int) -> str:
         return ""
 
 
+def commit_lines(stated: str) -> str:
+    """What ``commit.txt`` says of the code: this copy's git HEAD and, given ``--commit``, the caller's commit, with a
+    warning line when the HEAD does not start with it (the files are the caller's; the git metadata may be older)."""
+    head = subprocess.run(["git", "log", "-1", "--format=%H %cd"], capture_output=True, text=True).stdout.strip()
+    lines = [f"git HEAD here: {head or '(none)'}"]
+    if stated:
+        lines.append(f"commit stated by the caller: {stated}")
+        if not head.startswith(stated):
+            lines.append("WARNING: the stated commit is not this copy's git HEAD; the files are the caller's")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job", action="append", type=parse_job, required=True, help="GPUS|SECONDS|NAME|COMMAND")
     ap.add_argument("--archive", required=True, help="the .tgz to write (e.g. $OUT/run.tgz)")
     ap.add_argument("--deadline", type=int, required=True, help="seconds until every job still running is killed")
     ap.add_argument("--tail", type=int, default=8, help="log lines per job in the summary")
+    ap.add_argument(
+        "--commit",
+        default="",
+        help="the commit the caller's files are at (recorded beside this copy's git HEAD, which a host that receives "
+        "the working tree without fresh git metadata may report stale)",
+    )
     args = ap.parse_args()
     names = [job.name for job in args.job]
     if len(set(names)) != len(names):
         ap.error(f"job names must differ, got {names}")
     work = tempfile.mkdtemp(prefix="gpu_jobs_")
     with open(os.path.join(work, "commit.txt"), "w") as handle:
-        handle.write(subprocess.run(["git", "log", "-1", "--format=%H %cd"], capture_output=True, text=True).stdout)
+        handle.write(commit_lines(args.commit))
         handle.write(time.strftime("run at %Y-%m-%d %H:%M:%S %Z\n"))
     try:
         run_all(args.job, work, args.deadline)

@@ -62,3 +62,24 @@ def test_bad_job_is_refused_with_the_format(tmp_path):
         timeout=30,
     )
     assert result.returncode == 2 and "GPUS must be GPU numbers" in result.stderr
+
+
+def test_commit_txt_records_the_stated_commit_and_warns_when_git_disagrees(tmp_path):
+    archive = tmp_path / "run.tgz"
+    args = [sys.executable, str(SCRIPT), "--archive", str(archive), "--deadline", "10", "--job", "0|5|x|true"]
+    subprocess.run([*args, "--commit", "0000000"], capture_output=True, text=True, timeout=60, check=True)
+    with tarfile.open(archive) as tar:
+        text = tar.extractfile("./commit.txt").read().decode()
+    assert "commit stated by the caller: 0000000" in text and "WARNING" in text
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=SCRIPT.parents[1]).stdout
+    subprocess.run(
+        [*args, "--commit", head.strip()[:7]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=SCRIPT.parents[1],
+    )
+    with tarfile.open(archive) as tar:
+        text = tar.extractfile("./commit.txt").read().decode()
+    assert f"git HEAD here: {head.strip()}" in text and "WARNING" not in text
