@@ -658,3 +658,30 @@ def test_a_batch_size_far_from_the_probed_one_is_probed_again_and_its_slope_coun
     assert true_best == 16 and auto.budget_for(8) == 16 and auto.costs.per_token_ms() == pytest.approx(0.1, rel=0.02)
     window(8)
     assert auto.probes == 2 and not auto.probing  # settled: no third probe
+
+
+def test_the_runner_feeds_auto_each_steps_wall_clock_period(monkeypatch):
+    """execute_model starts the timer and sampling names the step: a whole-tree step's time, from its start to the
+    next step's start, reaches auto's costs once that next step turns out timed too."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    runner, _ = _auto_runner(monkeypatch, [])
+    auto = runner._ddtree_auto
+    auto.set_forward_costs({15: {2: 1.0}, 31: {2: 2.0}, 63: {2: 3.0}})
+    clock = [0.0]
+    runner._ddtree_step_timer = StepTimer(clock=lambda: clock[0])
+    monkeypatch.setattr(GPUModelRunner, "execute_model", lambda self, *a, **k: None)
+    runner.drafter = SimpleNamespace(last_req_ids=[], last_drafts=[])
+    runner._ddtree_whole_tree_tokens = 64
+    runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([64, 64]))
+    monkeypatch.setattr(ShapeGraphs, "first_runs", ShapeGraphs.first_runs)
+    for period in (0.010, 0.012, 0.011):  # seconds from one execute_model to the next
+        runner.execute_model("scheduler output")
+        runner._ddtree_auto_step()
+        clock[0] += period
+    runner.execute_model("scheduler output")
+    runner._ddtree_auto_step()
+    # Three periods known; each is 3 ms of forward plus the rest: medians of 7, 9, 8 ms -> 8.
+    assert auto.costs.beyond[(63, 2)] == pytest.approx(8.0)
