@@ -437,8 +437,9 @@ def step_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
     The walk is ~40 small torch operations, 1.71 ms of host launches per batch-1 step at the Qwen3.6-27B shape
     (``gpu-h200-async-b798afe``); as a graph it was its inputs' copies and one replay (0.11 ms,
-    ``gpu-h200-walk-graphs-6899f40``), now the target tokens' copy and one replay (the trees read in place). The plan's device side is ~10 launches (the layout into the fixed buffers,
-    the positions, the tree tokens into vLLM's input ids), the KV moves two per attention layer.
+    ``gpu-h200-walk-graphs-6899f40``), now the target tokens' copy and one replay (the trees read in place). The
+    plan's device side is ~10 launches (the layout into the fixed buffers, the positions, the tree tokens into
+    vLLM's input ids), the KV moves two per attention layer.
     """
     return env_switch(environ, STEP_GRAPHS_ENV, "1", {"1": "step graphs", "0": "launch by launch"})
 

@@ -212,8 +212,9 @@ class WalkGraphs:
         )
         key = shape + tuple(t.data_ptr() for t in inputs)
         entry = self._inputs.get(key)
-        if entry is None and self._address_sets.get(shape, 0) < self.ADDRESS_SETS:
-            self._address_sets[shape] = self._address_sets.get(shape, 0) + 1
+        address_sets = self._address_sets.get(shape, 0)
+        if entry is None and address_sets < self.ADDRESS_SETS:
+            self._address_sets[shape] = address_sets + 1
             entry = self._inputs[key] = (target.clone(), trees)  # the trees read in place
         elif entry is None:  # inputs that keep moving: copied into the shape's own
             self.copied_walks += 1
