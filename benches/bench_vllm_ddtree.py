@@ -17,6 +17,8 @@ keeps them), and one table is printed at the end:
 Each row: a warm-up ``generate`` at that batch size, then ``--repeats`` timed runs of the same ``--requests``
 requests (default 32), served b at a time (batch 1: 32 one-request runs), the fastest run reported.
 ``--profile-batches 8`` adds a torch.profiler table per engine and batch (``profile_<engine>_b8.txt``).
+``--interleave`` (with ``--concurrent-starts`` at least the engines' number) takes the timed runs in rounds, each
+round one run of every engine (``engine_turns``): the host's drift then falls on every engine alike.
 
 Mean acceptance length = 1 + accepted / drafts from vLLM's own spec-decode
 counters (for DDTree a "draft" is one verified tree).
@@ -32,7 +34,15 @@ import sys
 import time
 
 import engine_turns
-from engine_turns import engine_arguments, kv_cache_kwargs, memory_share, new_gate, run_in_turns, wait_for_turn
+from engine_turns import (
+    engine_arguments,
+    kv_cache_kwargs,
+    memory_share,
+    new_gate,
+    round_name,
+    run_in_turns,
+    wait_for_turn,
+)
 from gpu_profile import enable_scopes, profile_generate, timed_host_ms
 
 
@@ -85,7 +95,17 @@ def child(args):
     from ddtree.vllm.tiny_models import spec_metrics
 
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
+    turns = 0  # --interleave: the rounds this engine has been given beyond its first (one per timed run)
+
+    def next_turn():
+        nonlocal turns
+        turns += 1
+        if args.gate and args.interleave:
+            wait_for_turn(args.gate, round_name(args.name, turns))
+
+    for index, b in enumerate(int(x) for x in args.batches.split(",")):
+        if index:
+            next_turn()
         # Every batch size serves the same requests (``--requests``, the given prompts in order), b at a time:
         # batch 1 is as many one-request runs, not one request (a single 128-token request is ~40 steps, where one
         # scheduling hiccup moves the figure by tens of percent).
@@ -108,6 +128,8 @@ def child(args):
         is_tree = spec is not None and spec.get("method") == "ddtree"
         window_start = llm.collective_rpc("ddtree_summary")[0] if is_tree else None
         for repeat in range(args.repeats):
+            if repeat:
+                next_turn()
             before = spec_metrics(llm)
             dt, outs = 0.0, []
             for group in groups:
@@ -170,7 +192,13 @@ def child(args):
                 os.path.join(args.out, f"profile_{args.name}_b{b}.txt"),
                 stacks=not args.profile_no_stacks,
             )
+        with open(partial_rows_path(args.out, args.name), "w") as f:  # what the parent keeps if this engine dies
+            json.dump(rows, f)
     print("RESULT-JSON " + json.dumps(rows), flush=True)
+
+
+def partial_rows_path(out: str, name: str) -> str:
+    return os.path.join(out, f"rows_{name}.json")
 
 
 def largest_budget(spec) -> int:
@@ -296,6 +324,10 @@ def main():
     if unknown:
         raise SystemExit(f"--engines: unknown {unknown}; known: {list(known)}")
     engines = [(name, known[name]) for name in wanted]  # in the order given
+    if args.interleave and args.concurrent_starts < len(engines):
+        ap.error(
+            f"--interleave keeps every engine resident: --concurrent-starts {args.concurrent_starts} < {len(engines)}"
+        )
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
     # Triton keeps its autotuning results on disk, so an engine after the first skips the autotuning of vLLM's GDN
     # kernels (each engine's profiling run took 74-81 s on an H200, for dflash as for ddtree).
@@ -339,7 +371,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]
     cmd += ["--name", name, "--out", args.out] + (["--profile-no-stacks"] if args.profile_no_stacks else [])
-    cmd += engine_arguments(gate)
+    cmd += engine_arguments(gate) + (["--interleave"] if args.interleave else [])
     if args.prompts:
         cmd += ["--prompts", args.prompts]
     if spec:
@@ -357,20 +389,33 @@ def run_engines(args, engines: list, env: dict) -> list:
         (name, child_command(args, name, spec, gate), os.path.join(args.out, f"bench_{name}.log"))
         for name, spec in engines
     ]
+    rounds = len(args.batches.split(",")) * args.repeats if args.interleave else 1
     table = []
-    for turn in run_in_turns(jobs, gate, args.concurrent_starts, args.timeout, env):
+    for turn in run_in_turns(jobs, gate, args.concurrent_starts, args.timeout, env, rounds=rounds):
         line = next((x for x in turn.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
-        if turn.outcome == "timeout":
-            print(f"{turn.name}: TIMEOUT after {args.timeout}s", flush=True)
-            continue
-        if line is None:
-            print(f"{turn.name}: FAILED rc={turn.returncode}, see {args.out}/bench_{turn.name}.log", flush=True)
-            continue
-        table += [dict(row, engine=turn.name) for row in json.loads(line[len("RESULT-JSON ") :])]
-        print(f"{turn.name}: done", flush=True)
+        if line is not None:
+            rows = json.loads(line[len("RESULT-JSON ") :])
+            print(f"{turn.name}: done", flush=True)
+        else:
+            rows = kept_rows(args.out, turn.name)  # the batch sizes it finished before it died
+            why = f"TIMEOUT after {args.timeout}s" if turn.outcome == "timeout" else f"FAILED rc={turn.returncode}"
+            print(f"{turn.name}: {why}, see {args.out}/bench_{turn.name}.log; {len(rows)} rows kept", flush=True)
+            if not rows:
+                continue
+            rows = [dict(row, partial=True) for row in rows]
+        table += [dict(row, engine=turn.name) for row in rows]
         with open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w") as f:  # kept if a later engine dies
             json.dump(table, f, indent=1)
     return table
+
+
+def kept_rows(out: str, name: str) -> list:
+    """The rows an engine wrote before it died (none when it finished no batch size)."""
+    try:
+        with open(partial_rows_path(out, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return []
 
 
 def what_if_chain_checks(table: list) -> list:

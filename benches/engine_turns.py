@@ -6,6 +6,13 @@ side by side, the starts overlap; the timed runs must not share the GPU with any
 started, says so (``wait_for_turn``: a ``<name>.ready`` file in the gate folder) and waits for its turn (a
 ``<name>.go`` file). :func:`run_in_turns` gives the turns in the engines' order, and only when no engine is still
 starting: no start overlaps a timed run.
+
+With ``rounds`` above 1 every engine is started at once and takes one turn per round, round by round in the engines'
+order (``a b c a b c ...``): each engine's part of round ``r`` (one timed run of one batch size) sits beside the
+other engines' part of the same round. The GPU host's speed drifts by tens of percent within minutes (the test
+pair's chain ran 26.4 ms per step at batch 32 in one run and 18.6 in the session before,
+``gpu-h200-pair-auto-2b70899``); engine after engine, a ratio compared two time windows minutes apart.
+An engine waits for round ``r`` under :func:`round_name` ``(name, r)``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ def wait_for_turn(gate: str, name: str) -> None:
         time.sleep(0.05)
 
 
+def round_name(name: str, round_: int) -> str:
+    """The gate's name for an engine's turn in ``round_`` (round 0, its first turn after the start: its own name)."""
+    return name if round_ == 0 else f"{name}@{round_}"
+
+
 def add_arguments(parser) -> None:
     """``--concurrent-starts`` for a bench's parent, and the hidden ``--gate`` and ``--kv-cache-gib`` it passes to the
     engines it starts."""
@@ -48,6 +60,12 @@ def add_arguments(parser) -> None:
         "torch.compile, graph capture: 2-3 minutes per pair engine on an H200); each engine's timed runs or scenarios "
         "still have the GPU to themselves, in --engines order. Above 1 every engine gets a fixed KV cache instead of "
         "vLLM's memory profiling (which would count the other engines' allocations)",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every engine resident at once (--concurrent-starts at least the number of engines), their timed runs "
+        "taken in rounds, engine by engine within each round: every ratio then compares runs minutes apart at most",
     )
     parser.add_argument("--kv-cache-gib", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--gate", default="", help=argparse.SUPPRESS)
@@ -104,11 +122,21 @@ def run_in_turns(
     env: Optional[dict] = None,
     deadline: Optional[float] = None,
     min_left: float = 45.0,
+    rounds: int = 1,
 ) -> Iterator[Turn]:
     """Runs every job, up to ``concurrent`` started at once, and yields a :class:`Turn` per job in the jobs' order
     as each ends. ``timeout`` bounds an engine's start and, again, its runs; with a ``deadline`` (``time.time()``
     seconds) a job is not started with less than ``min_left`` seconds to go, and no wait runs past it. With a gate
-    an engine's turn comes once it and every other engine still starting are ready (or gone)."""
+    an engine's turn comes once it and every other engine still starting are ready (or gone). With ``rounds`` above
+    1, see :func:`_run_in_rounds` (``timeout`` then bounds the start and each round's turn)."""
+    if rounds > 1:
+        if not gate or concurrent < len(jobs):
+            raise ValueError(
+                f"{rounds} rounds need every engine started at once behind a gate: {len(jobs)} engines, "
+                f"{concurrent} concurrent starts{'' if gate else ', no gate'}"
+            )
+        yield from _run_in_rounds(jobs, gate, timeout, env, deadline, min_left, rounds)
+        return
     waiting: List[Job] = list(jobs)
     started: list = []  # (name, process or None when skipped, log, launched)
     while waiting or started:
@@ -131,6 +159,71 @@ def run_in_turns(
         finally:
             log.close()
         yield turn
+
+
+def _run_in_rounds(
+    jobs: Sequence[Job],
+    gate: str,
+    timeout: float,
+    env: Optional[dict],
+    deadline: Optional[float],
+    min_left: float,
+    rounds: int,
+) -> Iterator[Turn]:
+    """Every job started at once; round by round, each engine still running gets its turn (``round_name``), and
+    the next engine's turn comes once it is ready for its next round or has exited. An engine that times out in a
+    round is killed, and the others go on. Turns are yielded at the end, in the jobs' order. An engine's stdout
+    goes to a file beside its log: nobody reads a pipe while the others take their turns."""
+    end = float("inf") if deadline is None else deadline
+    engines = []  # (name, process or None when skipped, log, stdout file, launched)
+    for name, command, log_path, *job_env in jobs:
+        if deadline is not None and deadline - time.time() < min_left:
+            engines.append((name, None, None, None, time.time()))
+            continue
+        log, stdout = open(log_path, "w"), open(f"{log_path}.stdout", "w+")
+        child_env = dict(job_env[0] if job_env else env or os.environ, **{PARENT_ENV: str(os.getpid())})
+        process = subprocess.Popen(command, env=child_env, stdout=stdout, stderr=log, text=True)
+        engines.append((name, process, log, stdout, time.time()))
+    ended: dict = {}  # name -> Turn of an engine killed before its last round
+    for name, process, _, _, launched in engines:  # no turn while any engine is still starting
+        if process is not None:
+            try:
+                _wait_ready(gate, name, process, min(launched + timeout, end))
+            except subprocess.TimeoutExpired:
+                ended[name] = _killed(name, process)
+    for round_ in range(rounds):
+        for name, process, _, _, _ in engines:
+            if process is None or name in ended or process.poll() is not None:
+                continue
+            open(os.path.join(gate, f"{round_name(name, round_)}.go"), "w").close()
+            try:  # its turn ends when it is ready for its next round, or (the last) when it exits
+                if round_ + 1 < rounds:
+                    _wait_ready(gate, round_name(name, round_ + 1), process, min(time.time() + timeout, end))
+                else:
+                    process.wait(timeout=max(1.0, min(timeout, end - time.time())))
+            except subprocess.TimeoutExpired:
+                ended[name] = _killed(name, process)
+    for name, process, log, stdout, _ in engines:
+        if process is None:
+            yield Turn(name, "skipped")
+            continue
+        turn = ended.get(name)
+        if turn is None:
+            try:
+                process.wait(timeout=max(1.0, min(timeout, end - time.time())))
+                stdout.seek(0)
+                turn = Turn(name, "done" if process.returncode == 0 else "failed", stdout.read(), process.returncode)
+            except subprocess.TimeoutExpired:
+                turn = _killed(name, process)
+        log.close()
+        stdout.close()
+        yield turn
+
+
+def _killed(name: str, process) -> Turn:
+    process.kill()
+    process.wait()
+    return Turn(name, "timeout")
 
 
 def _take_turn(

@@ -218,7 +218,9 @@ def test_the_pair_bench_refuses_fewer_requests_than_its_largest_batch(monkeypatc
 def _fake_engine_args(tmp_path, concurrent: int, timeout: int = 20):
     from types import SimpleNamespace
 
-    return SimpleNamespace(out=str(tmp_path), concurrent_starts=concurrent, timeout=timeout)
+    return SimpleNamespace(
+        out=str(tmp_path), concurrent_starts=concurrent, timeout=timeout, interleave=False, batches="1", repeats=1
+    )
 
 
 def test_engines_started_side_by_side_run_one_after_the_other(tmp_path, monkeypatch):
@@ -258,6 +260,62 @@ def test_engines_started_side_by_side_run_one_after_the_other(tmp_path, monkeypa
                 assert ended <= launched or began >= ready, (n, other)
                 assert ended <= other_began or began >= other_ended, (n, other)
     assert json.loads((tmp_path / "bench_vllm_ddtree.json").read_text())[-1]["engine"] == "c"
+
+
+def test_interleaved_engines_take_their_timed_runs_round_by_round(tmp_path, monkeypatch, capsys):
+    """--interleave: every engine resident, one run per engine per round in --engines order (a b c a b c ...), no
+    two runs overlapping and none before every engine has started. An engine that dies in round 2 keeps the rows
+    it wrote, marked partial, and the others finish their rounds."""
+    import bench_vllm_ddtree as pair
+
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        "sys.path.insert(0, sys.argv[3])\n"
+        "import bench_vllm_ddtree as pair\n"
+        "name, gate, out = sys.argv[1], sys.argv[2], os.path.dirname(sys.argv[2])\n"
+        "time.sleep({'a': 0.6, 'b': 0.1, 'c': 0.3}[name]); ready = time.time()\n"
+        "rows = []\n"
+        "for round_ in range(4):  # 2 batch sizes x 2 repeats\n"
+        "    pair.wait_for_turn(gate, pair.round_name(name, round_))\n"
+        "    if name == 'b' and round_ == 2: sys.exit(5)\n"
+        "    began = time.time(); time.sleep(0.1); ended = time.time()\n"
+        "    with open(os.path.join(out, 'runs.txt'), 'a') as f:\n"
+        "        f.write(f'{name} {round_} {ready} {began} {ended}\\n')\n"
+        "    if round_ % 2:\n"
+        "        rows.append({'batch': round_, 'tokens_per_s': 1.0})\n"
+        "        json.dump(rows, open(pair.partial_rows_path(out, name), 'w'))\n"
+        "print('RESULT-JSON ' + json.dumps(rows))\n"
+    )
+    benches = str(Path(pair.__file__).parent)
+    monkeypatch.setattr(
+        pair, "child_command", lambda args, name, spec, gate: [sys.executable, str(script), name, gate, benches]
+    )
+    args = _fake_engine_args(tmp_path, 3)
+    args.interleave, args.batches, args.repeats = True, "1,8", 2
+    table = pair.run_engines(args, [("a", None), ("b", None), ("c", None)], {})
+    runs = [line.split() for line in open(tmp_path / "runs.txt")]
+    order = [(name, int(r)) for name, r, *_ in sorted(runs, key=lambda run: float(run[3]))]
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("b", 1), ("c", 1), ("a", 2), ("c", 2), ("a", 3), ("c", 3)]
+    intervals = sorted((float(began), float(ended)) for *_, began, ended in runs)
+    assert all(ended <= next_began for (_, ended), (next_began, _) in zip(intervals, intervals[1:]))
+    assert min(began for began, _ in intervals) >= max(float(run[2]) for run in runs)  # after every start
+    assert [(row["engine"], row["batch"], row.get("partial", False)) for row in table] == [
+        ("a", 1, False),
+        ("a", 3, False),
+        ("b", 1, True),
+        ("c", 1, False),
+        ("c", 3, False),
+    ]
+    assert "b: FAILED rc=5" in capsys.readouterr().out
+
+
+def test_rounds_need_every_engine_started_at_once(tmp_path):
+    from engine_turns import run_in_turns
+
+    jobs = [(name, [sys.executable, "-c", "pass"], str(tmp_path / f"{name}.log")) for name in "abc"]
+    with pytest.raises(ValueError, match="3 engines, 2 concurrent starts"):
+        list(run_in_turns(jobs, str(tmp_path), 2, 5.0, rounds=4))
 
 
 def test_an_engine_that_never_gets_ready_times_out_and_the_next_one_runs(tmp_path, monkeypatch, capsys):
