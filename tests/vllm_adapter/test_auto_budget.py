@@ -124,18 +124,50 @@ def test_a_few_slow_steps_do_not_move_the_rest_of_a_step():
 
 
 def test_the_rest_of_a_step_grows_with_the_tokens_it_verifies():
-    """The part beyond the forward: 3 ms plus 0.01 ms per verified token, seen at two budgets at n = 4."""
+    """The part beyond the forward: 3 ms plus 0.01 ms per verified token, seen at two budgets at n = 4 in a probe."""
     costs = StepCosts({16: {4: 1.0}, 64: {4: 2.0}})
-    costs.observe_step(64, 4, 2.0 + 3.0 + 0.01 * 4 * 65)
-    costs.observe_step(16, 4, 1.0 + 3.0 + 0.01 * 4 * 17)
-    assert not costs.needs_probe(4) and costs.per_token_ms() == pytest.approx(0.01)
+    for _ in range(2):
+        costs.observe_step(64, 4, 2.0 + 3.0 + 0.01 * 4 * 65, probing=True)
+        costs.observe_step(16, 4, 1.0 + 3.0 + 0.01 * 4 * 17, probing=True)
+    assert costs.needs_probe(4) and costs.per_token_ms() == 0.0  # the probe is still open
+    costs.close_probe()
+    assert not costs.needs_probe(4) and not costs.needs_probe(7) and costs.needs_probe(8)  # its octave only
+    assert costs.per_token_ms() == pytest.approx(0.01) and costs.slopes[-1][:2] == (4, pytest.approx(0.01))
     assert costs.rest_ms(16, 4) == pytest.approx(3.0 + 0.68) and costs.rest_ms(64, 8) == pytest.approx(3.0 + 5.2)
     costs.observe_step(64, 2, 10.0)  # one budget at n = 2: its fixed part, the slope from n = 4
     assert costs.rest_ms(16, 2) == pytest.approx(10.0 - 1.0 - 0.01 * 2 * 65 + 0.01 * 2 * 17)
     slower = StepCosts({16: {4: 1.0}, 64: {4: 2.0}})
-    slower.observe_step(64, 4, 3.0)
-    slower.observe_step(16, 4, 9.0)  # the smaller tree's step longer: noise, not a negative per-token cost
-    assert slower.per_token_ms() == 0.0
+    for _ in range(2):
+        slower.observe_step(64, 4, 3.0, probing=True)
+        slower.observe_step(16, 4, 9.0, probing=True)  # the smaller tree's step longer: noise, not a negative cost
+    slower.close_probe()
+    assert slower.per_token_ms() == 0.0 and not slower.needs_probe(4)
+
+
+def test_only_a_probes_own_steps_measure_the_per_token_part():
+    """Step times of two budgets taken at different times say how the host drifted, not what a token costs: outside
+    a probe they set the part every budget shares, and the slope comes from the probe's steps (each budget's with
+    at least MIN_PROBE_SAMPLES of them). The H200 run `gpu-h200-pair-wallclock-18591c9` had budget 127 at 4 requests
+    12.3 ms beyond its forward and at 3 requests 6.8."""
+    from ddtree.vllm.auto_budget import MIN_PROBE_SAMPLES
+
+    costs = StepCosts({16: {4: 1.0}, 64: {4: 2.0}})
+    for _ in range(5):
+        costs.observe_step(64, 4, 2.0 + 3.0)  # a fast host, budget 64
+    for _ in range(5):
+        costs.observe_step(16, 4, 1.0 + 9.0)  # minutes later, a slow host, budget 16
+    assert costs.per_token_ms() == 0.0 and costs.needs_probe(4)
+    assert costs.rest_ms(64, 4) == costs.rest_ms(16, 4) == pytest.approx(6.0)  # shared: the mean of 3 and 9
+    for _ in range(MIN_PROBE_SAMPLES):
+        costs.observe_step(64, 4, 2.0 + 9.0 + 0.01 * 4 * 65, probing=True)
+    costs.observe_step(16, 4, 1.0 + 9.0 + 0.01 * 4 * 17, probing=True)  # one step of 16: too few
+    costs.close_probe()
+    assert costs.needs_probe(4) and costs.per_token_ms() == 0.0
+    for _ in range(MIN_PROBE_SAMPLES):  # the next probe starts afresh: both budgets anew
+        costs.observe_step(64, 4, 2.0 + 9.0 + 0.01 * 4 * 65, probing=True)
+        costs.observe_step(16, 4, 1.0 + 9.0 + 0.01 * 4 * 17, probing=True)
+    costs.close_probe()
+    assert costs.per_token_ms() == pytest.approx(0.01) and not costs.needs_probe(4)
 
 
 def _world_costs():
@@ -163,12 +195,17 @@ def test_the_policy_finds_each_batch_sizes_best_budget():
     _observe(auto, 64, trees=4, steps=3)
     assert auto.maybe_decide() is None and auto.lookup == [64] * 9  # the window is not full yet
     _observe(auto, 64, trees=4, steps=1)
-    # Step times at one budget only: the per-token part is unknown, so a window at the smallest budget measures it.
+    # The per-token part is unknown: a window of the smallest and the largest budget in turns measures it.
     assert auto.maybe_decide() and auto.probing and auto.lookup[1:] == [16] * 8 and auto.probes == 1
-    assert auto.describe().startswith("probing budget 16 for one window")
-    for n in range(1, 9):
-        auto.observe_step_time(16, n, _world_step(16, n))
-    _observe(auto, 16, trees=4, steps=4)
+    assert auto.describe().startswith("probing budgets 16 and 64 in turns for one window")
+    turns = []
+    for _ in range(4):  # a window of 4 steps: one step per turn
+        budget = auto.lookup[1]
+        turns.append(budget)
+        for n in range(1, 9):
+            auto.observe_step_time(budget, n, _world_step(budget, n))
+        _observe(auto, budget, trees=4, steps=1)
+    assert turns == [16, 64, 16, 64]
     auto.maybe_decide()
     want = [_oracle(n) for n in range(1, 9)]
     assert not auto.probing and auto.lookup[1:] == want and auto.probes == 1
@@ -195,32 +232,35 @@ def test_a_batch_size_keeps_its_budget_unless_another_is_clearly_faster():
     assert not auto.maybe_decide() and auto.lookup[1:] == [16, 16]
 
 
-def test_probes_stop_once_two_budgets_are_timed_or_after_the_most_probes():
+def test_probes_stop_once_one_measures_the_per_token_part_or_after_the_most_probes():
     from ddtree.vllm.auto_budget import MAX_PROBES, PROBE_EVERY
 
-    auto = AutoBudget((16, 64), max_num_seqs=2, window_steps=1, min_trees=1, margin=0.0)
+    auto = AutoBudget((16, 64), max_num_seqs=2, window_steps=4, min_trees=1, margin=0.0)
     auto.set_forward_costs({16: {1: 1.0}, 64: {1: 1.2}})
     auto.observe_step_time(64, 1, 5.0)
     probed_at = []
     for window in range(1, 1 + PROBE_EVERY * MAX_PROBES + 3):
-        _observe(auto, auto.lookup[1], trees=2, steps=1)  # the batch changes size: no batch size gets two budgets
-        auto.observe_step_time(auto.lookup[1], 2 if auto.probing else 1, 5.0)
+        for step in range(4):  # each step timed at another batch size: none gets two steps of a budget
+            auto.observe_step_time(auto.lookup[1], 1 + step, 5.0)
+            _observe(auto, auto.lookup[1], trees=2, steps=1)
         auto.maybe_decide()
         if auto.probing:
             probed_at.append(window)
     assert probed_at == [1 + PROBE_EVERY * k for k in range(MAX_PROBES)] and auto.probes == MAX_PROBES
-    # A probe that lands on a batch size timed at the largest budget settles it: no more probes.
-    settled = AutoBudget((16, 64), max_num_seqs=2, window_steps=1, min_trees=1, margin=0.0)
+    assert not auto.costs.slopes  # 16 and 64 one step each per probe at 2 trees: never two of each
+    # A probe whose steps time both budgets at one batch size settles that octave: no more probes.
+    settled = AutoBudget((16, 64), max_num_seqs=2, window_steps=4, min_trees=1, margin=0.0)
     settled.set_forward_costs({16: {1: 1.0}, 64: {1: 1.2}})
     settled.observe_step_time(64, 2, 5.0)
-    _observe(settled, 64, trees=2, steps=1)
+    _observe(settled, 64, trees=2, steps=4)
     assert settled.maybe_decide() and settled.probing
-    settled.observe_step_time(16, 2, 4.9)
-    _observe(settled, 16, trees=2, steps=1)
+    for _ in range(4):
+        settled.observe_step_time(settled.lookup[1], 2, 5.0 if settled.lookup[1] == 64 else 4.9)
+        _observe(settled, settled.lookup[1], trees=2, steps=1)
     settled.maybe_decide()
     assert not settled.probing and not settled.costs.needs_probe(2)
     for _ in range(PROBE_EVERY * 2):
-        _observe(settled, settled.lookup[1], trees=2, steps=1)
+        _observe(settled, settled.lookup[1], trees=2, steps=4)
         settled.maybe_decide()
         assert not settled.probing
     # At 2 trees: tau 5 / 5.15 ms against 2.5 / 4.75 (the forward 2.4 and 2.0, the rest 2.75 either way).
@@ -273,34 +313,42 @@ def test_a_lookup_of_another_length_is_not_attached():
     assert not auto_budget.attach_scheduler(scheduler) and not auto.attached and scheduler.dynamic_sd_lookup == [0, 64]
 
 
-def test_the_step_timer_times_each_step_until_the_next_starts_and_keeps_only_runs_of_timed_steps():
+def test_the_step_timer_times_each_step_until_the_next_starts_and_keeps_only_runs_of_one_key():
     clock = [0.0]
     timer = StepTimer(clock=lambda: clock[0])
+    a, b = (63, 8), (15, 8)
     timer.start()
     clock[0] = 0.005
-    timer.finish(("a",))  # known when the next step starts
+    timer.finish(a)  # known when the next step starts
     assert timer.landed() == []
     clock[0] = 0.008  # the loop's own work between the steps is the step's too
     timer.start()
     clock[0] = 0.010
-    timer.finish(("b",))
-    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(("a",), 8.0)]
+    timer.finish(a)
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(a, 8.0)]
     clock[0] = 0.013
     timer.start()
-    timer.start()  # the step before sampled nothing: b's time stays from its start to the first of these
+    timer.start()  # the step before sampled nothing: its time runs from its start to the first of these
     clock[0] = 0.020
-    timer.finish(("c",))
-    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(("b",), 5.0)]
-    clock[0] = 0.500  # an idle engine, then a prefill: c's time would hold the idle gap, so it is dropped
+    timer.finish(a)
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(a, 5.0)]
+    clock[0] = 0.500  # an idle engine, then a prefill: the last step's time would hold the idle gap: dropped
     timer.start()
     timer.finish(None)
     clock[0] = 0.510
     timer.start()
-    timer.finish(("d",))
+    timer.finish(a)
     clock[0] = 0.515
     timer.start()
-    timer.finish(("e",))
-    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(("d",), 5.0)]
+    timer.finish(a)
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(a, 5.0)]
+    clock[0] = 0.520  # the next step is of another budget: this period holds its host work too, so it is dropped
+    timer.start()
+    timer.finish(b)
+    clock[0] = 0.530
+    timer.start()
+    timer.finish(b)
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(b, 10.0)]
     assert timer.landed() == []
 
 
@@ -397,7 +445,11 @@ def test_each_step_feeds_the_timer_and_a_new_choice_is_logged(monkeypatch):
     auto.window_steps, auto.min_trees = 1, 1
     auto.set_forward_costs({15: {2: 1.0}, 31: {2: 2.0}, 63: {2: 9.0}})
     finished = []
-    landed = [((63, 2), 12.0), ((15, 2), 5.0)]  # two budgets at the step's batch size: no probe needed
+    for _ in range(2):  # a probe at 2 requests found no per-token part (the smaller trees' steps took longer)
+        auto.costs.observe_step(63, 2, 12.0, probing=True)
+        auto.costs.observe_step(15, 2, 5.0, probing=True)
+    auto.costs.close_probe()
+    landed = [((63, 2), 12.0), ((15, 2), 5.0)]
     runner._ddtree_step_timer = SimpleNamespace(finish=finished.append, landed=lambda: landed)
     runner._ddtree_whole_tree_tokens = 64
     runner._ddtree_plan = SimpleNamespace(num_nodes=np.array([64, 64]))
@@ -492,12 +544,12 @@ def test_in_random_worlds_the_policy_converges_to_the_best_budget_of_every_batch
     depth = int(rng.integers(2, 7))
     path = np.cumsum(rng.integers(1, 40, size=depth))
     tau = {c: 1.0 + float((path <= c).sum()) for c in candidates}
-    auto = AutoBudget(candidates, max_num_seqs, window_steps=2, min_trees=1, margin=0.0)
+    auto = AutoBudget(candidates, max_num_seqs, window_steps=4, min_trees=1, margin=0.0)
     counts = sorted({1, 2, 4, 8, max_num_seqs} & set(range(1, max_num_seqs + 1)))
     auto.set_forward_costs({c: {n: forward(c, n) for n in counts} for c in candidates})
     drafts = np.tile(path, (3, 1))
     accepted = np.full(3, depth)
-    for _ in range(3 * 2):  # three windows: the largest everywhere, the probe, the decision
+    for _ in range(3 * 4):  # three windows: the largest everywhere, the probe (in turns), the decision
         used = {auto.budget_for(n) for n in range(1, max_num_seqs + 1)}
         for n in range(1, max_num_seqs + 1):
             auto.observe_step_time(auto.budget_for(n), n, step(auto.budget_for(n), n))

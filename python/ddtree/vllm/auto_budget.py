@@ -16,13 +16,18 @@ machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` 
   replaying its FULL graph, plus the rest of the step, timed on live steps by the wall clock (:class:`StepTimer`,
   each step until the next one starts: everything the engine's loop spends on it): a part independent of
   the tree (drafter, commit, host gaps) and a part per verified token (logits, per-node sampling), the latter read
-  from batch sizes timed at two budgets (pooled, each weighted by its token spread, so larger batches set it):
+  from probes only (pooled, each weighted by its token spread, so larger batches set it):
   ``step_ms(c, n) = forward_ms(c, n) + rest_ms(c, n)``.
+* **Probes, in turns**: a probe window runs the smallest and the largest candidate in turns, a few steps each
+  (:data:`PROBE_BLOCKS` blocks), and the per-token part is read from that window's steps alone. The host's speed
+  drifts by tens of percent within minutes on a shared machine; read from step times of two budgets taken minutes
+  apart, the per-token part was that drift (on the test pair, budget 127 at 4 requests 12.3 ms beyond its forward,
+  at 3 requests 6.8: ``gpu-h200-pair-wallclock-18591c9``) and the lookup flapped.
 * **Start**: every batch size at the largest candidate for the first window (like a fixed budget; its trees
-  measure every candidate's acceptance at once), then the argmax, re-decided after every window. While no batch
-  size of the traffic's octave (``[2^k, 2^(k+1))`` requests) was timed at two budgets, a probe window runs the
-  smallest candidate to time a second there. A batch size
-  changes budget only for a gain above :data:`SWITCH_MARGIN` (no flapping between near-equal candidates).
+  measure every candidate's acceptance at once), then the argmax, re-decided after every window. While no probe
+  measured the per-token part in the traffic's octave (``[2^k, 2^(k+1))`` requests), a probe window is due. A
+  batch size changes budget only for a gain above :data:`SWITCH_MARGIN` (no flapping between near-equal
+  candidates).
 
 The choice is one list indexed by batch size (:attr:`AutoBudget.lookup`). Under asynchronous scheduling vLLM's
 scheduler reads the same list object (its dynamic speculative decoding lookup, ``patches`` 1b and 1c), so a choice
@@ -53,10 +58,17 @@ MIN_TREES = 32.0
 KEEP = 0.75
 #: A batch size leaves its budget only for a candidate at least this much faster.
 SWITCH_MARGIN = 0.03
-#: Windows between probes of one octave of batch sizes, and the most probes per octave (a probe: one window at the
-#: smallest candidate while no batch size of the traffic's octave has live step times at two budgets).
+#: Windows between probes of one octave of batch sizes, and the most probes per octave (a probe: one window of the
+#: smallest and the largest candidate in turns, while no probe measured the per-token part in the traffic's octave).
 PROBE_EVERY = 4
 MAX_PROBES = 3
+#: Turns of a probe window (smallest, largest, smallest, largest): a budget's steps sit between the other's, so the
+#: host's drift falls on both alike.
+PROBE_BLOCKS = 4
+#: A probe's steps of one (budget, trees) needed before its median counts.
+MIN_PROBE_SAMPLES = 2
+#: Per-token slopes kept (the latest probes').
+KEPT_SLOPES = 8
 #: Live step times kept per (budget, trees): the rest of a step is their median, so a step that paid a kernel's
 #: first compilation, a graph capture or an idle gap (tens of ms where steps take a few) moves nothing.
 STEP_SAMPLES = 15
@@ -87,8 +99,8 @@ class StepCosts:
 
     The rest (drafter, logits, per-node sampling, walk, commit, host gaps) has a part that grows with the tokens a
     step verifies (logits and sampling of ``n * (budget + 1)`` rows, outside the graphed forward) and a part that
-    does not. Its per-token slope is read from batch sizes measured at two budgets or more; until then it counts
-    as 0 (:meth:`needs_probe`: ``AutoBudget`` then runs a window at another budget to measure it).
+    does not. Its per-token slope is read from probes (:meth:`close_probe`: steps of two budgets taken in turns);
+    until one measured it, it counts as 0 (:meth:`needs_probe`: ``AutoBudget`` then runs a probe window).
     """
 
     def __init__(self, forward_ms: Mapping[int, Mapping[int, float]]):
@@ -97,6 +109,10 @@ class StepCosts:
         # (budget, trees) -> ms of a live step beyond the target's forward: the median of the last STEP_SAMPLES
         self.beyond: Dict[Tuple[int, int], float] = {}
         self._samples: Dict[Tuple[int, int], Deque[float]] = {}
+        # The open probe's steps, (budget, trees) -> ms beyond the forward; and the slopes probes measured,
+        # (trees, slope, weight), the latest KEPT_SLOPES.
+        self._probe: Dict[Tuple[int, int], List[float]] = {}
+        self.slopes: Deque[Tuple[int, float, float]] = deque(maxlen=KEPT_SLOPES)
         # The rest's model read from ``beyond``, ``(per-token slope, budget-independent part by trees, the measured
         # trees ascending)``: made once after each observation, not for every candidate and batch size a decision
         # asks about.
@@ -108,14 +124,35 @@ class StepCosts:
         row = self._forward_row(budget, np.array([trees], dtype=np.float64))
         return None if row is None else float(row[0])
 
-    def observe_step(self, budget: int, trees: int, step_ms: float) -> None:
-        """A live step of ``trees`` trees of ``budget`` took ``step_ms`` (:class:`StepTimer`)."""
+    def observe_step(self, budget: int, trees: int, step_ms: float, probing: bool = False) -> None:
+        """A live step of ``trees`` trees of ``budget`` took ``step_ms`` (:class:`StepTimer`); ``probing``: a step of
+        the open probe (:meth:`close_probe`)."""
         forward = self.forward_ms(budget, trees)
         if forward is None or not np.isfinite(step_ms) or step_ms <= 0:
             return
+        beyond = max(step_ms - forward, 0.0)
         samples = self._samples.setdefault((budget, trees), deque(maxlen=STEP_SAMPLES))
-        samples.append(max(step_ms - forward, 0.0))
+        samples.append(beyond)
         self.beyond[(budget, trees)] = float(np.median(samples))
+        if probing:
+            self._probe.setdefault((budget, trees), []).append(beyond)
+        self._model = None
+
+    def close_probe(self) -> None:
+        """The open probe's per-token slope at each batch size it timed at two budgets or more
+        (:data:`MIN_PROBE_SAMPLES` steps each; least squares on the medians), kept with its token spread as weight."""
+        by_trees: Dict[int, List[Tuple[int, float]]] = {}
+        for (budget, trees), samples in self._probe.items():
+            if len(samples) >= MIN_PROBE_SAMPLES:
+                by_trees.setdefault(trees, []).append((budget, float(np.median(samples))))
+        self._probe = {}
+        for trees, points in sorted(by_trees.items()):
+            if len(points) < 2:
+                continue
+            x = np.array([trees * (budget + 1) for budget, _ in points], dtype=np.float64)
+            y = np.array([ms for _, ms in points], dtype=np.float64)
+            spread = float(((x - x.mean()) ** 2).sum())
+            self.slopes.append((trees, float(((x - x.mean()) * (y - y.mean())).sum()) / spread, spread))
         self._model = None
 
     def _by_trees(self) -> Dict[int, List[Tuple[int, float]]]:
@@ -125,8 +162,8 @@ class StepCosts:
         return by_trees
 
     def per_token_ms(self) -> float:
-        """The rest's slope against the verified tokens ``n * (budget + 1)``: least squares at each batch size
-        measured at two budgets or more, averaged over them by their points (0 when there is none; never below 0)."""
+        """The rest's slope against the verified tokens ``n * (budget + 1)``: the probes' slopes averaged by their
+        token spread (0 when no probe measured one; never below 0)."""
         return self._rest_model()[0]
 
     def _rest_model(self) -> Tuple[float, Dict[int, float], List[int]]:
@@ -140,28 +177,20 @@ class StepCosts:
         return self._model
 
     def _slope(self) -> float:
-        slopes, weights = [], []
-        for trees, points in self._by_trees().items():
-            if len(points) < 2:
-                continue
-            x = np.array([trees * (budget + 1) for budget, _ in points], dtype=np.float64)
-            y = np.array([ms for _, ms in points], dtype=np.float64)
-            spread = ((x - x.mean()) ** 2).sum()
-            if spread > 0:
-                slopes.append(((x - x.mean()) * (y - y.mean())).sum() / spread)
-                # Pooled least squares (one intercept per batch size): a batch size weighs by its token spread, so
-                # 8 trees timed at two budgets outweigh 1 tree (8x the tokens between the same two budgets).
-                weights.append(spread)
-        return max(0.0, float(np.average(slopes, weights=weights))) if slopes else 0.0
+        # Pooled least squares (one intercept per probe and batch size): a slope weighs by its token spread, so 8
+        # trees timed at two budgets outweigh 1 tree (8x the tokens between the same two budgets).
+        if not self.slopes:
+            return 0.0
+        slopes, weights = zip(*((slope, weight) for _, slope, weight in self.slopes))
+        return max(0.0, float(np.average(slopes, weights=weights)))
 
     def needs_probe(self, trees: int) -> bool:
-        """Live steps were timed, but no batch size of ``trees``' octave (``[2^k, 2^(k+1))``) at two budgets: the
-        per-token part there would be read from far smaller or larger batches only (a slope read at 1 tree, ~0.2 ms
-        between budgets 16 and 256, is mostly noise at the scale of a host-bound step)."""
+        """Live steps were timed, but no probe measured the per-token part in ``trees``' octave
+        (``[2^k, 2^(k+1))``): read from far smaller or larger batches only (a slope read at 1 tree, ~0.2 ms between
+        budgets 16 and 256, is mostly noise at the scale of a host-bound step), it would decide there."""
         if not self.beyond:
             return False
-        measured = (n for n, points in self._by_trees().items() if len(points) >= 2)
-        return all(n.bit_length() != int(trees).bit_length() for n in measured)
+        return all(n.bit_length() != int(trees).bit_length() for n, _, _ in self.slopes)
 
     def rest_ms(self, budget: int, trees: int) -> float:
         """The rest of a step of ``trees`` trees of ``budget``: its budget-independent part measured at this batch
@@ -304,9 +333,11 @@ class AutoBudget:
         # the scheduler reads this very list (``attach_scheduler``); synchronously the runner's proposals decide.
         self.needs_scheduler = False
         self.attached = False
-        # A probe window runs the smallest candidate everywhere; the lookup it replaced is the one the next decision
-        # keeps or leaves (its hysteresis). Probes are counted per octave of the batch size the traffic had.
+        # A probe window runs the smallest and the largest candidate in turns everywhere; the lookup it replaced is
+        # the one the next decision keeps or leaves (its hysteresis). Probes are counted per octave of the batch
+        # size the traffic had.
         self.probes = 0
+        self._probe_steps = 0
         self._probes_by_octave: Dict[int, Tuple[int, int]] = {}  # octave -> (probes, decision of the last)
         self._before_probe: Optional[List[int]] = None
         self._window_batch_sizes: Dict[int, int] = {}  # trees per observed step -> steps, this window
@@ -322,15 +353,25 @@ class AutoBudget:
         self.costs = StepCosts(forward_ms)
 
     def observe(self, budgets, whole, drafts, accepted) -> None:
-        """One observed verify step (see :meth:`AcceptanceByBudget.observe`)."""
+        """One observed verify step (see :meth:`AcceptanceByBudget.observe`); in a probe, every block of steps
+        hands the lookup to the probe's other budget."""
         self.acceptance.observe(budgets, whole, drafts, accepted)
         self._steps_in_window += 1
         trees = len(budgets)
         self._window_batch_sizes[trees] = self._window_batch_sizes.get(trees, 0) + 1
+        if self.probing:
+            self._probe_steps += 1
+            if self._probe_steps % self._probe_block == 0:
+                smallest, largest = self.candidates[0], self.largest
+                self.lookup[1:] = [largest if self.lookup[1] == smallest else smallest] * (len(self.lookup) - 1)
+
+    @property
+    def _probe_block(self) -> int:
+        return max(1, self.window_steps // PROBE_BLOCKS)
 
     def observe_step_time(self, budget: int, trees: int, step_ms: float) -> None:
         if self.costs is not None:
-            self.costs.observe_step(budget, trees, step_ms)
+            self.costs.observe_step(budget, trees, step_ms, probing=self.probing)
 
     def maybe_decide(self) -> Optional[bool]:
         """After a full window: folds it in and re-decides every batch size. None: no decision this step; else
@@ -341,11 +382,14 @@ class AutoBudget:
         self.acceptance.close_window()
         self.decisions += 1
         before = list(self.lookup)
+        if self.probing and self.costs is not None:
+            self.costs.close_probe()
         self.decide()
         typical, self._window_batch_sizes = self._typical_batch_size(), {}
         if self._probe_due(typical):
             self._before_probe = list(self.lookup)
             self.lookup[1:] = [self.candidates[0]] * (len(self.lookup) - 1)
+            self._probe_steps = 0
             self.probes += 1
             octave = typical.bit_length()
             self._probes_by_octave[octave] = (self._probes_by_octave.get(octave, (0, 0))[0] + 1, self.decisions)
@@ -360,7 +404,7 @@ class AutoBudget:
         return max(self._window_batch_sizes, key=lambda n: (self._window_batch_sizes[n], n))
 
     def _probe_due(self, trees: int) -> bool:
-        """A probe is due when the window's batch size has no batch size of its octave timed at two budgets
+        """A probe is due when no probe measured the per-token part in the octave of the window's batch size
         (``StepCosts.needs_probe``): at most :data:`MAX_PROBES` times per octave, :data:`PROBE_EVERY` windows
         apart, the first at the first decision that sees that octave."""
         if self.costs is None or len(self.candidates) < 2 or not self.costs.needs_probe(trees):
@@ -408,7 +452,8 @@ class AutoBudget:
         tau = self.acceptance.acceptance_length(self.min_trees)
         accept = ", ".join(f"{c}: {t:.2f}" for c, t in sorted(tau.items()))
         probe = (
-            f"probing budget {self.candidates[0]} for one window (live step times at one budget only); "
+            f"probing budgets {self.candidates[0]} and {self.largest} in turns for one window (the per-token part "
+            "not measured at this batch size); "
             if self.probing
             else ""
         )
@@ -427,6 +472,8 @@ class AutoBudget:
             "forward_ms": {b: dict(points) for b, points in costs.forward.items()} if costs else {},
             "probes": self.probes,
             "per_token_ms": costs.per_token_ms() if costs else 0.0,
+            # What it rests on: each probe's slope at a batch size, (trees, ms per token, token spread).
+            "probe_slopes": [list(entry) for entry in costs.slopes] if costs else [],
             "beyond_forward_ms": {f"{b}x{n}": ms for (b, n), ms in sorted(costs.beyond.items())} if costs else {},
             # How many live steps each median above rests on (a median of one or two is that step's own time).
             "beyond_forward_samples": {f"{b}x{n}": len(q) for (b, n), q in sorted(costs._samples.items())}
@@ -446,8 +493,10 @@ class StepTimer:
     ``gpu-h200-pair-auto-2b70899``): what a bigger tree costs outside that span (host work that scales with the
     scheduled drafts) never reached the choice.
 
-    A step's time is known when the next one starts, and kept only if that next step is timed too: a step followed
-    by a prefill, an idle engine or a step that captured a graph may have waited for more than itself.
+    A step's time is known when the next one starts, and kept only if that next step is timed too and of the same
+    key (budget, trees): a step followed by a prefill, an idle engine or a step that captured a graph may have
+    waited for more than itself, and under asynchronous scheduling a step's period also holds the next step's host
+    work (its plan, its scheduling), which belongs to that step's key.
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
@@ -472,7 +521,7 @@ class StepTimer:
         if key is None or self._started is None:
             self._waiting = None
             return
-        if measured is not None:
+        if measured is not None and measured[0] == key:
             self._landed.append(measured)
         self._waiting, self._started = (key, self._started), None
 
