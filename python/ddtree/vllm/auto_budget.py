@@ -18,8 +18,11 @@ machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` 
   the tree (drafter, commit, host gaps) and a part per verified token (logits, per-node sampling), the latter read
   from probes only (pooled, each weighted by its token spread, so larger batches set it):
   ``step_ms(c, n) = forward_ms(c, n) + rest_ms(c, n)``.
-* **Probes, in turns**: a probe window runs the smallest and the largest candidate in turns, a few steps each
-  (:data:`PROBE_BLOCKS` blocks), and the per-token part is read from that window's steps alone. The host's speed
+* **Probes, in turns**: a probe window runs the traffic's current budget and its neighbour candidate (the next
+  larger one; the next smaller from the largest) in turns, a few steps each (:data:`PROBE_BLOCKS` blocks), and the
+  per-token part is read from that window's steps alone. The neighbour, not the extremes: a probe of the smallest
+  and the largest candidate ran budget 255 at 32 requests, and three such probes in a short run cost `auto` 40% of
+  its batch-32 throughput on the test pair (`gpu-h200-pair-interleaved-f7bc6d2`). The host's speed
   drifts by tens of percent within minutes on a shared machine; read from step times of two budgets taken minutes
   apart, the per-token part was that drift (on the test pair, budget 127 at 4 requests 12.3 ms beyond its forward,
   at 3 requests 6.8: ``gpu-h200-pair-wallclock-18591c9``) and the lookup flapped.
@@ -59,11 +62,11 @@ KEEP = 0.75
 #: A batch size leaves its budget only for a candidate at least this much faster.
 SWITCH_MARGIN = 0.03
 #: Windows between probes of one octave of batch sizes, and the most probes per octave (a probe: one window of the
-#: smallest and the largest candidate in turns, while no probe measured the per-token part in the traffic's octave).
+#: current budget and its neighbour in turns, while no probe measured the per-token part in the traffic's octave).
 PROBE_EVERY = 4
 MAX_PROBES = 3
-#: Turns of a probe window (smallest, largest, smallest, largest): a budget's steps sit between the other's, so the
-#: host's drift falls on both alike.
+#: Turns of a probe window (neighbour, current, neighbour, current): a budget's steps sit between the other's, so
+#: the host's drift falls on both alike.
 PROBE_BLOCKS = 4
 #: A probe's steps of one (budget, trees) needed before its median counts.
 MIN_PROBE_SAMPLES = 2
@@ -333,11 +336,12 @@ class AutoBudget:
         # the scheduler reads this very list (``attach_scheduler``); synchronously the runner's proposals decide.
         self.needs_scheduler = False
         self.attached = False
-        # A probe window runs the smallest and the largest candidate in turns everywhere; the lookup it replaced is
-        # the one the next decision keeps or leaves (its hysteresis). Probes are counted per octave of the batch
-        # size the traffic had.
+        # A probe window runs two budgets in turns everywhere (``_probe_pair``: the first is run first); the lookup
+        # it replaced is the one the next decision keeps or leaves (its hysteresis). Probes are counted per octave
+        # of the batch size the traffic had.
         self.probes = 0
         self._probe_steps = 0
+        self._probe_pair: Tuple[int, int] = (self.candidates[0], self.largest)
         self._probes_by_octave: Dict[int, Tuple[int, int]] = {}  # octave -> (probes, decision of the last)
         self._before_probe: Optional[List[int]] = None
         self._window_batch_sizes: Dict[int, int] = {}  # trees per observed step -> steps, this window
@@ -362,8 +366,8 @@ class AutoBudget:
         if self.probing:
             self._probe_steps += 1
             if self._probe_steps % self._probe_block == 0:
-                smallest, largest = self.candidates[0], self.largest
-                self.lookup[1:] = [largest if self.lookup[1] == smallest else smallest] * (len(self.lookup) - 1)
+                first, second = self._probe_pair
+                self.lookup[1:] = [second if self.lookup[1] == first else first] * (len(self.lookup) - 1)
 
     @property
     def _probe_block(self) -> int:
@@ -388,7 +392,8 @@ class AutoBudget:
         typical, self._window_batch_sizes = self._typical_batch_size(), {}
         if self._probe_due(typical):
             self._before_probe = list(self.lookup)
-            self.lookup[1:] = [self.candidates[0]] * (len(self.lookup) - 1)
+            self._probe_pair = self._neighbours(self.budget_for(typical))
+            self.lookup[1:] = [self._probe_pair[0]] * (len(self.lookup) - 1)
             self._probe_steps = 0
             self.probes += 1
             octave = typical.bit_length()
@@ -402,6 +407,11 @@ class AutoBudget:
         if not self._window_batch_sizes:
             return 1
         return max(self._window_batch_sizes, key=lambda n: (self._window_batch_sizes[n], n))
+
+    def _neighbours(self, budget: int) -> Tuple[int, int]:
+        """``(neighbour, budget)``: the candidate next above ``budget`` (next below from the largest) and itself."""
+        i = self.candidates.index(budget)
+        return (self.candidates[i + 1] if i + 1 < len(self.candidates) else self.candidates[i - 1]), budget
 
     def _probe_due(self, trees: int) -> bool:
         """A probe is due when no probe measured the per-token part in the octave of the window's batch size
@@ -452,7 +462,7 @@ class AutoBudget:
         tau = self.acceptance.acceptance_length(self.min_trees)
         accept = ", ".join(f"{c}: {t:.2f}" for c, t in sorted(tau.items()))
         probe = (
-            f"probing budgets {self.candidates[0]} and {self.largest} in turns for one window (the per-token part "
+            f"probing budgets {self._probe_pair[0]} and {self._probe_pair[1]} in turns for one window (the per-token part "
             "not measured at this batch size); "
             if self.probing
             else ""
