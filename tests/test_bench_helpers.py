@@ -215,6 +215,16 @@ def test_the_pair_bench_refuses_fewer_requests_than_its_largest_batch(monkeypatc
     assert "--requests 4 cannot fill batch 8" in capsys.readouterr().err
 
 
+def _engines_run(script, monkeypatch) -> None:
+    """Each engine of ``run_engines`` becomes ``script`` with argv ``name gate benches_dir``."""
+    import bench_vllm_ddtree as pair
+
+    benches = str(Path(pair.__file__).parent)
+    monkeypatch.setattr(
+        pair, "child_command", lambda args, name, spec, gate: [sys.executable, str(script), name, gate, benches]
+    )
+
+
 def _fake_engine_args(tmp_path, concurrent: int, timeout: int = 20):
     from types import SimpleNamespace
 
@@ -287,10 +297,7 @@ def test_interleaved_engines_take_their_timed_runs_round_by_round(tmp_path, monk
         "        json.dump(rows, open(pair.partial_rows_path(out, name), 'w'))\n"
         "print('RESULT-JSON ' + json.dumps(rows))\n"
     )
-    benches = str(Path(pair.__file__).parent)
-    monkeypatch.setattr(
-        pair, "child_command", lambda args, name, spec, gate: [sys.executable, str(script), name, gate, benches]
-    )
+    _engines_run(script, monkeypatch)
     args = _fake_engine_args(tmp_path, 3)
     args.interleave, args.batches, args.repeats = True, "1,8", 2
     table = pair.run_engines(args, [("a", None), ("b", None), ("c", None)], {})
@@ -331,10 +338,7 @@ def test_an_engine_that_never_gets_ready_times_out_and_the_next_one_runs(tmp_pat
         "pair.wait_for_turn(sys.argv[2], sys.argv[1])\n"
         "print('RESULT-JSON ' + json.dumps([{'batch': 8}]))\n"
     )
-    benches = str(Path(pair.__file__).parent)
-    monkeypatch.setattr(
-        pair, "child_command", lambda args, name, spec, gate: [sys.executable, str(script), name, gate, benches]
-    )
+    _engines_run(script, monkeypatch)
     engines = [("stuck", None), ("broken", None), ("fine", None)]
     table = pair.run_engines(_fake_engine_args(tmp_path, 2, timeout=2), engines, {})
     printed = capsys.readouterr().out
