@@ -1,0 +1,121 @@
+"""The tree build on the device (``ddtree.kernels.device_tree``) against the Rust core on the host.
+
+    python benches/bench_device_tree.py [--batches 1 8 32] [--budgets 63 127] [--depth 15] [--top-k 64]
+        [--json FILE]
+
+Per batch size and budget, from a drafter-like top-K ``[R, L, K]`` (bf16 logits over a 4096-token vocabulary, the
+test pair's) already on the device:
+
+* ``host``: what the runner does today: the top-K copied to the host (waited for) and ``ddtree.build_trees``.
+* ``device``: ``device_tree.build_trees`` launched eagerly, to completion.
+* ``graph`` (CUDA only): the same captured once as a CUDA graph and replayed (its host cost is one replay launch).
+
+Each figure is the median of ``--steps`` timed runs, wall clock, synchronised at the end of each. Every build is
+compared with the core's trees (parents, depths, tokens) first: a mismatch stops the bench. On a machine without
+CUDA the device is the CPU and there is no graph row. Rows are printed and written (``--json``) as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import ddtree
+from ddtree.kernels.device_tree import build_trees
+
+
+def drafter_top_k(num_reqs: int, depth: int, top_k: int, device: torch.device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(num_reqs, depth, 4096, generator=gen) * 3.0).to(torch.bfloat16).float()
+    values, ids = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return values.to(device), ids.to(torch.int32).to(device)
+
+
+def timed(run, steps: int, sync) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def check(trees, log_probs, token_ids, budget: int) -> None:
+    core = ddtree.build_trees(log_probs.cpu().numpy(), token_ids.cpu().numpy(), budget)
+    size = budget + 1
+    same = np.array_equal(trees.parents.cpu().numpy(), core.parents.astype(np.int64).reshape(-1, size))
+    same = same and np.array_equal(trees.depths.cpu().numpy(), core.depths.astype(np.int64).reshape(-1, size))
+    same = same and np.array_equal(trees.tokens[:, 1:].cpu().numpy(), core.tokens.reshape(-1, budget))
+    if not same:
+        raise SystemExit(f"the device trees differ from the core's (budget {budget}, {log_probs.shape[0]} requests)")
+
+
+def measure(num_reqs: int, budget: int, depth: int, top_k: int, steps: int, device: torch.device) -> dict:
+    log_probs, token_ids = drafter_top_k(num_reqs, depth, top_k, device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    check(build_trees(log_probs, token_ids, budget), log_probs, token_ids, budget)
+
+    def host():
+        lp, ids = log_probs.cpu().numpy(), token_ids.cpu().numpy()  # waits for the device, as settle() does
+        ddtree.build_trees(lp, ids, budget)  # one thread, as the runner's store builds them
+
+    row = {
+        "batch": num_reqs,
+        "budget": budget,
+        "host_ms": timed(host, steps, sync),
+        "device_ms": timed(lambda: build_trees(log_probs, token_ids, budget), steps, sync),
+    }
+    if cuda:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+            build_trees(log_probs, token_ids, budget)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = build_trees(log_probs, token_ids, budget)
+        graph.replay()
+        sync()
+        check(captured, log_probs, token_ids, budget)
+        row["graph_ms"] = timed(graph.replay, steps, sync)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[63, 127])
+    parser.add_argument("--depth", type=int, default=15)
+    parser.add_argument("--top-k", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--json", help="write the rows here, after each")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"{name}, torch {torch.__version__}, L={args.depth}, K={args.top_k}", flush=True)
+    rows = []
+    for budget in args.budgets:
+        for num_reqs in args.batches:
+            row = measure(num_reqs, budget, args.depth, args.top_k, args.steps, device)
+            rows.append(row)
+            graph = f", graph {row['graph_ms']:.3f} ms" if "graph_ms" in row else ""
+            print(
+                f"budget {budget:4d} batch {num_reqs:3d}: host {row['host_ms']:.3f} ms, device "
+                f"{row['device_ms']:.3f} ms{graph} (trees equal to the core's)",
+                flush=True,
+            )
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"device": name, "argv": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
