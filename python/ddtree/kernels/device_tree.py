@@ -17,7 +17,7 @@ lexicographically smaller rank tuple, nodes in that order (the heap's pop order)
   ``budget`` elder siblings beat it): each depth keeps ``budget`` prefixes, chosen from ``budget x min(K, budget)``
   children by one stable sort (children laid out in lexicographic order, so equal scores keep it).
 * The tree is the ``budget`` best of all kept prefixes and the root: one stable sort by score over the prefixes
-  laid out in lexicographic order across depths (a radix sort on their rank tuples, deepest rank first).
+  laid out in lexicographic order across depths (the pre-order of the kept prefixes' forest, from subtree sizes).
 
 Exact against the Rust core for log-probabilities <= 0 (a parent then never scores below its child, so the best
 prefixes are prefix-closed and the sort order is the heap's pop order). A log-softmax's top entry can round a hair
@@ -70,47 +70,54 @@ def build_trees(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -
 
 def _best_prefixes(kept_scores, kept_parents, kept_ranks, token_ids, budget: int) -> DeviceTrees:
     """The ``budget`` best of every depth's kept prefixes and the root, in (score descending, rank tuple) order."""
-    num_reqs, depth = token_ids.shape[:2]
+    num_reqs, depth, top_k = token_ids.shape
     device = token_ids.device
     sizes = [s.shape[1] for s in kept_scores]
-    starts = [1 + sum(sizes[:d]) for d in range(depth)]  # slot 0: the root
+    starts = [1 + sum(sizes[:d]) for d in range(depth)]  # candidate 0: the root; then depth by depth
     total = 1 + sum(sizes)
-    # Every candidate's rank tuple, [R, total, L] (-1 past its depth: a prefix sorts before its extensions), its
-    # depth, its parent's candidate index.
-    tuples = torch.full((num_reqs, total, depth), -1, dtype=torch.int64, device=device)
-    cand_depth = torch.zeros(total, dtype=torch.int64, device=device)
-    cand_parent = torch.full((num_reqs, total), -1, dtype=torch.int64, device=device)
-    cand_score = torch.zeros(num_reqs, total, dtype=torch.float64, device=device)
-    for d in range(depth):
-        rows = slice(starts[d], starts[d] + sizes[d])
-        parent_rows = kept_parents[d] + (starts[d - 1] if d else 0)
-        if d:
-            tuples[:, rows, :d] = torch.gather(tuples, 1, parent_rows[:, :, None].expand(-1, -1, depth))[:, :, :d]
-        tuples[:, rows, d] = kept_ranks[d]
-        cand_depth[rows] = d + 1
-        cand_parent[:, rows] = parent_rows
-        cand_score[:, rows] = kept_scores[d]
-    # Lexicographic order of the rank tuples (stable sorts from the deepest rank up), then a stable sort by score.
-    order = torch.arange(total, device=device).expand(num_reqs, -1)
-    for d in reversed(range(depth)):
-        key = torch.gather(tuples[:, :, d], 1, order)
-        order = torch.gather(order, 1, torch.sort(key, dim=1, stable=True).indices)
-    by_score = torch.sort(torch.gather(cand_score, 1, order), dim=1, descending=True, stable=True).indices
-    chosen = torch.gather(order, 1, by_score)[:, : budget + 1]  # candidate index of each node, pop order
+    zero = torch.zeros(num_reqs, 1, dtype=torch.int64, device=device)
+    cand_score = torch.cat([torch.zeros(num_reqs, 1, dtype=torch.float64, device=device), *kept_scores], dim=1)
+    cand_rank = torch.cat([zero - 1, *kept_ranks], dim=1)
+    cand_parent = torch.cat([zero - 1, *(p + (starts[d - 1] if d else 0) for d, p in enumerate(kept_parents))], dim=1)
+    cand_depth = torch.cat([torch.full((s,), d + 1, dtype=torch.int64, device=device) for d, s in enumerate(sizes)])
+    cand_depth = torch.cat([cand_depth.new_zeros(1), cand_depth])
+    lex = _preorder(kept_parents, sizes, num_reqs, device)  # [R, total]: each candidate's lexicographic place
+    in_lex = torch.empty_like(lex).scatter_(1, lex, torch.arange(total, device=device).expand(num_reqs, -1))
+    by_score = torch.sort(torch.gather(cand_score, 1, in_lex), dim=1, descending=True, stable=True).indices
+    chosen = torch.gather(in_lex, 1, by_score)[:, : budget + 1]  # candidate index of each node, pop order
     # Each candidate's node index (its place in pop order) turns the parents' candidate indices into node indices.
     node_of = torch.full((num_reqs, total), -1, dtype=torch.int64, device=device)
     node_of.scatter_(1, chosen, torch.arange(budget + 1, device=device).expand(num_reqs, -1))
     parent_cand = torch.gather(cand_parent, 1, chosen)
     parents = torch.where(parent_cand >= 0, torch.gather(node_of, 1, parent_cand.clamp(min=0)), -1)
     depths = cand_depth[chosen]
-    chosen_tuples = torch.gather(tuples, 1, chosen[:, :, None].expand(-1, -1, depth))
-    ranks = torch.gather(chosen_tuples, 2, (depths - 1).clamp(min=0)[:, :, None]).squeeze(2)
-    ranks = torch.where(depths > 0, ranks, -1)
+    ranks = torch.gather(cand_rank, 1, chosen)
     flat = token_ids.to(torch.int64).reshape(num_reqs, -1)  # [R, L * K]
-    top_k = token_ids.shape[2]
-    tokens = torch.gather(flat, 1, ((depths - 1).clamp(min=0) * top_k + ranks.clamp(min=0)))
+    tokens = torch.gather(flat, 1, (depths - 1).clamp(min=0) * top_k + ranks.clamp(min=0))
     tokens = torch.where(depths > 0, tokens, -1)
     return DeviceTrees(parents, depths, tokens, torch.gather(cand_score, 1, chosen), ranks)
+
+
+def _preorder(kept_parents, sizes, num_reqs: int, device) -> torch.Tensor:
+    """``[R, 1 + sum(sizes)]``: every candidate's place in lexicographic order of rank tuples (the root first, a
+    prefix before its extensions): the pre-order of the kept prefixes' forest, children by rank. Each depth's kept
+    prefixes are in lexicographic order, so siblings are contiguous and in rank order; a node's place is its
+    parent's, plus one, plus the subtrees of its elder siblings."""
+    depth = len(sizes)
+    subtree = [torch.ones(num_reqs, s, dtype=torch.int64, device=device) for s in sizes]
+    for d in range(depth - 1, 0, -1):  # bottom-up: each node's subtree size
+        subtree[d - 1] = subtree[d - 1].scatter_add(1, kept_parents[d], subtree[d])
+    places = [torch.zeros(num_reqs, 1, dtype=torch.int64, device=device)]
+    for d in range(depth):  # top-down: parent's place + 1 + elder siblings' subtrees
+        parents = kept_parents[d]
+        before = torch.cumsum(subtree[d], dim=1) - subtree[d]  # exclusive, over the whole depth
+        index = torch.arange(sizes[d], device=device).expand(num_reqs, -1)
+        first = torch.ones_like(parents, dtype=torch.bool)
+        first[:, 1:] = parents[:, 1:] != parents[:, :-1]
+        first_sibling = torch.cummax(torch.where(first, index, 0), dim=1).values
+        elder = before - torch.gather(before, 1, first_sibling)
+        places.append(torch.gather(places[-1], 1, parents) + 1 + elder)
+    return torch.cat(places, dim=1)
 
 
 def _check(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> None:
