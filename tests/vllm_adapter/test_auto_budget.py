@@ -741,3 +741,22 @@ def test_the_runner_feeds_auto_each_steps_wall_clock_period(monkeypatch):
     runner._ddtree_auto_step()
     # Three periods known; each is 3 ms of forward plus the rest: medians of 7, 9, 8 ms -> 8.
     assert auto.costs.beyond[(63, 2)] == pytest.approx(8.0)
+
+
+def test_the_statistics_and_autos_bookkeeping_after_sampling_are_timed_host_work(monkeypatch):
+    """What the runner does after vLLM's sampling (the landed steps' statistics, ``auto``'s window) runs on the
+    engine loop's path every step: it counts as host work ("stats"), beside plan, accept and commit."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.runner import DDTreeStats
+
+    runner, _ = _auto_runner(monkeypatch, [])
+    runner.ddtree_stats = DDTreeStats(15)
+    runner._ddtree_counts = SimpleNamespace(landed=lambda wait: [None])
+    runner._ddtree_what_if_log = None
+    runner._ddtree_plan, runner._ddtree_step_timer, runner.drafter = None, None, SimpleNamespace()
+    stepped = []
+    monkeypatch.setattr(GPUModelRunner, "sample_tokens", lambda self, grammar_output: "sampled")
+    monkeypatch.setattr(type(runner), "_ddtree_auto_step", lambda self: stepped.append(True))
+    assert runner.sample_tokens(None) == "sampled" and stepped == [True]
+    assert runner.ddtree_stats.host_seconds["stats"] > 0

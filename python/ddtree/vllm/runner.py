@@ -150,7 +150,8 @@ class DDTreeStats:
         self.nodes = 0
         self.accepted = 0
         self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
-        # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit); GPU waits are outside the timed blocks.
+        # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit, defer, and stats: the statistics and
+        # ``auto``'s bookkeeping after sampling); GPU waits are outside the timed blocks.
         self.host_seconds: Dict[str, float] = {}
         # Host seconds of vLLM's own parts that sit between a step's trees and its verification: the target's
         # forward launch (a FULL step: one CUDA-graph replay). Trees built late make the GPU wait through it.
@@ -1232,13 +1233,15 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             return super().sample_tokens(grammar_output)
         finally:
-            # The statistics of device-walked steps whose counts have landed (the others at a later step, or when
-            # the summary is read): no wait here, where the GPU may still commit and draft.
-            self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=False))
-            if self._ddtree_what_if_log is not None:
-                self._ddtree_what_if_log.maybe(self.ddtree_stats.what_if, logger.info)
-            if self._ddtree_auto is not None:
-                self._ddtree_auto_step()
+            # Timed as "stats": host work of every step too, on the engine loop's path like the plan's.
+            with self.ddtree_stats.timed("stats"):
+                # The statistics of device-walked steps whose counts have landed (the others at a later step, or
+                # when the summary is read): no wait here, where the GPU may still commit and draft.
+                self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=False))
+                if self._ddtree_what_if_log is not None:
+                    self._ddtree_what_if_log.maybe(self.ddtree_stats.what_if, logger.info)
+                if self._ddtree_auto is not None:
+                    self._ddtree_auto_step()
             self._ddtree_gdn_step = None
             if hasattr(self, "drafter"):
                 # A step whose drafter did not run must not leak its row order into the next one.
