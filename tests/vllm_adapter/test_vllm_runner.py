@@ -900,3 +900,39 @@ def test_an_early_launch_whose_forward_fails_or_never_comes_lets_the_gpu_go(monk
     released = []
     _whole_async_step(runner, 3, lambda r: None)
     assert released == [True] and gate.released == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tree_counters_folded_in_batches_equal_step_by_step_counting(seed):
+    """``DDTreeStats`` counts steps FOLD_EVERY at a time; read at any point, every counter is what counting each
+    step on its own gives (cut trees, fillers, the budget of each step, acceptance per depth)."""
+    from ddtree.vllm.runner import FOLD_EVERY, DDTreeStats
+
+    rng = np.random.default_rng(seed)
+    depth = 15
+    stats = DDTreeStats(depth)
+    want = {"trees": 0, "nodes": 0, "partial_trees": 0, "filler_trees": 0, "accepted": 0}
+    per_depth, by_budget = np.zeros(depth + 1, dtype=np.int64), {}
+    for step in range(int(rng.integers(1, 3 * FOLD_EVERY))):
+        trees = int(rng.integers(0, 6))
+        proposed = rng.choice([15, 63, 127], size=trees)
+        num_nodes = np.minimum(proposed + 1, rng.integers(1, 129, size=trees))
+        fillers = int(rng.integers(0, trees + 1))
+        acc = rng.integers(0, depth + 1, size=trees)
+        plan = SimpleNamespace(num_nodes=num_nodes, proposed_budgets=proposed, num_filler_trees=fillers)
+        shared = acc.copy()
+        stats.observe_counts(plan, shared)
+        shared[:] = 0  # a reused buffer: the counts were taken at the call
+        want["trees"] += trees
+        want["nodes"] += int(num_nodes.sum()) - trees
+        want["partial_trees"] += int((num_nodes < proposed + 1).sum())
+        want["filler_trees"] += fillers
+        want["accepted"] += int(acc.sum())
+        per_depth += np.array([(acc >= d).sum() for d in range(depth + 1)])
+        if trees:
+            by_budget[int(proposed.max())] = by_budget.get(int(proposed.max()), 0) + 1
+        if rng.random() < 0.05:  # read mid-way: what is pending is counted first
+            assert stats.trees == want["trees"] and np.array_equal(stats.accepted_per_depth, per_depth)
+    assert {name: getattr(stats, name) for name in want} == want
+    assert np.array_equal(stats.accepted_per_depth, per_depth) and stats.steps_by_budget == by_budget
+    assert stats.steps == step + 1

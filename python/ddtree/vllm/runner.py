@@ -104,6 +104,9 @@ logger = get_logger(__name__)
 
 #: The verify steps whose trees also count what smaller budgets and the chain would have accepted: one in this many.
 WHAT_IF_EVERY = 4
+#: Verify steps whose tree counts ``DDTreeStats`` keeps before one numpy pass counts them (read at any time: a read
+#: counts what is pending first).
+FOLD_EVERY = 64
 
 
 @dataclasses.dataclass
@@ -144,19 +147,20 @@ class DDTreeStats:
         self.early_launch_steps = 0  # of those, steps whose forward was queued before the trees (DDTREE_LAUNCH_AHEAD)
         self.landed_before_launch_steps = 0  # ... and steps that could have been, but the drafter had finished
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
-        self.trees = 0
-        self.partial_trees = 0  # trees verified with fewer nodes than proposed (cut: max_model_len, token budget)
-        self.filler_trees = 0  # trees verified for placeholders without a proposal (asynchronous scheduling)
-        self.nodes = 0
-        self.accepted = 0
-        self.accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
+        # The tree counters (read through the properties below: ``trees``, ``partial_trees`` (verified with fewer
+        # nodes than proposed: max_model_len, token budget), ``filler_trees`` (placeholders without a proposal,
+        # asynchronous scheduling), ``nodes``, ``accepted``, ``accepted_per_depth``, ``steps_by_budget``), folded
+        # in FOLD_EVERY steps at a time: one step's own numpy was ~10 small-array calls on the engine loop's path.
+        self._counters = {"trees": 0, "partial_trees": 0, "filler_trees": 0, "nodes": 0, "accepted": 0}
+        self._accepted_per_depth = np.zeros(depth + 1, dtype=np.int64)
+        self._steps_by_budget: Dict[int, int] = {}  # verify steps by the budget their trees were proposed with
+        self._unfolded: List[Tuple[np.ndarray, np.ndarray, int, np.ndarray]] = []
         # Host (CPU) seconds DDTree adds, by part (build, plan, accept, commit, defer, and stats: the statistics and
         # ``auto``'s bookkeeping after sampling); GPU waits are outside the timed blocks.
         self.host_seconds: Dict[str, float] = {}
         # Host seconds of vLLM's own parts that sit between a step's trees and its verification: the target's
         # forward launch (a FULL step: one CUDA-graph replay). Trees built late make the GPU wait through it.
         self.vllm_host_seconds: Dict[str, float] = {}
-        self.steps_by_budget: Dict[int, int] = {}  # verify steps by the budget their trees were proposed with
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
         # WHAT_IF_EVERY-th verify step (its numpy work, ~0.1 ms a step on a slow CPU, sampled, not skipped: the
         # steps are a systematic sample of the traffic).
@@ -197,21 +201,60 @@ class DDTreeStats:
             self.auto.observe(plan.num_nodes - 1, whole_proposed_trees(plan), paths[:, 1:], acc)
 
     def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
-        """One verify step whose trees accepted ``acc`` ``[R]`` drafts each."""
-        acc = np.asarray(acc, dtype=np.int64)
+        """One verify step whose trees accepted ``acc`` ``[R]`` drafts each (copied: it may be a view of a reused
+        buffer); counted at the next fold."""
         self.steps += 1
-        self.trees += acc.shape[0]
-        self.nodes += int(plan.num_nodes.sum() - plan.num_nodes.shape[0])
-        self.partial_trees += plan.num_cut_trees
-        self.filler_trees += plan.num_filler_trees
-        if plan.proposed_budgets.size:  # which budget the step's trees were proposed with (a schedule's choice)
-            budget = int(plan.proposed_budgets.max())
-            self.steps_by_budget[budget] = self.steps_by_budget.get(budget, 0) + 1
-        self.accepted += int(acc.sum())
-        counts = np.bincount(acc, minlength=self.accepted_per_depth.shape[0])
+        self._unfolded.append(
+            (plan.num_nodes, plan.proposed_budgets, plan.num_filler_trees, np.array(acc, dtype=np.int64))
+        )
+        if len(self._unfolded) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Counts the observed steps not counted yet, all in one pass."""
+        steps, self._unfolded = self._unfolded, []
+        if not steps:
+            return
+        num_nodes = np.concatenate([step[0] for step in steps])
+        proposed = np.concatenate([step[1] for step in steps])
+        acc = np.concatenate([step[3] for step in steps])
+        counters = self._counters
+        counters["trees"] += acc.shape[0]
+        counters["nodes"] += int(num_nodes.sum()) - num_nodes.shape[0]
+        counters["partial_trees"] += int((num_nodes < proposed + 1).sum())
+        counters["filler_trees"] += sum(step[2] for step in steps)
+        counters["accepted"] += int(acc.sum())
+        # Each step's budget: the largest its trees were proposed with (a schedule's choice).
+        sizes = np.array([step[1].shape[0] for step in steps])
+        starts = (np.cumsum(sizes) - sizes)[sizes > 0]
+        if starts.shape[0]:
+            budgets, counts = np.unique(np.maximum.reduceat(proposed, starts), return_counts=True)
+            for budget, count in zip(budgets.tolist(), counts.tolist()):
+                self._steps_by_budget[budget] = self._steps_by_budget.get(budget, 0) + count
         # accepted_per_depth[d] = trees whose accepted path reached depth d
-        reached = counts[::-1].cumsum()[::-1][: self.accepted_per_depth.shape[0]]
-        self.accepted_per_depth[: reached.shape[0]] += reached
+        depths = self._accepted_per_depth.shape[0]
+        reached = np.bincount(acc, minlength=depths)[::-1].cumsum()[::-1][:depths]
+        self._accepted_per_depth[: reached.shape[0]] += reached
+
+    def _folded(self, name: str):
+        self._fold()
+        return self._counters[name]
+
+    trees = property(lambda self: self._folded("trees"))
+    partial_trees = property(lambda self: self._folded("partial_trees"))
+    filler_trees = property(lambda self: self._folded("filler_trees"))
+    nodes = property(lambda self: self._folded("nodes"))
+    accepted = property(lambda self: self._folded("accepted"))
+
+    @property
+    def accepted_per_depth(self) -> np.ndarray:
+        self._fold()
+        return self._accepted_per_depth
+
+    @property
+    def steps_by_budget(self) -> Dict[int, int]:
+        self._fold()
+        return self._steps_by_budget
 
     def summary(self) -> Dict[str, object]:
         trees = max(self.trees, 1)
