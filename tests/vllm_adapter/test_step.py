@@ -489,3 +489,21 @@ def test_a_step_of_known_drafts_and_placeholders_checks_the_known_ones():
     wrong[3] = (wrong[3] + 1) % 1000
     with pytest.raises(DraftMismatchError, match="rebuilt tree differs"):
         step(wrong)
+
+
+@given(
+    a=st.lists(st.integers(-(2**40), 2**40), max_size=8),
+    b=st.lists(st.integers(-(2**40), 2**40), max_size=8),
+    dtypes=st.sampled_from([(np.int64, np.int64), (np.int32, np.int64), (np.int64, np.int32)]),
+    strided=st.booleans(),
+)
+def test_same_values_is_array_equal(a, b, dtypes, strided):
+    """The plan's fast comparison equals numpy's, across dtypes (by value), shapes and non-contiguous views."""
+    from ddtree.vllm.step import same_values
+
+    for left, right in ((a, b), (a, a)):
+        x = np.array(left, dtype=np.int64).astype(dtypes[0], casting="unsafe")
+        y = np.array(right, dtype=np.int64).astype(dtypes[1], casting="unsafe")
+        if strided:
+            x, y = np.repeat(x, 2)[::2], np.repeat(y, 2)[::2]
+        assert same_values(x, y) == np.array_equal(x, y)

@@ -93,6 +93,7 @@ from ddtree.vllm.step import (
     accept,
     plan_specs,
     plan_verify,
+    same_values,
     tree_token_layout,
 )
 from ddtree.vllm.what_if import PeriodicLog, WhatIfAcceptance, log_interval, whole_proposed_trees
@@ -679,7 +680,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_flat_positions = placed["flat_positions"]
         if published is not None:
             # Published from the counts before vLLM built the metadata (the views `load` just filled).
-            if not np.array_equal(plan.token_index, published):
+            if not same_values(plan.token_index, published):
                 raise RuntimeError("DDTree: the trees' tokens differ from the counts the step was published with")
         else:
             layout = self._ddtree_buffers.views(
@@ -811,7 +812,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as
         # spec decodes, in batch order; they must be exactly the tree requests.
         spec_rows = np.flatnonzero(self.num_decode_draft_tokens.np[:num_reqs] >= 0)
-        if not np.array_equal(spec_rows, plan.batch_index):
+        if not same_values(spec_rows, plan.batch_index):
             raise RuntimeError(
                 f"DDTree: vLLM's spec-decode rows {spec_rows.tolist()} differ from the tree rows "
                 f"{plan.batch_index.tolist()}"
