@@ -45,6 +45,25 @@ def test_load_writes_in_place_and_pads_the_bit_words():
     assert views["ancestor_bits"].data_ptr() == addresses[1]
 
 
+def test_views_of_a_step_shape_are_made_once_and_are_the_buffers_own(monkeypatch):
+    """A step shape's views are cached (the buffers never move): the same tensors every step, in a dict of the
+    caller's own; the cache starts afresh past its bound."""
+    from ddtree.vllm import graphs
+
+    buffers = TreeStepBuffers(CPU, max_requests=4, max_tokens=80, tree_size=65, conv_width=4)
+    first = buffers.views(2, 40, 2, conv=True)
+    first["row_start"] = None  # the caller's dict: the next call is not affected
+    again = buffers.views(2, 40, 2, conv=True)
+    assert again["ancestor_bits"] is buffers.views(2, 40, 2, conv=True)["ancestor_bits"]
+    assert again["row_start"].data_ptr() == buffers.row_start.data_ptr() and again["row_start"].shape == (2,)
+    assert again["node_offsets"].shape == (3,) and again["conv_index"].shape == (40, 4)
+    assert set(buffers.views(2, 40)) == {"row_start", "ancestor_bits"}  # another shape, its own views
+    monkeypatch.setattr(graphs, "MAX_CACHED_VIEWS", 3)
+    for n in range(1, 6):
+        buffers.views(1, n)
+    assert len(buffers._views) <= 3
+
+
 def test_load_refuses_what_does_not_fit():
     buffers = TreeStepBuffers(CPU, max_requests=2, max_tokens=10, tree_size=17)
     with pytest.raises(ValueError, match="3 requests"):

@@ -40,6 +40,10 @@ from ddtree.vllm.step import ancestor_words, layout_specs
 GraphKey = Tuple[int, int]
 
 
+#: Step shapes whose buffer views ``TreeStepBuffers.views`` keeps.
+MAX_CACHED_VIEWS = 1024
+
+
 class TreeStepBuffers:
     """One step's tree layout on the device, at fixed addresses.
 
@@ -61,6 +65,9 @@ class TreeStepBuffers:
         )
         # 0 .. max_tokens - 1: the tree tokens' step indices when every scheduled token is a tree token.
         self.step_index = torch.arange(max_tokens, dtype=torch.int64, device=self.device)
+        # views() by step shape: the buffers never move, and a step's shape repeats (four tensor slices were
+        # ~20 us of Python a call, once or twice a step).
+        self._views: Dict[tuple, Dict[str, torch.Tensor]] = {}
 
     def load(
         self,
@@ -101,12 +108,18 @@ class TreeStepBuffers:
         """The buffers' views for a step of ``num_reqs`` requests and ``num_tokens`` tree tokens in ``num_trees``
         trees: what :meth:`load` returns, known from the counts alone (a step published before its trees are
         built, under asynchronous scheduling, hands these to vLLM's metadata builders; ``load`` fills them)."""
-        views = {"row_start": self.row_start[:num_reqs], "ancestor_bits": self.ancestor_bits[:num_tokens]}
-        if num_trees is not None:
-            views["node_offsets"] = self.node_offsets[: num_trees + 1]
-        if conv:
-            views["conv_index"] = self.conv_index[:num_tokens]
-        return views
+        key = (num_reqs, num_tokens, num_trees, conv)
+        views = self._views.get(key)
+        if views is None:
+            views = {"row_start": self.row_start[:num_reqs], "ancestor_bits": self.ancestor_bits[:num_tokens]}
+            if num_trees is not None:
+                views["node_offsets"] = self.node_offsets[: num_trees + 1]
+            if conv:
+                views["conv_index"] = self.conv_index[:num_tokens]
+            if len(self._views) >= MAX_CACHED_VIEWS:  # mixed steps' shapes vary without bound: start afresh
+                self._views.clear()
+            self._views[key] = views
+        return dict(views)  # the caller's own dict; the tensors are the cached views
 
     def stage_dummy_trees(self, num_trees: int, depth: int, tree_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
         """Whole trees of ``tree_size`` nodes (default: the buffers', budget + 1) and drafter depth ``depth``, for
