@@ -91,3 +91,7 @@ def test_bad_input_names_the_problem(shape, budget, message):
         build_trees(log_probs, torch.zeros(shape, dtype=torch.int32), budget)
     with pytest.raises(ValueError, match="floating point"):
         build_trees(torch.zeros((1, 2, 3), dtype=torch.int64), torch.zeros((1, 2, 3), dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="token_ids must be an integer tensor, got torch.float32"):
+        build_trees(-torch.rand(1, 2, 3), torch.zeros((1, 2, 3)), 2)
+    with pytest.raises(ValueError, match="on one device; got cpu and meta"):
+        build_trees(-torch.rand(1, 2, 3), torch.zeros((1, 2, 3), dtype=torch.int32, device="meta"), 2)

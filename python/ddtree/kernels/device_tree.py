@@ -129,6 +129,12 @@ def _check(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> Non
         )
     if not log_probs.dtype.is_floating_point:
         raise ValueError(f"log_probs must be floating point, got {log_probs.dtype}")
+    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool or token_ids.is_complex():
+        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    if log_probs.device != token_ids.device:
+        raise ValueError(
+            f"log_probs and token_ids must be on one device; got {log_probs.device} and {token_ids.device}"
+        )
     _, depth, top_k = log_probs.shape
     reachable = sum(top_k**d for d in range(1, depth + 1))
     if budget < 1 or budget > reachable:
