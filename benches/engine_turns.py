@@ -146,8 +146,9 @@ def run_in_turns(
                 started.append((name, None, None, time.time()))
                 continue
             log = open(log_path, "w")
-            child_env = dict(job_env[0] if job_env else env or os.environ, **{PARENT_ENV: str(os.getpid())})
-            process = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=log, text=True)
+            process = subprocess.Popen(
+                command, env=_child_env(job_env, env), stdout=subprocess.PIPE, stderr=log, text=True
+            )
             started.append((name, process, log, time.time()))
         name, process, log, launched = started.pop(0)
         if process is None:
@@ -181,8 +182,7 @@ def _run_in_rounds(
             engines.append((name, None, None, None, time.time()))
             continue
         log, stdout = open(log_path, "w"), open(f"{log_path}.stdout", "w+")
-        child_env = dict(job_env[0] if job_env else env or os.environ, **{PARENT_ENV: str(os.getpid())})
-        process = subprocess.Popen(command, env=child_env, stdout=stdout, stderr=log, text=True)
+        process = subprocess.Popen(command, env=_child_env(job_env, env), stdout=stdout, stderr=log, text=True)
         engines.append((name, process, log, stdout, time.time()))
     ended: dict = {}  # name -> Turn of an engine killed before its last round
     for name, process, _, _, launched in engines:  # no turn while any engine is still starting
@@ -218,6 +218,11 @@ def _run_in_rounds(
         log.close()
         stdout.close()
         yield turn
+
+
+def _child_env(job_env: list, env: Optional[dict]) -> dict:
+    """An engine's environment: its job's own, else ``env``, else this process's; with this process as its parent."""
+    return dict(job_env[0] if job_env else env or os.environ, **{PARENT_ENV: str(os.getpid())})
 
 
 def _killed(name: str, process) -> Turn:

@@ -91,6 +91,7 @@ from ddtree.vllm.step import (
     AcceptPlan,
     VerifyPlan,
     accept,
+    cut_trees,
     plan_specs,
     plan_verify,
     same_values,
@@ -222,7 +223,7 @@ class DDTreeStats:
         counters = self._counters
         counters["trees"] += acc.shape[0]
         counters["nodes"] += int(num_nodes.sum()) - num_nodes.shape[0]
-        counters["partial_trees"] += int((num_nodes < proposed + 1).sum())
+        counters["partial_trees"] += cut_trees(num_nodes, proposed)
         counters["filler_trees"] += sum(step[2] for step in steps)
         counters["accepted"] += int(acc.sum())
         # Each step's budget: the largest its trees were proposed with (a schedule's choice).

@@ -192,6 +192,12 @@ class DraftMismatchError(DDTreeError, RuntimeError):
 ArraySpecs = Dict[str, Tuple[np.dtype, Tuple[int, ...]]]
 
 
+def cut_trees(num_nodes: np.ndarray, proposed_budgets: np.ndarray) -> int:
+    """Trees verified with fewer nodes than they were proposed with (the scheduler cut them): ``num_nodes`` counts
+    each tree's root, ``proposed_budgets`` its proposal's drafts (one step's trees, or several steps' in a row)."""
+    return int((num_nodes < proposed_budgets + 1).sum())
+
+
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     """``np.array_equal`` for the plan's small integer arrays: by their bytes when dtype and shape agree (~0.5 us
     against ~5 for ``array_equal`` on a CPU; the step's checks run on the engine loop's path), else by value."""
@@ -252,8 +258,7 @@ class VerifyPlan:
 
     @property
     def num_cut_trees(self) -> int:
-        """Trees verified with fewer nodes than they were proposed with (the scheduler cut them)."""
-        return int((self.num_nodes < self.proposed_budgets + 1).sum())
+        return cut_trees(self.num_nodes, self.proposed_budgets)
 
     @property
     def words(self) -> int:
