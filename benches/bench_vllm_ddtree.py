@@ -16,7 +16,8 @@ keeps them), and one table is printed at the end:
 
 Each row: a warm-up ``generate`` at that batch size, then ``--repeats`` timed runs of the same ``--requests``
 requests (default 32), served b at a time (batch 1: 32 one-request runs), the fastest run reported.
-``--profile-batches 8`` adds a torch.profiler table per engine and batch (``profile_<engine>_b8.txt``).
+``--profile-batches 8`` adds a torch.profiler table per engine and batch (``profile_<engine>_b8.txt``), taken after
+every timed run of that engine (the profiler leaves the process slower).
 ``--interleave`` (with ``--concurrent-starts`` at least the engines' number) takes the timed runs in rounds, each
 round one run of every engine (``engine_turns``): the host's drift then falls on every engine alike.
 
@@ -95,6 +96,7 @@ def child(args):
     from ddtree.vllm.tiny_models import spec_metrics
 
     rows = []
+    first_groups = {}  # batch size -> the requests of its first group (what a profile of that size serves)
     turns = 0  # --interleave: the rounds this engine has been given beyond its first (one per timed run)
 
     def next_turn():
@@ -181,18 +183,28 @@ def child(args):
         # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
             json.dump([list(o.outputs[0].token_ids) for o in outs], f)
-        if b in profile_batches:
-            profiled = SamplingParams(
-                temperature=0.0, max_tokens=args.profile_tokens or args.max_tokens, ignore_eos=True, detokenize=False
-            )
-            row["profile"] = profile_generate(
-                llm,
-                prompts,
-                profiled,
-                os.path.join(args.out, f"profile_{args.name}_b{b}.txt"),
-                stacks=not args.profile_no_stacks,
-            )
+        first_groups[b] = prompts
         with open(partial_rows_path(args.out, args.name), "w") as f:  # what the parent keeps if this engine dies
+            json.dump(rows, f)
+    # Profiles after every timed run, in a turn of their own: torch.profiler leaves the process slower (a profile
+    # of batch 1 taken between the timed runs doubled every ddtree host counter of the batch-8 rows after it,
+    # ``gpu-h200-pair-profile-77cb2e6``), and it must not run beside another engine's timed run.
+    profiled_sizes = [b for b in first_groups if b in profile_batches]
+    if profiled_sizes:
+        next_turn()
+    for b in profiled_sizes:
+        profiled = SamplingParams(
+            temperature=0.0, max_tokens=args.profile_tokens or args.max_tokens, ignore_eos=True, detokenize=False
+        )
+        row = next(r for r in rows if r["batch"] == b)
+        row["profile"] = profile_generate(
+            llm,
+            first_groups[b],
+            profiled,
+            os.path.join(args.out, f"profile_{args.name}_b{b}.txt"),
+            stacks=not args.profile_no_stacks,
+        )
+        with open(partial_rows_path(args.out, args.name), "w") as f:
             json.dump(rows, f)
     print("RESULT-JSON " + json.dumps(rows), flush=True)
 
@@ -389,7 +401,7 @@ def run_engines(args, engines: list, env: dict) -> list:
         (name, child_command(args, name, spec, gate), os.path.join(args.out, f"bench_{name}.log"))
         for name, spec in engines
     ]
-    rounds = len(args.batches.split(",")) * args.repeats if args.interleave else 1
+    rounds = timed_rounds(args) if args.interleave else 1
     table = []
     for turn in run_in_turns(jobs, gate, args.concurrent_starts, args.timeout, env, rounds=rounds):
         line = next((x for x in turn.stdout.splitlines() if x.startswith("RESULT-JSON ")), None)
@@ -407,6 +419,14 @@ def run_engines(args, engines: list, env: dict) -> list:
         with open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w") as f:  # kept if a later engine dies
             json.dump(table, f, indent=1)
     return table
+
+
+def timed_rounds(args) -> int:
+    """An interleaved engine's turns: one per timed run (every batch size, every repeat), and one for its profiles
+    when it takes any (they run after its timed runs)."""
+    batches = [int(x) for x in args.batches.split(",")]
+    profiled = {int(x) for x in args.profile_batches.split(",") if x} & set(batches)
+    return len(batches) * args.repeats + (1 if profiled else 0)
 
 
 def kept_rows(out: str, name: str) -> list:

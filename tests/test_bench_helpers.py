@@ -229,8 +229,29 @@ def _fake_engine_args(tmp_path, concurrent: int, timeout: int = 20):
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        out=str(tmp_path), concurrent_starts=concurrent, timeout=timeout, interleave=False, batches="1", repeats=1
+        out=str(tmp_path),
+        concurrent_starts=concurrent,
+        timeout=timeout,
+        interleave=False,
+        batches="1",
+        repeats=1,
+        profile_batches="",
     )
+
+
+def test_an_interleaved_engines_profiles_take_one_round_after_its_timed_runs():
+    """Profiles run after every timed run, in one turn of their own: a round more, only when a profiled batch size
+    is one the engine runs."""
+    import bench_vllm_ddtree as pair
+    from types import SimpleNamespace
+
+    def rounds(profile_batches: str) -> int:
+        return pair.timed_rounds(SimpleNamespace(batches="1,8,32", repeats=2, profile_batches=profile_batches))
+
+    assert rounds("") == 6
+    assert rounds("1") == 7
+    assert rounds("1,8") == 7
+    assert rounds("4") == 6
 
 
 def test_engines_started_side_by_side_run_one_after_the_other(tmp_path, monkeypatch):
