@@ -24,6 +24,7 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.utils import record_function_or_nullcontext
 
+from ddtree.kernels.draft_top_k import pack_top_k
 from ddtree.vllm.config import DDTreeConfig
 from ddtree.vllm.step import DeferredProposal, TreeStore
 
@@ -71,9 +72,8 @@ class DDTreeProposer(DFlashProposer):
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         logits = self.model.compute_logits(hidden_states)  # [batch * L, V]
         values, ids = logits.topk(self.top_k, dim=-1)
-        log_probs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-        # One host copy: [rows, 2K] float32 with the ids' int32 bits beside the log-probs.
-        self._capture = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+        # One host copy: [rows, 2K] float32 with the ids' int32 bits beside the log-probs (one kernel on a GPU).
+        self._capture = pack_top_k(logits, values, ids)
         return ids[:, 0], None
 
     def propose(

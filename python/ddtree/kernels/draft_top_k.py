@@ -1,0 +1,127 @@
+"""The drafter's top-K as one host copy: log-probabilities and token ids packed in one ``[rows, 2K]`` float32 tensor.
+
+After the drafter's logits ``[rows, V]`` (rows = requests x depth) and their top-K, the tree build needs each
+candidate's log-probability ``value - logsumexp(row)`` and its token id, copied to the host in one transfer: the
+first ``K`` columns hold the log-probabilities, the last ``K`` the ids' int32 bits.
+
+In torch that is ``logits.float()`` (a copy of the whole ``[rows, V]``), ``torch.logsumexp`` (a composite of ~9
+kernels), a subtraction, a cast and a concatenation: ~13 launches of eager work after the drafter's graph on every
+step, each 5-10 us of host time on a GPU host, where a batch-1 step is host-bound (the profiles of
+``gpu-h200-pair-profile-77cb2e6``: 76 ``aten::logsumexp`` calls in 38 steps). :func:`pack_top_k_triton` is one
+kernel, one program per row: an online logsumexp over the row in float32 (read as bf16 or whatever the logits are),
+then the row's ``K`` log-probabilities and ids written in place. :func:`pack_top_k_reference` is the torch
+computation it replaces, and its oracle in the tests.
+
+The two differ in the last bits of the log-sum (the reduction order): only the trees' scores move, by ~1e-7
+relative, so near-ties between branches can order differently; verification is exact either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU installs run the reference
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+    tl = None
+
+#: Logits read per loop iteration of a program (a power of two).
+BLOCK_V = 2048
+
+
+def _check(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab], got shape {list(logits.shape)}")
+    rows = logits.shape[0]
+    if values.dim() != 2 or values.shape[0] != rows or ids.shape != values.shape:
+        raise ValueError(
+            f"values and ids must both be [rows={rows}, K], got {list(values.shape)} and {list(ids.shape)}"
+        )
+    if values.shape[1] > logits.shape[1]:
+        raise ValueError(f"K = {values.shape[1]} exceeds the vocabulary ({logits.shape[1]})")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
+
+
+def pack_top_k_reference(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[rows, 2K]`` float32: ``values - logsumexp(logits)`` then the ids' int32 bits, in torch."""
+    _check(logits, values, ids)
+    log_probs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    return torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pack_top_k_kernel(
+        logits_ptr,
+        values_ptr,
+        ids_ptr,
+        out_ptr,
+        out_ids_ptr,
+        vocab,
+        k,
+        logits_stride,
+        values_stride,
+        ids_stride,
+        out_stride,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.arange(0, BLOCK_V)
+        # Online logsumexp: a running maximum and the sum of exp(x - maximum), rescaled when the maximum grows. The
+        # lowest finite float32 to start from, not -inf: exp(-inf - -inf) would be NaN on a row of -inf logits.
+        running_max = tl.full((), -3.4028234663852886e38, tl.float32)
+        running_sum = tl.zeros((), tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            columns = start + offsets
+            x = tl.load(logits_ptr + row * logits_stride + columns, mask=columns < vocab, other=float("-inf"))
+            x = x.to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+        log_sum = running_max + tl.log(running_sum)
+        candidates = tl.arange(0, BLOCK_K)
+        kept = candidates < k
+        value = tl.load(values_ptr + row * values_stride + candidates, mask=kept, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_stride + candidates, value - log_sum, mask=kept)
+        token = tl.load(ids_ptr + row * ids_stride + candidates, mask=kept, other=0).to(tl.int32)
+        tl.store(out_ids_ptr + row * out_stride + k + candidates, token, mask=kept)
+
+
+def pack_top_k_triton(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_top_k_reference` in one Triton kernel (one program per row)."""
+    if triton is None:
+        raise RuntimeError("pack_top_k_triton needs triton; use pack_top_k_reference")
+    _check(logits, values, ids)
+    rows, vocab = logits.shape
+    k = values.shape[1]
+    logits, values, ids = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, values, ids))
+    out = torch.empty((rows, 2 * k), dtype=torch.float32, device=logits.device)
+    if rows:
+        _pack_top_k_kernel[(rows,)](
+            logits,
+            values,
+            ids,
+            out,
+            out.view(torch.int32),
+            vocab,
+            k,
+            logits.stride(0),
+            values.stride(0),
+            ids.stride(0),
+            out.stride(0),
+            BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
+            BLOCK_K=triton.next_power_of_2(k),
+        )
+    return out
+
+
+def pack_top_k(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The packed top-K: the Triton kernel on a CUDA device where Triton is installed, else torch."""
+    if logits.is_cuda and triton is not None:
+        return pack_top_k_triton(logits, values, ids)
+    return pack_top_k_reference(logits, values, ids)

@@ -1,0 +1,97 @@
+"""The drafter's packed top-K (``ddtree.kernels.draft_top_k``): the Triton kernel equals the torch computation it
+replaces, under Triton's CPU interpreter (a subprocess: the flag is read when triton is imported) and, on a CUDA
+machine, compiled."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree.kernels.draft_top_k import pack_top_k, pack_top_k_reference
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+#: (rows, vocab, K, dtype): a vocabulary under one block, one over several blocks (not a multiple of the block),
+#: K of one and of a whole power of two, K = 255 (the test pair's), float32 and bf16 logits.
+SHAPES = (
+    (3, 1000, 255, torch.bfloat16),
+    (2, 5000, 64, torch.bfloat16),
+    (4, 300, 1, torch.float32),
+    (1, 4097, 16, torch.float32),
+)
+
+
+def _inputs(rows: int, vocab: int, k: int, dtype, device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(rows, vocab + 7, generator=gen) * 6).to(dtype)
+    logits = wide[:, 3 : 3 + vocab].to(device)  # a strided view: rows do not start where the last one ended
+    values, ids = logits.topk(k, dim=-1)
+    return logits, values, ids
+
+
+def run_checks(device: str) -> None:
+    from ddtree.kernels.draft_top_k import pack_top_k_triton
+
+    for seed, (rows, vocab, k, dtype) in enumerate(SHAPES):
+        logits, values, ids = _inputs(rows, vocab, k, dtype, device, seed)
+        if seed == 0:
+            logits[0, : vocab // 2] = float("-inf")  # masked logits count for nothing, as in torch
+        got, expected = pack_top_k_triton(logits, values, ids), pack_top_k_reference(logits, values, ids)
+        assert got.shape == (rows, 2 * k) and got.dtype == torch.float32
+        torch.testing.assert_close(got[:, :k], expected[:, :k], rtol=1e-6, atol=2e-5)
+        assert torch.equal(got[:, k:].view(torch.int32), expected[:, k:].view(torch.int32))
+        assert torch.equal(got[:, k:].view(torch.int32).long(), ids.long())
+    empty = pack_top_k_triton(*_inputs(0, 10, 2, torch.float32, device, 9))
+    assert empty.shape == (0, 4)
+    print("draft top-K checks passed on", device)
+
+
+def test_the_kernel_under_the_interpreter_equals_the_reference():
+    pytest.importorskip("triton")
+    from _triton_interpreter import child_env
+
+    script = (
+        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); "
+        "import torch; torch.set_num_threads(1); import test_draft_top_k as t; t.run_checks('cpu')"
+    )
+    env = child_env(TESTS_DIR, interpret=True)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_compiled_kernel_equals_the_reference():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter mode is covered by the CPU test")
+    run_checks("cuda")
+
+
+def test_the_reference_is_log_softmax_at_the_top_k():
+    logits, values, ids = _inputs(3, 50, 5, torch.float32, "cpu", 1)
+    packed = pack_top_k(logits, values, ids)  # CPU tensors: the reference
+    expected = torch.log_softmax(logits, dim=-1).gather(1, ids)
+    torch.testing.assert_close(packed[:, :5], expected)
+    assert torch.equal(packed[:, 5:].view(torch.int32).long(), ids)
+
+
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((4,), (1, 2), (1, 2)), "logits must be \\[rows, vocab\\]"),
+        (((2, 10), (3, 2), (3, 2)), "values and ids must both be \\[rows=2, K\\]"),
+        (((2, 10), (2, 2), (2, 3)), "values and ids must both be"),
+        (((2, 3), (2, 4), (2, 4)), "K = 4 exceeds the vocabulary \\(3\\)"),
+    ],
+)
+def test_bad_shapes_are_refused_with_what_is_wrong(shapes, message):
+    logits, values, ids = (torch.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        pack_top_k(logits, values, ids.long())
+
+
+def test_ids_of_a_float_dtype_are_refused():
+    with pytest.raises(ValueError, match="ids must be int32 or int64, got torch.float32"):
+        pack_top_k(torch.zeros(1, 4), torch.zeros(1, 2), torch.zeros(1, 2))
