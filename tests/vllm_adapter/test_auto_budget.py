@@ -1,14 +1,28 @@
 """``ddtree_budget: "auto"`` (``ddtree.vllm.auto_budget``): the policy against a world whose best budget is known,
 its estimators against hand-computed values, and the hand-over of its lookup to vLLM's scheduler."""
 
+import math
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddtree.vllm import auto_budget
-from ddtree.vllm.auto_budget import AcceptanceByBudget, AutoBudget, StepCosts, StepTimer, auto_candidates, timed_counts
+from ddtree.vllm.auto_budget import (
+    KEEP,
+    MAX_BUFFERED_STEPS,
+    STEP_SAMPLES,
+    AcceptanceByBudget,
+    AutoBudget,
+    StepCosts,
+    StepTimer,
+    auto_candidates,
+    timed_counts,
+)
 
 # Two kinds of accepted paths (draft numbers in pop order): what each candidate keeps of them is known by hand.
 DEEP = [1, 2, 20, 40, 60]  # keeps 2 drafts at budget 16, 3 at 32, 5 at 64
@@ -760,3 +774,270 @@ def test_the_statistics_and_autos_bookkeeping_after_sampling_are_timed_host_work
     monkeypatch.setattr(type(runner), "_ddtree_auto_step", lambda self: stepped.append(True))
     assert runner.sample_tokens(None) == "sampled" and stepped == [True]
     assert runner.ddtree_stats.host_seconds["stats"] > 0
+
+
+# ---- the per-step part, buffered and lazy, against the eager version it replaced -----------------------------------
+class _EagerAcceptance:
+    """:class:`AcceptanceByBudget` as it was when every step was counted into the window at once (the oracle)."""
+
+    def __init__(self, candidates, keep=KEEP):
+        self.candidates = np.asarray(sorted(candidates), dtype=np.int64)
+        self.keep = keep
+        self.trees = np.zeros(self.candidates.shape[0])
+        self.kept = np.zeros(self.candidates.shape[0])
+        self.gains = np.zeros(self.candidates.shape[0])
+        self._window_trees = np.zeros_like(self.trees)
+        self._window_kept = np.zeros_like(self.kept)
+        self._window_gains = np.zeros_like(self.gains)
+
+    def observe(self, budgets, whole, drafts, accepted):
+        drafts = np.asarray(drafts, dtype=np.int64)
+        accepted = np.asarray(accepted, dtype=np.int64)
+        on_path = np.arange(drafts.shape[1])[None, :] < accepted[:, None]
+        caps = self.candidates[:, None]
+        counted = np.asarray(whole, dtype=bool)[None, :] & (np.asarray(budgets)[None, :] >= caps)  # [C, R]
+        kept = ((drafts[None, :, :] <= caps[:, :, None]) & on_path[None, :, :]).sum(axis=2)  # [C, R]
+        self._window_trees += counted.sum(axis=1)
+        self._window_kept += (counted * kept).sum(axis=1)
+        beyond = np.diff(kept, axis=0, prepend=0)
+        self._window_gains += (counted * beyond).sum(axis=1)
+
+    def close_window(self):
+        seen = self._window_trees > 0
+        self.trees[seen] = self.keep * self.trees[seen] + self._window_trees[seen]
+        self.kept[seen] = self.keep * self.kept[seen] + self._window_kept[seen]
+        self.gains[seen] = self.keep * self.gains[seen] + self._window_gains[seen]
+        self._window_trees[:] = 0
+        self._window_kept[:] = 0
+        self._window_gains[:] = 0
+
+    acceptance_length = AcceptanceByBudget.acceptance_length
+
+
+class _EagerStepCosts(StepCosts):
+    """:class:`StepCosts` as it was when every step took its median at once and interpolated its forward anew (the
+    oracle): ``beyond`` a plain dict, written by every step."""
+
+    beyond = None  # shadows the lazy property: an instance attribute
+
+    def __init__(self, forward_ms):
+        super().__init__(forward_ms)
+        self.beyond = {}
+
+    def _forward_row(self, budget, trees):
+        return self._interpolate(budget, trees)  # uncached
+
+    def forward_ms(self, budget, trees):
+        row = self._forward_row(budget, np.array([trees], dtype=np.float64))
+        return None if row is None else float(row[0])
+
+    def observe_step(self, budget, trees, step_ms, probing=False):
+        forward = self.forward_ms(budget, trees)
+        if forward is None or not np.isfinite(step_ms) or step_ms <= 0:
+            return
+        beyond = max(step_ms - forward, 0.0)
+        samples = self._samples.setdefault((budget, trees), deque(maxlen=STEP_SAMPLES))
+        samples.append(beyond)
+        self.beyond[(budget, trees)] = float(np.median(samples))
+        if probing:
+            self._probe.setdefault((budget, trees), []).append(beyond)
+        self._model = None
+
+
+class _EagerAutoBudget(AutoBudget):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.acceptance = _EagerAcceptance(self.candidates)
+
+    def set_forward_costs(self, forward_ms):
+        self.costs = _EagerStepCosts(forward_ms)
+
+
+def _same_acceptance(mine, eager):
+    for name in ("trees", "kept", "gains", "_window_trees", "_window_kept", "_window_gains"):
+        assert np.array_equal(getattr(mine, name), getattr(eager, name)), name  # bit for bit
+    for min_trees in (1.0, 8.0, 32.0):
+        assert mine.acceptance_length(min_trees) == eager.acceptance_length(min_trees)
+
+
+def _same_costs(mine, eager, trees=np.arange(1, 41)):
+    if mine is None:
+        assert eager is None
+        return
+    assert list(mine.beyond.items()) == list(eager.beyond.items())  # values and order (np.mean over them)
+    assert {k: list(q) for k, q in mine._samples.items()} == {k: list(q) for k, q in eager._samples.items()}
+    assert mine._rest_model() == eager._rest_model() and list(mine.slopes) == list(eager.slopes)
+    budgets = sorted(eager.forward) + [5]
+    assert np.array_equal(mine.step_ms_table(budgets, trees), eager.step_ms_table(budgets, trees), equal_nan=True)
+    for n in (1, 2, 3, 8, 33):
+        assert mine.needs_probe(n) == eager.needs_probe(n)
+        for budget in budgets:
+            assert mine.forward_ms(budget, n) == eager.forward_ms(budget, n)
+            assert mine.rest_ms(budget, n) == eager.rest_ms(budget, n)
+
+
+def _same_auto(mine, eager):
+    assert mine.lookup == eager.lookup and mine.probing == eager.probing
+    assert (mine.decisions, mine.changes, mine.probes) == (eager.decisions, eager.changes, eager.probes)
+    _same_acceptance(mine.acceptance, eager.acceptance)
+    _same_costs(mine.costs, eager.costs, np.arange(1, len(mine.lookup)))
+    assert mine.summary() == eager.summary() and mine.describe() == eager.describe()
+
+
+def _random_forward(rng, candidates):
+    timed = [c for c in candidates if rng.random() < 0.85] or [candidates[-1]]
+    counts = [1, 2, 4, 8, 16, 32]
+    return {
+        c: {int(n): float(rng.uniform(0.2, 5.0)) for n in rng.choice(counts, rng.integers(1, 5), replace=False)}
+        for c in timed
+    }
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_buffered_and_lazy_bookkeeping_decide_exactly_as_the_eager_one(seed):
+    """Random runs of steps (any batch size, path width, budgets, cut trees, step times, some rejected), decisions,
+    probes and reads between steps: the buffered acceptance and the lazy medians give, bit for bit, every count,
+    median, cost, decision and summary of the step-by-step version. A step's drafts are a view of one buffer
+    scribbled over after each step (as the runner's are): what was observed must have been copied."""
+    rng = np.random.default_rng(seed)
+    candidates = tuple(sorted(rng.choice([7, 15, 31, 63, 127], int(rng.integers(1, 5)), replace=False).tolist()))
+    max_num_seqs = int(rng.integers(1, 41))
+    options = dict(
+        window_steps=int(rng.choice([1, 2, 4, 16, 80])),  # 80: more steps than the buffer holds
+        min_trees=float(rng.choice([1.0, 8.0, 32.0])),
+        margin=float(rng.choice([0.0, 0.03])),
+    )
+    mine, eager = AutoBudget(candidates, max_num_seqs, **options), _EagerAutoBudget(candidates, max_num_seqs, **options)
+    needs_scheduler = rng.random() < 0.3
+    mine.needs_scheduler = eager.needs_scheduler = needs_scheduler
+    costs_at = int(rng.integers(0, 20)) if rng.random() < 0.9 else -1
+    attach_at = int(rng.integers(0, 150))
+    forward = _random_forward(rng, candidates)
+    buffer = np.zeros((max_num_seqs, 24), dtype=np.int64)
+    batch_sizes = rng.integers(0, max_num_seqs + 1, int(rng.integers(1, 4)))  # a few: probes time them twice
+    reads = float(rng.choice([0.0, 0.07]))  # without reads, windows of 80 steps outgrow the buffer
+    for op in range(int(rng.integers(1, 150))):
+        if op == costs_at:
+            mine.set_forward_costs(forward)
+            eager.set_forward_costs(forward)
+        if op == attach_at:
+            mine.attached = eager.attached = True
+        kind = rng.random()
+        if kind < 0.75:  # a verify step, then the step times the timer landed
+            rows, width = int(rng.choice(batch_sizes)), int(rng.integers(0, 24))
+            budgets = np.where(
+                rng.random(rows) < 0.7, mine.budget_for(rows), rng.choice(list(candidates) + [5, 200], rows)
+            )
+            whole = rng.random(rows) < 0.85
+            buffer[:] = rng.integers(1, 260, buffer.shape)
+            drafts = buffer[:rows, :width]  # a view of a reused buffer
+            accepted = rng.integers(-1, width + 3, rows)
+            mine.observe(budgets, whole, drafts, accepted)
+            eager.observe(budgets, whole, drafts, accepted)
+            buffer[:] = rng.integers(1, 260, buffer.shape)  # the next step's
+            for _ in range(int(rng.choice([0, 1, 1, 1, 2])) if rows else 0):  # a step of no trees: not timed
+                budget = mine.budget_for(rows) if rng.random() < 0.8 else int(rng.choice(candidates))
+                ms = float(rng.choice([rng.uniform(0.5, 30.0), round(rng.uniform(1, 9), 1), math.nan, 0.0, -1.0]))
+                mine.observe_step_time(budget, rows, ms)
+                eager.observe_step_time(budget, rows, ms)
+        elif kind < 1.0 - reads:
+            assert mine.maybe_decide() == eager.maybe_decide()
+            assert mine.lookup == eager.lookup
+        else:  # a read in the middle of a window
+            _same_auto(mine, eager)
+    _same_auto(mine, eager)
+    mine.acceptance.close_window()
+    eager.acceptance.close_window()
+    _same_acceptance(mine.acceptance, eager.acceptance)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_lazy_medians_equal_the_eager_ones_whatever_the_reads(seed):
+    """Many (budget, trees) keys, some stepped past STEP_SAMPLES, probes opened and closed, reads at random: the
+    medians, their order, the rest's model and every step cost are those of taking each median at its step."""
+    rng = np.random.default_rng(seed)
+    forward = _random_forward(rng, (7, 15, 31, 63))
+    mine, eager = StepCosts(forward), _EagerStepCosts(forward)
+    for _ in range(int(rng.integers(1, 200))):
+        kind = rng.random()
+        if kind < 0.85:
+            budget, trees = int(rng.choice([7, 15, 31, 63, 5])), int(rng.integers(1, 6))
+            ms = float(rng.choice([rng.uniform(0.1, 20.0), 3.0, 3.5, math.inf, math.nan, 0.0]))
+            probing = bool(rng.random() < 0.5)
+            mine.observe_step(budget, trees, ms, probing)
+            eager.observe_step(budget, trees, ms, probing)
+        elif kind < 0.9:
+            mine.close_probe()
+            eager.close_probe()
+        else:
+            _same_costs(mine, eager)
+    _same_costs(mine, eager)
+
+
+def test_acceptance_counts_steps_of_other_widths_and_a_long_unread_run_exactly():
+    """Steps of different batch sizes and path widths (padded when counted together), more of them than the buffer
+    holds (counted as it fills: the buffer stays bounded while no window closes), then a read: as counted step by
+    step. And a step's arrays are copied: the caller may reuse them."""
+    rng = np.random.default_rng(7)
+    candidates = (15, 31, 63, 127)
+    mine, eager = AcceptanceByBudget(candidates), _EagerAcceptance(candidates)
+    drafts = np.zeros((9, 30), dtype=np.int64)
+    for step in range(3 * MAX_BUFFERED_STEPS + 5):
+        rows, width = int(rng.integers(0, 9)), int(rng.integers(0, 30))
+        drafts[:] = rng.integers(1, 200, drafts.shape)
+        budgets, whole = rng.choice([15, 31, 63, 127, 100], rows), rng.random(rows) < 0.8
+        accepted = rng.integers(0, width + 2, rows)
+        mine.observe(budgets, whole, drafts[:rows, :width], accepted)
+        eager.observe(budgets, whole, drafts[:rows, :width], accepted)
+        budgets[:], whole[:], accepted[:] = 0, False, 0  # the caller's arrays, reused
+        assert len(mine._buffered) < MAX_BUFFERED_STEPS
+        if step == 2 * MAX_BUFFERED_STEPS:  # one window closed, after more steps than the buffer holds
+            mine.close_window()
+            eager.close_window()
+    _same_acceptance(mine, eager)
+    mine.close_window()
+    eager.close_window()
+    _same_acceptance(mine, eager)
+
+
+def test_a_step_of_mismatched_shapes_is_refused_when_observed():
+    """Counted later, a step's shapes are checked when it is observed (where the error points at its caller)."""
+    est = AcceptanceByBudget((16, 64))
+    drafts, accepted = _paths(2)
+    with pytest.raises(ValueError):
+        est.observe(np.array([64]), np.ones(2, dtype=bool), drafts, accepted)
+    with pytest.raises(ValueError):
+        est.observe(np.array([64, 64]), np.ones(2, dtype=bool), drafts[0], accepted)
+    assert est._window_trees.tolist() == [0.0, 0.0]
+
+
+def test_the_per_step_part_is_a_few_python_operations():
+    """``auto``'s per-step work runs on the engine loop's path: a step's acceptance is buffered and its time
+    appended, no median and no interpolation per step (the forward of a (budget, trees) is looked up)."""
+    auto = AutoBudget((15, 31, 63), max_num_seqs=8, window_steps=1000)
+    auto.set_forward_costs({c: {1: 1.0, 8: 2.0} for c in (15, 31, 63)})
+    auto.observe_step_time(63, 4, 7.0)
+    calls = []
+    auto.costs._interpolate = lambda *a: calls.append(a)  # a second interpolation of (63, 4) would land here
+    for _ in range(3):
+        auto.observe_step_time(63, 4, 7.0)
+    assert (
+        not calls
+        and auto.costs._stale == {(63, 4)}
+        and auto.costs.beyond == {(63, 4): pytest.approx(7.0 - (1.0 + 3 / 7))}
+    )
+    assert not auto.costs._stale
+
+
+def test_a_probe_of_steps_without_trees_reads_no_slope():
+    """Steps of 0 trees at two budgets verify no tokens either way: no spread to divide by, no slope (it raised
+    ZeroDivisionError)."""
+    from ddtree.vllm.auto_budget import StepCosts
+
+    costs = StepCosts({15: {1: 1.0}, 63: {1: 2.0}})
+    for budget in (15, 63, 15, 63):
+        costs.observe_step(budget, 0, 5.0, probing=True)
+    costs.close_probe()
+    assert list(costs.slopes) == []

@@ -37,13 +37,19 @@ scheduler reads the same list object (its dynamic speculative decoding lookup, `
 reaches the next step it schedules; synchronously the runner's proposer reads it. Either way a step's trees are
 built at the size that was scheduled (late trees), so a change mid-flight costs one step counted as cut trees.
 Pure numpy: CI tests the policy on CPU.
+
+Its per-step part runs on the engine loop's path, so it is a few Python operations: a step's trees are buffered
+(:meth:`AcceptanceByBudget.observe`) and counted in one numpy pass when the window is read, and a step's time is
+appended to its (budget, trees) samples, the median taken when ``StepCosts.beyond`` is read; both give exactly what
+folding step by step gave (``tests/vllm_adapter/test_auto_budget.py`` keeps that eager version as the oracle).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -77,6 +83,9 @@ KEPT_SLOPES = 8
 STEP_SAMPLES = 15
 #: Tree counts whose forward is timed at start-up (the rest are interpolated).
 TIMED_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Steps :class:`AcceptanceByBudget` buffers at most before counting them (a window is counted when it closes; this
+#: bounds the buffer while no window closes, e.g. before vLLM's scheduler attached the lookup).
+MAX_BUFFERED_STEPS = 64
 
 
 def block_budgets(smallest: int, largest: int) -> List[int]:
@@ -104,14 +113,22 @@ class StepCosts:
     step verifies (logits and sampling of ``n * (budget + 1)`` rows, outside the graphed forward) and a part that
     does not. Its per-token slope is read from probes (:meth:`close_probe`: steps of two budgets taken in turns);
     until one measured it, it counts as 0 (:meth:`needs_probe`: ``AutoBudget`` then runs a probe window).
+
+    The timed forward is fixed once built (``forward`` is not to be changed afterwards): each step looks its
+    (budget, trees) forward up in a cache, and a decision's rows of forwards by tree count are cached too.
     """
 
     def __init__(self, forward_ms: Mapping[int, Mapping[int, float]]):
         # budget -> sorted (trees, ms) of its timed FULL-graph replays
         self.forward = {int(b): sorted((int(n), float(ms)) for n, ms in by_n.items()) for b, by_n in forward_ms.items()}
-        # (budget, trees) -> ms of a live step beyond the target's forward: the median of the last STEP_SAMPLES
-        self.beyond: Dict[Tuple[int, int], float] = {}
+        # (budget, trees) -> the last STEP_SAMPLES live steps' ms beyond the target's forward; their medians
+        # (``beyond``, keys in the order first observed) are taken when read, for the keys stepped since (``_stale``).
+        self._beyond: Dict[Tuple[int, int], float] = {}
         self._samples: Dict[Tuple[int, int], Deque[float]] = {}
+        self._stale: Set[Tuple[int, int]] = set()
+        # forward_ms by (budget, trees), and _forward_row by (budget, the tree counts): the forward is fixed.
+        self._forward_ms: Dict[Tuple[int, int], Optional[float]] = {}
+        self._forward_rows: Dict[Tuple[int, str, bytes], Optional[np.ndarray]] = {}
         # The open probe's steps, (budget, trees) -> ms beyond the forward; and the slopes probes measured,
         # (trees, slope, weight), the latest KEPT_SLOPES.
         self._probe: Dict[Tuple[int, int], List[float]] = {}
@@ -121,24 +138,48 @@ class StepCosts:
         # asks about.
         self._model: Optional[Tuple[float, Dict[int, float], List[int]]] = None
 
+    @property
+    def beyond(self) -> Dict[Tuple[int, int], float]:
+        """(budget, trees) -> ms of a live step beyond the target's forward: the median of its last
+        :data:`STEP_SAMPLES` (taken here, for the keys observed since the last read)."""
+        if self._stale:
+            for key in self._stale:
+                self._beyond[key] = float(np.median(self._samples[key]))
+            self._stale.clear()
+        return self._beyond
+
     def forward_ms(self, budget: int, trees: int) -> Optional[float]:
         """The forward of ``trees`` trees of ``budget``: interpolated between the timed counts, extrapolated
         linearly past the largest (per tree below the smallest); None when the budget was not timed."""
-        row = self._forward_row(budget, np.array([trees], dtype=np.float64))
-        return None if row is None else float(row[0])
+        key = (budget, trees)
+        try:
+            return self._forward_ms[key]
+        except KeyError:
+            pass
+        row = self._interpolate(budget, np.array([trees], dtype=np.float64))
+        ms = self._forward_ms[key] = None if row is None else float(row[0])
+        return ms
 
     def observe_step(self, budget: int, trees: int, step_ms: float, probing: bool = False) -> None:
         """A live step of ``trees`` trees of ``budget`` took ``step_ms`` (:class:`StepTimer`); ``probing``: a step of
-        the open probe (:meth:`close_probe`)."""
+        the open probe (:meth:`close_probe`). Every step: a few Python operations (the median waits for a read)."""
         forward = self.forward_ms(budget, trees)
-        if forward is None or not np.isfinite(step_ms) or step_ms <= 0:
+        if forward is None or not math.isfinite(step_ms) or step_ms <= 0:
             return
         beyond = max(step_ms - forward, 0.0)
-        samples = self._samples.setdefault((budget, trees), deque(maxlen=STEP_SAMPLES))
+        key = (budget, trees)
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = deque(maxlen=STEP_SAMPLES)
+            self._beyond[key] = beyond  # its place in ``beyond``'s order (the value is taken when read)
         samples.append(beyond)
-        self.beyond[(budget, trees)] = float(np.median(samples))
+        self._stale.add(key)
         if probing:
-            self._probe.setdefault((budget, trees), []).append(beyond)
+            probe = self._probe.get(key)
+            if probe is None:
+                self._probe[key] = [beyond]
+            else:
+                probe.append(beyond)
         self._model = None
 
     def close_probe(self) -> None:
@@ -155,6 +196,8 @@ class StepCosts:
             x = np.array([trees * (budget + 1) for budget, _ in points], dtype=np.float64)
             y = np.array([ms for _, ms in points], dtype=np.float64)
             spread = float(((x - x.mean()) ** 2).sum())
+            if spread <= 0:  # no tokens between its budgets (steps of 0 trees): nothing to read a slope from
+                continue
             self.slopes.append((trees, float(((x - x.mean()) * (y - y.mean())).sum()) / spread, spread))
         self._model = None
 
@@ -231,7 +274,23 @@ class StepCosts:
         return np.array([fixed[n] for n in measured])[np.where(closer_below, below, above)]
 
     def _forward_row(self, budget: int, trees: np.ndarray) -> Optional[np.ndarray]:
-        """:meth:`forward_ms` over an array of tree counts (the same interpolation, the same arithmetic)."""
+        """:meth:`forward_ms` over an array of tree counts (the same interpolation, the same arithmetic); cached by
+        tree counts (a decision asks about the same ones every window). The row is shared: not to be written."""
+        if trees.shape[0] <= 1:  # one tree count (step_ms): not worth a key
+            return self._interpolate(budget, trees)
+        key = (budget, trees.dtype.str, trees.tobytes())  # 1-D tree counts
+        try:
+            return self._forward_rows[key]
+        except KeyError:
+            pass
+        if len(self._forward_rows) >= 64:  # a few keys in practice (one per candidate); bounded all the same
+            self._forward_rows.clear()
+        row = self._forward_rows[key] = self._interpolate(budget, trees)
+        if row is not None:
+            row.flags.writeable = False
+        return row
+
+    def _interpolate(self, budget: int, trees: np.ndarray) -> Optional[np.ndarray]:
         points = self.forward.get(budget)
         if not points:
             return None
@@ -258,6 +317,10 @@ class AcceptanceByBudget:
     figure while the running one followed the traffic (on the test pair at batch 32, ``auto`` took budget 15 at 3.39
     against budget 63 frozen at 3.61, where a fixed budget 63 accepted 3.96 in the same run:
     ``gpu-h200-pair-launch-ahead-632c917``). On trees that say every candidate, both estimates are the same.
+
+    A step's trees are buffered (:meth:`observe`: copies, a few microseconds) and counted in one numpy pass when the
+    window is read (:meth:`close_window`, ``_window_*``) or :data:`MAX_BUFFERED_STEPS` wait: the counts are integers,
+    summed exactly in any order, so this is what counting step by step gave, bit for bit.
     """
 
     def __init__(self, candidates: Sequence[int], keep: float = KEEP):
@@ -267,34 +330,85 @@ class AcceptanceByBudget:
         self.kept = np.zeros(self.candidates.shape[0])
         # [0]: what the smallest candidate keeps; [k]: what candidate k keeps beyond candidate k - 1 (same trees).
         self.gains = np.zeros(self.candidates.shape[0])
-        self._window_trees = np.zeros_like(self.trees)
-        self._window_kept = np.zeros_like(self.kept)
-        self._window_gains = np.zeros_like(self.gains)
+        # The window's counts so far (trees, kept, gains by candidate) and the steps not counted yet, each
+        # (budgets [R], whole [R], drafts [R, P], accepted [R]).
+        self._counted = np.zeros((3, self.candidates.shape[0]))
+        self._buffered: List[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def observe(self, budgets: np.ndarray, whole: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
         """One step's trees: ``budgets`` ``[R]`` each tree's budget, ``whole`` ``[R]`` whether it is the drafter's
         whole tree (not cut, not a filler), ``drafts`` ``[R, P]`` the accepted path's draft numbers in pop order
-        (1-based, from depth 1), ``accepted`` ``[R]`` how many of them count."""
-        drafts = np.asarray(drafts, dtype=np.int64)
-        accepted = np.asarray(accepted, dtype=np.int64)
+        (1-based, from depth 1), ``accepted`` ``[R]`` how many of them count. Copied (``drafts`` may be a view of a
+        reused buffer) and counted later, with the window's other steps."""
+        budgets = np.array(budgets)
+        whole = np.array(whole, dtype=bool)
+        drafts = np.array(drafts, dtype=np.int64)
+        accepted = np.array(accepted, dtype=np.int64)
+        rows = drafts.shape[0] if drafts.ndim == 2 else -1
+        if budgets.shape != (rows,) or whole.shape != (rows,) or accepted.shape != (rows,):
+            raise ValueError(
+                f"a step's trees: budgets {budgets.shape}, whole {whole.shape}, accepted {accepted.shape} must be "
+                f"[R] and drafts {drafts.shape} [R, P]"
+            )
+        self._buffered.append((budgets, whole, drafts, accepted))
+        if len(self._buffered) >= MAX_BUFFERED_STEPS:
+            self._count()
+
+    def _count(self) -> None:
+        """Counts the buffered steps into the window, all in one pass (when steps differ in ``P``, a step's drafts
+        padded to the widest step's with a draft number no candidate keeps)."""
+        steps, self._buffered = self._buffered, []
+        if not steps:
+            return
+        if len(steps) == 1:
+            budgets, whole, drafts, accepted = steps[0]
+        else:
+            budgets = np.concatenate([step[0] for step in steps])
+            whole = np.concatenate([step[1] for step in steps])
+            accepted = np.concatenate([step[3] for step in steps])
+            widths = {step[2].shape[1] for step in steps}
+            if len(widths) == 1:
+                drafts = np.concatenate([step[2] for step in steps])
+            else:
+                drafts = np.full((budgets.shape[0], max(widths)), self.candidates[-1] + 1, dtype=np.int64)
+                row = 0
+                for _, _, step_drafts, _ in steps:
+                    drafts[row : row + step_drafts.shape[0], : step_drafts.shape[1]] = step_drafts
+                    row += step_drafts.shape[0]
         on_path = np.arange(drafts.shape[1])[None, :] < accepted[:, None]
         caps = self.candidates[:, None]
-        counted = np.asarray(whole, dtype=bool)[None, :] & (np.asarray(budgets)[None, :] >= caps)  # [C, R]
+        counted = whole[None, :] & (budgets[None, :] >= caps)  # [C, R]
         kept = ((drafts[None, :, :] <= caps[:, :, None]) & on_path[None, :, :]).sum(axis=2)  # [C, R]
-        self._window_trees += counted.sum(axis=1)
-        self._window_kept += (counted * kept).sum(axis=1)
-        beyond = np.diff(kept, axis=0, prepend=0)  # [C, R]: kept by candidate k beyond candidate k - 1
-        self._window_gains += (counted * beyond).sum(axis=1)
+        beyond = kept.copy()  # [C, R]: kept by candidate k beyond candidate k - 1
+        beyond[1:] -= kept[:-1]
+        self._counted += np.stack([counted.sum(axis=1), (counted * kept).sum(axis=1), (counted * beyond).sum(axis=1)])
+
+    @property
+    def _window_trees(self) -> np.ndarray:
+        """The window's trees by candidate (``_window_kept``, ``_window_gains``: what they keep), buffered steps
+        counted."""
+        self._count()
+        return self._counted[0]
+
+    @property
+    def _window_kept(self) -> np.ndarray:
+        self._count()
+        return self._counted[1]
+
+    @property
+    def _window_gains(self) -> np.ndarray:
+        self._count()
+        return self._counted[2]
 
     def close_window(self) -> None:
         """Folds the window into the estimate: the past decays only for candidates the window observed."""
-        seen = self._window_trees > 0
-        self.trees[seen] = self.keep * self.trees[seen] + self._window_trees[seen]
-        self.kept[seen] = self.keep * self.kept[seen] + self._window_kept[seen]
-        self.gains[seen] = self.keep * self.gains[seen] + self._window_gains[seen]
-        self._window_trees[:] = 0
-        self._window_kept[:] = 0
-        self._window_gains[:] = 0
+        self._count()
+        window_trees, window_kept, window_gains = self._counted
+        seen = window_trees > 0
+        self.trees[seen] = self.keep * self.trees[seen] + window_trees[seen]
+        self.kept[seen] = self.keep * self.kept[seen] + window_kept[seen]
+        self.gains[seen] = self.keep * self.gains[seen] + window_gains[seen]
+        self._counted[:] = 0
 
     def acceptance_length(self, min_trees: float = MIN_TREES) -> Dict[int, float]:
         """Candidates with enough trees (they and every smaller candidate) -> mean acceptance length (bonus token
