@@ -19,7 +19,9 @@ requests (default 32), served b at a time (batch 1: 32 one-request runs), the fa
 ``--profile-batches 8`` adds a torch.profiler table per engine and batch (``profile_<engine>_b8.txt``), taken after
 every timed run of that engine (the profiler leaves the process slower).
 ``--interleave`` (with ``--concurrent-starts`` at least the engines' number) takes the timed runs in rounds, each
-round one run of every engine (``engine_turns``): the host's drift then falls on every engine alike.
+round one run of every engine (``engine_turns``): the host's drift then falls on every engine alike, and the table adds
+each engine's ratio to the chain run by run, the median over rounds (``ratio_to_dflash_by_round``; use
+``--repeats`` 3 or more for it to be a median).
 
 Mean acceptance length = 1 + accepted / drafts from vLLM's own spec-decode
 counters (for DDTree a "draft" is one verified tree).
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -127,6 +130,7 @@ def child(args):
             prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False
         )
         best = None
+        seconds_by_repeat = []  # every timed run's, in round order (the parent's per-round ratios)
         is_tree = spec is not None and spec.get("method") == "ddtree"
         window_start = llm.collective_rpc("ddtree_summary")[0] if is_tree else None
         for repeat in range(args.repeats):
@@ -139,6 +143,7 @@ def child(args):
                 outs += llm.generate(group, params, use_tqdm=False)
                 dt += time.time() - t
             after = spec_metrics(llm)
+            seconds_by_repeat.append(dt)
             if best is None or dt < best[0]:
                 best = (dt, outs, before, after)
         dt, outs, before, after = best
@@ -154,6 +159,7 @@ def child(args):
             "seconds": dt,
             "ms_per_step": 1000.0 * dt / steps,
             "repeats": args.repeats,
+            "seconds_by_repeat": seconds_by_repeat,
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
             "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
             "engine_start_s": round(init_s, 1),
@@ -346,16 +352,21 @@ def main():
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     table = run_engines(args, engines, env)
     chain = {row["batch"]: row["tokens_per_s"] for row in table if row["engine"] == "dflash"}
+    if args.interleave:
+        add_round_ratios(table)
     print(
-        f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'mean acc len':>14}{'ms/step':>10}{'host ms':>9}"
+        f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'by round':>10}{'mean acc len':>14}"
+        f"{'ms/step':>10}{'host ms':>9}"
     )
     for row in table:
         mal = row["mean_acceptance_length"]
         ratio = row["tokens_per_s"] / chain[row["batch"]] if row["batch"] in chain else None
+        by_round = row.get("ratio_to_dflash_by_round")
         host = sum(row.get("host_ms_per_verify_step", {}).values()) if "host_ms_per_verify_step" in row else None
         print(
             f"{row['engine']:<14}{row['batch']:>6}{row['tokens_per_s']:>12.1f}"
-            f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{mal:.3f}' if mal else '-'):>14}"
+            f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{by_round:.2f}' if by_round else '-'):>10}"
+            f"{(f'{mal:.3f}' if mal else '-'):>14}"
             f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}"
         )
     checks = what_if_chain_checks(table)
@@ -436,6 +447,21 @@ def kept_rows(out: str, name: str) -> list:
             return json.load(f)
     except (OSError, ValueError):
         return []
+
+
+def add_round_ratios(table: list) -> None:
+    """Each engine's tokens/s over vLLM's dflash's, run by run, as the median over the rounds (``--interleave``: run
+        ``r`` of every engine sat in round ``r``, minutes apart at most): ``ratio_to_dflash_by_round``. Best against best
+        compares two engines' luckiest runs, which at batch 1 may come from different rounds of a host whose speed moves
+        by tens of percent between turns. Every engine served the same requests, so a run's ratio is the chain's seconds
+        over the engine's. Rows without both sides' runs, run for run, get none (a partial row). Engine after engine
+    (no ``--interleave``) the runs of a pair are minutes apart: the bench adds these ratios only when interleaved."""
+    chain = {row["batch"]: row.get("seconds_by_repeat") for row in table if row["engine"] == "dflash"}
+    for row in table:
+        runs, chain_runs = row.get("seconds_by_repeat"), chain.get(row["batch"])
+        if row["engine"] == "dflash" or not runs or not chain_runs or len(runs) != len(chain_runs):
+            continue
+        row["ratio_to_dflash_by_round"] = statistics.median(c / e for c, e in zip(chain_runs, runs) if e > 0)
 
 
 def what_if_chain_checks(table: list) -> list:

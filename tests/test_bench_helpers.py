@@ -430,3 +430,21 @@ def test_the_launch_ahead_switch_sets_the_gate_aside_and_restores_it():
     started_without = types.SimpleNamespace(model_runner=types.SimpleNamespace(_ddtree_gate=None))
     with pytest.raises(RuntimeError, match="DDTREE_LAUNCH_AHEAD"):
         bench.set_launch_ahead(started_without, True)
+
+
+def test_round_ratios_pair_each_run_with_the_chains_run_of_its_round():
+    """Run r of an engine against run r of the chain, the median over rounds: a chain that was lucky in round 1 and
+    an engine lucky in round 2 do not make a ratio of two different rounds."""
+    import bench_vllm_ddtree as pair
+
+    table = [
+        {"engine": "dflash", "batch": 1, "seconds_by_repeat": [10.0, 14.0, 12.0]},
+        {"engine": "ddtree-63", "batch": 1, "seconds_by_repeat": [8.0, 7.0, 10.0]},
+        {"engine": "ddtree-127", "batch": 1, "seconds_by_repeat": [8.0]},  # partial: not run for run
+        {"engine": "ddtree-63", "batch": 8, "seconds_by_repeat": [1.0, 1.0, 1.0]},  # no chain at this batch size
+    ]
+    pair.add_round_ratios(table)
+    assert table[1]["ratio_to_dflash_by_round"] == 1.25  # median of 1.25, 2.0, 1.2 (best against best: 1.43)
+    assert "ratio_to_dflash_by_round" not in table[0]
+    assert "ratio_to_dflash_by_round" not in table[2]
+    assert "ratio_to_dflash_by_round" not in table[3]
