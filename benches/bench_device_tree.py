@@ -9,6 +9,7 @@ test pair's) already on the device:
 * ``host``: what the runner does today: the top-K copied to the host (waited for) and ``ddtree.build_trees``.
 * ``device``: ``device_tree.build_trees`` launched eagerly, to completion.
 * ``graph`` (CUDA only): the same captured once as a CUDA graph and replayed (its host cost is one replay launch).
+* ``triton`` (CUDA only): ``tree_build_triton.build_trees_triton``, the whole search in one launch, to completion.
 
 Each figure is the median of ``--steps`` timed runs, wall clock, synchronised at the end of each. Every build is
 compared with the core's trees (parents, depths, tokens) first: a mismatch stops the bench. On a machine without
@@ -28,6 +29,7 @@ import torch
 
 import ddtree
 from ddtree.kernels.device_tree import build_trees
+from ddtree.kernels.tree_build_triton import build_trees_triton
 
 
 def drafter_top_k(num_reqs: int, depth: int, top_k: int, device: torch.device, seed: int = 0):
@@ -86,6 +88,8 @@ def measure(num_reqs: int, budget: int, depth: int, top_k: int, steps: int, devi
         sync()
         check(captured, log_probs, token_ids, budget)
         row["graph_ms"] = timed(graph.replay, steps, sync)
+        check(build_trees_triton(log_probs, token_ids, budget), log_probs, token_ids, budget)
+        row["triton_ms"] = timed(lambda: build_trees_triton(log_probs, token_ids, budget), steps, sync)
     return row
 
 
@@ -107,6 +111,7 @@ def main() -> None:
             row = measure(num_reqs, budget, args.depth, args.top_k, args.steps, device)
             rows.append(row)
             graph = f", graph {row['graph_ms']:.3f} ms" if "graph_ms" in row else ""
+            graph += f", triton {row['triton_ms']:.3f} ms" if "triton_ms" in row else ""
             print(
                 f"budget {budget:4d} batch {num_reqs:3d}: host {row['host_ms']:.3f} ms, device "
                 f"{row['device_ms']:.3f} ms{graph} (trees equal to the core's)",

@@ -1,0 +1,174 @@
+"""DDTree's tree build as one Triton kernel: one program per request runs the Rust core's best-first search.
+
+The torch build (:mod:`ddtree.kernels.device_tree`) showed the trees can be built where the drafter's top-K lives,
+exactly and capture-safe, but as ~500 small kernels: 1.3 ms of GPU time at budget 63 and batch 1 on an H200
+(``gpu-h200-device-tree-33df4a8``), more than the host time it would save. Here the whole search is one launch.
+
+The search is the core's (``rust/src/build.rs``), step for step. A prefix is a tuple of ranks; its score is the
+float64 sum of its ranks' log-probabilities in depth order. Every emitted node keeps one candidate, its next child
+not yet emitted (``head``: the rank after its last emitted child; the root's first is rank 0): exactly the set of
+prefixes the core's heap holds, which pushes a popped prefix's next sibling and first child. Each of the
+``budget`` pops takes the candidate of the highest score, equal scores by the lexicographically smaller rank tuple
+(the heap's order), and emits it as the next node. So the nodes, their order and every tie are the core's, for
+any log-probabilities the core accepts (also the slightly positive ones its tolerance lets through, which the torch
+build clamps).
+
+The program's state is a few register vectors of ``budget + 1`` entries (scores, depths, heads, candidate scores,
+rank-tuple keys). Ties are broken on the keys: a node's rank tuple packed into 64-bit words, ``rank + 1`` per depth
+in ``KEY_BITS`` bits, earlier depths in higher bits and a shorter tuple padded with zeros, so integer order word by
+word is lexicographic order. Work per program: ``budget`` pops of a few vector reductions each; the keys are read
+only when the best score is tied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.kernels.device_tree import DeviceTrees, _check
+
+try:  # Triton is optional: the torch build runs without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+    tl = None
+
+
+def key_layout(depth: int, top_k: int):
+    """``(bits per rank, ranks per 64-bit word, words)`` of the rank-tuple keys for ``depth`` ranks below
+    ``top_k``: ``rank + 1`` needs ``top_k.bit_length()`` bits; a word holds 63 bits' worth (the sign bit unused)."""
+    bits = max(1, int(top_k).bit_length())
+    per_word = 63 // bits
+    return bits, per_word, -(-depth // per_word)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _best_first_kernel(
+        log_probs_ptr,
+        token_ids_ptr,
+        parents_ptr,
+        depths_ptr,
+        tokens_ptr,
+        scores_ptr,
+        ranks_ptr,
+        budget,
+        num_depths,
+        top_k,
+        lp_request_stride,
+        lp_depth_stride,
+        token_request_stride,
+        token_depth_stride,
+        out_stride,
+        BLOCK_N: tl.constexpr,
+        KEY_WORDS: tl.constexpr,
+        KEY_BITS: tl.constexpr,
+        RANKS_PER_WORD: tl.constexpr,
+    ):
+        request = tl.program_id(0).to(tl.int64)
+        log_probs = log_probs_ptr + request * lp_request_stride
+        token_ids = token_ids_ptr + request * token_request_stride
+        out = request * out_stride
+        nodes = tl.arange(0, BLOCK_N)
+        words = tl.arange(0, KEY_WORDS)
+        no_score = float("-inf")
+        # Per emitted node: its score, depth, next child's rank and rank-tuple key; its candidate's score (-inf: none).
+        score = tl.zeros([BLOCK_N], dtype=tl.float64)
+        depth = tl.zeros([BLOCK_N], dtype=tl.int32)
+        head = tl.zeros([BLOCK_N], dtype=tl.int32)
+        keys = tl.zeros([BLOCK_N, KEY_WORDS], dtype=tl.int64)
+        # The root's 0.0 plus the first log-prob, as the core sums every score.
+        root_child = tl.zeros([BLOCK_N], dtype=tl.float64) + tl.load(log_probs).to(tl.float64)
+        candidate = tl.where(nodes == 0, root_child, no_score)
+        tl.store(parents_ptr + out, -1)
+        tl.store(depths_ptr + out, 0)
+        tl.store(tokens_ptr + out, -1)
+        tl.store(scores_ptr + out, 0.0)
+        tl.store(ranks_ptr + out, -1)
+        for n in range(1, budget + 1):
+            best = tl.max(candidate, axis=0)
+            tied = candidate == best
+            # A candidate's rank tuple is its parent's with ``head + 1`` at the parent's depth.
+            slot_word = depth // RANKS_PER_WORD
+            slot_shift = ((RANKS_PER_WORD - 1 - depth % RANKS_PER_WORD) * KEY_BITS).to(tl.int64)
+            next_code = (head + 1).to(tl.int64) << slot_shift
+            if tl.sum(tied.to(tl.int32), axis=0) > 1:
+                for w in tl.static_range(KEY_WORDS):
+                    word = tl.sum(tl.where(words[None, :] == w, keys, 0), axis=1)
+                    word = word + tl.where(slot_word == w, next_code, 0)
+                    smallest = tl.min(tl.where(tied, word, 0x7FFFFFFFFFFFFFFF), axis=0)
+                    tied = tied & (word == smallest)
+            parent = tl.min(tl.where(tied, nodes, BLOCK_N), axis=0)
+            is_parent = nodes == parent
+            parent_score = tl.sum(tl.where(is_parent, score, 0.0), axis=0)
+            parent_depth = tl.sum(tl.where(is_parent, depth, 0), axis=0)
+            rank = tl.sum(tl.where(is_parent, head, 0), axis=0)
+            parent_keys = tl.sum(tl.where(is_parent[:, None], keys, 0), axis=0)
+            code = tl.sum(tl.where(is_parent, next_code, 0), axis=0)
+            node_keys = parent_keys + tl.where(words == parent_depth // RANKS_PER_WORD, code, 0)
+            node_depth = parent_depth + 1
+            token = tl.load(token_ids + parent_depth * token_depth_stride + rank).to(tl.int64)
+            tl.store(parents_ptr + out + n, parent.to(tl.int64))
+            tl.store(depths_ptr + out + n, node_depth.to(tl.int64))
+            tl.store(tokens_ptr + out + n, token)
+            tl.store(scores_ptr + out + n, best)
+            tl.store(ranks_ptr + out + n, rank.to(tl.int64))
+            # The parent's next candidate: its next child (the popped one's next sibling), if its row has one.
+            sibling = rank + 1
+            has_sibling = sibling < top_k
+            sibling_lp = tl.load(log_probs + parent_depth * lp_depth_stride + sibling, mask=has_sibling, other=0.0)
+            sibling_score = tl.where(has_sibling, parent_score + sibling_lp.to(tl.float64), no_score)
+            head = tl.where(is_parent, sibling, head)
+            candidate = tl.where(is_parent, sibling_score, candidate)
+            # The new node: its first child, if the drafter drafts that deep.
+            has_child = node_depth < num_depths
+            child_lp = tl.load(log_probs + node_depth * lp_depth_stride, mask=has_child, other=0.0)
+            child_score = tl.where(has_child, best + child_lp.to(tl.float64), no_score)
+            is_node = nodes == n
+            score = tl.where(is_node, best, score)
+            depth = tl.where(is_node, node_depth, depth)
+            keys = tl.where(is_node[:, None], node_keys[None, :], keys)
+            candidate = tl.where(is_node, child_score, candidate)
+
+
+def build_trees_triton(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DeviceTrees:
+    """:func:`ddtree.kernels.device_tree.build_trees` in one Triton launch, one program per request: the same
+    arguments and checks, the same :class:`DeviceTrees` (the Rust core's trees, positive log-probabilities within
+    the core's tolerance included)."""
+    if triton is None:
+        raise RuntimeError("build_trees_triton needs triton; use ddtree.kernels.device_tree.build_trees")
+    _check(log_probs, token_ids, budget)
+    num_reqs, depth, top_k = log_probs.shape
+    bits, per_word, words = key_layout(depth, top_k)
+    if bits * per_word > 63 or words < 1:
+        raise ValueError(f"rank tuples of depth {depth} below {top_k} do not fit the kernel's keys")
+    log_probs = log_probs if log_probs.stride(-1) == 1 else log_probs.contiguous()
+    token_ids = token_ids if token_ids.stride(-1) == 1 else token_ids.contiguous()
+    size = budget + 1
+    device = log_probs.device
+    parents, depths, tokens, ranks = (torch.empty((num_reqs, size), dtype=torch.int64, device=device) for _ in range(4))
+    scores = torch.empty((num_reqs, size), dtype=torch.float64, device=device)
+    if num_reqs:
+        _best_first_kernel[(num_reqs,)](
+            log_probs,
+            token_ids,
+            parents,
+            depths,
+            tokens,
+            scores,
+            ranks,
+            budget,
+            depth,
+            top_k,
+            log_probs.stride(0),
+            log_probs.stride(1),
+            token_ids.stride(0),
+            token_ids.stride(1),
+            size,
+            BLOCK_N=triton.next_power_of_2(size),
+            KEY_WORDS=max(2, triton.next_power_of_2(words)),
+            KEY_BITS=bits,
+            RANKS_PER_WORD=per_word,
+        )
+    return DeviceTrees(parents, depths, tokens, scores, ranks)
