@@ -83,3 +83,18 @@ def child_env(*module_dirs, interpret: bool) -> dict:
     else:
         env.pop("TRITON_INTERPRET", None)
     return env
+
+
+def check_in_interpreter(tests_dir, module: str, check: str, timeout: float = 600) -> None:
+    """Runs ``module.check('cpu')`` (a test module beside this one) in a child process under Triton's interpreter,
+    with :func:`patch_triton_interpreter_for_numpy2` applied; fails with the child's stderr."""
+    import subprocess
+    import sys
+
+    script = (
+        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); "
+        f"import torch; torch.set_num_threads(1); import {module} as t; t.{check}('cpu')"
+    )
+    env = child_env(tests_dir, interpret=True)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]

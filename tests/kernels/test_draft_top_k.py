@@ -3,8 +3,6 @@ replaces, under Triton's CPU interpreter (a subprocess: the flag is read when tr
 machine, compiled."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,15 +49,9 @@ def run_checks(device: str) -> None:
 
 def test_the_kernel_under_the_interpreter_equals_the_reference():
     pytest.importorskip("triton")
-    from _triton_interpreter import child_env
+    from _triton_interpreter import check_in_interpreter
 
-    script = (
-        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); "
-        "import torch; torch.set_num_threads(1); import test_draft_top_k as t; t.run_checks('cpu')"
-    )
-    env = child_env(TESTS_DIR, interpret=True)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    check_in_interpreter(TESTS_DIR, "test_draft_top_k", "run_checks", timeout=600)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -4,8 +4,6 @@ the core's tolerance lets through; and against the torch build's scores and rank
 (a subprocess: the flag is read when triton is imported) and, on a CUDA machine, compiled."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -81,15 +79,9 @@ def check_against_core(device: str) -> None:
 
 def test_the_kernel_under_the_interpreter_is_the_cores_tree():
     pytest.importorskip("triton")
-    from _triton_interpreter import child_env
+    from _triton_interpreter import check_in_interpreter
 
-    script = (
-        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); "
-        "import torch; torch.set_num_threads(1); import test_tree_build_triton as t; t.check_against_core('cpu')"
-    )
-    env = child_env(TESTS_DIR, interpret=True)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    check_in_interpreter(TESTS_DIR, "test_tree_build_triton", "check_against_core", timeout=900)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
