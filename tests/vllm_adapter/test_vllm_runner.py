@@ -936,3 +936,36 @@ def test_tree_counters_folded_in_batches_equal_step_by_step_counting(seed):
     assert {name: getattr(stats, name) for name in want} == want
     assert np.array_equal(stats.accepted_per_depth, per_depth) and stats.steps_by_budget == by_budget
     assert stats.steps == step + 1
+
+
+def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypatch):
+    """vLLM's warm-up never reaches the packed top-K (the drafter samples only in a real proposal), so its kernel
+    would compile in the first request's step: the worker runs it once after vLLM's warm-up, on logits of the
+    drafter's shape and dtype."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from ddtree.vllm import proposer as proposer_module
+    from ddtree.vllm.proposer import DDTreeProposer
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.worker import DDTreeWorker
+
+    calls = []
+    monkeypatch.setattr(Worker, "compile_or_warm_up_model", lambda self: calls.append("vllm") or 1.5)
+    monkeypatch.setattr(
+        proposer_module,
+        "pack_top_k",
+        lambda logits, values, ids: calls.append((tuple(logits.shape), logits.dtype, tuple(ids.shape))),
+    )
+    drafter = object.__new__(DDTreeProposer)
+    drafter.draft_len, drafter.vocab_size, drafter.top_k = 15, 4096, 64
+    drafter.logits_dtype, drafter.device = torch.bfloat16, torch.device("cpu")
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.drafter, runner._ddtree_auto = drafter, None
+    worker = object.__new__(DDTreeWorker)
+    worker.model_runner = runner
+    assert worker.compile_or_warm_up_model() == 1.5
+    assert calls == ["vllm", ((15, 4096), torch.bfloat16, (15, 64))]
+    runner_without_drafter = object.__new__(DDTreeGPUModelRunner)
+    runner_without_drafter._ddtree_auto = None
+    worker.model_runner = runner_without_drafter  # no speculative drafter: nothing to warm
+    worker.compile_or_warm_up_model()

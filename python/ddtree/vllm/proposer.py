@@ -47,6 +47,8 @@ class DDTreeProposer(DFlashProposer):
         self.draft_len = cfg.draft_len
         self.budget = cfg.budget
         vocab = vllm_config.model_config.get_vocab_size()
+        self.vocab_size = vocab
+        self.logits_dtype = vllm_config.model_config.dtype
         self.top_k = cfg.width(vocab)
         self.store = TreeStore(cfg.budget, cfg.num_threads)
         # Under tensor parallelism every rank drafts (the drafter's logits are
@@ -75,6 +77,13 @@ class DDTreeProposer(DFlashProposer):
         # One host copy: [rows, 2K] float32 with the ids' int32 bits beside the log-probs (one kernel on a GPU).
         self._capture = pack_top_k(logits, values, ids)
         return ids[:, 0], None
+
+    def warm_up(self) -> None:
+        """Runs the packed top-K once at start-up on logits of the drafter's shape, so that its kernel is compiled
+        before the first request (whose first step would otherwise wait for the compilation)."""
+        logits = torch.zeros((self.draft_len, self.vocab_size), dtype=self.logits_dtype, device=self.device)
+        values, ids = logits.topk(self.top_k, dim=-1)
+        pack_top_k(logits, values, ids)
 
     def propose(
         self,

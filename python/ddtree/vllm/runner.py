@@ -1320,6 +1320,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if changed or (changed is False and auto.decisions == 1):  # every change, and the first choice
             logger.info("DDTree auto: %s", auto.describe())
 
+    def ddtree_warm_up(self) -> None:
+        """After vLLM's warm-up (the worker calls it): ddtree's kernels outside vLLM's warm-up compiled (the
+        drafter's packed top-K)."""
+        if hasattr(self, "drafter"):
+            self.drafter.warm_up()
+
     def ddtree_time_candidates(self) -> None:
         """``auto``: times the target's forward for each candidate budget's trees at a few batch sizes, once, after
         vLLM's warm-up and graph capture (the worker calls it). A failed measurement leaves every batch size at
