@@ -10,6 +10,9 @@ test pair's) already on the device:
 * ``device``: ``device_tree.build_trees`` launched eagerly, to completion.
 * ``graph`` (CUDA only): the same captured once as a CUDA graph and replayed (its host cost is one replay launch).
 * ``triton`` (CUDA only): ``tree_build_triton.build_trees_triton``, the whole search in one launch, to completion.
+* ``host plan`` / ``triton plan`` (CUDA only): the build and a whole-tree step's verification layout (ancestor bits,
+  conv windows of 3, node arrays): on the host the copy, ``ddtree.build_trees`` and ``ddtree.verify_layout_into``
+  into numpy arrays; on the device ``build_trees_triton`` then ``tree_layout_triton.whole_tree_layout``.
 
 Each figure is the median of ``--steps`` timed runs, wall clock, synchronised at the end of each. Every build is
 compared with the core's trees (parents, depths, tokens) first: a mismatch stops the bench. On a machine without
@@ -30,6 +33,7 @@ import torch
 import ddtree
 from ddtree.kernels.device_tree import build_trees
 from ddtree.kernels.tree_build_triton import build_trees_triton
+from ddtree.kernels.tree_layout_triton import whole_tree_layout
 
 
 def drafter_top_k(num_reqs: int, depth: int, top_k: int, device: torch.device, seed: int = 0):
@@ -90,7 +94,52 @@ def measure(num_reqs: int, budget: int, depth: int, top_k: int, steps: int, devi
         row["graph_ms"] = timed(graph.replay, steps, sync)
         check(build_trees_triton(log_probs, token_ids, budget), log_probs, token_ids, budget)
         row["triton_ms"] = timed(lambda: build_trees_triton(log_probs, token_ids, budget), steps, sync)
+        row["host_plan_ms"], row["triton_plan_ms"] = time_plans(log_probs, token_ids, budget, steps, sync)
     return row
+
+
+#: The GDN conv window of the plans' layout (Qwen3.5/3.6's ``conv_kernel_size - 1``).
+CONV_WINDOW = 3
+
+
+def time_plans(log_probs, token_ids, budget: int, steps: int, sync):
+    """(host ms, device ms) of a whole-tree step's build and layout (the placement of ``R`` whole trees in order)."""
+    num_reqs, depth, _ = log_probs.shape
+    size = budget + 1
+    words = -(-size // 32)
+    placement = np.arange(num_reqs, dtype=np.int64)
+    query_starts = placement * size
+    host_out = {
+        "token_index": np.empty(num_reqs * size, np.int64),
+        "logit_rows": np.empty(num_reqs * size, np.int64),
+        "positions": np.empty(num_reqs * size, np.int64),
+        "ancestor_bits": np.empty((num_reqs * size, words), np.int32),
+        "row_start": np.empty(num_reqs, np.int32),
+        "node_offsets": np.empty(num_reqs + 1, np.int32),
+        "conv_index": np.empty((num_reqs * size, CONV_WINDOW + 1), np.int64),
+    }
+
+    def host():
+        batch = ddtree.build_trees(log_probs.cpu().numpy(), token_ids.cpu().numpy(), budget)
+        ddtree.verify_layout_into(batch, placement, placement, query_starts, query_starts, **host_out)
+
+    device_placement = [torch.from_numpy(a).to(log_probs.device) for a in (placement, placement, query_starts)]
+
+    def device():
+        trees = build_trees_triton(log_probs, token_ids, budget)
+        whole_tree_layout(
+            trees.parents,
+            trees.depths,
+            trees.tokens,
+            *device_placement,
+            device_placement[2],
+            num_rows=num_reqs,
+            words=words,
+            window=CONV_WINDOW,
+            max_depth=depth,
+        )
+
+    return timed(host, steps, sync), timed(device, steps, sync)
 
 
 def main() -> None:
@@ -112,6 +161,8 @@ def main() -> None:
             rows.append(row)
             graph = f", graph {row['graph_ms']:.3f} ms" if "graph_ms" in row else ""
             graph += f", triton {row['triton_ms']:.3f} ms" if "triton_ms" in row else ""
+            if "triton_plan_ms" in row:
+                graph += f"; plan: host {row['host_plan_ms']:.3f} ms, triton {row['triton_plan_ms']:.3f} ms"
             print(
                 f"budget {budget:4d} batch {num_reqs:3d}: host {row['host_ms']:.3f} ms, device "
                 f"{row['device_ms']:.3f} ms{graph} (trees equal to the core's)",
