@@ -957,8 +957,8 @@ def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypa
         lambda logits, values, ids: calls.append((tuple(logits.shape), logits.dtype, tuple(ids.shape))),
     )
     drafter = object.__new__(DDTreeProposer)
-    drafter.draft_len, drafter.vocab_size, drafter.top_k = 15, 4096, 64
-    drafter.logits_dtype, drafter.device = torch.bfloat16, torch.device("cpu")
+    drafter.draft_len, drafter.draft_vocab_size, drafter.top_k = 15, 4096, 64
+    drafter.draft_logits_dtype, drafter.device = torch.bfloat16, torch.device("cpu")
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.drafter, runner._ddtree_auto = drafter, None
     worker = object.__new__(DDTreeWorker)

@@ -47,8 +47,8 @@ class DDTreeProposer(DFlashProposer):
         self.draft_len = cfg.draft_len
         self.budget = cfg.budget
         vocab = vllm_config.model_config.get_vocab_size()
-        self.vocab_size = vocab
-        self.logits_dtype = vllm_config.model_config.dtype
+        self.draft_vocab_size = vocab
+        self.draft_logits_dtype = vllm_config.model_config.dtype
         self.top_k = cfg.width(vocab)
         self.store = TreeStore(cfg.budget, cfg.num_threads)
         # Under tensor parallelism every rank drafts (the drafter's logits are
@@ -81,7 +81,7 @@ class DDTreeProposer(DFlashProposer):
     def warm_up(self) -> None:
         """Runs the packed top-K once at start-up on logits of the drafter's shape, so that its kernel is compiled
         before the first request (whose first step would otherwise wait for the compilation)."""
-        logits = torch.zeros((self.draft_len, self.vocab_size), dtype=self.logits_dtype, device=self.device)
+        logits = torch.zeros((self.draft_len, self.draft_vocab_size), dtype=self.draft_logits_dtype, device=self.device)
         values, ids = logits.topk(self.top_k, dim=-1)
         pack_top_k(logits, values, ids)
 
