@@ -38,15 +38,16 @@ def core_trees(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int):
 
 
 def _cases():
-    """(R, L, K, budget, seed, bf16, sharp): small random shapes, then the serving shapes."""
+    """(R, L, K, budget, seed, bf16, sharp): small random shapes, then the serving shapes (the interpreter's time
+    goes by pops: ~0.5 ms each)."""
     rng = np.random.default_rng(0)
-    for seed in range(40):
+    for seed in range(12):
         depth, k = int(rng.integers(1, 7)), int(rng.integers(2, 13))
         budget = int(min(rng.integers(1, 41), sum(k**d for d in range(1, depth + 1))))
-        yield int(rng.integers(1, 5)), depth, k, budget, seed, bool(seed % 2), [0.5, 2.0, 6.0][seed % 3]
+        yield 4, depth, k, budget, seed, bool(seed % 2), [0.5, 2.0, 6.0][seed % 3]
     yield 3, 15, 64, 63, 7, True, 3.0  # the pair's drafter depth and the README's budget, bf16 ties in the tails
-    yield 2, 15, 255, 255, 8, True, 3.0  # auto's largest candidate, K = 255 (8-bit keys)
-    yield 2, 16, 128, 127, 9, False, 1.0
+    yield 1, 15, 255, 255, 8, True, 3.0  # auto's largest candidate, K = 255 (8-bit keys)
+    yield 1, 16, 128, 127, 9, False, 1.0
 
 
 def check_against_core(device: str) -> None:
