@@ -73,6 +73,21 @@ def check_against_core(device: str) -> None:
     parents, depths, tokens = core_trees(log_probs, token_ids, 30)
     np.testing.assert_array_equal(trees.parents.cpu().numpy(), parents)
     np.testing.assert_array_equal(trees.tokens.cpu().numpy(), tokens)
+    # Straight from the drafter's packed top-K ([R * L, 2K]: log-probs, then the ids' int32 bits), read through
+    # strided views as the runner would hold them, without a copy.
+    from ddtree.kernels.draft_top_k import pack_top_k_reference
+
+    num_reqs, depth, k = 2, 6, 8
+    gen = torch.Generator().manual_seed(12)
+    logits = (torch.randn(num_reqs * depth, 300, generator=gen) * 2).to(torch.bfloat16)
+    values, ids = logits.topk(k, dim=-1)
+    packed = pack_top_k_reference(logits, values, ids).to(device).view(num_reqs, depth, 2 * k)
+    log_probs, token_ids = packed[..., :k], packed.view(torch.int32)[..., k:]
+    assert log_probs.stride(-1) == 1 and not log_probs.is_contiguous()
+    trees = build_trees_triton(log_probs, token_ids, 20)
+    parents, depths, tokens = core_trees(log_probs.cpu().contiguous(), token_ids.cpu().contiguous(), 20)
+    np.testing.assert_array_equal(trees.parents.cpu().numpy(), parents)
+    np.testing.assert_array_equal(trees.tokens.cpu().numpy(), tokens)
     empty = build_trees_triton(*(t.to(device) for t in top_k(1, 2, 3, 8, 0, False, 1.0)), 2)
     assert empty.parents.shape == (1, 3)
     print("tree build checks passed on", device)
