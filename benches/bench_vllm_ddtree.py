@@ -94,7 +94,6 @@ def child(args):
             given = json.load(f)["batch32"]
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     rnd = random.Random(0)
-    profile_batches = {int(x) for x in args.profile_batches.split(",") if x}
 
     from ddtree.vllm.tiny_models import spec_metrics
 
@@ -195,7 +194,7 @@ def child(args):
     # Profiles after every timed run, in a turn of their own: torch.profiler leaves the process slower (a profile
     # of batch 1 taken between the timed runs doubled every ddtree host counter of the batch-8 rows after it,
     # ``gpu-h200-pair-profile-77cb2e6``), and it must not run beside another engine's timed run.
-    profiled_sizes = [b for b in first_groups if b in profile_batches]
+    profiled_sizes = profiled_batches(args)
     if profiled_sizes:
         next_turn()
     for b in profiled_sizes:
@@ -435,9 +434,13 @@ def run_engines(args, engines: list, env: dict) -> list:
 def timed_rounds(args) -> int:
     """An interleaved engine's turns: one per timed run (every batch size, every repeat), and one for its profiles
     when it takes any (they run after its timed runs)."""
-    batches = [int(x) for x in args.batches.split(",")]
-    profiled = {int(x) for x in args.profile_batches.split(",") if x} & set(batches)
-    return len(batches) * args.repeats + (1 if profiled else 0)
+    return len(args.batches.split(",")) * args.repeats + (1 if profiled_batches(args) else 0)
+
+
+def profiled_batches(args) -> list:
+    """The batch sizes an engine profiles, in its batch order: those of ``--profile-batches`` it runs."""
+    profiled = {int(x) for x in args.profile_batches.split(",") if x}
+    return [b for b in (int(x) for x in args.batches.split(",")) if b in profiled]
 
 
 def kept_rows(out: str, name: str) -> list:

@@ -49,7 +49,7 @@ def build_trees(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -
     """Every request's tree of ``budget`` nodes: ``log_probs`` ``[R, L, K]`` (each row sorted descending, as
     ``torch.topk`` gives them) and ``token_ids`` ``[R, L, K]``. Requires ``1 <= budget`` and enough prefixes
     (``sum over d of K^d >= budget``: with ``K >= 2`` and ``L >= 1`` any budget up to ``K^L``)."""
-    _check(log_probs, token_ids, budget)
+    check_top_k(log_probs, token_ids, budget)
     num_reqs, depth, top_k = log_probs.shape
     device = log_probs.device
     scores = log_probs.to(torch.float64).clamp(max=0.0)
@@ -122,7 +122,9 @@ def _preorder(kept_parents, sizes, num_reqs: int, device) -> torch.Tensor:
     return torch.cat(places, dim=1)
 
 
-def _check(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> None:
+def check_top_k(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> None:
+    """A tree build's arguments, refused with what is wrong (shapes, dtypes, device, a budget the top-K can fill);
+    shared by every device build."""
     if log_probs.dim() != 3 or log_probs.shape != token_ids.shape:
         raise ValueError(
             f"log_probs and token_ids must both be [R, L, K]; got {list(log_probs.shape)} and {list(token_ids.shape)}"

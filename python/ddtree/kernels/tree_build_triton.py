@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.kernels.device_tree import DeviceTrees, _check
+from ddtree.kernels.device_tree import DeviceTrees, check_top_k
 
 try:  # Triton is optional: the torch build runs without it
     import triton
@@ -138,7 +138,7 @@ def build_trees_triton(log_probs: torch.Tensor, token_ids: torch.Tensor, budget:
     the core's tolerance included)."""
     if triton is None:
         raise RuntimeError("build_trees_triton needs triton; use ddtree.kernels.device_tree.build_trees")
-    _check(log_probs, token_ids, budget)
+    check_top_k(log_probs, token_ids, budget)
     num_reqs, depth, top_k = log_probs.shape
     bits, per_word, words = key_layout(depth, top_k)
     if bits * per_word > 63 or words < 1:

@@ -115,7 +115,7 @@ class StepCosts:
     until one measured it, it counts as 0 (:meth:`needs_probe`: ``AutoBudget`` then runs a probe window).
 
     The timed forward is fixed once built (``forward`` is not to be changed afterwards): each step looks its
-    (budget, trees) forward up in a cache, and a decision's rows of forwards by tree count are cached too.
+    (budget, trees) forward up in a cache.
     """
 
     def __init__(self, forward_ms: Mapping[int, Mapping[int, float]]):
@@ -126,9 +126,8 @@ class StepCosts:
         self._beyond: Dict[Tuple[int, int], float] = {}
         self._samples: Dict[Tuple[int, int], Deque[float]] = {}
         self._stale: Set[Tuple[int, int]] = set()
-        # forward_ms by (budget, trees), and _forward_row by (budget, the tree counts): the forward is fixed.
+        # forward_ms by (budget, trees): the forward is fixed.
         self._forward_ms: Dict[Tuple[int, int], Optional[float]] = {}
-        self._forward_rows: Dict[Tuple[int, str, bytes], Optional[np.ndarray]] = {}
         # The open probe's steps, (budget, trees) -> ms beyond the forward; and the slopes probes measured,
         # (trees, slope, weight), the latest KEPT_SLOPES.
         self._probe: Dict[Tuple[int, int], List[float]] = {}
@@ -256,7 +255,7 @@ class StepCosts:
         rest = self._fixed_row(trees)
         table = np.full((len(budgets), trees.shape[0]), np.nan)
         for row, budget in enumerate(budgets):
-            forward = self._forward_row(budget, trees)
+            forward = self._interpolate(budget, trees)
             if forward is not None:
                 table[row] = forward + rest + slope * trees * (budget + 1)
         return table
@@ -273,24 +272,8 @@ class StepCosts:
         closer_below = np.abs(known[below] - trees) <= np.abs(known[above] - trees)
         return np.array([fixed[n] for n in measured])[np.where(closer_below, below, above)]
 
-    def _forward_row(self, budget: int, trees: np.ndarray) -> Optional[np.ndarray]:
-        """:meth:`forward_ms` over an array of tree counts (the same interpolation, the same arithmetic); cached by
-        tree counts (a decision asks about the same ones every window). The row is shared: not to be written."""
-        if trees.shape[0] <= 1:  # one tree count (step_ms): not worth a key
-            return self._interpolate(budget, trees)
-        key = (budget, trees.dtype.str, trees.tobytes())  # 1-D tree counts
-        try:
-            return self._forward_rows[key]
-        except KeyError:
-            pass
-        if len(self._forward_rows) >= 64:  # a few keys in practice (one per candidate); bounded all the same
-            self._forward_rows.clear()
-        row = self._forward_rows[key] = self._interpolate(budget, trees)
-        if row is not None:
-            row.flags.writeable = False
-        return row
-
     def _interpolate(self, budget: int, trees: np.ndarray) -> Optional[np.ndarray]:
+        """:meth:`forward_ms` over an array of tree counts (the same interpolation, the same arithmetic)."""
         points = self.forward.get(budget)
         if not points:
             return None
