@@ -327,20 +327,33 @@ def test_a_lookup_of_another_length_is_not_attached():
     assert not auto_budget.attach_scheduler(scheduler) and not auto.attached and scheduler.dynamic_sd_lookup == [0, 64]
 
 
+def _timed_steps(timer, clock, steps):
+    """Runs ``steps`` of ``(key, ms)`` through ``timer`` (each step's period: its start to the next start)."""
+    for key, ms in steps:
+        timer.start()
+        timer.finish(key)
+        clock[0] += ms / 1e3
+
+
 def test_the_step_timer_times_each_step_until_the_next_starts_and_keeps_only_runs_of_one_key():
     clock = [0.0]
     timer = StepTimer(clock=lambda: clock[0])
     a, b = (63, 8), (15, 8)
     timer.start()
     clock[0] = 0.005
-    timer.finish(a)  # known when the next step starts
+    timer.finish(a)  # known when the next step starts, and kept only if that one and the one before are `a` too
     assert timer.landed() == []
     clock[0] = 0.008  # the loop's own work between the steps is the step's too
     timer.start()
     clock[0] = 0.010
-    timer.finish(a)
-    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(a, 8.0)]
+    timer.finish(a)  # the first step of the run: it has no `a` before it, so its 8 ms are not kept
+    assert timer.landed() == []
     clock[0] = 0.013
+    timer.start()
+    clock[0] = 0.015
+    timer.finish(a)
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(a, 5.0)]  # the second step, between two `a`s
+    clock[0] = 0.018
     timer.start()
     timer.start()  # the step before sampled nothing: its time runs from its start to the first of these
     clock[0] = 0.020
@@ -350,20 +363,40 @@ def test_the_step_timer_times_each_step_until_the_next_starts_and_keeps_only_run
     timer.start()
     timer.finish(None)
     clock[0] = 0.510
-    timer.start()
-    timer.finish(a)
-    clock[0] = 0.515
-    timer.start()
-    timer.finish(a)
-    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(a, 5.0)]
-    clock[0] = 0.520  # the next step is of another budget: this period holds its host work too, so it is dropped
-    timer.start()
-    timer.finish(b)
-    clock[0] = 0.530
-    timer.start()
-    timer.finish(b)
-    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(b, 10.0)]
+    _timed_steps(timer, clock, [(a, 5.0), (a, 6.0), (a, 7.0), (b, 10.0), (b, 11.0), (b, 12.0), (a, 1.0)])
+    # 5: no `a` before it (the untimed step); 7: the next step is `b`, whose host work its period holds; 10: the
+    # first `b`, whose plan waited for the last `a` on the GPU; 12: the next is `a` again. The last `a`: not over.
+    assert [(k, round(ms, 6)) for k, ms in timer.landed()] == [(a, 6.0), (b, 11.0)]
     assert timer.landed() == []
+    assert [(budget, trees, round(ms, 6), kept) for budget, trees, ms, kept in timer.trace][-6:] == [
+        (63, 8, 5.0, False),
+        (63, 8, 6.0, True),
+        (63, 8, 7.0, False),
+        (15, 8, 10.0, False),
+        (15, 8, 11.0, True),
+        (15, 8, 12.0, False),
+    ]
+
+
+def test_periods_at_a_budget_change_are_not_given_to_either_budget():
+    """Steps of two budgets in blocks of four, as a probe runs them, where each period holds part of the step
+    before's GPU work (the lag of asynchronous scheduling): what lands for each budget is its own period."""
+    clock = [0.0]
+    timer = StepTimer(clock=lambda: clock[0])
+    own = {(63, 32): 16.0, (127, 32): 24.0}
+    keys = [(63, 32)] * 4 + [(127, 32)] * 4 + [(63, 32)] * 4 + [(127, 32)] * 4 + [(63, 32)]
+    previous = keys[0]
+    for key in keys:
+        timer.start()
+        timer.finish(key)
+        clock[0] += (0.5 * own[key] + 0.5 * own[previous]) / 1e3  # half of it the step before's
+        previous = key
+    landed = timer.landed()
+    assert landed and {key for key, _ in landed} == set(own)
+    for key, ms in landed:
+        assert ms == pytest.approx(own[key])
+    assert len(timer.trace) == len(keys) - 1
+    assert sum(kept for *_, kept in timer.trace) == len(landed)
 
 
 def test_timed_counts_are_the_powers_of_two_and_the_largest_of_the_graphed_counts():
@@ -742,6 +775,7 @@ def test_the_runner_feeds_auto_each_steps_wall_clock_period(monkeypatch):
     auto.set_forward_costs({15: {2: 1.0}, 31: {2: 2.0}, 63: {2: 3.0}})
     clock = [0.0]
     runner._ddtree_step_timer = StepTimer(clock=lambda: clock[0])
+    auto.period_trace = runner._ddtree_step_timer.trace
     monkeypatch.setattr(GPUModelRunner, "execute_model", lambda self, *a, **k: None)
     runner.drafter = SimpleNamespace(last_req_ids=[], last_drafts=[])
     runner._ddtree_whole_tree_tokens = 64
@@ -753,8 +787,14 @@ def test_the_runner_feeds_auto_each_steps_wall_clock_period(monkeypatch):
         clock[0] += period
     runner.execute_model("scheduler output")
     runner._ddtree_auto_step()
-    # Three periods known; each is 3 ms of forward plus the rest: medians of 7, 9, 8 ms -> 8.
-    assert auto.costs.beyond[(63, 2)] == pytest.approx(8.0)
+    # Three periods known, the first without a timed step before it (not kept); each is 3 ms of forward plus the
+    # rest: the median of 9 and 8 ms.
+    assert auto.costs.beyond[(63, 2)] == pytest.approx(8.5)
+    assert [[round(ms, 6), kept] for *_, ms, kept in auto.summary()["step_periods"]] == [
+        [10.0, False],
+        [12.0, True],
+        [11.0, True],
+    ]
 
 
 def test_the_statistics_and_autos_bookkeeping_after_sampling_are_timed_host_work(monkeypatch):

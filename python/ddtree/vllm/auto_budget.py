@@ -442,6 +442,8 @@ class AutoBudget:
         self._probes_by_octave: Dict[int, Tuple[int, int]] = {}  # octave -> (probes, decision of the last)
         self._before_probe: Optional[List[int]] = None
         self._window_batch_sizes: Dict[int, int] = {}  # trees per observed step -> steps, this window
+        # The step timer's latest periods (``StepTimer.trace``, which the runner hands over), for the summary.
+        self.period_trace: Sequence[Tuple[int, int, float, bool]] = ()
 
     @property
     def probing(self) -> bool:
@@ -586,6 +588,8 @@ class AutoBudget:
             "beyond_forward_samples": {f"{b}x{n}": len(q) for (b, n), q in sorted(costs._samples.items())}
             if costs
             else {},
+            # The latest step periods, kept or not, oldest first: (budget, trees, ms, kept).
+            "step_periods": [list(period) for period in self.period_trace],
         }
 
 
@@ -600,37 +604,55 @@ class StepTimer:
     ``gpu-h200-pair-auto-2b70899``): what a bigger tree costs outside that span (host work that scales with the
     scheduled drafts) never reached the choice.
 
-    A step's time is known when the next one starts, and kept only if that next step is timed too and of the same
-    key (budget, trees): a step followed by a prefill, an idle engine or a step that captured a graph may have
-    waited for more than itself, and under asynchronous scheduling a step's period also holds the next step's host
-    work (its plan, its scheduling), which belongs to that step's key.
+    A step's period is kept only inside a run of one key (budget, trees): the steps before and after it timed and
+    of that key. Both neighbours' work can sit in a period: it holds the next step's scheduling, which runs before
+    that step's ``execute_model``, and its own plan waits for the step before it to finish drafting on the GPU, so
+    under asynchronous scheduling the first period of a new budget is largely the old budget's GPU work. Checked
+    against the next step only, a probe's blocks (four steps each) gave each budget some of the other's time, the
+    likely cause of what ``gpu-h200-pair-7c51655`` showed: budget 63 at 32 requests read 14.0 ms beyond its
+    forward and 255 read 10.8 where fixed engines ran whole steps of 16.4 (63) and 23.8 ms (127), and every probe's
+    per-token slope came out negative (clipped to 0). A step beside a prefill, an idle gap or a step that captured a
+    graph is dropped the same way.
+
+    :attr:`trace` keeps the latest periods, kept or not (``(budget, trees, ms, kept)``; ``auto``'s summary shows
+    them), so a record can show what the choice rested on.
     """
+
+    #: Periods :attr:`trace` keeps.
+    TRACE = 256
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
         self._started: Optional[float] = None  # this step's start
-        self._waiting: Optional[Tuple[object, float]] = None  # the last timed step, (key, start), until the next starts
-        self._measured: Optional[Tuple[object, float]] = None  # (key, ms) known, kept if this step is timed
+        # The last timed step until the next starts: (key, start, whether the step before it had its key).
+        self._waiting: Optional[Tuple[object, float, bool]] = None
+        self._measured: Optional[Tuple[object, float, bool]] = None  # that step's (key, ms, ...) once the next starts
+        self._previous: object = None  # the key of the step finished last (None: not timed)
         self._landed: List[Tuple[object, float]] = []
+        self.trace: Deque[Tuple[int, int, float, bool]] = deque(maxlen=self.TRACE)
 
     def start(self) -> None:
         """A step starts (again, if the last one never finished: a step that sampled nothing)."""
         now = self._clock()
         if self._waiting is not None:
-            key, started = self._waiting
-            self._measured, self._waiting = (key, 1e3 * (now - started)), None
+            key, started, after_same = self._waiting
+            self._measured, self._waiting = (key, 1e3 * (now - started), after_same), None
         self._started = now
 
     def finish(self, key) -> None:
-        """Ends the step started last; ``key`` names it (None: not a step worth timing; the step before it is then
+        """Ends the step started last; ``key`` names it (None: not a step worth timing; the steps beside it are then
         dropped too)."""
         measured, self._measured = self._measured, None
+        previous, self._previous = self._previous, key
+        if measured is not None:
+            kept = measured[0] == key and measured[2]
+            if kept:
+                self._landed.append(measured[:2])
+            self.trace.append((*measured[0], round(measured[1], 3), kept))
         if key is None or self._started is None:
-            self._waiting = None
+            self._waiting, self._previous = None, None
             return
-        if measured is not None and measured[0] == key:
-            self._landed.append(measured)
-        self._waiting, self._started = (key, self._started), None
+        self._waiting, self._started = (key, self._started, previous == key), None
 
     def landed(self) -> List[Tuple[object, float]]:
         """``(key, ms)`` of the steps timed since the last call, oldest first."""

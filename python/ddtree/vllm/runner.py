@@ -431,6 +431,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             auto_budget.publish(self._ddtree_auto)
             self.ddtree_stats.auto = self._ddtree_auto
             self._ddtree_step_timer = StepTimer()
+            self._ddtree_auto.period_trace = self._ddtree_step_timer.trace
         if self.speculative_config is not None and hasattr(self, "drafter"):
             from ddtree.vllm.proposer import DDTreeProposer
             from ddtree.vllm.sampler import DDTreeRejectionSampler
