@@ -438,3 +438,46 @@ def test_walk_graphs_read_the_trees_in_place_and_copy_inputs_that_keep_moving():
         assert all(torch.equal(got[k], want[k]) for k in want), step
     assert len(captured) == WalkGraphs.ADDRESS_SETS + 1
     assert graphs.copied_walks == 3  # the six moving walks: three more address sets (four in all), then copies
+
+
+def test_a_capture_while_serving_keeps_the_allocator_and_pinned_caches(monkeypatch):
+    """``torch.cuda.graph``'s entry empties the device allocator's and the pinned host memory's caches (as the
+    stand-in below does, like torch's own); ddtree's captures run while serving and must not: the steps after would
+    allocate anew. The releases are back in place once the capture is over, also when it fails."""
+    import contextlib
+
+    from ddtree.vllm import graphs
+
+    released = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append("device"))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: released.append("pinned"), raising=False)
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, capture_error_mode):
+        assert capture_error_mode == "thread_local"
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+        yield
+
+    class Graph:
+        def replay(self):
+            released.append("replayed")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    ran = []
+    replay = graphs.cuda_graph_capture(CPU)(lambda: ran.append("captured"))
+    assert ran == ["captured"] and released == []
+    replay()
+    assert released == ["replayed"]
+    torch.cuda.empty_cache()
+    torch._C._host_emptyCache()
+    assert released == ["replayed", "device", "pinned"]  # restored after the capture
+
+    def failing():
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs.cuda_graph_capture(CPU)(failing)
+    torch.cuda.empty_cache()
+    assert released[-1] == "device"

@@ -24,6 +24,7 @@ Torch and the Rust core only (the runner passes vLLM's weak-reference helper in)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
@@ -252,11 +253,38 @@ def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], No
         graph = torch.cuda.CUDAGraph()
         # Thread-local capture: a launch from another thread of the process (vLLM's output thread) must not
         # invalidate it.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with cache_kept(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             work()
         return graph.replay
 
     return capture
+
+
+@contextlib.contextmanager
+def cache_kept():
+    """``torch.cuda.graph``'s entry without its cache releases.
+
+    Entering ``torch.cuda.graph`` empties the caching allocator (``torch.cuda.empty_cache``) and the pinned host
+    memory cache (``torch._C._host_emptyCache``), for a capture at start-up. ddtree captures its step graphs while
+    serving, on a step shape's first run (``ShapeGraphs``): there the steps after a capture would allocate their
+    device tensors with ``cudaMalloc`` and their pinned buffers with ``cudaHostAlloc`` again, both slow and
+    synchronising, and ``auto`` meets many step shapes (budget x batch size). vLLM's own capture skips the
+    allocator release for the same reason (``vllm/compilation/cuda_graph.py``, ``gc_disable``). The device
+    synchronisation on entry stays. Patched on the modules while the capture lasts (it launches nothing)."""
+    saved = [(torch.cuda, "empty_cache", torch.cuda.empty_cache)]
+    if hasattr(torch._C, "_host_emptyCache"):
+        saved.append((torch._C, "_host_emptyCache", torch._C._host_emptyCache))
+    for module, name, _ in saved:
+        setattr(module, name, _keep_cache)
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def _keep_cache() -> None:
+    """Stands in for the cache releases during :func:`cache_kept`."""
 
 
 class ShapeGraphs:
