@@ -1,10 +1,13 @@
-"""``ddtree_budget: "auto"``: each batch size's tree budget, chosen from measured step costs and live acceptance.
+"""``ddtree_budget: "auto"``: each batch size's tree budget, chosen from live acceptance and step periods measured
+in turns.
 
 A bigger tree accepts more tokens per step but makes the step dearer, and how much dearer depends on the batch
-size (a 65-token tree is nearly free beside one token at batch 1 on a large model, and not at batch 32) and on the
-machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` with the most tokens per second::
+size (a 65-token tree is nearly free beside one token at batch 1 on a large model, and not at batch 32), on the
+machine, and on whether the step waits for the GPU or for the host. ``auto`` keeps one budget per octave of batch
+sizes (``[2^k, 2^(k+1))`` requests) and moves it to a neighbouring candidate ``c`` when that gives more tokens per
+second::
 
-    acceptance_length(c) / step_ms(c, n)
+    acceptance_length(c) / step_period(c)
 
 * **Candidates**: budgets of ``2^k - 1`` from the drafter's depth up to ``ddtree_max_budget`` (and that maximum), so
   that a tree and its root fill whole 16-row blocks of the tree kernels (:func:`auto_candidates`), each with FULL
@@ -12,25 +15,28 @@ machine. ``auto`` picks, for every batch size ``n``, the candidate budget ``c`` 
 * **Acceptance** (:class:`AcceptanceByBudget`): from the engine's own verified trees. A tree of a smaller budget
   is a prefix of a larger tree's pop order, so every tree says exactly what each candidate up to its own budget
   would have accepted (``what_if``). Counts decay window by window, so the estimate follows the traffic.
-* **Step cost** (:class:`StepCosts`): the target's forward for ``n`` trees of each candidate, timed at start-up by
-  replaying its FULL graph, plus the rest of the step, timed on live steps by the wall clock (:class:`StepTimer`,
-  each step until the next one starts: everything the engine's loop spends on it): a part independent of
-  the tree (drafter, commit, host gaps) and a part per verified token (logits, per-node sampling), the latter read
-  from probes only (pooled, each weighted by its token spread, so larger batches set it):
-  ``step_ms(c, n) = forward_ms(c, n) + rest_ms(c, n)``.
-* **Probes, in turns**: a probe window runs the traffic's current budget and its neighbour candidate (the next
-  larger one; the next smaller from the largest) in turns, a few steps each (:data:`PROBE_BLOCKS` blocks), and the
-  per-token part is read from that window's steps alone. The neighbour, not the extremes: a probe of the smallest
-  and the largest candidate ran budget 255 at 32 requests, and three such probes in a short run cost `auto` 40% of
-  its batch-32 throughput on the test pair (`gpu-h200-pair-interleaved-f7bc6d2`). The host's speed
-  drifts by tens of percent within minutes on a shared machine; read from step times of two budgets taken minutes
-  apart, the per-token part was that drift (on the test pair, budget 127 at 4 requests 12.3 ms beyond its forward,
-  at 3 requests 6.8: ``gpu-h200-pair-wallclock-18591c9``) and the lookup flapped.
-* **Start**: every batch size at the largest candidate for the first window (like a fixed budget; its trees
-  measure every candidate's acceptance at once), then the argmax, re-decided after every window. While no probe
-  measured the per-token part in the traffic's octave (``[2^k, 2^(k+1))`` requests), a probe window is due. A
-  batch size changes budget only for a gain above :data:`SWITCH_MARGIN` (no flapping between near-equal
-  candidates).
+* **Step periods, relative, in turns** (:class:`ProbedRatios`): a probe window runs the octave's budget and a
+  neighbouring candidate in turns (:data:`PROBE_BLOCKS` blocks of a few steps), and each step's wall-clock period
+  (:class:`StepTimer`: ``execute_model`` to the next one's, kept only inside a run of one budget and batch size)
+  is compared with the other budget's at the same batch size: the ratio of their medians, per octave. Only the
+  ratio is used, never a period taken at another time: the host's speed drifts by tens of percent within minutes on
+  a shared machine (on the test pair, budget 127 at 4 requests 12.3 ms beyond its forward, at 3 requests 6.8:
+  ``gpu-h200-pair-wallclock-18591c9``), and steps of two budgets taken in turns share that drift.
+* **Why no model of the step**: until ``gpu-h200-pair-cad0d30`` the step was modelled as the target's forward
+  (timed at start-up by replaying its FULL graph) plus a rest fitted to live periods. Under asynchronous scheduling
+  the forward overlaps the host's work, so the sum is wrong where the host bounds the step: on the test pair at one
+  request budget 127's forward is 0.52 ms dearer than 63's, its measured period was not, and the model kept 63
+  where a fixed 127 ran 1.34x the chain against 63's 1.22x. Per-batch-size decisions on a handful of periods also
+  split the batch sizes into runs of alternating budgets (``1: 63, 2-6: 127, 7-31: 63, 32: 127``), every one of
+  them a step shape whose graphs are captured on first use.
+* **Hill climbing**: every octave starts at the largest candidate (like a fixed budget; its trees measure every
+  candidate's acceptance at once). While a neighbour of an octave's budget has no measured ratio in that octave
+  (the next larger first, then the next smaller), a probe is due when the traffic is in that octave: at most
+  :data:`MAX_PROBES` per octave, :data:`PROBE_EVERY` windows apart. Budgets linked by measured ratios are compared
+  every window, and the octave moves to the best only for a gain above :data:`SWITCH_MARGIN`; a move opens the new
+  budget's other neighbour to a probe. An octave no probe has measured takes the budget of the nearest measured
+  octave below it (above, when none is below), so batch sizes the traffic passes through briefly (a batch's tail)
+  share a decided budget instead of keeping the largest.
 
 The choice is one list indexed by batch size (:attr:`AutoBudget.lookup`). Under asynchronous scheduling vLLM's
 scheduler reads the same list object (its dynamic speculative decoding lookup, ``patches`` 1b and 1c), so a choice
@@ -39,9 +45,9 @@ built at the size that was scheduled (late trees), so a change mid-flight costs 
 Pure numpy: CI tests the policy on CPU.
 
 Its per-step part runs on the engine loop's path, so it is a few Python operations: a step's trees are buffered
-(:meth:`AcceptanceByBudget.observe`) and counted in one numpy pass when the window is read, and a step's time is
-appended to its (budget, trees) samples, the median taken when ``StepCosts.beyond`` is read; both give exactly what
-folding step by step gave (``tests/vllm_adapter/test_auto_budget.py`` keeps that eager version as the oracle).
+(:meth:`AcceptanceByBudget.observe`) and counted in one numpy pass when the window is read, exactly what counting
+step by step gives (``tests/vllm_adapter/test_auto_budget.py`` keeps the eager version as the oracle); a step's
+period is appended to the open probe's samples only while a probe runs.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -63,29 +69,28 @@ DEFAULT_MAX_BUDGET = 63
 WINDOW_STEPS = 16
 #: Trees a candidate needs (after decay) before its acceptance is trusted.
 MIN_TREES = 32.0
-#: The weight of the past at each window (the rest is the new window's).
+#: The weight of the past at each window (the rest is the new window's); also of an octave's earlier ratio when a
+#: probe measures it again.
 KEEP = 0.75
-#: A batch size leaves its budget only for a candidate at least this much faster.
+#: An octave leaves its budget only for a candidate at least this much faster.
 SWITCH_MARGIN = 0.03
-#: Windows between probes of one octave of batch sizes, and the most probes per octave (a probe: one window of the
-#: current budget and its neighbour in turns, while no probe measured the per-token part in the traffic's octave).
+#: Windows between two probes of one octave, and the most probes per octave (a probe: one window of the octave's
+#: budget and a neighbour in turns; enough to walk the default candidates from the largest to the smallest).
 PROBE_EVERY = 4
-MAX_PROBES = 3
+MAX_PROBES = 4
 #: Turns of a probe window (neighbour, current, neighbour, current): a budget's steps sit between the other's, so
 #: the host's drift falls on both alike.
 PROBE_BLOCKS = 4
-#: A probe's steps of one (budget, trees) needed before its median counts.
+#: Kept periods a probe needs of each budget at a batch size before that batch size's ratio counts.
 MIN_PROBE_SAMPLES = 2
-#: Per-token slopes kept (the latest probes').
-KEPT_SLOPES = 8
-#: Live step times kept per (budget, trees): the rest of a step is their median, so a step that paid a kernel's
-#: first compilation, a graph capture or an idle gap (tens of ms where steps take a few) moves nothing.
-STEP_SAMPLES = 15
-#: Tree counts whose forward is timed at start-up (the rest are interpolated).
-TIMED_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: Steps :class:`AcceptanceByBudget` buffers at most before counting them (a window is counted when it closes; this
 #: bounds the buffer while no window closes, e.g. before vLLM's scheduler attached the lookup).
 MAX_BUFFERED_STEPS = 64
+
+
+def octave(trees: int) -> int:
+    """The octave of a batch size: ``k + 1`` for ``[2^k, 2^(k+1))`` requests (0 for none)."""
+    return int(trees).bit_length()
 
 
 def block_budgets(smallest: int, largest: int) -> List[int]:
@@ -105,189 +110,74 @@ def auto_candidates(draft_len: Optional[int], max_budget: int) -> Tuple[int, ...
     return tuple(sorted(set(block_budgets(max(7, draft_len or 0), max_budget)) | {max_budget}))
 
 
-class StepCosts:
-    """Milliseconds per verify step by candidate and batch size: the target's forward timed at start-up, the rest
-    of the step on live steps.
+class ProbedRatios:
+    """Step periods of neighbouring candidates relative to each other, per octave of batch sizes, as probes measured
+    them in turns.
 
-    The rest (drafter, logits, per-node sampling, walk, commit, host gaps) has a part that grows with the tokens a
-    step verifies (logits and sampling of ``n * (budget + 1)`` rows, outside the graphed forward) and a part that
-    does not. Its per-token slope is read from probes (:meth:`close_probe`: steps of two budgets taken in turns);
-    until one measured it, it counts as 0 (:meth:`needs_probe`: ``AutoBudget`` then runs a probe window).
-
-    The timed forward is fixed once built (``forward`` is not to be changed afterwards): each step looks its
-    (budget, trees) forward up in a cache.
+    A probe's kept periods are collected by (budget, trees) (:meth:`observe`); when it closes, each batch size that
+    has :data:`MIN_PROBE_SAMPLES` periods of both budgets gives the log of the larger budget's median over the
+    smaller's, and an octave's ratio is their mean weighted by samples, folded with what earlier probes of that
+    octave measured (:data:`KEEP`). Probes pair neighbouring candidates, so the ratios of an octave link a run of
+    candidates, and :meth:`relative` chains them.
     """
 
-    def __init__(self, forward_ms: Mapping[int, Mapping[int, float]]):
-        # budget -> sorted (trees, ms) of its timed FULL-graph replays
-        self.forward = {int(b): sorted((int(n), float(ms)) for n, ms in by_n.items()) for b, by_n in forward_ms.items()}
-        # (budget, trees) -> the last STEP_SAMPLES live steps' ms beyond the target's forward; their medians
-        # (``beyond``, keys in the order first observed) are taken when read, for the keys stepped since (``_stale``).
-        self._beyond: Dict[Tuple[int, int], float] = {}
-        self._samples: Dict[Tuple[int, int], Deque[float]] = {}
-        self._stale: Set[Tuple[int, int]] = set()
-        # forward_ms by (budget, trees): the forward is fixed.
-        self._forward_ms: Dict[Tuple[int, int], Optional[float]] = {}
-        # The open probe's steps, (budget, trees) -> ms beyond the forward; and the slopes probes measured,
-        # (trees, slope, weight), the latest KEPT_SLOPES.
-        self._probe: Dict[Tuple[int, int], List[float]] = {}
-        self.slopes: Deque[Tuple[int, float, float]] = deque(maxlen=KEPT_SLOPES)
-        # The rest's model read from ``beyond``, ``(per-token slope, budget-independent part by trees, the measured
-        # trees ascending)``: made once after each observation, not for every candidate and batch size a decision
-        # asks about.
-        self._model: Optional[Tuple[float, Dict[int, float], List[int]]] = None
+    def __init__(self):
+        self._open: Dict[Tuple[int, int], List[float]] = {}  # (budget, trees) -> periods of the open probe
+        # octave -> {(smaller, larger): (log of larger's period over smaller's, weight)}
+        self.log_ratios: Dict[int, Dict[Tuple[int, int], Tuple[float, float]]] = {}
 
-    @property
-    def beyond(self) -> Dict[Tuple[int, int], float]:
-        """(budget, trees) -> ms of a live step beyond the target's forward: the median of its last
-        :data:`STEP_SAMPLES` (taken here, for the keys observed since the last read)."""
-        if self._stale:
-            for key in self._stale:
-                self._beyond[key] = float(np.median(self._samples[key]))
-            self._stale.clear()
-        return self._beyond
+    def observe(self, budget: int, trees: int, ms: float) -> None:
+        """A kept period of the open probe (a few Python operations: the medians wait for :meth:`close`)."""
+        if math.isfinite(ms) and ms > 0:
+            self._open.setdefault((budget, trees), []).append(ms)
 
-    def forward_ms(self, budget: int, trees: int) -> Optional[float]:
-        """The forward of ``trees`` trees of ``budget``: interpolated between the timed counts, extrapolated
-        linearly past the largest (per tree below the smallest); None when the budget was not timed."""
-        key = (budget, trees)
-        try:
-            return self._forward_ms[key]
-        except KeyError:
-            pass
-        row = self._interpolate(budget, np.array([trees], dtype=np.float64))
-        ms = self._forward_ms[key] = None if row is None else float(row[0])
-        return ms
+    def close(self, pair: Tuple[int, int]) -> None:
+        """Folds the open probe of budgets ``pair`` into each octave it timed both budgets in."""
+        small, large = sorted(pair)
+        by_octave: Dict[int, List[Tuple[float, float]]] = {}
+        for trees in sorted({n for _, n in self._open}):
+            below, above = self._open.get((small, trees), ()), self._open.get((large, trees), ())
+            if len(below) >= MIN_PROBE_SAMPLES and len(above) >= MIN_PROBE_SAMPLES:
+                log_ratio = math.log(float(np.median(above)) / float(np.median(below)))
+                by_octave.setdefault(octave(trees), []).append((log_ratio, float(min(len(below), len(above)))))
+        self._open = {}
+        for oct_, points in by_octave.items():
+            weight = sum(w for _, w in points)
+            value = sum(v * w for v, w in points) / weight
+            earlier = self.log_ratios.setdefault(oct_, {}).get((small, large))
+            if earlier is not None:
+                kept = KEEP * earlier[1]
+                value, weight = (value * weight + earlier[0] * kept) / (weight + kept), weight + kept
+            self.log_ratios[oct_][(small, large)] = (value, weight)
 
-    def observe_step(self, budget: int, trees: int, step_ms: float, probing: bool = False) -> None:
-        """A live step of ``trees`` trees of ``budget`` took ``step_ms`` (:class:`StepTimer`); ``probing``: a step of
-        the open probe (:meth:`close_probe`). Every step: a few Python operations (the median waits for a read)."""
-        forward = self.forward_ms(budget, trees)
-        if forward is None or not math.isfinite(step_ms) or step_ms <= 0:
-            return
-        beyond = max(step_ms - forward, 0.0)
-        key = (budget, trees)
-        samples = self._samples.get(key)
-        if samples is None:
-            samples = self._samples[key] = deque(maxlen=STEP_SAMPLES)
-            self._beyond[key] = beyond  # its place in ``beyond``'s order (the value is taken when read)
-        samples.append(beyond)
-        self._stale.add(key)
-        if probing:
-            probe = self._probe.get(key)
-            if probe is None:
-                self._probe[key] = [beyond]
-            else:
-                probe.append(beyond)
-        self._model = None
+    def measured(self, oct_: int, a: int, b: int) -> bool:
+        return (min(a, b), max(a, b)) in self.log_ratios.get(oct_, {})
 
-    def close_probe(self) -> None:
-        """The open probe's per-token slope at each batch size it timed at two budgets or more
-        (:data:`MIN_PROBE_SAMPLES` steps each; least squares on the medians), kept with its token spread as weight."""
-        by_trees: Dict[int, List[Tuple[int, float]]] = {}
-        for (budget, trees), samples in self._probe.items():
-            if len(samples) >= MIN_PROBE_SAMPLES:
-                by_trees.setdefault(trees, []).append((budget, float(np.median(samples))))
-        self._probe = {}
-        for trees, points in sorted(by_trees.items()):
-            if len(points) < 2:
-                continue
-            x = np.array([trees * (budget + 1) for budget, _ in points], dtype=np.float64)
-            y = np.array([ms for _, ms in points], dtype=np.float64)
-            spread = float(((x - x.mean()) ** 2).sum())
-            if spread <= 0:  # no tokens between its budgets (steps of 0 trees): nothing to read a slope from
-                continue
-            self.slopes.append((trees, float(((x - x.mean()) * (y - y.mean())).sum()) / spread, spread))
-        self._model = None
+    def relative(self, oct_: int, candidates: Sequence[int], anchor: int) -> Dict[int, float]:
+        """Each candidate linked to ``anchor`` by this octave's measured neighbour ratios -> its step period over
+        ``anchor``'s (``anchor`` itself 1.0)."""
+        ratios = self.log_ratios.get(oct_, {})
+        at = list(candidates).index(anchor)
+        logs = {anchor: 0.0}
+        for step in (1, -1):
+            log, i = 0.0, at
+            while 0 <= i + step < len(candidates):
+                lo, hi = sorted((candidates[i], candidates[i + step]))
+                if (lo, hi) not in ratios:
+                    break
+                log += step * ratios[(lo, hi)][0]
+                i += step
+                logs[candidates[i]] = log
+        return {c: math.exp(v) for c, v in logs.items()}
 
-    def _by_trees(self) -> Dict[int, List[Tuple[int, float]]]:
-        by_trees: Dict[int, List[Tuple[int, float]]] = {}
-        for (budget, trees), ms in self.beyond.items():
-            by_trees.setdefault(trees, []).append((budget, ms))
-        return by_trees
-
-    def per_token_ms(self) -> float:
-        """The rest's slope against the verified tokens ``n * (budget + 1)``: the probes' slopes averaged by their
-        token spread (0 when no probe measured one; never below 0)."""
-        return self._rest_model()[0]
-
-    def _rest_model(self) -> Tuple[float, Dict[int, float], List[int]]:
-        if self._model is None:
-            slope = self._slope()
-            fixed = {
-                trees: max(0.0, float(np.mean([ms - slope * trees * (b + 1) for b, ms in points])))
-                for trees, points in self._by_trees().items()
+    def describe(self) -> Dict[str, Dict[str, float]]:
+        """``{"32-63": {"63/127": ratio}}``: what the summary shows."""
+        return {
+            f"{1 << (o - 1)}-{(1 << o) - 1}": {
+                f"{hi}/{lo}": round(math.exp(v), 4) for (lo, hi), (v, _) in sorted(r.items())
             }
-            self._model = (slope, fixed, sorted(fixed))
-        return self._model
-
-    def _slope(self) -> float:
-        # Pooled least squares (one intercept per probe and batch size): a slope weighs by its token spread, so 8
-        # trees timed at two budgets outweigh 1 tree (8x the tokens between the same two budgets).
-        if not self.slopes:
-            return 0.0
-        slopes, weights = zip(*((slope, weight) for _, slope, weight in self.slopes))
-        return max(0.0, float(np.average(slopes, weights=weights)))
-
-    def needs_probe(self, trees: int) -> bool:
-        """Live steps were timed, but no probe measured the per-token part in ``trees``' octave
-        (``[2^k, 2^(k+1))``): read from far smaller or larger batches only (a slope read at 1 tree, ~0.2 ms between
-        budgets 16 and 256, is mostly noise at the scale of a host-bound step), it would decide there."""
-        if not self.beyond:
-            return False
-        return all(n.bit_length() != int(trees).bit_length() for n, _, _ in self.slopes)
-
-    def rest_ms(self, budget: int, trees: int) -> float:
-        """The rest of a step of ``trees`` trees of ``budget``: its budget-independent part measured at this batch
-        size (else at the nearest measured one, else 0), plus the per-token part."""
-        slope = self._rest_model()[0]
-        return float(self._fixed_row(np.array([trees], dtype=np.float64))[0]) + slope * trees * (budget + 1)
-
-    def step_ms(self, budget: int, trees: int) -> Optional[float]:
-        step = self.step_ms_table([budget], np.array([trees]))[0, 0]
-        return None if np.isnan(step) else float(step)
-
-    def step_ms_table(self, budgets: Sequence[int], trees: np.ndarray) -> np.ndarray:
-        """:meth:`step_ms` for every budget and tree count at once, ``[len(budgets), len(trees)]`` (NaN where a
-        budget was not timed): a decision asks about every batch size up to ``max_num_seqs``."""
-        trees = np.asarray(trees, dtype=np.float64)
-        slope = self._rest_model()[0]
-        rest = self._fixed_row(trees)
-        table = np.full((len(budgets), trees.shape[0]), np.nan)
-        for row, budget in enumerate(budgets):
-            forward = self._interpolate(budget, trees)
-            if forward is not None:
-                table[row] = forward + rest + slope * trees * (budget + 1)
-        return table
-
-    def _fixed_row(self, trees: np.ndarray) -> np.ndarray:
-        """The rest's budget-independent part for each tree count: that of the nearest measured batch size (the
-        smaller on a tie), 0 while none was measured."""
-        _, fixed, measured = self._rest_model()
-        if not measured:
-            return np.zeros_like(trees)
-        known = np.asarray(measured, dtype=np.float64)
-        i = np.searchsorted(known, trees, side="left")
-        below, above = np.clip(i - 1, 0, None), np.minimum(i, known.shape[0] - 1)
-        closer_below = np.abs(known[below] - trees) <= np.abs(known[above] - trees)
-        return np.array([fixed[n] for n in measured])[np.where(closer_below, below, above)]
-
-    def _interpolate(self, budget: int, trees: np.ndarray) -> Optional[np.ndarray]:
-        """:meth:`forward_ms` over an array of tree counts (the same interpolation, the same arithmetic)."""
-        points = self.forward.get(budget)
-        if not points:
-            return None
-        counts = np.array([n for n, _ in points], dtype=np.float64)
-        ms = np.array([m for _, m in points], dtype=np.float64)
-        if counts.shape[0] == 1:
-            return ms[0] * trees / counts[0]
-        i = np.searchsorted(counts, trees, side="left")
-        upper = np.clip(i, 1, counts.shape[0] - 1)  # the segment [upper - 1, upper]; past the ends, the end one
-        n0, n1, m0, m1 = counts[upper - 1], counts[upper], ms[upper - 1], ms[upper]
-        out = m0 + (m1 - m0) * (trees - n0) / (n1 - n0)
-        out = np.where(i == 0, ms[0] * trees / counts[0], out)  # below the smallest count: per tree
-        exact = (i < counts.shape[0]) & (counts[np.minimum(i, counts.shape[0] - 1)] == trees)
-        return np.where(exact, ms[np.minimum(i, counts.shape[0] - 1)], out)
+            for o, r in sorted(self.log_ratios.items())
+        }
 
 
 class AcceptanceByBudget:
@@ -407,7 +297,7 @@ class AcceptanceByBudget:
 
 
 class AutoBudget:
-    """The live budget of every batch size (``lookup[n]``, ``n`` from 1 to ``max_num_seqs``)."""
+    """The live budget of every batch size (``lookup[n]``, ``n`` from 1 to ``max_num_seqs``), one per octave."""
 
     def __init__(
         self,
@@ -424,7 +314,9 @@ class AutoBudget:
         # Index 0 too: vLLM's scheduler indexes its lookup by the batch size, from 0 (``build_dynamic_sd_schedule_lookup``).
         self.lookup: List[int] = [self.largest] * (max_num_seqs + 1)
         self.acceptance = AcceptanceByBudget(self.candidates)
-        self.costs: Optional[StepCosts] = None
+        self.ratios = ProbedRatios()
+        # The budget of each octave a probe has measured (the others follow them: :meth:`_fill_lookup`).
+        self.octave_budgets: Dict[int, int] = {}
         self.window_steps, self.min_trees, self.margin = window_steps, min_trees, margin
         self._steps_in_window = 0
         self.decisions = 0
@@ -434,8 +326,7 @@ class AutoBudget:
         self.needs_scheduler = False
         self.attached = False
         # A probe window runs two budgets in turns everywhere (``_probe_pair``: the first is run first); the lookup
-        # it replaced is the one the next decision keeps or leaves (its hysteresis). Probes are counted per octave
-        # of the batch size the traffic had.
+        # it replaced is restored when it closes. Probes are counted per octave of the batch size the traffic had.
         self.probes = 0
         self._probe_steps = 0
         self._probe_pair: Tuple[int, int] = (self.candidates[0], self.largest)
@@ -451,9 +342,6 @@ class AutoBudget:
 
     def budget_for(self, num_requests: int) -> int:
         return self.lookup[min(max(num_requests, 0), len(self.lookup) - 1)]
-
-    def set_forward_costs(self, forward_ms: Mapping[int, Mapping[int, float]]) -> None:
-        self.costs = StepCosts(forward_ms)
 
     def observe(self, budgets, whole, drafts, accepted) -> None:
         """One observed verify step (see :meth:`AcceptanceByBudget.observe`); in a probe, every block of steps
@@ -473,30 +361,32 @@ class AutoBudget:
         return max(1, self.window_steps // PROBE_BLOCKS)
 
     def observe_step_time(self, budget: int, trees: int, step_ms: float) -> None:
-        if self.costs is not None:
-            self.costs.observe_step(budget, trees, step_ms, probing=self.probing)
+        """A kept step period (``StepTimer``): only a probe's count (periods taken at other times are not compared)."""
+        if self.probing:
+            self.ratios.observe(budget, trees, step_ms)
 
     def maybe_decide(self) -> Optional[bool]:
-        """After a full window: folds it in and re-decides every batch size. None: no decision this step; else
-        whether the lookup changed."""
+        """After a full window: folds it in and re-decides every octave. None: no decision this step; else whether
+        the lookup changed."""
         if self._steps_in_window < self.window_steps or (self.needs_scheduler and not self.attached):
             return None
         self._steps_in_window = 0
         self.acceptance.close_window()
         self.decisions += 1
         before = list(self.lookup)
-        if self.probing and self.costs is not None:
-            self.costs.close_probe()
+        if self.probing:
+            self.ratios.close(self._probe_pair)
         self.decide()
         typical, self._window_batch_sizes = self._typical_batch_size(), {}
-        if self._probe_due(typical):
+        neighbour = self._probe_due(typical)
+        if neighbour is not None:
             self._before_probe = list(self.lookup)
-            self._probe_pair = self._neighbours(self.budget_for(typical))
-            self.lookup[1:] = [self._probe_pair[0]] * (len(self.lookup) - 1)
+            self._probe_pair = (neighbour, self.budget_for(typical))
+            self.lookup[1:] = [neighbour] * (len(self.lookup) - 1)
             self._probe_steps = 0
             self.probes += 1
-            octave = typical.bit_length()
-            self._probes_by_octave[octave] = (self._probes_by_octave.get(octave, (0, 0))[0] + 1, self.decisions)
+            oct_ = octave(typical)
+            self._probes_by_octave[oct_] = (self._probes_by_octave.get(oct_, (0, 0))[0] + 1, self.decisions)
         changed = self.lookup != before
         self.changes += int(changed)
         return changed
@@ -507,49 +397,66 @@ class AutoBudget:
             return 1
         return max(self._window_batch_sizes, key=lambda n: (self._window_batch_sizes[n], n))
 
-    def _neighbours(self, budget: int) -> Tuple[int, int]:
-        """``(neighbour, budget)``: the candidate next above ``budget`` (next below from the largest) and itself."""
+    def _unmeasured_neighbour(self, trees: int) -> Optional[int]:
+        """The candidate next above the budget of ``trees``' octave, else next below, whose ratio to it that octave
+        has not measured (None: both measured, or no other candidate)."""
+        budget, oct_ = self.budget_for(trees), octave(trees)
         i = self.candidates.index(budget)
-        return (self.candidates[i + 1] if i + 1 < len(self.candidates) else self.candidates[i - 1]), budget
+        for j in (i + 1, i - 1):
+            if 0 <= j < len(self.candidates) and not self.ratios.measured(oct_, budget, self.candidates[j]):
+                return self.candidates[j]
+        return None
 
-    def _probe_due(self, trees: int) -> bool:
-        """A probe is due when no probe measured the per-token part in the octave of the window's batch size
-        (``StepCosts.needs_probe``): at most :data:`MAX_PROBES` times per octave, :data:`PROBE_EVERY` windows
-        apart, the first at the first decision that sees that octave."""
-        if self.costs is None or len(self.candidates) < 2 or not self.costs.needs_probe(trees):
-            return False
-        done, last = self._probes_by_octave.get(trees.bit_length(), (0, 0))
-        return done < MAX_PROBES and (done == 0 or self.decisions >= last + PROBE_EVERY)
+    def _probe_due(self, trees: int) -> Optional[int]:
+        """The neighbour to probe with the budget of ``trees``' octave, if a probe is due: one is unmeasured there,
+        at most :data:`MAX_PROBES` per octave, :data:`PROBE_EVERY` windows apart (the first at the first decision that
+        sees the octave)."""
+        neighbour = self._unmeasured_neighbour(trees)
+        if neighbour is None:
+            return None
+        done, last = self._probes_by_octave.get(octave(trees), (0, 0))
+        return neighbour if done < MAX_PROBES and (done == 0 or self.decisions >= last + PROBE_EVERY) else None
 
     def decide(self) -> None:
-        """Re-decides every batch size in place (the list object is shared with vLLM's scheduler); after a probe,
-        from the lookup the probe replaced."""
-        current, self._before_probe = self._before_probe or list(self.lookup), None
+        """Re-decides every measured octave in place (the list object is shared with vLLM's scheduler), then fills
+        the lookup; a probe's lookup is replaced by the decided one."""
+        self._before_probe = None
         tau = self.acceptance.acceptance_length(self.min_trees)
-        if self.costs is not None and tau and len(current) > 1:  # else (no costs, no trusted acceptance): as it was
-            current[1:] = self._best(tau, np.asarray(current[1:], dtype=np.int64)).tolist()
-        self.lookup[:] = current
+        for oct_ in sorted(self.ratios.log_ratios):
+            current = self.octave_budgets.get(oct_, self._inherited(oct_))
+            self.octave_budgets[oct_] = self._best(oct_, current, tau)
+        self._fill_lookup()
 
-    def _best(self, tau: Mapping[int, float], current: np.ndarray) -> np.ndarray:
-        """Each batch size's candidate with the most accepted tokens per ms (the smaller on a tie); a batch size keeps
-        ``current`` unless the best beats it by more than the margin, or while its own budget is not measured enough
-        (no trusted acceptance, no timed forward): then there is nothing to compare with."""
-        candidates = np.asarray(self.candidates, dtype=np.int64)
-        trees = np.arange(1, current.shape[0] + 1)
-        steps = self.costs.step_ms_table(self.candidates, trees)
-        accepted = np.array([tau.get(int(c), np.nan) for c in candidates])[:, None]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rates = np.where(np.isfinite(steps) & (steps > 0), accepted / steps, np.nan)
-        rates = np.where(np.isnan(rates), -np.inf, rates)
-        columns = np.arange(trees.shape[0])
-        at = np.searchsorted(candidates, current).clip(0, candidates.shape[0] - 1)
-        current_rate = np.where(candidates[at] == current, rates[at, columns], -np.inf)
-        best = rates.argmax(axis=0)  # the first maximum: the smallest candidate among equals
-        move = np.isfinite(current_rate) & (rates[best, columns] > current_rate * (1 + self.margin))
-        return np.where(move, candidates[best], current)
+    def _best(self, oct_: int, current: int, tau: Mapping[int, float]) -> int:
+        """The candidate linked to ``current`` by measured ratios with the most accepted tokens per period (the
+        smaller on a tie); ``current`` unless the best beats it by more than the margin, or while its own acceptance
+        is not trusted yet."""
+        if current not in tau:
+            return current
+        relative = self.ratios.relative(oct_, self.candidates, current)
+        rates = {c: tau[c] / period for c, period in relative.items() if c in tau}
+        best = max(rates, key=lambda c: (rates[c], -c))
+        return best if rates[best] > rates[current] * (1 + self.margin) else current
+
+    def _inherited(self, oct_: int) -> int:
+        """The budget an octave without its own measurement takes: the nearest measured octave's below it, else
+        above it, else the largest candidate."""
+        below = [o for o in self.octave_budgets if o < oct_]
+        if below:
+            return self.octave_budgets[max(below)]
+        above = [o for o in self.octave_budgets if o > oct_]
+        return self.octave_budgets[min(above)] if above else self.largest
+
+    def _fill_lookup(self) -> None:
+        by_octave = {
+            oct_: self.octave_budgets.get(oct_, self._inherited(oct_))
+            for oct_ in range(1, octave(len(self.lookup)) + 1)
+        }
+        self.lookup[1:] = [by_octave[octave(n)] for n in range(1, len(self.lookup))]
+        self.lookup[0] = self.lookup[1] if len(self.lookup) > 1 else self.largest
 
     def describe(self) -> str:
-        """The lookup as ranges, ``1-4: 64, 5-32: 16``, and what it rests on."""
+        """The lookup as ranges, ``1-4: 63, 5-32: 15``, and what it rests on."""
         ranges, start = [], 1
         for n in range(2, len(self.lookup) + 1):
             if n == len(self.lookup) or self.lookup[n] != self.lookup[start]:
@@ -561,8 +468,7 @@ class AutoBudget:
         tau = self.acceptance.acceptance_length(self.min_trees)
         accept = ", ".join(f"{c}: {t:.2f}" for c, t in sorted(tau.items()))
         probe = (
-            f"probing budgets {self._probe_pair[0]} and {self._probe_pair[1]} in turns for one window (the per-token part "
-            "not measured at this batch size); "
+            f"probing budgets {self._probe_pair[0]} and {self._probe_pair[1]} in turns for one window; "
             if self.probing
             else ""
         )
@@ -571,23 +477,16 @@ class AutoBudget:
         )
 
     def summary(self) -> Dict[str, object]:
-        costs = self.costs
         return {
             "candidates": list(self.candidates),
             "lookup": self.describe(),
             "decisions": self.decisions,
             "changes": self.changes,
             "acceptance_length": self.acceptance.acceptance_length(self.min_trees),
-            "forward_ms": {b: dict(points) for b, points in costs.forward.items()} if costs else {},
             "probes": self.probes,
-            "per_token_ms": costs.per_token_ms() if costs else 0.0,
-            # What it rests on: each probe's slope at a batch size, (trees, ms per token, token spread).
-            "probe_slopes": [list(entry) for entry in costs.slopes] if costs else [],
-            "beyond_forward_ms": {f"{b}x{n}": ms for (b, n), ms in sorted(costs.beyond.items())} if costs else {},
-            # How many live steps each median above rests on (a median of one or two is that step's own time).
-            "beyond_forward_samples": {f"{b}x{n}": len(q) for (b, n), q in sorted(costs._samples.items())}
-            if costs
-            else {},
+            # What it rests on: each octave's measured period ratios of neighbouring budgets, and its budget.
+            "period_ratios": self.ratios.describe(),
+            "octave_budgets": {f"{1 << (o - 1)}-{(1 << o) - 1}": b for o, b in sorted(self.octave_budgets.items())},
             # The latest step periods, kept or not, oldest first: (budget, trees, ms, kept).
             "step_periods": [list(period) for period in self.period_trace],
         }
@@ -658,22 +557,6 @@ class StepTimer:
         """``(key, ms)`` of the steps timed since the last call, oldest first."""
         out, self._landed = self._landed, []
         return out
-
-
-def timed_counts(graphed: Sequence[int]) -> List[int]:
-    """Of a budget's graphed tree counts, those timed at start-up: :data:`TIMED_COUNTS` and the largest."""
-    graphed = sorted(set(graphed))
-    if not graphed:
-        return []
-    return sorted({n for n in graphed if n in TIMED_COUNTS} | {graphed[-1]})
-
-
-def forward_table(timings: Mapping[Tuple[int, int], float]) -> Dict[int, Dict[int, float]]:
-    """``{(budget, trees): ms}`` as ``{budget: {trees: ms}}``."""
-    table: Dict[int, Dict[int, float]] = {}
-    for (budget, trees), ms in timings.items():
-        table.setdefault(budget, {})[trees] = ms
-    return table
 
 
 # ---- the live lookup shared with vLLM's scheduler (``patches`` 1c) -----------------------------------------------

@@ -64,7 +64,6 @@ from ddtree.vllm.config import (
     budget_description,
     commit_graphs_enabled,
     device_accept_enabled,
-    graphed_tree_counts,
     late_trees_enabled,
     launch_ahead_enabled,
     launch_ahead_mode,
@@ -334,13 +333,10 @@ def gdn_conv_window(model_config) -> int:
 
 
 class DDTreeGPUModelRunner(GPUModelRunner):
-    # ``ddtree_budget: "auto"`` only (set in __init__): the live budgets and the timer of their steps; while its
-    # candidates are timed, dummy runs verify dummy trees in every graph mode (eager too: without a published tree
-    # the GDN layers would take vLLM's spec-decode path, which assumes B + 1 state slots per request).
+    # ``ddtree_budget: "auto"`` only (set in __init__): the live budgets and the timer of their steps.
     _ddtree_auto: Optional[AutoBudget] = None
     _ddtree_step_timer: Optional[StepTimer] = None
     _ddtree_first_runs_at_start = 0  # ShapeGraphs.first_runs when the timed step started
-    _ddtree_timing_trees = False
 
     # Off until __init__ sets them (the CPU tests build runners without it).
     _ddtree_gate: Optional[StreamGate] = None
@@ -972,7 +968,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         tree_size = self.uniform_decode_query_len  # budget + 1, or a schedule's smaller trees during their capture
         trees = (
             uniform_decode
-            and (self._ddtree_full_graphs() or self._ddtree_timing_trees)
+            and self._ddtree_full_graphs()
             and hasattr(self, "drafter")
             and num_tokens % tree_size == 0
             and (force_attention or cudagraph_runtime_mode == CUDAGraphMode.FULL)
@@ -1326,84 +1322,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         drafter's packed top-K)."""
         if hasattr(self, "drafter"):
             self.drafter.warm_up()
-
-    def ddtree_time_candidates(self) -> None:
-        """``auto``: times the target's forward for each candidate budget's trees at a few batch sizes, once, after
-        vLLM's warm-up and graph capture (the worker calls it). A failed measurement leaves every batch size at
-        the largest budget, with a warning: the engine still serves."""
-        auto = self._ddtree_auto
-        if auto is None or auto.costs is not None or not hasattr(self, "drafter"):
-            return
-        try:
-            timings = self._ddtree_forward_timings()
-        except Exception as error:  # noqa: BLE001 - see the docstring
-            logger.warning(
-                "DDTree auto: timing the candidate budgets failed (%r); every batch size keeps budget %d",
-                error,
-                auto.largest,
-            )
-            return
-        auto.set_forward_costs(auto_budget.forward_table(timings))
-        logger.info(
-            "DDTree auto: candidates %s; the target's forward in ms by (budget, trees): %s",
-            ", ".join(str(b) for b in auto.candidates),
-            ", ".join(f"({b}, {n}): {ms:.2f}" for (b, n), ms in sorted(timings.items())),
-        )
-
-    def _ddtree_forward_timings(self) -> Dict[Tuple[int, int], float]:
-        """``{(budget, trees): ms}`` for every candidate at its timed tree counts (``auto_budget.timed_counts`` of
-        its FULL graphs; eager or PIECEWISE engines: of the counts that fit a step)."""
-        top_k, depth = self.drafter.top_k, self.ddtree_cfg.draft_len
-        full = self._ddtree_full_graphs()
-        captured = [
-            (desc.num_tokens // desc.num_reqs, desc.num_reqs)
-            for desc in self.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL]
-            if full and desc.uniform and desc.num_reqs and desc.num_tokens % desc.num_reqs == 0
-        ]
-        timings = {}
-        for budget in self._ddtree_auto.candidates:
-            tokens = tree_size(budget, top_k, depth) + 1
-            if full:
-                counts = [trees for per_tree, trees in captured if per_tree == tokens]
-            else:
-                counts = [n for n in graphed_tree_counts(self.max_num_reqs) if n * tokens <= self.max_num_tokens]
-            for trees in auto_budget.timed_counts(counts):
-                timings[(budget, trees)] = self._ddtree_time_forward(tokens, trees, full)
-        return timings
-
-    def _ddtree_time_forward(self, tree_tokens: int, trees: int, full: bool, repeats: int = 3) -> float:
-        """Milliseconds of one forward of ``trees`` dummy trees of ``tree_tokens`` tokens: its FULL graph's
-        replays after one dummy run has staged the trees' layout, or (no graph) whole eager dummy runs."""
-        num_tokens = tree_tokens * trees
-        mode = CUDAGraphMode.FULL if full else CUDAGraphMode.NONE
-        self._ddtree_timing_trees = True
-        try:
-            with self._ddtree_uniform_query_len(tree_tokens):
-
-                def run():
-                    self._dummy_run(
-                        num_tokens, cudagraph_runtime_mode=mode, force_attention=not full, uniform_decode=True
-                    )
-
-                run()  # stages this shape's dummy trees in the persistent buffers the graph reads
-                graph = self._ddtree_forward_graph(num_tokens, trees) if full else None
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(repeats):
-                    graph.replay() if graph is not None else run()
-                end.record()
-                end.synchronize()
-        finally:
-            self._ddtree_timing_trees = False
-        return start.elapsed_time(end) / repeats
-
-    def _ddtree_forward_graph(self, num_tokens: int, trees: int):
-        """The captured FULL graph of the target's forward for ``trees`` uniform requests (None: not reachable)."""
-        entries = getattr(self.model, "concrete_cudagraph_entries", None) or {}
-        for desc, entry in entries.items():
-            if desc.uniform and desc.num_tokens == num_tokens and desc.num_reqs == trees and entry.cudagraph:
-                return entry.cudagraph
-        return None
 
     def ddtree_summary(self) -> Dict[str, object]:
         self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=True))

@@ -23,8 +23,6 @@ class DDTreeWorker(Worker):
         out = super().compile_or_warm_up_model()
         # The drafter's packed top-K kernel compiled now, not in the first request's step.
         self.model_runner.ddtree_warm_up()
-        # ddtree_budget "auto": the candidates' step costs, measured once the graphs exist.
-        self.model_runner.ddtree_time_candidates()
         return out
 
     def ddtree_summary(self):
