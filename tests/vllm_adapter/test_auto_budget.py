@@ -221,13 +221,14 @@ def test_an_octave_keeps_its_budget_unless_another_is_clearly_faster():
 
 
 def test_probes_stop_once_an_octaves_neighbours_are_measured_or_after_the_most_probes():
-    # Every step at another batch size of one octave: no batch size gets two periods of a budget, no ratio.
+    # Half the steps at 4 requests (a probe opens), the rest at 5 and 6: in turns of one step, no batch size gets
+    # two periods of each budget, so no ratio.
     auto = AutoBudget((16, 64), max_num_seqs=8, window_steps=4, min_trees=1, margin=0.0)
     probed_at = []
     for window in range(1, 1 + PROBE_EVERY * MAX_PROBES + 3):
-        for step in range(4):
-            auto.observe_step_time(auto.lookup[1], 4 + step, 5.0)
-            _observe(auto, auto.lookup[1], trees=4 + step, steps=1)
+        for trees in (4, 4, 5, 6):
+            auto.observe_step_time(auto.lookup[1], trees, 5.0)
+            _observe(auto, auto.lookup[1], trees=trees, steps=1)
         auto.maybe_decide()
         if auto.probing:
             probed_at.append(window)
@@ -237,6 +238,22 @@ def test_probes_stop_once_an_octaves_neighbours_are_measured_or_after_the_most_p
     settled = AutoBudget((16, 64), max_num_seqs=8, window_steps=4, min_trees=1, margin=0.0)
     _steps(settled, 4, windows=2 + 2 * PROBE_EVERY, period=lambda budget, trees: 5.0 if budget == 64 else 4.9)
     assert settled.probes == 1 and settled.octave_budgets == {3: 64}  # tau 5 / 5 ms against 2.5 / 4.9
+
+
+def test_a_window_that_passed_through_batch_sizes_opens_no_probe():
+    """A batch's tail (one request fewer every step or two) gives no batch size two periods of each budget: a probe
+    there would run the neighbour's trees and measure nothing. A probe opens only where half the window's steps had
+    one batch size."""
+    tail = AutoBudget((16, 64), max_num_seqs=8, window_steps=4, min_trees=1)
+    for trees in (8, 7, 5, 2):
+        _observe(tail, 64, trees=trees, steps=1)
+    assert tail.maybe_decide() is False and not tail.probing and tail.probes == 0
+    for trees in (8, 8, 5, 2):
+        _observe(tail, 64, trees=trees, steps=1)
+    assert tail.maybe_decide() and tail.probing and tail._probe_pair == (16, 64)
+    idle = AutoBudget((16, 64), max_num_seqs=8, window_steps=1, min_trees=1)
+    idle._steps_in_window = 1  # a window of steps the policy never saw (none observed): no probe either
+    assert idle.maybe_decide() is False and not idle.probing
 
 
 def test_an_octave_keeps_its_budget_while_that_budgets_acceptance_is_not_trusted_yet():

@@ -31,8 +31,9 @@ second::
   them a step shape whose graphs are captured on first use.
 * **Hill climbing**: every octave starts at the largest candidate (like a fixed budget; its trees measure every
   candidate's acceptance at once). While a neighbour of an octave's budget has no measured ratio in that octave
-  (the next larger first, then the next smaller), a probe is due when the traffic is in that octave: at most
-  :data:`MAX_PROBES` per octave, :data:`PROBE_EVERY` windows apart. Budgets linked by measured ratios are compared
+  (the next larger first, then the next smaller), a probe is due when the traffic is in that octave (half a
+  window's steps or more at one batch size of it): at most :data:`MAX_PROBES` per octave, :data:`PROBE_EVERY`
+  windows apart. Budgets linked by measured ratios are compared
   every window, and the octave moves to the best only for a gain above :data:`SWITCH_MARGIN`; a move opens the new
   budget's other neighbour to a probe. An octave no probe has measured takes the budget of the nearest measured
   octave below it (above, when none is below), so batch sizes the traffic passes through briefly (a batch's tail)
@@ -378,7 +379,7 @@ class AutoBudget:
             self.ratios.close(self._probe_pair)
         self.decide()
         typical, self._window_batch_sizes = self._typical_batch_size(), {}
-        neighbour = self._probe_due(typical)
+        neighbour = self._probe_due(typical) if typical is not None else None
         if neighbour is not None:
             self._before_probe = list(self.lookup)
             self._probe_pair = (neighbour, self.budget_for(typical))
@@ -391,11 +392,17 @@ class AutoBudget:
         self.changes += int(changed)
         return changed
 
-    def _typical_batch_size(self) -> int:
-        """The trees per step the window saw most often (the larger on a tie; 1 when it saw none)."""
+    def _typical_batch_size(self) -> Optional[int]:
+        """The trees per step the window saw most often (the larger on a tie), if at least half its steps had them;
+        else None: a window that passed through batch sizes (a batch's tail, requests arriving) opens no probe. A
+        probe there ran a neighbour's trees for half a window and measured nothing: too few periods of one batch
+        size between budget changes (on the test pair at batch 8, 10 probes left ratios of two pairs in one octave:
+        8 or more measured nothing, ``gpu-h200-pair-f3b4972``)."""
         if not self._window_batch_sizes:
-            return 1
-        return max(self._window_batch_sizes, key=lambda n: (self._window_batch_sizes[n], n))
+            return None
+        typical = max(self._window_batch_sizes, key=lambda n: (self._window_batch_sizes[n], n))
+        steps = sum(self._window_batch_sizes.values())
+        return typical if 2 * self._window_batch_sizes[typical] >= steps else None
 
     def _unmeasured_neighbour(self, trees: int) -> Optional[int]:
         """The candidate next above the budget of ``trees``' octave, else next below, whose ratio to it that octave
