@@ -174,13 +174,14 @@ def test_the_policy_climbs_each_octave_to_its_best_budget_and_unmeasured_octaves
     _steps(auto, 1, windows=2 * PROBE_EVERY, period=world)
     assert auto.probes == 1  # 64's only neighbour is measured at 1 request: nothing more to probe there
     # Traffic at 32 requests: its octave is probed (64 against 32: 32 wins), then, PROBE_EVERY windows later, 32
-    # against its other neighbour (16 wins); every batch size below 32 keeps the budget of 1 request's octave.
+    # against its other neighbour (16 wins); the batch sizes between take the nearer measured octave's budget.
     _steps(auto, 32, windows=2, period=world)
     assert auto.octave_budgets == {1: 64, 6: 32} and auto.probes == 2
     _steps(auto, 32, windows=PROBE_EVERY + 1, period=world)
     assert auto.octave_budgets == {1: 64, 6: 16} and auto.probes == 3 and not auto.probing
-    assert auto.lookup[1:32] == [64] * 31 and auto.lookup[32:] == [16] * 9 and auto.lookup[0] == 64
-    assert "1-31: 64, 32-40: 16" in auto.describe()
+    # Between the two measured octaves, each batch size takes the nearer one's budget (2-7: one request's).
+    assert auto.lookup[1:8] == [64] * 7 and auto.lookup[8:] == [16] * 33 and auto.lookup[0] == 64
+    assert "1-7: 64, 8-40: 16" in auto.describe()
     summary = auto.summary()
     assert summary["octave_budgets"] == {"1-1": 64, "32-63": 16}
     assert summary["period_ratios"]["32-63"]["64/32"] == pytest.approx(world(64, 32) / world(32, 32), rel=1e-3)
@@ -198,17 +199,23 @@ def test_an_octave_that_took_a_smaller_budget_from_above_climbs_up():
     _steps(auto, 1, windows=2, period=world)
     assert auto.octave_budgets == {1: 32, 6: 16}  # 32 probed against 16 at one request, and taken
     _steps(auto, 1, windows=2 * PROBE_EVERY, period=world)
-    assert auto.octave_budgets == {1: 64, 6: 16} and auto.lookup[1:32] == [64] * 31 and auto.lookup[32:] == [16] * 9
+    assert auto.octave_budgets == {1: 64, 6: 16} and auto.lookup[1:8] == [64] * 7 and auto.lookup[8:] == [16] * 33
 
 
-def test_an_octave_without_a_measurement_takes_the_nearest_measured_octave_below_else_above():
+def test_an_octave_without_a_measurement_takes_the_nearest_measured_octave_the_one_above_on_a_tie():
     auto = AutoBudget((16, 32, 64), max_num_seqs=40)
+    auto._fill_lookup()
+    assert auto.lookup == [64] * 41  # nothing measured: the largest
     auto.octave_budgets = {4: 32}
     auto._fill_lookup()
-    assert auto.lookup[1:8] == [32] * 7 and auto.lookup[8:] == [32] * 33  # none below 8-15: the one above
-    auto.octave_budgets = {2: 64, 5: 16}
+    assert auto.lookup == [32] * 41  # one measured octave: everyone's
+    auto.octave_budgets = {1: 64, 6: 16}  # 1 request, and 32-63
     auto._fill_lookup()
-    assert auto.lookup[1] == 64 and auto.lookup[2:16] == [64] * 14 and auto.lookup[16:] == [16] * 25
+    # 2-3 and 4-7 are nearer to 1 request's octave, 8-15 and 16-31 to 32-63's.
+    assert auto.lookup[1:8] == [64] * 7 and auto.lookup[8:] == [16] * 33 and auto.lookup[0] == 64
+    auto.octave_budgets = {2: 64, 4: 16}  # 4-7 (octave 3) is as near to both: the one above (the smaller budget)
+    auto._fill_lookup()
+    assert auto.lookup[1:4] == [64] * 3 and auto.lookup[4:] == [16] * 37
 
 
 def test_an_octave_keeps_its_budget_unless_another_is_clearly_faster():

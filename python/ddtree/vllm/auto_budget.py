@@ -36,8 +36,8 @@ second::
   windows apart. Budgets linked by measured ratios are compared
   every window, and the octave moves to the best only for a gain above :data:`SWITCH_MARGIN`; a move opens the new
   budget's other neighbour to a probe. An octave no probe has measured takes the budget of the nearest measured
-  octave below it (above, when none is below), so batch sizes the traffic passes through briefly (a batch's tail)
-  share a decided budget instead of keeping the largest.
+  octave (the one above on a tie), so batch sizes the traffic passes through briefly (a batch's tail, a ramp up)
+  share the budget of the batch sizes next to them instead of keeping the largest.
 
 The choice is one list indexed by batch size (:attr:`AutoBudget.lookup`). Under asynchronous scheduling vLLM's
 scheduler reads the same list object (its dynamic speculative decoding lookup, ``patches`` 1b and 1c), so a choice
@@ -446,13 +446,15 @@ class AutoBudget:
         return best if rates[best] > rates[current] * (1 + self.margin) else current
 
     def _inherited(self, oct_: int) -> int:
-        """The budget an octave without its own measurement takes: the nearest measured octave's below it, else
-        above it, else the largest candidate."""
-        below = [o for o in self.octave_budgets if o < oct_]
-        if below:
-            return self.octave_budgets[max(below)]
-        above = [o for o in self.octave_budgets if o > oct_]
-        return self.octave_budgets[min(above)] if above else self.largest
+        """The budget an octave without its own measurement takes: the nearest measured octave's (the one above, of
+        larger batches, on a tie: its budget is the smaller, the cheaper mistake), else the largest candidate.
+        Nearest, not always below: the tail of a batch of 32 (16-31 requests for a few steps) then keeps the batch's
+        budget instead of switching to one request's, a switch that costs a step of cut trees and new step shapes
+        (``benches/bench_auto_traffic.py``)."""
+        if not self.octave_budgets:
+            return self.largest
+        nearest = min(self.octave_budgets, key=lambda o: (abs(o - oct_), o < oct_))
+        return self.octave_budgets[nearest]
 
     def _fill_lookup(self) -> None:
         by_octave = {
