@@ -448,3 +448,20 @@ def test_round_ratios_pair_each_run_with_the_chains_run_of_its_round():
     assert "ratio_to_dflash_by_round" not in table[0]
     assert "ratio_to_dflash_by_round" not in table[2]
     assert "ratio_to_dflash_by_round" not in table[3]
+
+
+def test_auto_in_the_simulated_pair_traffic_settles_near_the_best_fixed_budget():
+    """bench_auto_traffic.py runs the real policy and step timer on a simulated clock: its world's best fixed budget
+    is 127 at one request and 31 at 8 and 32, and by the third round auto's tokens per ms are within 5% of it at
+    every batch size (a regression check of the policy's pieces together: timer rule, probes, hill climbing)."""
+    import bench_auto_traffic
+
+    rows = bench_auto_traffic.simulate(rounds=3, seed=0, fixed=6.0, per_request=0.2, per_token=0.0025)
+    *steps, final = rows
+    assert {(r["batch"], r["best_fixed_budget"]) for r in steps} == {(1, 127), (8, 31), (32, 31)}
+    assert steps[0]["probes"] == 1 and sum(r["probes"] for r in steps) <= 3 * 4
+    for row in steps:
+        assert 0.7 < row["ratio_to_best_fixed"] < 1.05
+        if row["round"] == 2:
+            assert row["ratio_to_best_fixed"] > 0.95, row
+    assert "budget by batch size" in final["lookup"] and final["octave_budgets"]
