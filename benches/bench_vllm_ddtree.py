@@ -38,6 +38,7 @@ import sys
 import time
 
 import engine_turns
+import thread_cpu
 from engine_turns import (
     engine_arguments,
     kv_cache_kwargs,
@@ -130,18 +131,23 @@ def child(args):
         )
         best = None
         seconds_by_repeat = []  # every timed run's, in round order (the parent's per-round ratios)
+        thread_seconds = {}  # CPU seconds by thread of this process tree over the timed runs (thread_cpu)
         is_tree = spec is not None and spec.get("method") == "ddtree"
         window_start = llm.collective_rpc("ddtree_summary")[0] if is_tree else None
         for repeat in range(args.repeats):
             if repeat:
                 next_turn()
             before = spec_metrics(llm)
+            threads_before = thread_cpu.snapshot()
             dt, outs = 0.0, []
             for group in groups:
                 t = time.time()
                 outs += llm.generate(group, params, use_tqdm=False)
                 dt += time.time() - t
             after = spec_metrics(llm)
+            threads_after = thread_cpu.snapshot()
+            for key, seconds in threads_after.items():  # every repeat's CPU seconds, by thread
+                thread_seconds[key] = thread_seconds.get(key, 0.0) + seconds - threads_before.get(key, 0.0)
             seconds_by_repeat.append(dt)
             if best is None or dt < best[0]:
                 best = (dt, outs, before, after)
@@ -162,6 +168,9 @@ def child(args):
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
             "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
             "engine_start_s": round(init_s, 1),
+            # Which threads of the engine's processes were busy over all timed runs (seconds of wall: sum of
+            # seconds_by_repeat): a thread busy beside the main one slows it (gpu-h200-pair-cad0d30's profiles).
+            "thread_cpu_s": thread_cpu.busiest({}, thread_seconds),
         }
         if is_tree:
             # Host work per verify step over the timed repeats (the warm-up's one-time costs, a shape's first

@@ -4,6 +4,7 @@ gpu_profile.py lists where a step waits for the GPU and keeps its timelines comp
 
 import json
 import types
+import os
 import sys
 from pathlib import Path
 
@@ -465,3 +466,41 @@ def test_auto_in_the_simulated_pair_traffic_settles_near_the_best_fixed_budget()
         if row["round"] == 2:
             assert row["ratio_to_best_fixed"] > 0.95, row
     assert "budget by batch size" in final["lookup"] and final["octave_budgets"]
+
+
+def test_thread_cpu_finds_the_busy_thread_of_a_process_tree():
+    """A thread that spins shows as the busiest of the process between two snapshots (by its native thread id; a
+    thread's name is its process's unless it sets one), and a child process's threads are in the tree."""
+    import subprocess
+    import threading
+    import time
+
+    import thread_cpu
+
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs /proc")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    stop, spinning = threading.Event(), []
+    try:
+
+        def spin():
+            spinning.append(threading.get_native_id())
+            while not stop.is_set():
+                pass
+
+        busy = threading.Thread(target=spin, name="busy-spinner")
+        time.sleep(0.1)  # the child is up
+        before = thread_cpu.snapshot()
+        busy.start()
+        time.sleep(0.5)
+        after = thread_cpu.snapshot()  # the spinner still alive: an exited thread leaves no entry
+        stop.set()
+        busy.join()
+        assert any(key[0] == child.pid for key in after)  # the child process is in the tree
+        top = thread_cpu.busiest(before, after, most=3)
+        name, seconds = next(iter(top.items()))
+        assert name.endswith(f"[{spinning[0]}]") and seconds >= 0.2, top
+        assert thread_cpu.total(before, after) >= seconds
+    finally:
+        stop.set()
+        child.kill()
