@@ -507,7 +507,7 @@ def schedule_graphs_exercised(spec, summary):
         if b < max(budgets) and used.get(b, 0) > 0
     ]
     if auto:
-        # Its first probe (one window of the smallest and the largest candidate in turns) changes the budget
+        # Its first probe (one window of the largest candidate and the next smaller in turns) changes the budget
         # mid-run under whatever scheduling the engine runs: the switch itself is exercised.
         checks += [
             ("auto_budget_decisions", auto.get("decisions", 0) > 0),
