@@ -377,12 +377,30 @@ def main():
             f"{(f'{mal:.3f}' if mal else '-'):>14}"
             f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}"
         )
+    busy = busiest_threads(table)
+    if busy:
+        print("\nBusiest threads over each row's timed runs, CPU s (wall s):")
+        for line in busy:
+            print("  " + line)
     checks = what_if_chain_checks(table)
     if checks:
         print("\nThe chain's acceptance length as ddtree's trees estimate it, against vLLM's dflash in this run:")
         for engine, batch, estimate, measured in checks:
             print(f"  {engine} batch {batch}: {estimate:.3f} estimated, {measured:.3f} measured")
     json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
+
+
+def busiest_threads(rows, most: int = 3) -> list:
+    """One line per row that recorded its threads: the ``most`` busiest and their CPU seconds, beside the row's wall
+    seconds (a second thread near the main one's seconds is one busy beside it)."""
+    lines = []
+    for row in rows:
+        threads = row.get("thread_cpu_s")
+        if threads:
+            wall = sum(row.get("seconds_by_repeat") or [row.get("seconds", 0.0)])
+            top = ", ".join(f"{name} {seconds:.2f}" for name, seconds in list(threads.items())[:most])
+            lines.append(f"{row['engine']} batch {row['batch']} ({wall:.2f}): {top}")
+    return lines
 
 
 def child_command(args, name: str, spec, gate: str) -> list:

@@ -504,3 +504,17 @@ def test_thread_cpu_finds_the_busy_thread_of_a_process_tree():
     finally:
         stop.set()
         child.kill()
+
+
+def test_the_pair_bench_prints_each_rows_busiest_threads_beside_its_wall_seconds():
+    import bench_vllm_ddtree as pair_bench
+
+    rows = [
+        {"engine": "dflash", "batch": 8, "seconds_by_repeat": [1.0, 1.5], "thread_cpu_s": {"a [1]": 2.4, "b [2]": 0.1}},
+        {"engine": "ddtree-63", "batch": 8, "seconds_by_repeat": [2.0], "thread_cpu_s": {"a [3]": 2.0, "c [4]": 1.9}},
+        {"engine": "old-row", "batch": 1, "seconds": 3.0},  # a row of an older bench: nothing to print
+    ]
+    assert pair_bench.busiest_threads(rows, most=2) == [
+        "dflash batch 8 (2.50): a [1] 2.40, b [2] 0.10",
+        "ddtree-63 batch 8 (2.00): a [3] 2.00, c [4] 1.90",
+    ]
