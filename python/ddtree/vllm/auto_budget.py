@@ -25,7 +25,7 @@ second::
 * **Why no model of the step**: until ``gpu-h200-pair-cad0d30`` the step was modelled as the target's forward
   (timed at start-up by replaying its FULL graph) plus a rest fitted to live periods. Under asynchronous scheduling
   the forward overlaps the host's work, so the sum is wrong where the host bounds the step: on the test pair at one
-  request budget 127's forward is 0.52 ms dearer than 63's, its measured period was not, and the model kept 63
+  request budget 127's forward was 0.52 ms dearer than 63's, its measured period was not, and the model kept 63
   where a fixed 127 ran 1.34x the chain against 63's 1.22x. Per-batch-size decisions on a handful of periods also
   split the batch sizes into runs of alternating budgets (``1: 63, 2-6: 127, 7-31: 63, 32: 127``), every one of
   them a step shape whose graphs are captured on first use.
@@ -33,9 +33,8 @@ second::
   candidate's acceptance at once). While a neighbour of an octave's budget has no measured ratio in that octave
   (the next larger first, then the next smaller), a probe is due when the traffic is in that octave (half a
   window's steps or more at one batch size of it): at most :data:`MAX_PROBES` per octave, :data:`PROBE_EVERY`
-  windows apart. Budgets linked by measured ratios are compared
-  every window, and the octave moves to the best only for a gain above :data:`SWITCH_MARGIN`; a move opens the new
-  budget's other neighbour to a probe. An octave no probe has measured takes the budget of the nearest measured
+  windows apart. Budgets linked by measured ratios are compared every window, and the octave moves to the best
+  only for a gain above :data:`SWITCH_MARGIN`; a move opens the new budget's other neighbour to a probe. An octave no probe has measured takes the budget of the nearest measured
   octave (the one above on a tie), so batch sizes the traffic passes through briefly (a batch's tail, a ramp up)
   share the budget of the batch sizes next to them instead of keeping the largest.
 
