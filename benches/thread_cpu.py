@@ -13,7 +13,7 @@ snapshot is empty.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, List, Tuple
 
 #: Clock ticks per second of ``/proc/*/stat``'s CPU times.
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -90,6 +90,6 @@ def busiest(before: Dict[Key, float], after: Dict[Key, float], most: int = 12) -
     return {f"{key[2]} [{key[1]}]": round(seconds, 3) for seconds, key in used[:most] if seconds > 0}
 
 
-def total(before: Dict[Key, float], after: Dict[Key, float], keys: Iterable[Key] = ()) -> float:
+def total(before: Dict[Key, float], after: Dict[Key, float]) -> float:
     """CPU seconds of the whole tree between two snapshots."""
-    return sum(after[key] - before.get(key, 0.0) for key in (keys or after))
+    return sum(after[key] - before.get(key, 0.0) for key in after)

@@ -93,6 +93,11 @@ def octave(trees: int) -> int:
     return int(trees).bit_length()
 
 
+def octave_range(oct_: int) -> str:
+    """An octave's batch sizes as the summary names them, ``"32-63"``."""
+    return f"{1 << (oct_ - 1)}-{(1 << oct_) - 1}"
+
+
 def block_budgets(smallest: int, largest: int) -> List[int]:
     """Budgets ``2^k - 1`` (a tree and its root fill whole 16-row kernel blocks, :func:`auto_candidates`) within
     ``[smallest, largest]``, ascending."""
@@ -173,9 +178,7 @@ class ProbedRatios:
     def describe(self) -> Dict[str, Dict[str, float]]:
         """``{"32-63": {"63/127": ratio}}``: what the summary shows."""
         return {
-            f"{1 << (o - 1)}-{(1 << o) - 1}": {
-                f"{hi}/{lo}": round(math.exp(v), 4) for (lo, hi), (v, _) in sorted(r.items())
-            }
+            octave_range(o): {f"{hi}/{lo}": round(math.exp(v), 4) for (lo, hi), (v, _) in sorted(r.items())}
             for o, r in sorted(self.log_ratios.items())
         }
 
@@ -494,7 +497,7 @@ class AutoBudget:
             "probes": self.probes,
             # What it rests on: each octave's measured period ratios of neighbouring budgets, and its budget.
             "period_ratios": self.ratios.describe(),
-            "octave_budgets": {f"{1 << (o - 1)}-{(1 << o) - 1}": b for o, b in sorted(self.octave_budgets.items())},
+            "octave_budgets": {octave_range(o): b for o, b in sorted(self.octave_budgets.items())},
             # The latest step periods, kept or not, oldest first: (budget, trees, ms, kept).
             "step_periods": [list(period) for period in self.period_trace],
         }
