@@ -330,7 +330,8 @@ def test_what_if_counts_a_systematic_sample_of_the_steps():
         lists = store.propose(["a"], lp, np.tile(np.arange(5, dtype=np.int32), (1, 4, 1)))
         plan = plan_verify(store, ["a"], np.array([4]), np.array([21]), {"a": lists[0]})
         stats.observe(plan, accept(plan, np.zeros(plan.num_tokens, dtype=np.int64), 5))
-    assert stats.steps == steps and stats.what_if.chain_trees == 3 and stats.what_if.budget_trees.tolist() == [3]
+    summary = stats.what_if.summary()
+    assert stats.steps == steps and summary["chain"]["trees"] == 3 and summary["budgets"][8]["trees"] == 3
 
 
 def test_smaller_budgets_are_a_ladder_below_the_largest_with_the_schedules():

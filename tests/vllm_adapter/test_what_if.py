@@ -78,6 +78,78 @@ def test_the_chain_accepts_what_it_would_have_accepted_from_the_same_state(seed)
     assert what_if.chain_accepted <= own.sum()  # the tree holds the chain's accepted drafts
 
 
+def _random_step(rng, requests, depth, width, budget, *, cut=False, filler=False, top1=True):
+    """One verify step's plan and walk: trees of the budget (one cut, a filler), the target's tokens mostly down
+    the first child."""
+    lp, ids = _proposal(rng, requests, depth, width)
+    names = [f"r{j}" for j in range(requests)]
+    store = TreeStore(budget=budget)
+    scheduled = dict(zip(names, store.propose(names, lp, ids)))
+    if cut:
+        scheduled[names[-1]] = scheduled[names[-1]][:3]
+    if filler:
+        names, scheduled["f"] = names + ["f"], [PLACEHOLDER] * budget
+    num_scheduled = np.array([len(scheduled[n]) + 1 for n in names])
+    plan = plan_verify(store, names, np.full(len(names), 4), num_scheduled, scheduled, unproposed=(depth, width))
+    if not top1:
+        plan.top1_tokens = None
+    trees, target = plan.trees, np.full(plan.num_tokens, 999, dtype=np.int64)
+    for j in range(len(names)):
+        tree, lo = trees[j], int(trees.node_offsets[j])
+        for i in range(len(tree)):
+            children = [k for k in range(1, len(tree)) if tree.parents[k] == i]
+            if children and rng.random() < 0.8:
+                target[lo + i] = tree.tokens[(children[0] if rng.random() < 0.6 else rng.choice(children)) - 1]
+    return plan, accept(plan, target, depth + 1)
+
+
+def _counters(what_if):
+    what_if.fold()
+    return (
+        what_if.budget_trees.tolist(),
+        what_if.budget_accepted_own.tolist(),
+        what_if.budget_accepted.tolist(),
+        (what_if.chain_trees, what_if.chain_accepted_own, what_if.chain_accepted, what_if.chain_censored),
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_steps_folded_together_count_what_each_step_counts_alone(seed):
+    """The fold puts several steps' trees side by side: steps of different batch sizes, budgets and path widths,
+    with cut trees, fillers and a step without the drafter's top-1 tokens count exactly as step by step."""
+    rng = np.random.default_rng(seed)
+    shapes = [
+        dict(requests=3, depth=4, width=3, budget=14, cut=True),
+        dict(requests=1, depth=4, width=3, budget=6),
+        dict(requests=4, depth=5, width=2, budget=9, filler=True),  # a wider path than the steps before
+        dict(requests=2, depth=4, width=3, budget=14, top1=False),  # no chain count for its trees
+        dict(requests=5, depth=3, width=4, budget=20, cut=True, filler=True),
+    ]
+    steps = [_random_step(rng, **shape) for shape in shapes]
+    alone, together = WhatIfAcceptance((2, 5, 8), fold_every=1), WhatIfAcceptance((2, 5, 8), fold_every=100)
+    for plan, walk in steps:
+        alone.observe(plan, walk.paths, walk.path_lengths - 1)
+        together.observe(plan, walk.paths, walk.path_lengths - 1)
+    assert together.chain_trees == 0  # kept, not counted yet
+    assert _counters(together) == _counters(alone)
+    assert alone.chain_trees == sum(len(plan.num_nodes) for plan, _ in steps) - 2 - 2  # fillers, no top-1
+    assert alone.budget_trees.tolist()[0] > 0 and alone.chain_accepted > 0
+
+
+def test_a_kept_step_does_not_change_when_its_buffers_are_reused():
+    """The runner's paths are views of a reused buffer: a kept step holds its own copy."""
+    rng = np.random.default_rng(0)
+    plan, walk = _random_step(rng, requests=3, depth=4, width=3, budget=14)
+    reference, kept = WhatIfAcceptance((5,), fold_every=1), WhatIfAcceptance((5,), fold_every=100)
+    # int64, as observe keeps them: only a copy protects them
+    paths, accepted = walk.paths.astype(np.int64), (walk.path_lengths - 1).astype(np.int64)
+    reference.observe(plan, paths, accepted)
+    kept.observe(plan, paths, accepted)
+    paths[:] = 0
+    accepted[:] = 0
+    assert _counters(kept) == _counters(reference)
+
+
 def test_the_cases_the_chain_test_covers():
     """The seeds above reach every case: chains that stop below the tree's path, censored chains, chains through
     all L depths (not censored)."""
@@ -89,7 +161,8 @@ def test_the_cases_the_chain_test_covers():
         original(self, plan, paths, on_path, accepted, proposal)
         seen["shorter"] += self.chain_accepted - before[0] < int(accepted[proposal].sum())
         seen["censored"] += self.chain_censored > before[1]
-        seen["full_depth"] += int((accepted[proposal] == plan.trees.draft_depth).sum())
+        depth = np.broadcast_to(plan.trees.draft_depth, accepted.shape)  # one per tree when steps were folded
+        seen["full_depth"] += int((accepted[proposal] == depth[proposal]).sum())
 
     WhatIfAcceptance._observe_chain = spy
     try:
