@@ -55,3 +55,24 @@ def test_non_contiguous_inputs_are_packed():
 def test_unsupported_dtype_names_itself():
     with pytest.raises(TypeError, match="float64"):
         StepStaging(torch.device("cpu")).upload([np.zeros(3)])
+
+
+def test_a_layout_is_kept_while_its_specs_are_equal_however_they_are_written():
+    """The specs are compared as given before they are normalized: equal specs written another way (a list shape,
+    a dtype object) keep the layout and its key (a graph captured on it replays); other shapes lay out anew."""
+    staging = StepStaging(torch.device("cpu"))
+    views = staging.host_arrays({"a": (np.int64, (3,)), "b": (np.int32, (2, 2))})
+    key = staging.layout_key()
+    views["a"][:] = [1, 2, 3]
+    staging.upload_host()
+    again = staging.host_arrays({"a": (np.dtype(np.int64), [3]), "b": (np.int32, (2, 2))})
+    assert staging.layout_key() == key and again["a"].ctypes.data == views["a"].ctypes.data
+    staging.upload_host()
+    staging.host_arrays({"a": (np.int64, (3,)), "b": (np.int32, (2, 2))})  # as first given
+    assert staging.layout_key() == key
+    staging.upload_host()
+    wider = staging.host_arrays({"a": (np.int64, (4,)), "b": (np.int32, (2, 2))})
+    assert staging.layout_key() != key and wider["a"].shape == (4,)
+    staging.upload_host()
+    back = staging.host_arrays({"a": (np.int64, (3,)), "b": (np.int32, (2, 2))})
+    assert staging.layout_key() == key and back["b"].shape == (2, 2)

@@ -353,15 +353,19 @@ def plan_verify(
         # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
         # Only the known drafts are read into an array: a late step's are all placeholders (32 x 256 Python ints at
         # batch 32, ~0.15 ms a step for nothing).
-        known_rows = [d for d, placeholder in zip(scheduled, placeholders) if not placeholder]
-        count = int(budgets[~placeholders].sum())
-        drafts = np.fromiter(itertools.chain.from_iterable(known_rows), dtype=np.int64, count=count)
-        if placeholders.any():
-            same = same_values(np.diff(trees.token_offsets), budgets)
-            if count:  # (nothing to compare when every draft is a placeholder, as in a late step)
-                same = same and same_values(trees.tokens[np.repeat(~placeholders, budgets)], drafts)
+        offsets = trees.token_offsets
+        if placeholders.all():  # a late step: vLLM holds only the counts (np.diff costs ~4 us more than slices)
+            same = same_values(offsets[1:] - offsets[:-1], budgets)
         else:
-            same = same_values(trees.tokens, drafts)
+            known_rows = [d for d, placeholder in zip(scheduled, placeholders) if not placeholder]
+            count = int(budgets[~placeholders].sum())
+            drafts = np.fromiter(itertools.chain.from_iterable(known_rows), dtype=np.int64, count=count)
+            if placeholders.any():
+                same = same_values(offsets[1:] - offsets[:-1], budgets) and same_values(
+                    trees.tokens[np.repeat(~placeholders, budgets)], drafts
+                )
+            else:
+                same = same_values(trees.tokens, drafts)
         if not same:
             raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, placeholders)
     proposed = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
@@ -457,22 +461,26 @@ def _lay_out(
     """The plan's arrays, written by one Rust call into what ``arrays`` allocates (with ``placeholder_drafts``,
     also every draft token and its index among the step's tokens)."""
     node_offsets = trees.node_offsets
-    sizes = np.diff(node_offsets)
+    sizes = node_offsets[1:] - node_offsets[:-1]
     total, num_trees = int(node_offsets[-1]), len(rows)
     if words is None:
         words = ancestor_words(int(sizes.max()))
     out = arrays(plan_specs(num_reqs, num_trees, total, words, conv_window, placeholder_drafts))
     batch_index = out.pop("batch_index")
     batch_index[:] = rows
-    query_starts = query_start[batch_index]
+    if num_trees == num_reqs:  # every request verifies a tree: the rows are the requests in order (slices)
+        query_starts, computed, logit_starts = query_start[:-1], num_computed_tokens, logit_start[:-1]
+    else:
+        query_starts = query_start[batch_index]
+        computed, logit_starts = num_computed_tokens[batch_index], logit_start[batch_index]
     # Per-node arrays the caller's allocator added (the runner's device side): written by the same Rust call.
     node_arrays = {name: out.pop(name) for name in NODE_OUTPUTS if name in out}
     ddtree.verify_layout_into(
         trees,
         batch_index,
-        num_computed_tokens[batch_index],
+        computed,
         query_starts,
-        logit_start[batch_index],
+        logit_starts,
         **out,
         **node_arrays,
     )
