@@ -97,6 +97,20 @@ def test_plan_for_a_hybrid_target_carries_conv_windows():
             assert plan.conv_index[node].tolist() == history + rows
 
 
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_a_tree_request_must_be_scheduled_its_drafts_and_its_root(with_prefill):
+    """vLLM schedules ``b + 1`` tokens for ``b`` drafts; any other count names the request (in a step of decodes
+    only and in one with a prefill beside the trees)."""
+    rng = np.random.default_rng(2)
+    store = TreeStore(budget=6)
+    lists, _, _ = propose(store, rng, ["a", "b"])
+    names = ["p", "a", "b"] if with_prefill else ["a", "b"]
+    scheduled = {"a": lists[0], "b": lists[1]}
+    counts = {"p": 9, "a": len(lists[0]) + 1, "b": len(lists[1]) + 2}  # "b": one token too many
+    with pytest.raises(DraftMismatchError, match=rf"request b: {len(lists[1]) + 2} tokens scheduled with "):
+        plan_verify(store, names, np.full(len(names), 5), np.array([counts[n] for n in names]), scheduled)
+
+
 def test_scheduled_drafts_must_match_the_tree():
     rng = np.random.default_rng(1)
     store = TreeStore(budget=6)

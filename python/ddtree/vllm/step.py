@@ -306,36 +306,46 @@ def plan_verify(
     num_reqs = len(req_ids)
     num_scheduled_tokens = np.asarray(num_scheduled_tokens, dtype=np.int64)[:num_reqs]
     num_computed_tokens = np.asarray(num_computed_tokens, dtype=np.int64)[:num_reqs]
-    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.add.accumulate(num_scheduled_tokens, out=query_start[1:])
-    # Logits layout of vLLM's spec-decode metadata: num_draft + 1 rows per request.
-    num_drafts = np.zeros(num_reqs, dtype=np.int64)
+    # One pass over the requests in plain Python lists (a numpy scalar costs ~1 us here, per request); the checks
+    # after it are whole-batch array operations.
     rows, records, scheduled, filler = [], [], [], []
     for i, req_id in enumerate(req_ids):
         drafts = scheduled_spec_tokens.get(req_id)
         if not drafts:
             continue
-        b = len(drafts)
-        num_drafts[i] = b
         record = store.take(req_id)
-        filler.append(record is None and unproposed is not None and drafts[0] == PLACEHOLDER)
-        if filler[-1]:
-            record = filler_record(*unproposed, b)  # whole at what was scheduled: not a cut tree
-        if record is None:
-            raise DraftMismatchError(f"request {req_id}: {b} draft tokens scheduled but no DDTree proposal recorded")
-        if num_scheduled_tokens[i] != b + 1:
+        is_filler = record is None and unproposed is not None and drafts[0] == PLACEHOLDER
+        if is_filler:
+            record = filler_record(*unproposed, len(drafts))  # whole at what was scheduled: not a cut tree
+        elif record is None:
             raise DraftMismatchError(
-                f"request {req_id}: {num_scheduled_tokens[i]} tokens scheduled with {b} drafts (expected {b + 1})"
+                f"request {req_id}: {len(drafts)} draft tokens scheduled but no DDTree proposal recorded"
             )
         rows.append(i)
         records.append(record)
         scheduled.append(drafts)
+        filler.append(is_filler)
     if not rows:
         return None
-    logit_start = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.add.accumulate(num_drafts + 1, out=logit_start[1:])
-
-    budgets = num_drafts[rows]
+    every_request = len(rows) == num_reqs  # a step of decodes: the tree rows are the requests, in order
+    budgets = np.fromiter(map(len, scheduled), dtype=np.int64, count=len(scheduled))
+    tree_scheduled = num_scheduled_tokens if every_request else num_scheduled_tokens[rows]
+    if not same_values(tree_scheduled, budgets + 1):
+        j = int(np.flatnonzero(tree_scheduled != budgets + 1)[0])
+        raise DraftMismatchError(
+            f"request {req_ids[rows[j]]}: {tree_scheduled[j]} tokens scheduled with {budgets[j]} drafts "
+            f"(expected {budgets[j] + 1})"
+        )
+    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.add.accumulate(num_scheduled_tokens, out=query_start[1:])
+    if every_request:
+        logit_start = query_start  # b + 1 tokens and b + 1 logits rows for every request
+    else:
+        # Logits layout of vLLM's spec-decode metadata: num_draft + 1 rows per request (one without drafts).
+        logit_rows = np.ones(num_reqs, dtype=np.int64)
+        logit_rows[rows] += budgets
+        logit_start = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.add.accumulate(logit_rows, out=logit_start[1:])
     tree_ids = [req_ids[i] for i in rows]
     # Placeholder drafts (a late proposal's, see TreeStore.defer): vLLM holds only their count; the tokens are the
     # trees built here, and the runner writes them into the step's input ids.
@@ -382,7 +392,7 @@ def plan_verify(
         arrays,
         bool(placeholders.any()),
     )
-    if any(filler):
+    if True in filler:
         plan.filler_mask = np.array(filler, dtype=bool)
     # The chain's drafts, for the statistics (the top-K rows are sorted): from the ids gathered for the build, else
     # record by record (settled above: always set; statistics only, so never raise).
