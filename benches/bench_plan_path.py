@@ -1,7 +1,7 @@
 """The vLLM runner's plan path under asynchronous scheduling, on CPU tensors: host ms and tensor ops per step.
 
     python benches/bench_plan_path.py [--batches 1 8 32] [--budget 64] [--depth 15] [--top-k 64] [--steps 20]
-        [--json FILE]
+        [--json FILE] [--baseline OTHER_CHECKOUT [--baseline-loaded second]]
 
 What the GPU host does between vLLM's input preparation and the verification's launch, with the late trees the
 one-GPU default builds (``runner._prepare_inputs`` publishing the step from vLLM's counts, then
@@ -18,6 +18,12 @@ Two numbers per batch size, neither a GPU measurement:
   allocations left out, ops inside ops counted once), from the profiler: each is a launch (~5-10 us of host time)
   on a GPU host. Deterministic.
 
+``--baseline``: an A/B in one process against another checkout's ``python/`` package (its ``benches/`` copy of this
+file builds its runner), its steps alternated with this checkout's step by step, so that the machine's drift (tens
+of percent between runs on a shared machine) falls on both alike; prints the ratio of the medians. The copy loaded
+second has run ~0-10% faster in A/A runs of one package: run both orders (``--baseline-loaded first`` and
+``second``) and read their mean.
+
 The trees are whole trees of the budget for every request (a FULL-graph step), a hybrid GDN target (conv window
 3), the device walk's node arrays included, the plan's step graphs off (no CUDA).
 """
@@ -26,11 +32,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
+import os
 import platform
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
@@ -177,6 +186,61 @@ def measure(batch: int, budget: int, depth: int, top_k: int, steps: int, rounds:
     return {"batch": batch, "budget": budget, "host_ms": 1e3 * min(medians), "tensor_ops": ops}
 
 
+def _ours(name: str) -> bool:
+    return name == "ddtree" or name.startswith("ddtree.") or name == "bench_plan_path"
+
+
+def load_package(checkout: str, core=None) -> Dict[str, Any]:
+    """Imports ``checkout``'s ``python/ddtree`` and ``benches/bench_plan_path.py`` afresh; returns their modules
+    (the Rust extension ``core`` shared: an extension loads once a process)."""
+    for name in [name for name in sys.modules if _ours(name)]:
+        del sys.modules[name]
+    if core is not None:
+        sys.modules["ddtree._core"] = core
+    paths = [os.path.join(checkout, "benches"), os.path.join(checkout, "python")]
+    sys.path[:0] = paths
+    try:
+        for module in ("ddtree", "ddtree.vllm.runner", "ddtree.vllm.proposer", "bench_plan_path"):
+            importlib.import_module(module)
+    finally:
+        del sys.path[: len(paths)]
+    return {name: module for name, module in sys.modules.items() if _ours(name)}
+
+
+def compare(baseline: str, loaded: str, batch: int, budget: int, depth: int, top_k: int, steps: int) -> dict:
+    """Median plan step of this checkout and of ``baseline``, steps alternated (and which goes first, too); each
+    side's modules are put back into ``sys.modules`` before its step (the runner and this bench import lazily)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    first, second = (baseline, here) if loaded == "first" else (here, baseline)
+    modules = {first: load_package(first)}
+    modules[second] = load_package(second, modules[first]["ddtree._core"])
+    sides = []
+    for checkout in (baseline, here):
+        sys.modules.update(modules[checkout])
+        bench = modules[checkout]["bench_plan_path"]
+        sides.append((bench, bench.build_runner(batch, budget, depth, top_k), np.random.default_rng(0), checkout))
+    times: List[List[float]] = [[], []]
+    warm_up = 50
+    for step in range(2 * steps + warm_up):
+        for s in (0, 1) if step % 2 == 0 else (1, 0):
+            bench, runner, rng, checkout = sides[s]
+            sys.modules.update(modules[checkout])
+            with bench.vllm_parts_stubbed():
+                output = bench.defer_proposal(runner, rng)
+                start = time.perf_counter()
+                bench.plan_step(runner, output)
+                times[s].append(time.perf_counter() - start)
+    base, new = (float(np.median(t[warm_up:])) for t in times)
+    return {
+        "batch": batch,
+        "budget": budget,
+        "baseline_loaded": loaded,
+        "baseline_ms": 1e3 * base,
+        "this_ms": 1e3 * new,
+        "ratio": new / base,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -185,10 +249,24 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20, help="steps per round (5 rounds)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--baseline", help="another checkout: an A/B against it in this process (see above)")
+    parser.add_argument("--baseline-loaded", choices=("first", "second"), default="first")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}", flush=True)
     rows = []
+    if args.baseline:
+        for batch in args.batches:
+            row = compare(
+                args.baseline, args.baseline_loaded, batch, args.budget, args.depth, args.top_k, 10 * args.steps
+            )
+            rows.append(row)
+            print(
+                f"budget {row['budget']:4d} batch {batch:3d}: this {row['this_ms']:.3f} ms, baseline "
+                f"{row['baseline_ms']:.3f} ms (loaded {args.baseline_loaded}): {row['ratio']:.3f}x",
+                flush=True,
+            )
+        args.batches = []
     for batch in args.batches:
         row = measure(batch, args.budget, args.depth, args.top_k, args.steps)
         rows.append(row)
