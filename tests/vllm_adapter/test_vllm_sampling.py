@@ -386,3 +386,21 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
     # 0.1 * 0.64, so min_p leaves token 5 alone.
     out = DDTreeRejectionSampler(runner)(md, None, logits, metadata).sampled_token_ids
     assert out[:, 0].tolist() == [5, 5, 5]
+
+
+def test_each_logits_row_samples_the_position_after_its_token():
+    """Seeded rows are keyed by the position each row samples: its token's (vLLM's ``logits_indices`` into the
+    runner's positions, which hold a tree node's root position plus its depth) plus one; M-RoPE models read the
+    text section of their M-RoPE positions."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.sampler import _sampled_positions
+
+    md = SpecDecodeMetadata.make_dummy([[5, 6], [], [7]], torch.device("cpu"))
+    positions = torch.tensor([40, 41, 41, 9, 17, 18, 0, 0])  # a tree of a root and two children at depth 1
+    runner = SimpleNamespace(uses_mrope=False, positions=positions)
+    expected = positions[md.logits_indices] + 1
+    assert torch.equal(_sampled_positions(runner, md), expected)
+    mrope = SimpleNamespace(gpu=torch.stack([positions, positions * 0, positions * 0]))
+    assert torch.equal(_sampled_positions(SimpleNamespace(uses_mrope=True, mrope_positions=mrope), md), expected)
+    assert _sampled_positions(None, md) is None

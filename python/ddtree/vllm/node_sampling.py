@@ -18,6 +18,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from ddtree.vllm.seeded_noise import position_noise
+
 GREEDY_EPS = 1e-5
 
 
@@ -70,6 +72,7 @@ def sample_rows(
     row_ranges: Optional[Sequence[tuple]] = None,
     all_greedy: bool = False,
     min_p: Optional[torch.Tensor] = None,
+    row_positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` (int64 ``[N]``).
 
@@ -77,9 +80,13 @@ def sample_rows(
         temperature, top_k, top_p, min_p: per row ``[N]`` (None: not used).
             Rows with temperature < 1e-5 are greedy (min-p never changes an argmax).
         generators: request index -> seeded generator; ``row_ranges[i]`` is
-            ``(first_row, num_rows)`` of request ``i``. A seeded request's
-            noise comes from its own generator, in row order, so its samples
-            depend only on its seed and its trees.
+            ``(first_row, num_rows)`` of request ``i``. With ``row_positions``
+            (``[N]``: the absolute position each row samples), a seeded
+            request's noise is a function of its seed (the generator's
+            ``initial_seed``) and that position alone
+            (:mod:`ddtree.vllm.seeded_noise`): its samples repeat whatever its
+            trees. Without, it comes from its generator in row order (its
+            samples depend on its seed and its trees' sizes).
     """
     greedy_tokens = logits.argmax(dim=-1)
     if all_greedy or temperature is None:
@@ -98,7 +105,13 @@ def sample_rows(
             raise ValueError("seeded sampling needs row_ranges")
         for req, gen in generators.items():
             first, count = row_ranges[req]
-            if count:
+            if not count:
+                continue
+            if row_positions is not None:
+                noise[first : first + count] = position_noise(
+                    gen.initial_seed(), row_positions[first : first + count], probs.shape[1], probs.dtype
+                )
+            else:
                 noise[first : first + count] = torch.empty(
                     (count, probs.shape[1]), dtype=probs.dtype, device=probs.device
                 ).exponential_(generator=gen)

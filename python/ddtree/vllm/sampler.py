@@ -20,6 +20,7 @@ sampler returns.
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
@@ -85,6 +86,16 @@ def _logit_bias_entries(sampling_metadata, starts, counts, num_reqs):
     return np.concatenate(rows), np.concatenate(tokens), np.concatenate(values)
 
 
+def _sampled_positions(runner, metadata) -> Optional[torch.Tensor]:
+    """``[rows]`` the absolute position of the token each logits row samples: its own token's position (the depth
+    based one of a tree node, written before the forward; vLLM's corrected one under asynchronous scheduling) plus
+    one, read on the device (None without a runner: the dummy sampler's callers)."""
+    if runner is None:
+        return None
+    positions = runner.mrope_positions.gpu[0] if runner.uses_mrope else runner.positions
+    return positions[metadata.logits_indices] + 1
+
+
 class DDTreeRejectionSampler(nn.Module):
     def __init__(self, runner):
         super().__init__()
@@ -126,6 +137,7 @@ class DDTreeRejectionSampler(nn.Module):
             row_ranges=[(int(s), int(c)) for s, c in zip(starts, counts)],
             all_greedy=sampling_metadata.all_greedy,
             min_p=min_p,
+            row_positions=_sampled_positions(runner, metadata) if sampling_metadata.generators else None,
         )
         out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
         # Requests without a tree (no drafts, or the dummy run) emit their last row's token.

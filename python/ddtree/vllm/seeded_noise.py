@@ -1,0 +1,71 @@
+"""The sampling noise of a seeded request as a function of its seed and the position being sampled.
+
+Every verified node samples the token one position past it with an exponential race (``argmax p / E``, see
+:func:`ddtree.vllm.node_sampling.sample_rows`). Drawing ``E`` from the request's generator row by row ties a seeded
+request's samples to the sizes of its trees: under ``ddtree_budget: "auto"``, whose budgets follow measured step
+times, two runs of one seeded request came out different (``gpu-h200-e2e-94baa94``). Here ``E`` for vocabulary
+entry ``v`` at absolute position ``p`` is a hash of ``(seed, p, v)``: the same whatever the tree, the budget or the
+batch, so a seeded request repeats exactly.
+
+Still exact: nodes of one depth share their position, hence their noise, but only one of them can be on the
+accepted path, which the samples of the positions before it choose; a position's noise decides nothing that is
+kept before that position is reached, so drawing it again in a later step (a rejected branch's deeper node sampled
+it once) is as good as a fresh draw.
+
+The hash is a 32-bit integer mix (``lowbias32``, C. Wellons) in int64 tensor arithmetic, kept below 2**48 so that
+no product overflows; ``E = -log U`` with ``U`` 24-bit uniform in (0, 1). Torch only: CI tests it on CPU, a GPU
+runs the same operations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+#: Rows of one request's noise made at a time (the vocabulary-wide int64 temporaries of a 248K-token vocabulary are
+#: ~2 MB a row).
+CHUNK_ROWS = 16
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2**32`` for ``0 <= x < 2**32``, in 16-bit halves of the constant (no int64 overflow)."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit mix of ``x`` (int64 tensor of values in ``[0, 2**32)``)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    """:func:`mix32` of one Python integer (the seed's part of a key is made on the host: a tensor made from it
+    would be a host-to-device copy, which waits for the GPU)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]`` per-row keys of ``(seed, position)``."""
+    seed_key = _mix32_int((seed ^ (seed >> 32)) & _MASK32)
+    return mix32(mix32(positions.to(torch.int64) & _MASK32) ^ seed_key)[:, None]
+
+
+def position_noise(seed: int, positions: torch.Tensor, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[len(positions), vocab]`` Exp(1) noise: row ``i`` is a function of ``(seed, positions[i])`` only."""
+    out = torch.empty((positions.shape[0], vocab), dtype=dtype, device=positions.device)
+    entries = mix32(torch.arange(vocab, dtype=torch.int64, device=positions.device) + 0x9E3779B9)[None, :]
+    for lo in range(0, positions.shape[0], CHUNK_ROWS):
+        hi = min(lo + CHUNK_ROWS, positions.shape[0])
+        bits = mix32(_key(seed, positions[lo:hi]) ^ entries) >> 8  # 24 bits
+        uniform = (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 24))
+        out[lo:hi] = (-torch.log(uniform)).to(dtype)
+    return out
