@@ -10,7 +10,7 @@ import torch
 
 import ddtree
 from ddtree.vllm.node_sampling import sample_rows
-from ddtree.vllm.seeded_noise import _mix32_int, mix32, position_noise
+from ddtree.vllm.seeded_noise import _mix32_int, mix32, position_noise, tree_noise
 
 
 def _lowbias32(x: int) -> int:
@@ -30,16 +30,29 @@ def test_the_tensor_mix_is_the_published_lowbias32_and_a_bijection():
     assert torch.unique(mix32(torch.arange(1 << 16, dtype=torch.int64))).shape[0] == 1 << 16
 
 
-def test_a_row_depends_on_its_seed_and_position_only():
+def test_a_row_depends_on_its_seed_and_position_only(monkeypatch):
+    import ddtree.vllm.seeded_noise as seeded_noise
+
     positions = torch.tensor([7, 3, 7, 100, 3])
     noise = position_noise(11, positions, 50)
     assert torch.equal(noise[0], noise[2]) and torch.equal(noise[1], noise[4])  # one position, one noise
     assert torch.equal(position_noise(11, positions[[3]], 50)[0], noise[3])  # whatever the other rows
-    many = position_noise(11, torch.arange(40), 50)  # more rows than a chunk
+    monkeypatch.setattr(seeded_noise, "CHUNK_ENTRIES", 16 * 50)
+    many = position_noise(11, torch.arange(40), 50)  # 16 rows a pass: three passes
     assert torch.equal(many[7], noise[0]) and torch.equal(many[3], noise[1])
     assert not torch.equal(noise[0], noise[1])
     assert not torch.equal(position_noise(12, positions, 50), noise)  # another seed
     assert not torch.equal(position_noise(11 + (1 << 32), positions, 50), noise)  # the seed's high bits count
+
+
+def test_a_trees_rows_get_one_vector_per_depth_gathered():
+    """``tree_noise`` makes one vector per depth from the root's position and gathers it: the same rows as
+    ``position_noise`` row by row, with or without the drafter's depth bounding the vectors."""
+    positions = torch.tensor([41, 42, 42, 43, 42, 44, 43])  # root (samples 41), nodes at depths 1-3
+    expected = position_noise(9, positions, 30)
+    assert torch.equal(tree_noise(9, positions, 30, torch.float32), expected)
+    assert torch.equal(tree_noise(9, positions, 30, torch.float32, max_depth=3), expected)
+    assert torch.equal(tree_noise(9, positions[:1], 30, torch.float32, max_depth=3), expected[:1])
 
 
 def test_the_noise_is_exponential():

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ddtree.vllm.seeded_noise import position_noise
+from ddtree.vllm.seeded_noise import tree_noise
 
 GREEDY_EPS = 1e-5
 
@@ -73,6 +73,7 @@ def sample_rows(
     all_greedy: bool = False,
     min_p: Optional[torch.Tensor] = None,
     row_positions: Optional[torch.Tensor] = None,
+    max_depth: Optional[int] = None,
 ) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` (int64 ``[N]``).
 
@@ -86,7 +87,9 @@ def sample_rows(
             ``initial_seed``) and that position alone
             (:mod:`ddtree.vllm.seeded_noise`): its samples repeat whatever its
             trees. Without, it comes from its generator in row order (its
-            samples depend on its seed and its trees' sizes).
+            samples depend on its seed and its trees' sizes). ``max_depth``:
+            the trees' deepest possible node (the drafter's depth), which
+            bounds the noise vectors made per request.
     """
     greedy_tokens = logits.argmax(dim=-1)
     if all_greedy or temperature is None:
@@ -108,8 +111,8 @@ def sample_rows(
             if not count:
                 continue
             if row_positions is not None:
-                noise[first : first + count] = position_noise(
-                    gen.initial_seed(), row_positions[first : first + count], probs.shape[1], probs.dtype
+                noise[first : first + count] = tree_noise(
+                    gen.initial_seed(), row_positions[first : first + count], probs.shape[1], probs.dtype, max_depth
                 )
             else:
                 noise[first : first + count] = torch.empty(

@@ -138,6 +138,7 @@ class DDTreeRejectionSampler(nn.Module):
             all_greedy=sampling_metadata.all_greedy,
             min_p=min_p,
             row_positions=_sampled_positions(runner, metadata) if sampling_metadata.generators else None,
+            max_depth=int(plan.trees.draft_depth) if plan is not None else None,
         )
         out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
         # Requests without a tree (no drafts, or the dummy run) emit their last row's token.

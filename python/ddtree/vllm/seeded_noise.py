@@ -19,12 +19,14 @@ runs the same operations.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
-#: Rows of one request's noise made at a time (the vocabulary-wide int64 temporaries of a 248K-token vocabulary are
-#: ~2 MB a row).
-CHUNK_ROWS = 16
+#: Entries of noise made at a time (each pass holds a few int64 temporaries of this many entries: ~32 MB each), so
+#: a 248K-token vocabulary takes 16 rows a pass and a small one all its rows at once.
+CHUNK_ENTRIES = 1 << 22
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -63,9 +65,25 @@ def position_noise(seed: int, positions: torch.Tensor, vocab: int, dtype: torch.
     """``[len(positions), vocab]`` Exp(1) noise: row ``i`` is a function of ``(seed, positions[i])`` only."""
     out = torch.empty((positions.shape[0], vocab), dtype=dtype, device=positions.device)
     entries = mix32(torch.arange(vocab, dtype=torch.int64, device=positions.device) + 0x9E3779B9)[None, :]
-    for lo in range(0, positions.shape[0], CHUNK_ROWS):
-        hi = min(lo + CHUNK_ROWS, positions.shape[0])
+    chunk = max(1, CHUNK_ENTRIES // max(vocab, 1))
+    for lo in range(0, positions.shape[0], chunk):
+        hi = min(lo + chunk, positions.shape[0])
         bits = mix32(_key(seed, positions[lo:hi]) ^ entries) >> 8  # 24 bits
         uniform = (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 24))
         out[lo:hi] = (-torch.log(uniform)).to(dtype)
     return out
+
+
+def tree_noise(
+    seed: int, positions: torch.Tensor, vocab: int, dtype: torch.dtype, max_depth: Optional[int] = None
+) -> torch.Tensor:
+    """:func:`position_noise` for one request's rows, ``positions`` from its root's (its first row, the smallest)
+    on: a tree's nodes sample ``root + 1 + depth``, so one vector per depth is made (at most ``max_depth + 1``, the
+    drafter's depth plus one; else as many as rows) and gathered into the rows, on the device (no wait)."""
+    count = positions.shape[0]
+    width = count if max_depth is None else min(count, max_depth + 1)
+    base = positions[:1]
+    vectors = position_noise(
+        seed, base + torch.arange(width, dtype=positions.dtype, device=positions.device), vocab, dtype
+    )
+    return vectors[positions - base]
