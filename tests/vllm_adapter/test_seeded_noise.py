@@ -13,20 +13,20 @@ from ddtree.vllm.node_sampling import sample_rows
 from ddtree.vllm.seeded_noise import _mix32_int, mix32, position_noise, tree_noise
 
 
-def _lowbias32(x: int) -> int:
-    """The published lowbias32 mix, in Python integers."""
+def _hash(x: int) -> int:
+    """The mix in Python integers, written out: xorshift 16, multiply, xorshift 15, multiply, xorshift 15."""
     x ^= x >> 16
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = (x * 0x21F0AAAD) % 2**32
     x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+    x = (x * 0x735A2D97) % 2**32
+    return x ^ (x >> 15)
 
 
-def test_the_tensor_mix_is_the_published_lowbias32_and_a_bijection():
+def test_the_tensor_mix_is_the_integer_mix_and_a_bijection():
     rng = np.random.default_rng(0)
     values = np.concatenate([[0, 1, 2**16, 2**31, 2**32 - 1], rng.integers(0, 2**32, size=2000)])
     mixed = mix32(torch.from_numpy(values.astype(np.int64)))
-    assert mixed.tolist() == [_lowbias32(int(v)) for v in values] == [_mix32_int(int(v)) for v in values]
+    assert mixed.tolist() == [_hash(int(v)) for v in values] == [_mix32_int(int(v)) for v in values]
     assert torch.unique(mix32(torch.arange(1 << 16, dtype=torch.int64))).shape[0] == 1 << 16
 
 

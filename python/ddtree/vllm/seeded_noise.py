@@ -12,14 +12,16 @@ accepted path, which the samples of the positions before it choose; a position's
 kept before that position is reached, so drawing it again in a later step (a rejected branch's deeper node sampled
 it once) is as good as a fresh draw.
 
-The hash is a 32-bit integer mix (``lowbias32``, C. Wellons) in int64 tensor arithmetic, kept below 2**48 so that
-no product overflows; ``E = -log U`` with ``U`` 24-bit uniform in (0, 1). Torch only: CI tests it on CPU, a GPU
-runs the same operations.
+The hash is a two-round 32-bit xorshift-multiply mix (shifts 16 / 15 / 15, odd multipliers 0x21F0AAAD and
+0x735A2D97, both below 2**31 so that a product of a 32-bit value stays below 2**63: int64 tensor arithmetic without
+overflow, two operations a multiply); ``E = -log U`` with ``U`` 24-bit uniform in (0, 1). Torch only: CI tests it on
+CPU, a GPU runs the same operations (about twenty elementwise launches per pass of up to ``CHUNK_ENTRIES`` entries;
+a fused kernel would make it one).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -29,30 +31,36 @@ _MASK32 = 0xFFFFFFFF
 CHUNK_ENTRIES = 1 << 22
 
 
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant mod 2**32`` for ``0 <= x < 2**32``, in 16-bit halves of the constant (no int64 overflow)."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
+#: The mix's shifts and multipliers (both multipliers odd, so each step is a bijection of 32-bit values).
+_ROUNDS = ((16, 0x21F0AAAD), (15, 0x735A2D97))
+_LAST_SHIFT = 15
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective 32-bit mix of ``x`` (int64 tensor of values in ``[0, 2**32)``)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    for shift, multiplier in _ROUNDS:
+        x = ((x ^ (x >> shift)) * multiplier) & _MASK32
+    return x ^ (x >> _LAST_SHIFT)
 
 
 def _mix32_int(x: int) -> int:
     """:func:`mix32` of one Python integer (the seed's part of a key is made on the host: a tensor made from it
     would be a host-to-device copy, which waits for the GPU)."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    for shift, multiplier in _ROUNDS:
+        x = ((x ^ (x >> shift)) * multiplier) & _MASK32
+    return x ^ (x >> _LAST_SHIFT)
+
+
+#: Each vocabulary entry's part of the keys, by (vocabulary size, device): made once.
+_ENTRIES: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def _entries(vocab: int, device: torch.device) -> torch.Tensor:
+    key = (vocab, str(device))
+    entries = _ENTRIES.get(key)
+    if entries is None:
+        entries = _ENTRIES[key] = mix32(torch.arange(vocab, dtype=torch.int64, device=device) + 0x9E3779B9)[None, :]
+    return entries
 
 
 def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
@@ -64,7 +72,7 @@ def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
 def position_noise(seed: int, positions: torch.Tensor, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[len(positions), vocab]`` Exp(1) noise: row ``i`` is a function of ``(seed, positions[i])`` only."""
     out = torch.empty((positions.shape[0], vocab), dtype=dtype, device=positions.device)
-    entries = mix32(torch.arange(vocab, dtype=torch.int64, device=positions.device) + 0x9E3779B9)[None, :]
+    entries = _entries(vocab, positions.device)
     chunk = max(1, CHUNK_ENTRIES // max(vocab, 1))
     for lo in range(0, positions.shape[0], chunk):
         hi = min(lo + chunk, positions.shape[0])
