@@ -10,6 +10,35 @@ from test_device_accept import device_trees
 vllm = pytest.importorskip("vllm")
 
 
+def _fake_runner(plan, on_device):
+    """The runner's state the sampler touches, with the runner's own acceptance upload."""
+    from ddtree.vllm.min_tokens import MinTokensRequests
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.staging import StepStaging
+
+    methods = (
+        "ddtree_accept",
+        "ddtree_device_accepts",
+        "ddtree_accept_on_device",
+        "ddtree_output_to_host",
+        "ddtree_min_tokens_pending",
+        "_ddtree_walk_graphs_for_step",
+    )
+    runner = type("FakeRunner", (), {name: getattr(DDTreeGPUModelRunner, name) for name in methods})()
+    runner.use_async_scheduling, runner.device, runner.max_num_reqs = False, torch.device("cpu"), 4
+    runner._ddtree_output_host = runner._ddtree_output_early = None
+    runner._ddtree_plan, runner._ddtree_accept = plan, None
+    runner._ddtree_device_accept = on_device
+    plan.device_trees = device_trees(plan) if on_device else None
+    runner.ddtree_stats = DDTreeStats(15)
+    runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
+    runner._ddtree_conv_window = 0
+    runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
+    runner._ddtree_min_tokens = MinTokensRequests()
+    runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, True, None
+    return runner
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_rejection_sampler_emits_vllm_chain_rows(on_device):
     """The sampler on CPU tensors with a fake runner: tree walk (the Rust core's, or the device walk of
@@ -43,31 +72,7 @@ def test_rejection_sampler_emits_vllm_chain_rows(on_device):
             tok = int(toks[kids[0] - 1]) if kids else 19
             logits[plan.logit_rows[lo + node], tok] = 5.0
     logits[0, 11] = 5.0
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
-    from ddtree.vllm.min_tokens import MinTokensRequests
-    from ddtree.vllm.staging import StepStaging
-
-    # The runner's state the sampler touches, with the runner's own acceptance upload.
-    methods = (
-        "ddtree_accept",
-        "ddtree_device_accepts",
-        "ddtree_accept_on_device",
-        "ddtree_output_to_host",
-        "ddtree_min_tokens_pending",
-        "_ddtree_walk_graphs_for_step",
-    )
-    runner = type("FakeRunner", (), {name: getattr(DDTreeGPUModelRunner, name) for name in methods})()
-    runner.use_async_scheduling, runner.device, runner.max_num_reqs = False, torch.device("cpu"), 4
-    runner._ddtree_output_host = runner._ddtree_output_early = None
-    runner._ddtree_plan, runner._ddtree_accept = plan, None
-    runner._ddtree_device_accept = on_device
-    plan.device_trees = device_trees(plan) if on_device else None
-    runner.ddtree_stats = DDTreeStats(15)
-    runner._ddtree_flat_positions = torch.zeros(13, dtype=torch.int64)
-    runner._ddtree_conv_window = 0
-    runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
-    runner._ddtree_min_tokens = MinTokensRequests()
-    runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, True, None
+    runner = _fake_runner(plan, on_device)
     sampler = DDTreeRejectionSampler(runner)
     sampling = SimpleNamespace(
         temperature=None,
@@ -404,3 +409,60 @@ def test_each_logits_row_samples_the_position_after_its_token():
     mrope = SimpleNamespace(gpu=torch.stack([positions, positions * 0, positions * 0]))
     assert torch.equal(_sampled_positions(SimpleNamespace(uses_mrope=True, mrope_positions=mrope), md), expected)
     assert _sampled_positions(None, md) is None
+
+
+def test_a_seeded_request_samples_by_its_seed_and_positions_not_its_generators_state():
+    """Through the sampler: a seeded request's tokens come from its seed (the generator's initial seed) and the
+    positions its rows sample (the runner's depth-based positions), so a generator advanced by other draws, and a
+    batch mate's other tree, leave them as they were; another seed changes them."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(1)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 1.0
+    ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    logits = torch.from_numpy(rng.normal(size=(13, 20)).astype(np.float32))
+
+    def run(seed, advance, b_budget):
+        store = TreeStore(budget=6)
+        lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+        drafts = [[], lists[0], lists[1][:b_budget]]
+        plan = plan_verify(
+            store,
+            ["p", "a", "b"],
+            np.array([3, 10, 20]),
+            np.array([1, 7, b_budget + 1]),
+            {"a": drafts[1], "b": drafts[2]},
+        )
+        plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+        plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+        runner = _fake_runner(plan, False)
+        positions = torch.zeros(16, dtype=torch.int64)
+        positions[0] = 3  # the plain request's token
+        roots = np.repeat(np.array([10, 20]), np.diff(plan.trees.node_offsets))
+        positions[torch.from_numpy(plan.token_index)] = torch.from_numpy(roots + plan.trees.depths.astype(np.int64))
+        runner.uses_mrope, runner.positions = False, positions
+        md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+        md.bonus_logits_indices = torch.tensor([0, 7, 8 + b_budget - 1])
+        generator = torch.Generator().manual_seed(seed)
+        torch.rand(advance, generator=generator)  # other draws first: the state moves, the initial seed does not
+        sampling = SimpleNamespace(
+            temperature=torch.ones(3),
+            all_greedy=False,
+            top_k=None,
+            top_p=None,
+            generators={1: generator},
+            no_penalties=True,
+            bad_words_token_ids={},
+            allowed_token_ids_mask=None,
+            max_num_logprobs=None,
+        )
+        rows = len(md.logits_indices)
+        return DDTreeRejectionSampler(runner)(md, None, logits[:rows], sampling).sampled_token_ids[1].tolist()
+
+    first = run(7, 0, 4)
+    assert run(7, 1000, 4) == first  # the generator's state does not matter
+    assert run(7, 0, 2) == first  # nor the batch mate's tree
+    assert any(run(seed, 0, 4) != first for seed in (8, 9, 10))  # the seed does
