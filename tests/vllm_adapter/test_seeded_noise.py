@@ -10,7 +10,7 @@ import torch
 
 import ddtree
 from ddtree.vllm.node_sampling import sample_rows
-from ddtree.vllm.seeded_noise import _mix32_int, mix32, position_noise, tree_noise
+from ddtree.vllm.seeded_noise import mix32, position_noise, tree_noise
 
 
 def _hash(x: int) -> int:
@@ -26,7 +26,7 @@ def test_the_tensor_mix_is_the_integer_mix_and_a_bijection():
     rng = np.random.default_rng(0)
     values = np.concatenate([[0, 1, 2**16, 2**31, 2**32 - 1], rng.integers(0, 2**32, size=2000)])
     mixed = mix32(torch.from_numpy(values.astype(np.int64)))
-    assert mixed.tolist() == [_hash(int(v)) for v in values] == [_mix32_int(int(v)) for v in values]
+    assert mixed.tolist() == [_hash(int(v)) for v in values] == [mix32(int(v)) for v in values]
     assert torch.unique(mix32(torch.arange(1 << 16, dtype=torch.int64))).shape[0] == 1 << 16
 
 

@@ -36,16 +36,10 @@ _ROUNDS = ((16, 0x21F0AAAD), (15, 0x735A2D97))
 _LAST_SHIFT = 15
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit mix of ``x`` (int64 tensor of values in ``[0, 2**32)``)."""
-    for shift, multiplier in _ROUNDS:
-        x = ((x ^ (x >> shift)) * multiplier) & _MASK32
-    return x ^ (x >> _LAST_SHIFT)
-
-
-def _mix32_int(x: int) -> int:
-    """:func:`mix32` of one Python integer (the seed's part of a key is made on the host: a tensor made from it
-    would be a host-to-device copy, which waits for the GPU)."""
+def mix32(x):
+    """A bijective 32-bit mix of ``x``: an int64 tensor of values in ``[0, 2**32)``, or one Python integer (the
+    seed's part of a key is made on the host: a tensor made from it would be a host-to-device copy, which waits for
+    the GPU)."""
     for shift, multiplier in _ROUNDS:
         x = ((x ^ (x >> shift)) * multiplier) & _MASK32
     return x ^ (x >> _LAST_SHIFT)
@@ -65,7 +59,7 @@ def _entries(vocab: int, device: torch.device) -> torch.Tensor:
 
 def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
     """``[rows, 1]`` per-row keys of ``(seed, position)``."""
-    seed_key = _mix32_int((seed ^ (seed >> 32)) & _MASK32)
+    seed_key = mix32((seed ^ (seed >> 32)) & _MASK32)
     return mix32(mix32(positions.to(torch.int64) & _MASK32) ^ seed_key)[:, None]
 
 
