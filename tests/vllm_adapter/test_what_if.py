@@ -156,13 +156,12 @@ def test_the_cases_the_chain_test_covers():
     seen = {"shorter": 0, "censored": 0, "full_depth": 0}
     original = WhatIfAcceptance._observe_chain
 
-    def spy(self, plan, paths, on_path, accepted, proposal):
+    def spy(self, plan, paths, on_path, accepted, proposal):  # plan: the folded steps
         before = (self.chain_accepted, self.chain_censored)
         original(self, plan, paths, on_path, accepted, proposal)
         seen["shorter"] += self.chain_accepted - before[0] < int(accepted[proposal].sum())
         seen["censored"] += self.chain_censored > before[1]
-        depth = np.broadcast_to(plan.trees.draft_depth, accepted.shape)  # one per tree when steps were folded
-        seen["full_depth"] += int((accepted[proposal] == depth[proposal]).sum())
+        seen["full_depth"] += int((accepted[proposal] == plan.draft_depth[proposal]).sum())
 
     WhatIfAcceptance._observe_chain = spy
     try:

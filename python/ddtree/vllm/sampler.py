@@ -137,8 +137,9 @@ class DDTreeRejectionSampler(nn.Module):
             row_ranges=[(int(s), int(c)) for s, c in zip(starts, counts)],
             all_greedy=sampling_metadata.all_greedy,
             min_p=min_p,
+            # Seeded requests' noise by position (``seeded_noise``), each tree's vectors bounded by the drafter's depth.
             row_positions=_sampled_positions(runner, metadata) if sampling_metadata.generators else None,
-            max_depth=int(plan.trees.draft_depth) if plan is not None else None,
+            max_depth=int(plan.trees.draft_depth) if plan is not None and sampling_metadata.generators else None,
         )
         out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
         # Requests without a tree (no drafts, or the dummy run) emit their last row's token.

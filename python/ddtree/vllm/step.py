@@ -392,7 +392,7 @@ def plan_verify(
         arrays,
         bool(placeholders.any()),
     )
-    if True in filler:
+    if any(filler):
         plan.filler_mask = np.array(filler, dtype=bool)
     # The chain's drafts, for the statistics (the top-K rows are sorted): from the ids gathered for the build, else
     # record by record (settled above: always set; statistics only, so never raise).

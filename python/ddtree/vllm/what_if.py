@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import time
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -107,17 +106,15 @@ class WhatIfAcceptance:
         self.budget_accepted_own += counted @ accepted
         self.budget_accepted += (counted * kept).sum(axis=1)
 
-    def _observe_chain(self, plan, paths, on_path, accepted, proposal) -> None:
+    def _observe_chain(self, steps: "_MergedSteps", paths, on_path, accepted, proposal) -> None:
         """``proposal``: the trees to count (the drafter's, with its top-1 tokens known)."""
         if not proposal.any():
             return
-        trees = plan.trees
         drafts = paths[:, 1:]  # tree-local nodes 1..n (0 where unused); node i's token is tokens[first + i - 1]
-        first_token = np.asarray(trees.token_offsets[:-1], dtype=np.int64)[:, None]
-        tokens = np.asarray(trees.tokens)[np.maximum(first_token + drafts - 1, 0)]
-        top1 = plan.top1_tokens[:, : drafts.shape[1]]
+        tokens = steps.tokens[np.maximum(steps.first_tokens[:, None] + drafts - 1, 0)]
+        top1 = steps.top1_tokens[:, : drafts.shape[1]]
         chain = np.cumprod((tokens == top1) & on_path, axis=1).sum(axis=1)
-        censored = (chain == accepted) & (plan.deepest <= accepted) & (accepted < trees.draft_depth)
+        censored = (chain == accepted) & (steps.deepest <= accepted) & (accepted < steps.draft_depth)
         self.chain_trees += int(proposal.sum())
         self.chain_accepted_own += int(accepted[proposal].sum())
         self.chain_accepted += int(chain[proposal].sum())
@@ -179,9 +176,10 @@ class _ObservedStep(NamedTuple):
 
 
 class _MergedSteps:
-    """Several observed steps' trees side by side, with the fields :class:`WhatIfAcceptance` reads of a plan (and of
-    its ``trees``): per-tree arrays concatenated, each tree's offsets moved past the steps before it, the rows of
-    ``paths`` and ``top1_tokens`` padded to the widest step's."""
+    """Several observed steps' trees side by side, as :class:`WhatIfAcceptance` counts them: per-tree arrays
+    concatenated (``num_nodes``, ``proposed_budgets``, ``filler_mask`` as a plan has them; each tree's first draft
+    token in ``tokens``, its deepest node's depth and its drafter's depth), the rows of ``paths`` and
+    ``top1_tokens`` padded to the widest step's."""
 
     def __init__(self, steps: Sequence[_ObservedStep]):
         sizes = np.array([s.num_nodes.shape[0] for s in steps])
@@ -204,11 +202,9 @@ class _MergedSteps:
         node_base = np.repeat(np.cumsum([0] + [d.shape[0] for d in depths[:-1]]), sizes)
         first_tokens = np.concatenate([np.asarray(s.trees.token_offsets[:-1], dtype=np.int64) for s in steps])
         first_nodes = np.concatenate([np.asarray(s.trees.node_offsets[:-1], dtype=np.int64) for s in steps])
-        self.trees = SimpleNamespace(
-            tokens=np.concatenate(tokens),
-            token_offsets=np.append(first_tokens + token_base, 0),  # (only the starts are read)
-            draft_depth=np.repeat([s.trees.draft_depth for s in steps], sizes),
-        )
+        self.tokens = np.concatenate(tokens)
+        self.first_tokens = first_tokens + token_base
+        self.draft_depth = np.repeat([s.trees.draft_depth for s in steps], sizes)
         self.deepest = np.maximum.reduceat(np.concatenate(depths), first_nodes + node_base)
 
 
