@@ -124,3 +124,23 @@ def test_a_seeded_request_decodes_the_same_tokens_whatever_its_trees(seed):
         got = _decode_with_trees(prompt, seed, n, vocab, budget, np.random.default_rng(budget))
         assert got == expected, budget
     assert _decode_one_by_one(prompt, seed + 1, n, vocab) != expected  # the seed matters
+
+
+def test_the_kernels_rows_and_keys_list_every_seeded_row_with_its_seeds_key():
+    from ddtree.vllm.seeded_noise import seed_key, seeded_rows_and_keys
+
+    host = seeded_rows_and_keys([(5, 3, 2), (2**40, 10, 3), (7, 0, 1)])
+    assert host.dtype == np.int64
+    assert host[0].tolist() == [3, 4, 10, 11, 12, 0]
+    assert host[1].tolist() == [seed_key(5)] * 2 + [seed_key(2**40)] * 3 + [seed_key(7)]
+    assert seed_key(2**40) != seed_key(0) and 0 <= seed_key(2**40) < 2**32
+    assert seeded_rows_and_keys([]).shape == (2, 0)
+
+
+def test_requests_without_rows_are_skipped_and_the_torch_path_fills_only_seeded_rows():
+    from ddtree.vllm.seeded_noise import fill_seeded_noise
+
+    positions = torch.arange(10, 16)
+    noise = fill_seeded_noise(torch.zeros(6, 40), positions, [(4, 1, 2), (9, 5, 0)])
+    assert not noise[[0, 3, 4, 5]].any()
+    assert torch.equal(noise[1:3], position_noise(4, positions[1:3], 40))

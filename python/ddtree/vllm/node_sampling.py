@@ -18,7 +18,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ddtree.vllm.seeded_noise import tree_noise
+from ddtree.vllm.seeded_noise import fill_seeded_noise
 
 GREEDY_EPS = 1e-5
 
@@ -106,18 +106,16 @@ def sample_rows(
     if generators:
         if row_ranges is None:
             raise ValueError("seeded sampling needs row_ranges")
-        for req, gen in generators.items():
-            first, count = row_ranges[req]
-            if not count:
-                continue
-            if row_positions is not None:
-                noise[first : first + count] = tree_noise(
-                    gen.initial_seed(), row_positions[first : first + count], probs.shape[1], probs.dtype, max_depth
-                )
-            else:
-                noise[first : first + count] = torch.empty(
-                    (count, probs.shape[1]), dtype=probs.dtype, device=probs.device
-                ).exponential_(generator=gen)
+        if row_positions is not None:
+            seeded = [(gen.initial_seed(), *row_ranges[req]) for req, gen in generators.items()]
+            fill_seeded_noise(noise, row_positions, seeded, max_depth)
+        else:
+            for req, gen in generators.items():
+                first, count = row_ranges[req]
+                if count:
+                    noise[first : first + count] = torch.empty(
+                        (count, probs.shape[1]), dtype=probs.dtype, device=probs.device
+                    ).exponential_(generator=gen)
     # Exponential race: argmax p / E is a sample of p (Gumbel-max in disguise).
     random_tokens = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, greedy_tokens, random_tokens)

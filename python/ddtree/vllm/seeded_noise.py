@@ -14,15 +14,17 @@ it once) is as good as a fresh draw.
 
 The hash is a two-round 32-bit xorshift-multiply mix (shifts 16 / 15 / 15, odd multipliers 0x21F0AAAD and
 0x735A2D97, both below 2**31 so that a product of a 32-bit value stays below 2**63: int64 tensor arithmetic without
-overflow, two operations a multiply); ``E = -log U`` with ``U`` 24-bit uniform in (0, 1). Torch only: CI tests it on
-CPU, a GPU runs the same operations (about twenty elementwise launches per pass of up to ``CHUNK_ENTRIES`` entries;
-a fused kernel would make it one).
+overflow, two operations a multiply); ``E = -log U`` with ``U`` 24-bit uniform in (0, 1). :func:`fill_seeded_noise`
+is what the sampler calls: on a CUDA device one Triton kernel writes every seeded row of the step
+(:mod:`ddtree.kernels.seeded_noise_triton`); elsewhere the torch operations here (about twenty elementwise
+launches per request and pass of up to ``CHUNK_ENTRIES`` entries), which are also the kernel's oracle in the tests.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -57,10 +59,14 @@ def _entries(vocab: int, device: torch.device) -> torch.Tensor:
     return entries
 
 
+def seed_key(seed: int) -> int:
+    """The seed's part of every key of its request (a 32-bit Python integer; 64-bit seeds fold their halves)."""
+    return mix32((seed ^ (seed >> 32)) & _MASK32)
+
+
 def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
     """``[rows, 1]`` per-row keys of ``(seed, position)``."""
-    seed_key = mix32((seed ^ (seed >> 32)) & _MASK32)
-    return mix32(mix32(positions.to(torch.int64) & _MASK32) ^ seed_key)[:, None]
+    return mix32(mix32(positions.to(torch.int64) & _MASK32) ^ seed_key(seed))[:, None]
 
 
 def position_noise(seed: int, positions: torch.Tensor, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -89,3 +95,56 @@ def tree_noise(
         seed, base + torch.arange(width, dtype=positions.dtype, device=positions.device), vocab, dtype
     )
     return vectors[positions - base]
+
+
+def fill_seeded_noise(
+    noise: torch.Tensor,
+    positions: torch.Tensor,
+    seeded: Sequence[Tuple[int, int, int]],
+    max_depth: Optional[int] = None,
+) -> torch.Tensor:
+    """Overwrites the rows of seeded requests in ``noise [N, V]`` with their position-keyed noise; returns ``noise``.
+
+    ``positions``: ``[N]`` the position each row samples; ``seeded``: ``(seed, first row, rows)`` per seeded request
+    (its rows one tree, root first: see :func:`tree_noise`). On a CUDA device with Triton, one kernel launch for
+    all of them (row indices and seed keys in one small copy); else :func:`tree_noise` request by request.
+    """
+    seeded = [(seed, first, count) for seed, first, count in seeded if count]
+    if not seeded:
+        return noise
+    if noise.is_cuda and noise.dtype == torch.float32 and noise.stride(1) == 1 and _kernel() is not None:
+        return fill_in_one_launch(noise, positions, seeded)
+    for seed, first, count in seeded:
+        noise[first : first + count] = tree_noise(
+            seed, positions[first : first + count], noise.shape[1], noise.dtype, max_depth
+        )
+    return noise
+
+
+def _kernel():
+    """The one-launch kernel's module, or None without Triton."""
+    from ddtree.kernels import seeded_noise_triton
+
+    return seeded_noise_triton if seeded_noise_triton.triton is not None else None
+
+
+def fill_in_one_launch(
+    noise: torch.Tensor, positions: torch.Tensor, seeded: Sequence[Tuple[int, int, int]]
+) -> torch.Tensor:
+    """:func:`fill_seeded_noise` by the Triton kernel: every seeded row's index and seed key in one small copy (from
+    pageable memory without a stream wait: the driver stages it before returning), then one launch."""
+    host = seeded_rows_and_keys(seeded)
+    device = torch.from_numpy(host).to(noise.device, non_blocking=True)
+    return _kernel().seeded_noise_rows_(noise, device[0], device[1], positions)
+
+
+def seeded_rows_and_keys(seeded: Sequence[Tuple[int, int, int]]) -> np.ndarray:
+    """``[2, rows]`` int64: every row of the ``(seed, first row, rows)`` requests, and its request's seed key."""
+    counts = np.fromiter((count for _, _, count in seeded), dtype=np.int64, count=len(seeded))
+    firsts = np.fromiter((first for _, first, _ in seeded), dtype=np.int64, count=len(seeded))
+    keys = np.fromiter((seed_key(seed) for seed, _, _ in seeded), dtype=np.int64, count=len(seeded))
+    out = np.empty((2, int(counts.sum())), dtype=np.int64)
+    # Row i of a request is its first row + i: each request's first row, less the rows before it, plus a count.
+    out[0] = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(out.shape[1])
+    out[1] = np.repeat(keys, counts)
+    return out
