@@ -6,8 +6,8 @@
 Per batch of seeded requests, each one tree of ``--rows`` rows (64: budget 63) sampled at positions of a depth-15
 drafter's tree, the noise of every row ``[requests x rows, vocab]`` float32 is made by
 
-* ``torch``: :func:`ddtree.vllm.seeded_noise.fill_seeded_noise`'s torch path (one vector per depth, gathered, request
-  by request: about twenty launches each);
+* ``torch``: :func:`ddtree.vllm.seeded_noise.tree_noise` request by request (one vector per depth, gathered: about
+  twenty launches each), what :func:`~ddtree.vllm.seeded_noise.fill_seeded_noise` runs without the kernel;
 * ``kernel``: :func:`ddtree.vllm.seeded_noise.fill_in_one_launch` (rows and keys in one copy, one launch);
 * ``vllm``: one ``exponential_(generator=...)`` per request over its rows, as vLLM's sampler draws a seeded
   request's noise (not position-keyed: the cost to be near, not an alternative).
@@ -25,7 +25,7 @@ import json
 import torch
 
 from bench_draft_top_k import timed_call
-from ddtree.vllm.seeded_noise import fill_in_one_launch, fill_seeded_noise
+from ddtree.vllm.seeded_noise import fill_in_one_launch, tree_noise
 
 
 def tree_positions(requests: int, rows: int, depth: int, device) -> torch.Tensor:
@@ -61,12 +61,18 @@ def main() -> None:
                 for r, gen in enumerate(generators):
                     noise[r * args.rows : (r + 1) * args.rows].exponential_(generator=gen)
 
+            def torch_path():
+                for seed, first, count in seeded:
+                    rows = positions[first : first + count]
+                    noise[first : first + count] = tree_noise(seed, rows, vocab, noise.dtype, args.depth)
+
             paths = {
-                "torch": lambda: fill_seeded_noise(noise, positions, seeded, max_depth=args.depth),
+                "torch": torch_path,
                 "kernel": lambda: fill_in_one_launch(noise, positions, seeded),
                 "vllm": vllm_draws,
             }
-            expected = fill_seeded_noise(noise.clone(), positions, seeded, max_depth=args.depth)
+            torch_path()
+            expected = noise.clone()
             got = fill_in_one_launch(torch.zeros_like(noise), positions, seeded)
             torch.testing.assert_close(got, expected, rtol=2e-7, atol=0)
             for name, run in paths.items():
