@@ -123,7 +123,7 @@ def child(args):
             ]
         groups = [all_prompts[i : i + b] for i in range(0, len(all_prompts), b)]
         prompts = groups[0]
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+        params = timed_params(args)
         # Warm-up at this batch size: Triton kernels specialise on shapes, and their first compilation must not
         # land in the timed run.
         llm.generate(
@@ -140,9 +140,10 @@ def child(args):
             before = spec_metrics(llm)
             threads_before = thread_cpu.snapshot()
             dt, outs = 0.0, []
-            for group in groups:
+            for g, group in enumerate(groups):
+                own = params[g * b : g * b + len(group)] if isinstance(params, list) else params
                 t = time.time()
-                outs += llm.generate(group, params, use_tqdm=False)
+                outs += llm.generate(group, own, use_tqdm=False)
                 dt += time.time() - t
             after = spec_metrics(llm)
             threads_after = thread_cpu.snapshot()
@@ -254,6 +255,12 @@ def main():
         help="requests each batch size serves, b at a time (default 32: every prompt of the pair's held-out set)",
     )
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="of the timed runs (default 0: greedy; the warm-ups are greedy)"
+    )
+    ap.add_argument(
+        "--seeded", action="store_true", help="with --temperature: request i of a run has seed i (seeded sampling)"
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--draft-len", type=int, default=15)
@@ -403,6 +410,23 @@ def busiest_threads(rows, most: int = 3) -> list:
     return lines
 
 
+def timed_params(args):
+    """The timed runs' sampling: greedy by default; ``--temperature`` samples, with one seed per request under
+    ``--seeded`` (a list, one ``SamplingParams`` per request)."""
+    from vllm import SamplingParams
+
+    def params(seed=None):
+        return SamplingParams(
+            temperature=args.temperature, seed=seed, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+        )
+
+    if args.seeded:
+        if args.temperature <= 0:
+            raise SystemExit("--seeded needs --temperature > 0 (greedy decoding draws no noise)")
+        return [params(i) for i in range(args.requests)]
+    return params()
+
+
 def child_command(args, name: str, spec, gate: str) -> list:
     """The command line of one engine's subprocess."""
     memory = memory_share(args.gpu_memory_utilization, args.concurrent_starts)
@@ -416,6 +440,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
         str(args.drafter),
     ]
     cmd += ["--batches", args.batches, "--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
+    cmd += ["--temperature", str(args.temperature)] + (["--seeded"] if args.seeded else [])
     cmd += ["--prompt-len", str(args.prompt_len), "--max-model-len", str(args.max_model_len)]
     cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]

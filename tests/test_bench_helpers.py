@@ -518,3 +518,18 @@ def test_the_pair_bench_prints_each_rows_busiest_threads_beside_its_wall_seconds
         "dflash batch 8 (2.50): a [1] 2.40, b [2] 0.10",
         "ddtree-63 batch 8 (2.00): a [3] 2.00, c [4] 1.90",
     ]
+
+
+def test_the_pair_bench_samples_with_one_seed_per_request_when_asked():
+    pytest.importorskip("vllm")
+    import bench_vllm_ddtree
+
+    args = types.SimpleNamespace(temperature=1.0, seeded=True, max_tokens=8, requests=3)
+    params = bench_vllm_ddtree.timed_params(args)
+    assert [p.seed for p in params] == [0, 1, 2] and all(p.temperature == 1.0 for p in params)
+    args.seeded = False
+    single = bench_vllm_ddtree.timed_params(args)
+    assert single.seed is None and single.temperature == 1.0 and single.max_tokens == 8
+    args.seeded, args.temperature = True, 0.0
+    with pytest.raises(SystemExit, match="--seeded needs --temperature"):
+        bench_vllm_ddtree.timed_params(args)

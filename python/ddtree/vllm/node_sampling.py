@@ -94,9 +94,8 @@ def sample_rows(
     greedy_tokens = logits.argmax(dim=-1)
     if all_greedy or temperature is None:
         return greedy_tokens
+    # No ``greedy.all()`` shortcut: reading it would wait for the GPU (vLLM's ``all_greedy``, from the host, is it).
     greedy = temperature < GREEDY_EPS
-    if bool(greedy.all()):
-        return greedy_tokens
     scaled = logits.to(torch.float32) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None].to(
         torch.float32
     )

@@ -45,6 +45,14 @@ PENALTY_CHUNK_ELEMENTS = 1 << 26
 RAW_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
 
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting for the GPU: a blocking copy from pageable memory
+    synchronizes the stream first, so the sampler would wait for the verification it has just queued behind (and
+    the walk, the commit and the drafter would be launched only after it). From pageable memory the driver stages
+    the data before the call returns, so ``array`` may go right after."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+
 def _processors(sampling_metadata, kind: str):
     """vLLM's built-in logits processors of one kind (``argmax_invariant`` / ``non_argmax_invariant``)."""
     return getattr(getattr(sampling_metadata, "logitsprocs", None), kind, ())
@@ -96,6 +104,24 @@ def _sampled_positions(runner, metadata) -> Optional[torch.Tensor]:
     return positions[metadata.logits_indices] + 1
 
 
+class PerRow:
+    """Per-request settings ``[num_reqs, ...]`` repeated for each of a request's ``counts[r]`` logits rows; the
+    counts go to the device once, on first use (an all-greedy step needs no per-row settings)."""
+
+    def __init__(self, counts: np.ndarray, device: torch.device):
+        self.counts, self.device = counts, device
+        self.num_rows = int(counts.sum())
+        self._on_device: Optional[torch.Tensor] = None
+
+    def __call__(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        if self._on_device is None:
+            self._on_device = _to_device(self.counts, self.device)
+        # The host knows the output size: no device sync to count it.
+        return t[: self.counts.shape[0]].repeat_interleave(self._on_device, dim=0, output_size=self.num_rows)
+
+
 class DDTreeRejectionSampler(nn.Module):
     def __init__(self, runner):
         super().__init__()
@@ -108,17 +134,7 @@ class DDTreeRejectionSampler(nn.Module):
         width = metadata.max_spec_len + 1
         counts = np.asarray(metadata.num_draft_tokens, dtype=np.int64) + 1
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        num_rows = int(counts.sum())
-        rows_per_req = []  # made on first use: an all-greedy step needs no per-row settings
-
-        def per_row(t):
-            if t is None:
-                return None
-            if not rows_per_req:
-                rows_per_req.append(torch.from_numpy(counts).to(logits.device))
-            # The host knows the output size: no device sync to count it.
-            return t[:num_reqs].repeat_interleave(rows_per_req[0], dim=0, output_size=num_rows)
-
+        per_row = PerRow(counts, logits.device)
         # min_tokens from the runner's counts: vLLM's processor drops a request early under asynchronous scheduling.
         min_tokens = runner.ddtree_min_tokens_pending(num_reqs, counts) if runner is not None else []
         sample_logits = self._constrained(
@@ -127,7 +143,7 @@ class DDTreeRejectionSampler(nn.Module):
         min_p = None
         for processor in _processors(sampling_metadata, "argmax_invariant"):
             if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
-                min_p = per_row(torch.from_numpy(processor.min_p_cpu[:num_reqs].copy()).to(logits.device))
+                min_p = per_row(_to_device(processor.min_p_cpu[:num_reqs], logits.device))
         tokens = sample_rows(
             sample_logits,
             per_row(sampling_metadata.temperature),
@@ -191,12 +207,10 @@ class DDTreeRejectionSampler(nn.Module):
             by_row = {int(starts[r]) + k: words for r, words in bad_words.items() for k in range(int(counts[r]))}
             apply_bad_words(constrained, by_row, outputs)
         if bias is not None:
-            rows, tokens, values = (torch.from_numpy(a).to(device) for a in bias)
+            rows, tokens, values = (_to_device(a, device) for a in bias)
             constrained.index_put_((rows, tokens), values.to(constrained.dtype), accumulate=True)
         if stop_rows.shape[0]:
-            constrained[torch.from_numpy(stop_rows).to(device), torch.from_numpy(stop_tokens).to(device)] = float(
-                "-inf"
-            )
+            constrained[_to_device(stop_rows, device), _to_device(stop_tokens, device)] = float("-inf")
         if penalties:
             _apply_penalties(constrained, sampling_metadata, per_row, outputs)
         return constrained
@@ -216,7 +230,7 @@ class DDTreeRejectionSampler(nn.Module):
         else:
             last_rows = metadata.bonus_logits_indices.cpu().numpy()[:num_reqs]
             rows = emitted_logit_rows(plan, result.accepted if result is not None else None, last_rows, width)
-            rows = torch.from_numpy(rows.reshape(-1)).to(logits.device)
+            rows = _to_device(rows.reshape(-1), logits.device)
         chosen = logits[rows].to(torch.float32)
         sampler = runner.sampler
         if sampler.logprobs_mode not in RAW_LOGPROBS_MODES:
