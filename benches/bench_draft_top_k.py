@@ -47,6 +47,15 @@ def timed_call(run, steps: int, device: torch.device):
     return statistics.median(host), (statistics.median(gpu) if gpu else None)
 
 
+def keep_row(results: dict, row: dict, line: str, json_path) -> None:
+    """Adds a measured row, prints its line and rewrites ``json_path`` (if any): a run cut short keeps its rows."""
+    results["rows"].append(row)
+    print(line, flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[15, 120, 480])
@@ -75,11 +84,8 @@ def main() -> None:
                     raise SystemExit(f"{name}: ids differ from the reference at rows={rows} vocab={vocab}")
                 host, gpu = timed_call(lambda: path(logits, values, ids), args.steps, device)
                 row = {"rows": rows, "vocab": vocab, "top_k": k, "path": name, "host_us": host, "gpu_us": gpu}
-                results["rows"].append(row)
-                print(f"{rows:>6}{vocab:>8}{name:>8}{host:>10.1f}{(f'{gpu:.1f}' if gpu else '-'):>10}", flush=True)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(results, f, indent=1)
+                line = f"{rows:>6}{vocab:>8}{name:>8}{host:>10.1f}{(f'{gpu:.1f}' if gpu else '-'):>10}"
+                keep_row(results, row, line, args.json)
 
 
 if __name__ == "__main__":

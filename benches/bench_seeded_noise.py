@@ -20,11 +20,10 @@ mismatch stops the bench. Rows are printed and written (``--json``) as measured.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from bench_draft_top_k import timed_call
+from bench_draft_top_k import keep_row, timed_call
 from ddtree.vllm.seeded_noise import fill_in_one_launch, tree_noise
 
 
@@ -78,11 +77,7 @@ def main() -> None:
             for name, run in paths.items():
                 host, gpu = timed_call(run, args.steps, device)
                 row = {"requests": requests, "vocab": vocab, "path": name, "host_us": host, "gpu_us": gpu}
-                results["rows"].append(row)
-                print(f"{requests:>9}{vocab:>8}{name:>8}{host:>10.1f}{gpu:>10.1f}", flush=True)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(results, f, indent=1)
+                keep_row(results, row, f"{requests:>9}{vocab:>8}{name:>8}{host:>10.1f}{gpu:>10.1f}", args.json)
 
 
 if __name__ == "__main__":
