@@ -210,7 +210,9 @@ class DDTreeRejectionSampler(nn.Module):
             rows, tokens, values = (_to_device(a, device) for a in bias)
             constrained.index_put_((rows, tokens), values.to(constrained.dtype), accumulate=True)
         if stop_rows.shape[0]:
-            constrained[_to_device(stop_rows, device), _to_device(stop_tokens, device)] = float("-inf")
+            # The value made on the device: indexing with a Python float copies it there with a blocking copy.
+            stops = (_to_device(stop_rows, device), _to_device(stop_tokens, device))
+            constrained.index_put_(stops, constrained.new_full((), float("-inf")))
         if penalties:
             _apply_penalties(constrained, sampling_metadata, per_row, outputs)
         return constrained
