@@ -29,6 +29,19 @@ def test_admission_refuses_unservable_requests():
     h._validate_params(json_only)  # not a ddtree engine: untouched
 
 
+def test_admission_returns_what_vllms_validation_returns():
+    """vLLM 0.33's ``_validate_params`` returns a flag its caller asserts on: the wrapper hands it back, for ddtree
+    engines as for the others."""
+    from vllm.sampling_params import SamplingParams
+
+    holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: ("checked", p.temperature)})
+    patches._wrap_validate_params(holder)
+    h = holder()
+    for extra in ({"ddtree": {"budget": 8}}, {}):
+        h.vllm_config = SimpleNamespace(additional_config=extra)
+        assert h._validate_params(SamplingParams(temperature=0.5)) == ("checked", 0.5)
+
+
 def test_admission_through_vllms_own_checks_serves_min_p_and_logit_bias_only_for_ddtree():
     """vLLM's own ``SamplingParams.verify`` refuses min_p and logit_bias under any speculative config; a
     ddtree engine serves them (per-node sampling), a dflash engine still refuses them."""

@@ -430,7 +430,8 @@ def _validate_params_wrapper(original):
             return original(self, params, *args, **kwargs)
         admitting = _ADMITTING_FOR_DDTREE.set(True)
         try:
-            original(self, params, *args, **kwargs)
+            # Returned as vLLM returns it (None in 0.25; vLLM 0.33's caller asserts on the value it returns).
+            result = original(self, params, *args, **kwargs)
         finally:
             _ADMITTING_FOR_DDTREE.reset(admitting)
         from vllm.sampling_params import SamplingParams
@@ -447,6 +448,7 @@ def _validate_params_wrapper(original):
                     "requests using: " + "; ".join(reason for _, reason in reasons) + ".",
                     parameter=reasons[0][0],
                 )
+        return result
 
     return _validate_params
 
