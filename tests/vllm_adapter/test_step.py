@@ -362,6 +362,50 @@ def test_late_trees_plan_what_trees_built_at_proposal_plan():
     assert mine.num_cut_trees == 1
 
 
+@pytest.mark.parametrize("order", ["proposal", "reversed"])
+def test_a_late_step_of_uniform_trees_plans_what_the_general_path_plans(monkeypatch, order):
+    """The usual late step (every request verifies a tree of the same placeholder count) takes shortcuts: the
+    shape's counts are constants, the top-K is the settled proposal's whole (in its order). Its plan is the
+    general path's, array by array, in the proposal's order and in another (no shortcut for the top-K there)."""
+    import ddtree.vllm.step as step
+
+    def plan(shortcut: bool):
+        rng = np.random.default_rng(11)
+        store = TreeStore(budget=9)
+        placeholders, *_ = _deferred(store, rng, ["a", "b", "c"], depth=4, width=5)
+        store.settle()
+        req_ids = ["a", "b", "c"] if order == "proposal" else ["c", "b", "a"]
+        scheduled = {r: p for r, p in zip(["a", "b", "c"], placeholders)}
+        if not shortcut:
+            monkeypatch.setattr(step, "_late_uniform_budget", lambda *args: None)
+        try:
+            return plan_verify(store, req_ids, np.array([3, 40, 17]), np.full(3, 10, np.int32), scheduled, 3, 1)
+        finally:
+            monkeypatch.undo()
+
+    fast, general = plan(True), plan(False)
+    assert step._late_uniform_budget([[PLACEHOLDER] * 9] * 3, [False] * 3, True) == 9  # the shortcut was taken
+    for field in (
+        "batch_index", "token_index", "logit_rows", "positions", "ancestor_bits", "row_start", "node_offsets",
+        "num_nodes", "query_starts", "proposed_budgets", "conv_index", "draft_step_index", "draft_tokens",
+        "top1_tokens",
+    ):  # fmt: skip
+        mine, theirs = getattr(fast, field), getattr(general, field)
+        assert mine.dtype == theirs.dtype and np.array_equal(mine, theirs), field
+    assert fast.num_tokens == general.num_tokens == 30 and np.array_equal(fast.trees.tokens, general.trees.tokens)
+
+
+def test_a_step_whose_counts_differ_from_its_uniform_drafts_is_refused():
+    """A late step whose scheduled counts are not its drafts + 1 is refused on the shortcut too."""
+    rng = np.random.default_rng(12)
+    store = TreeStore(budget=9)
+    placeholders, *_ = _deferred(store, rng, ["a", "b"], depth=4, width=5)
+    store.settle()
+    scheduled = {"a": placeholders[0], "b": placeholders[1]}
+    with pytest.raises(DraftMismatchError, match="request b: 9 tokens scheduled with 9 drafts"):
+        plan_verify(store, ["a", "b"], np.array([3, 40]), np.array([10, 9]), scheduled, 3)
+
+
 def test_late_trees_refuse_a_count_the_tree_cannot_have_and_a_second_unsettled_proposal():
     rng = np.random.default_rng(6)
     store = TreeStore(budget=40)
@@ -424,6 +468,24 @@ def test_counts_alone_give_the_plans_tree_rows_and_token_index():
     plan = plan_verify(store, ["a", "b"], np.array([7, 30]), np.array([13, 6]), scheduled)
     assert rows.tolist() == [0, 1] and num_nodes.tolist() == [13, 6]
     assert token_index.tolist() == plan.token_index.tolist() == list(range(19))
+
+
+def test_a_whole_tree_steps_counts_are_the_general_functions():
+    """``whole_tree_counts`` (constants of a step of whole trees of one size) answers what ``tree_token_layout``
+    answers for such a step, and None for any other (trees of two sizes, a request without drafts), which the
+    general function then answers."""
+    from ddtree.vllm.step import tree_token_layout, whole_tree_counts
+
+    drafts = {"a": [PLACEHOLDER] * 4, "b": [PLACEHOLDER] * 4, "c": [PLACEHOLDER] * 4}
+    for n in (np.array([5, 5, 5], dtype=np.int32), np.array([5, 5, 5])):
+        counts = whole_tree_counts(3, 15, n, drafts)
+        want = tree_token_layout(["a", "b", "c"], n, drafts)
+        assert counts.whole == 5 and all(np.array_equal(x, y) for x, y in zip(counts[:3], want))
+    assert whole_tree_counts(3, 15, np.array([5, 6, 4]), drafts) is None  # two sizes
+    assert whole_tree_counts(3, 15, np.array([5, 5, 5]), {"a": drafts["a"], "b": drafts["b"]}) is None
+    assert whole_tree_counts(3, 15, np.array([5, 5, 5]), {**drafts, "c": []}) is None  # c has no drafts
+    assert whole_tree_counts(0, 0, np.array([], dtype=np.int64), {}) is None
+    assert whole_tree_counts(3, 16, np.array([5, 5, 6]), drafts) is None  # a total the shape cannot have
 
 
 def test_placeholders_without_a_proposal_verify_a_filler_tree_only_when_asked():

@@ -38,7 +38,8 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+import types
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -95,6 +96,7 @@ from ddtree.vllm.step import (
     plan_verify,
     same_values,
     tree_token_layout,
+    whole_tree_counts,
 )
 from ddtree.vllm.what_if import PeriodicLog, WhatIfAcceptance, log_interval, whole_proposed_trees
 from ddtree.vllm import auto_budget
@@ -320,6 +322,10 @@ def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool
         return
     input_batch.logitsprocs = LogitsProcessors(current + missing)
     input_batch.sampling_metadata = input_batch._make_sampling_metadata()
+
+
+#: The runner's plan layouts by step shape (``_ddtree_staged_plan_specs``): ``(specs, full specs, runner names)``.
+_STAGED_PLAN_SPECS: Dict[tuple, tuple] = {}
 
 
 def fill_plan_extras(extras: Dict[str, np.ndarray], plan: VerifyPlan, total: int) -> None:
@@ -580,7 +586,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         staging = self._ddtree_plan_staging
         # A whole-tree step: every request verifies one tree of ``whole`` tokens, all of them placeholders.
         specs = plan_specs(num_reqs, num_reqs, total, self._ddtree_buffers.words, self._ddtree_conv_window, True)
-        staging.host_arrays(self._ddtree_plan_specs(specs, total, self._ddtree_conv_window > 0)[0])
+        staging.host_arrays(self._ddtree_staged_plan_specs(specs, total, self._ddtree_conv_window > 0)[0])
         key = (staging.layout_key(), total, True)
         if not graphs.has(key):  # its first step captures (which synchronizes): prepared now
             return False
@@ -764,12 +770,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         fixed buffers' views), before vLLM builds the metadata; :meth:`_ddtree_prepare` fills the views once the
         trees are built. False: no request verifies a tree."""
         total = scheduler_output.total_num_scheduled_tokens
-        counts = tree_token_layout(
-            self.input_batch.req_ids[:num_reqs], num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
-        )
-        if counts is None:
-            return False
-        rows, num_nodes, token_index = counts
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        whole_counts = whole_tree_counts(num_reqs, total, num_scheduled_tokens, spec)  # the usual step, ~2 us
+        if whole_counts is not None:
+            rows, _, token_index, whole = whole_counts
+        else:
+            counts = tree_token_layout(self.input_batch.req_ids[:num_reqs], num_scheduled_tokens, spec)
+            if counts is None:
+                return False
+            rows, num_nodes, token_index = counts
+            whole = self._ddtree_is_whole_tree_step(num_nodes, num_reqs, total)
         hybrid = self._ddtree_conv_window > 0
         step_index = self._ddtree_buffers.step_index
         if token_index.shape[0] == total and total <= step_index.shape[0]:
@@ -789,7 +799,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         num_trees = int(rows.shape[0])
         layout = self._ddtree_buffers.views(num_reqs, int(token_index.shape[0]), num_trees, conv=hybrid)
         self._ddtree_publish(layout, num_reqs, total, gpu["token_index"], gpu.get("other_index"), num_trees)
-        self._ddtree_whole_tree_tokens = self._ddtree_is_whole_tree_step(num_nodes, num_reqs, total)
+        self._ddtree_whole_tree_tokens = whole
         self._ddtree_early_token_index = token_index
         return True
 
@@ -797,10 +807,27 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """Views of the plan staging's pinned buffer for the plan (returned: the Rust core writes them) and, into
         ``extras``, for what the runner adds: M-RoPE's root rows and depths, and the non-tree tokens of a hybrid
         target's mixed step."""
-        full_specs, extra_names = self._ddtree_plan_specs(specs, total, hybrid)
+        full_specs, runner_names = self._ddtree_staged_plan_specs(specs, total, hybrid)
         views = self._ddtree_plan_staging.host_arrays(full_specs)
-        extras.update((name, views.pop(name)) for name in extra_names if name not in NODE_OUTPUTS)
+        for name in runner_names:
+            extras[name] = views.pop(name)
         return views
+
+    def _ddtree_staged_plan_specs(self, specs, total: int, hybrid: bool) -> Tuple[Mapping[str, tuple], List[str]]:
+        """:meth:`_ddtree_plan_specs` as a read-only mapping (which the staging recognises by identity) and the
+        names of the runner's own arrays in it, made once per step shape: ``specs`` from :func:`plan_specs` is one
+        object per shape (made anew, e.g. by a test's allocator, it is only not found here)."""
+        key = (id(specs), total, hybrid, self.uses_mrope, self.use_async_scheduling, self._ddtree_device_accept)
+        known = _STAGED_PLAN_SPECS.get(key)
+        if known is not None and known[0] is specs:
+            return known[1], known[2]
+        full_specs, extra_names = self._ddtree_plan_specs(specs, total, hybrid)
+        runner_names = [name for name in extra_names if name not in NODE_OUTPUTS]
+        if len(_STAGED_PLAN_SPECS) >= 64:  # mixed steps' shapes vary without bound: start afresh
+            _STAGED_PLAN_SPECS.clear()
+        # ``specs`` is kept with its entry: its id cannot be reused by another object while the entry lives.
+        _STAGED_PLAN_SPECS[key] = (specs, types.MappingProxyType(full_specs), runner_names)
+        return _STAGED_PLAN_SPECS[key][1], runner_names
 
     def _ddtree_plan_specs(self, specs, total: int, hybrid: bool) -> Tuple[Dict[str, tuple], List[str]]:
         """The plan staging's layout for the plan's ``specs``: those and the runner's own (named second)."""
@@ -824,7 +851,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def _ddtree_check_spec_rows(self, plan: VerifyPlan, num_reqs: int) -> None:
         # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as
         # spec decodes, in batch order; they must be exactly the tree requests.
-        spec_rows = np.flatnonzero(self.num_decode_draft_tokens.np[:num_reqs] >= 0)
+        drafts = self.num_decode_draft_tokens.np[:num_reqs]
+        if plan.batch_index.shape[0] == num_reqs and num_reqs and drafts.min() >= 0:
+            return  # every request verifies a tree, and vLLM counts every one a spec decode (the usual step)
+        spec_rows = np.flatnonzero(drafts >= 0)
         if not same_values(spec_rows, plan.batch_index):
             raise RuntimeError(
                 f"DDTree: vLLM's spec-decode rows {spec_rows.tolist()} differ from the tree rows "

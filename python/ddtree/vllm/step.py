@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+import operator
+import types
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -81,6 +83,10 @@ class TreeStore:
         # token_ids [R, L, K])``: its records hold rows of these arrays, and a verification of them takes its
         # batch's rows in one gather (:func:`top_k_arrays`).
         self.settled: Optional[Tuple[Dict[str, Tuple["DraftRecord", int]], np.ndarray, np.ndarray]] = None
+        # The same proposal's requests and records in its row order, when every one of its requests got its row
+        # (none was proposed again or finished before the settle): a verification of exactly these records, in
+        # this order, takes the arrays whole (one identity test per record, no index).
+        self.settled_in_order: Optional[Tuple[Tuple[str, ...], List["DraftRecord"]]] = None
 
     def __len__(self) -> int:
         return len(self.records)
@@ -123,13 +129,16 @@ class TreeStore:
         # One copy of each (the host buffer is reused by the next proposal); the records hold rows of them.
         log_probs = np.array(proposal.host[..., :k])
         token_ids = np.array(proposal.host[..., k:].view(np.int32))
-        rows = {}
+        rows, in_order = {}, []
         for r, req_id in enumerate(proposal.req_ids):
             record = self.records.get(req_id)
             if record is not None and record.log_probs is None:
                 record.log_probs, record.token_ids = log_probs[r], token_ids[r]
                 rows[req_id] = (record, r)
+                in_order.append(record)
         self.settled = (rows, log_probs, token_ids)
+        whole = len(in_order) == len(proposal.req_ids)
+        self.settled_in_order = (proposal.req_ids, in_order) if whole else None
 
     def _step_budget(self, budget: Optional[int]) -> int:
         budget = self.budget if budget is None else budget
@@ -328,16 +337,27 @@ def plan_verify(
     if not rows:
         return None
     every_request = len(rows) == num_reqs  # a step of decodes: the tree rows are the requests, in order
-    budgets = np.fromiter(map(len, scheduled), dtype=np.int64, count=len(scheduled))
+    late = _late_uniform_budget(scheduled, filler, every_request)
+    if late is not None:
+        # Every request verifies a late tree of one size (the usual step under asynchronous scheduling): its
+        # counts are constants of the step's shape, made once.
+        shape = _uniform_step(num_reqs, late)
+        budgets, expected_scheduled = shape.budgets, shape.num_scheduled
+    else:
+        budgets = np.fromiter(map(len, scheduled), dtype=np.int64, count=len(scheduled))
+        expected_scheduled = budgets + 1
     tree_scheduled = num_scheduled_tokens if every_request else num_scheduled_tokens[rows]
-    if not same_values(tree_scheduled, budgets + 1):
+    if not same_values(tree_scheduled, expected_scheduled):
         j = int(np.flatnonzero(tree_scheduled != budgets + 1)[0])
         raise DraftMismatchError(
             f"request {req_ids[rows[j]]}: {tree_scheduled[j]} tokens scheduled with {budgets[j]} drafts "
             f"(expected {budgets[j] + 1})"
         )
-    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.add.accumulate(num_scheduled_tokens, out=query_start[1:])
+    if late is not None:
+        query_start = shape.query_start  # (the scheduled counts were just found equal to the shape's)
+    else:
+        query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.add.accumulate(num_scheduled_tokens, out=query_start[1:])
     if every_request:
         logit_start = query_start  # b + 1 tokens and b + 1 logits rows for every request
     else:
@@ -346,16 +366,19 @@ def plan_verify(
         logit_rows[rows] += budgets
         logit_start = np.zeros(num_reqs + 1, dtype=np.int64)
         np.add.accumulate(logit_rows, out=logit_start[1:])
-    tree_ids = [req_ids[i] for i in rows]
+    tree_ids = req_ids if every_request else [req_ids[i] for i in rows]
     # Placeholder drafts (a late proposal's, see TreeStore.defer): vLLM holds only their count; the tokens are the
     # trees built here, and the runner writes them into the step's input ids.
-    placeholders = np.fromiter((d[0] == PLACEHOLDER for d in scheduled), dtype=bool, count=len(scheduled))
+    if late is not None:
+        placeholders = None  # all of them (made an array only for a mismatch's diagnosis)
+    else:
+        placeholders = _placeholders(scheduled)
     trees = _proposed_trees(store, tree_ids, records, budgets)
     token_ids = None  # the records' top-K ids when gathered for a build here
     if trees is not None:
         # The proposal's own trees: the scheduled drafts must be the lists handed to vLLM (compared as lists).
         if any(list(d) != r.token_list for d, r in zip(scheduled, records)):
-            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, placeholders)
+            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, _placeholders(scheduled))
     else:
         log_probs, token_ids = top_k_arrays(store, tree_ids, records)
         trees = ddtree.build_trees(log_probs, token_ids, budgets, store.executor)
@@ -364,7 +387,9 @@ def plan_verify(
         # Only the known drafts are read into an array: a late step's are all placeholders (32 x 256 Python ints at
         # batch 32, ~0.15 ms a step for nothing).
         offsets = trees.token_offsets
-        if placeholders.all():  # a late step: vLLM holds only the counts (np.diff costs ~4 us more than slices)
+        if late is not None:
+            same = same_values(offsets, shape.token_offsets)
+        elif placeholders.all():  # a late step: vLLM holds only the counts (np.diff costs ~4 us more than slices)
             same = same_values(offsets[1:] - offsets[:-1], budgets)
         else:
             known_rows = [d for d, placeholder in zip(scheduled, placeholders) if not placeholder]
@@ -377,11 +402,11 @@ def plan_verify(
             else:
                 same = same_values(trees.tokens, drafts)
         if not same:
-            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, placeholders)
+            raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, _placeholders(scheduled))
     proposed = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
     plan = _lay_out(
         trees,
-        rows,
+        rows if late is None else shape.rows,
         proposed,
         num_reqs,
         num_computed_tokens,
@@ -390,7 +415,8 @@ def plan_verify(
         conv_window,
         words,
         arrays,
-        bool(placeholders.any()),
+        late is not None or bool(placeholders.any()),
+        num_nodes=None if late is None else shape.num_scheduled,  # (whole trees: their drafts were checked above)
     )
     if any(filler):
         plan.filler_mask = np.array(filler, dtype=bool)
@@ -401,6 +427,47 @@ def plan_verify(
     elif all(r.token_ids is not None for r in records):
         plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])
     return plan
+
+
+class _UniformStep(NamedTuple):
+    """Read-only counts of a step in which each of ``R`` requests verifies a tree of ``b`` drafts."""
+
+    rows: np.ndarray  # [R] 0 .. R - 1
+    budgets: np.ndarray  # [R] b
+    num_scheduled: np.ndarray  # [R] b + 1
+    query_start: np.ndarray  # [R + 1] 0, b + 1, 2 (b + 1), ...
+    token_offsets: np.ndarray  # [R + 1] the trees' draft offsets: 0, b, 2 b, ...
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_step(num_reqs: int, budget: int) -> _UniformStep:
+    arrays = (
+        np.arange(num_reqs, dtype=np.int64),
+        np.full(num_reqs, budget, dtype=np.int64),
+        np.full(num_reqs, budget + 1, dtype=np.int64),
+        np.arange(num_reqs + 1, dtype=np.int64) * (budget + 1),
+        np.arange(num_reqs + 1, dtype=np.int64) * budget,
+    )
+    for array in arrays:
+        array.setflags(write=False)  # shared by every step of this shape
+    return _UniformStep(*arrays)
+
+
+def _late_uniform_budget(scheduled: List[Sequence[int]], filler: List[bool], every_request: bool) -> Optional[int]:
+    """The drafts' count when every request has placeholder drafts of one count from a proposal (a late step of
+    uniform trees); None otherwise. Python-level tests: numpy's per-call cost is most of a batch-1 step here."""
+    if not every_request or any(filler):
+        return None
+    first = scheduled[0]
+    if len(set(map(len, scheduled))) != 1 or not first or first[0] != PLACEHOLDER:
+        return None
+    if not all(d[0] == PLACEHOLDER for d in scheduled):
+        return None
+    return len(first)
+
+
+def _placeholders(scheduled: Sequence[Sequence[int]]) -> np.ndarray:
+    return np.fromiter((d[0] == PLACEHOLDER for d in scheduled), dtype=bool, count=len(scheduled))
 
 
 def ancestor_words(tree_size: int) -> int:
@@ -439,12 +506,16 @@ NODE_OUTPUTS = (
 )
 
 
+@functools.lru_cache(maxsize=64)
 def plan_specs(
     num_rows: int, num_trees: int, num_nodes: int, words: int, conv_window: int, placeholder_drafts: bool
-) -> ArraySpecs:
+) -> Mapping[str, Tuple[np.dtype, Tuple[int, ...]]]:
     """Every array :func:`plan_verify` asks ``arrays`` for: the layout's, the tree rows (``batch_index``) and, for
     placeholder drafts, each draft token and its index among the step's tokens. Counts only: the runner lays out an
-    upload from them before the trees exist (``launch_gate``)."""
+    upload from them before the trees exist (``launch_gate``).
+
+    One read-only mapping per step shape, the same object every time (a step's shape repeats): the runner keys its
+    own additions on it, and the staging recognises it without comparing its items."""
     specs = {
         "batch_index": (np.int64, (num_trees,)),
         **layout_specs(num_rows, num_trees, num_nodes, words, conv_window),
@@ -452,7 +523,7 @@ def plan_specs(
     if placeholder_drafts:
         specs["draft_step_index"] = (np.int64, (num_nodes - num_trees,))
         specs["draft_tokens"] = (np.int32, (num_nodes - num_trees,))
-    return specs
+    return types.MappingProxyType(specs)
 
 
 def _lay_out(
@@ -467,14 +538,17 @@ def _lay_out(
     words,
     arrays,
     placeholder_drafts=False,
+    num_nodes=None,
 ):
     """The plan's arrays, written by one Rust call into what ``arrays`` allocates (with ``placeholder_drafts``,
-    also every draft token and its index among the step's tokens)."""
+    also every draft token and its index among the step's tokens). ``num_nodes``: the trees' sizes, when the
+    caller knows them already (int64)."""
     node_offsets = trees.node_offsets
-    sizes = node_offsets[1:] - node_offsets[:-1]
+    if num_nodes is None:
+        num_nodes = (node_offsets[1:] - node_offsets[:-1]).astype(np.int64)
     total, num_trees = int(node_offsets[-1]), len(rows)
     if words is None:
-        words = ancestor_words(int(sizes.max()))
+        words = ancestor_words(int(num_nodes.max()))
     out = arrays(plan_specs(num_reqs, num_trees, total, words, conv_window, placeholder_drafts))
     batch_index = out.pop("batch_index")
     batch_index[:] = rows
@@ -483,30 +557,26 @@ def _lay_out(
     else:
         query_starts = query_start[batch_index]
         computed, logit_starts = num_computed_tokens[batch_index], logit_start[batch_index]
-    # Per-node arrays the caller's allocator added (the runner's device side): written by the same Rust call.
-    node_arrays = {name: out.pop(name) for name in NODE_OUTPUTS if name in out}
-    ddtree.verify_layout_into(
-        trees,
-        batch_index,
-        computed,
-        query_starts,
-        logit_starts,
-        **out,
-        **node_arrays,
-    )
-    draft_step_index, draft_tokens = node_arrays.get("draft_step_index"), node_arrays.get("draft_tokens")
+    # The layout's arrays and the per-node ones the caller's allocator added (the runner's device side, among
+    # NODE_OUTPUTS): written by the same Rust call.
+    ddtree.verify_layout_into(trees, batch_index, computed, query_starts, logit_starts, **out)
     return VerifyPlan(
         batch_index=batch_index,
         trees=trees,
-        num_nodes=sizes.astype(np.int64),
+        token_index=out["token_index"],
+        logit_rows=out["logit_rows"],
+        positions=out["positions"],
+        ancestor_bits=out["ancestor_bits"],
+        row_start=out["row_start"],
+        node_offsets=out["node_offsets"],
+        num_nodes=num_nodes,
         query_starts=query_starts,
         num_tokens=int(query_start[-1]),
         proposed_budgets=proposed_budgets,
-        conv_index=out.pop("conv_index", None),
+        conv_index=out.get("conv_index"),
         conv_window=conv_window,
-        draft_step_index=draft_step_index,
-        draft_tokens=draft_tokens,
-        **out,
+        draft_step_index=out.get("draft_step_index"),
+        draft_tokens=out.get("draft_tokens"),
     )
 
 
@@ -536,6 +606,43 @@ def tree_token_layout(
     return rows, num_nodes, np.repeat(query_start[rows], num_nodes) + index_within_groups(num_nodes)
 
 
+class WholeTreeCounts(NamedTuple):
+    """:func:`tree_token_layout`'s result for a step in which every request verifies a tree of ``whole`` tokens
+    and nothing else is scheduled (read-only arrays, one set per step shape)."""
+
+    rows: np.ndarray  # [R] 0 .. R - 1
+    num_nodes: np.ndarray  # [R] whole
+    token_index: np.ndarray  # [R * whole] 0 .. R * whole - 1
+    whole: int
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_tree_counts(num_reqs: int, whole: int) -> WholeTreeCounts:
+    arrays = (
+        np.arange(num_reqs, dtype=np.int64),
+        np.full(num_reqs, whole, dtype=np.int64),
+        np.arange(num_reqs * whole, dtype=np.int64),
+    )
+    for array in arrays:
+        array.setflags(write=False)  # shared by every step of this shape
+    return WholeTreeCounts(*arrays, whole)
+
+
+def whole_tree_counts(
+    num_reqs: int, total: int, num_scheduled_tokens: np.ndarray, scheduled_spec_tokens: Mapping[str, Sequence[int]]
+) -> Optional[WholeTreeCounts]:
+    """:func:`tree_token_layout` of a step of whole trees of one size, from constants of its shape (None: not such
+    a step, or not recognised so; the general function then answers). vLLM lists only scheduled requests, all of
+    them in the input batch: ``num_reqs`` entries with drafts are every request."""
+    if num_reqs == 0 or total % num_reqs or len(scheduled_spec_tokens) != num_reqs:
+        return None
+    counts = _whole_tree_counts(num_reqs, total // num_reqs)
+    scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)[:num_reqs]
+    if not same_values(scheduled, counts.num_nodes) or not all(scheduled_spec_tokens.values()):
+        return None
+    return counts
+
+
 def index_within_groups(counts: np.ndarray) -> np.ndarray:
     """``[0, 1, .., counts[0] - 1, 0, 1, .., counts[1] - 1, ...]`` (int64)."""
     counts = np.asarray(counts, dtype=np.int64)
@@ -548,6 +655,14 @@ def top_k_arrays(
     """The records' top-K as ``[R, L, K]`` log-probs and ids: rows of the last settled proposal taken in one gather
     when every record is one of its (a slice when they are its rows in order), else stacked record by record."""
     settled = store.settled
+    in_order = store.settled_in_order
+    if (
+        in_order is not None
+        and len(records) == len(in_order[1])
+        and all(map(operator.is_, records, in_order[1]))
+        and tuple(req_ids) == in_order[0]
+    ):
+        return settled[1], settled[2]  # the proposal's rows, all of them, in order (the usual step)
     if settled is not None:
         rows, log_probs, token_ids = settled
         if all(rows.get(req_id, (None,))[0] is record for req_id, record in zip(req_ids, records)):
