@@ -74,6 +74,9 @@ def test_the_device_walk_equals_the_rust_acceptance(seed, conv_window):
     for name in ("output_tokens", "context_order", "paths", "path_lengths"):
         assert ours[name].dtype == torch.from_numpy(getattr(rust, name)).dtype, name
         assert np.array_equal(ours[name].numpy(), getattr(rust, name)), name
+    rows = ours["path_rows"].numpy()  # the statistics' copy: the length, then the path, per tree
+    assert rows.dtype == np.int32 and np.array_equal(rows[:, 0], rust.path_lengths)
+    assert np.array_equal(rows[:, 1:], rust.paths)
     if conv_window:
         assert np.array_equal(ours["commit_conv_index"].numpy(), rust.commit_conv_index)
     else:

@@ -12,7 +12,7 @@ Torch only (no vLLM import): CI tests it on CPU, where copies land at once.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ class LandingCounts:
         on_gpu = torch.device(device).type == "cuda"
         shape = (max_reqs,) if width is None else (max_reqs, width)
         self._buffers = [torch.empty(shape, dtype=torch.int32, pin_memory=on_gpu) for _ in range(slots)]
+        self._views: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._host = [buffer.numpy() for buffer in self._buffers]  # the same memory, read without torch's slicing
         self._events = [torch.cuda.Event() if on_gpu else None for _ in range(slots)]
         self._next = 0
         # (slot, number of counts, what the caller attached), oldest first
@@ -38,7 +40,10 @@ class LandingCounts:
         evicted = None
         if self._in_flight and self._in_flight[0][0] == slot:
             evicted = self._read(wait=True)
-        host = self._buffers[slot][: counts.shape[0]]
+        n = counts.shape[0]
+        host = self._views.get((slot, n))
+        if host is None:  # a slot's rows for n trees: one view per slot and batch size, made once
+            host = self._views[(slot, n)] = self._buffers[slot][:n]
         host.copy_(counts, non_blocking=True)
         if self._events[slot] is not None:
             self._events[slot].record()
@@ -64,7 +69,7 @@ class LandingCounts:
             elif not event.query():
                 return None
         self._in_flight.popleft()
-        return tag, self._buffers[slot][:n].numpy().copy()
+        return tag, self._host[slot][:n].copy()
 
     def __len__(self) -> int:
         return len(self._in_flight)

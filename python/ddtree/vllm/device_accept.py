@@ -93,7 +93,8 @@ def accept_on_device(
     """What :func:`ddtree.vllm.step.accept` returns, on the device: ``output_tokens`` ``[R, width]`` int32 (vLLM's
     chain rows), ``kv_src``/``kv_dst`` ``[R * path_width]`` int64 (step tokens; unused slots move a root onto
     itself), ``context_order`` ``[num_tokens]`` int64, ``paths`` ``[R, path_width]`` int32 (0-padded),
-    ``path_lengths`` ``[R]`` int32 and, with a conv window, ``commit_conv_index`` ``[R, conv_window]`` int64."""
+    ``path_lengths`` ``[R]`` int32, both again as ``path_rows`` ``[R, 1 + path_width]`` int32 (the length, then the
+    path) and, with a conv window, ``commit_conv_index`` ``[R, conv_window]`` int64."""
     device = target.device
     target = target.to(torch.int64)
     num_trees = trees.node_offsets.shape[0] - 1
@@ -132,13 +133,17 @@ def accept_on_device(
     order = torch.arange(num_tokens, dtype=torch.int64, device=device)
     order[trees.token_index] = trees.token_index[torch.argsort(key, stable=True)]
 
+    paths, path_lengths = torch.where(on, full, 0).to(torch.int32), lengths.to(torch.int32)
     out = {
         "output_tokens": output,
         "kv_src": kv_src,
         "kv_dst": kv_dst,
         "context_order": order,
-        "paths": torch.where(on, full, 0).to(torch.int32),
-        "path_lengths": lengths.to(torch.int32),
+        "paths": paths,  # (contiguous, as the commit kernels read them)
+        "path_lengths": path_lengths,
+        # One row per tree for the statistics' copy to the host (``LandingCounts``): the length, then the path.
+        # Made here, inside a walk graph's replay, rather than by a launch of its own on the host's path.
+        "path_rows": torch.cat((path_lengths[:, None], paths), dim=1),
     }
     if conv_window > 0:
         # The last w rows of (w history rows, path): history rows r*w + i, path node p at R*w + node p.

@@ -210,8 +210,8 @@ class DDTreeStats:
     def observe_paths(self, plan: VerifyPlan, paths: np.ndarray, path_lengths: np.ndarray) -> None:
         """One verify step: each tree's accepted path (``paths`` ``[R, P]``, tree-local nodes from the root,
         ``path_lengths`` ``[R]`` of them)."""
-        acc = np.asarray(path_lengths, dtype=np.int64) - 1
-        self.observe_counts(plan, acc)
+        acc = np.asarray(path_lengths, dtype=np.int64) - 1  # (a new array: kept as it is)
+        self._observe_own_counts(plan, acc)
         if (self.steps - 1) % WHAT_IF_EVERY == 0:
             self.what_if.observe(plan, paths, acc)
         if self.auto is not None:  # every step: its first choice should not wait for a sample of the traffic
@@ -221,10 +221,12 @@ class DDTreeStats:
     def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
         """One verify step whose trees accepted ``acc`` ``[R]`` drafts each (copied: it may be a view of a reused
         buffer); counted at the next fold."""
+        self._observe_own_counts(plan, np.array(acc, dtype=np.int64))
+
+    def _observe_own_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
+        """:meth:`observe_counts` of an int64 ``acc`` that nothing else holds (kept, not copied)."""
         self.steps += 1
-        self._unfolded.append(
-            (plan.num_nodes, plan.proposed_budgets, plan.num_filler_trees, np.array(acc, dtype=np.int64))
-        )
+        self._unfolded.append((plan.num_nodes, plan.proposed_budgets, plan.num_filler_trees, acc))
         if len(self._unfolded) >= FOLD_EVERY:
             self._fold()
 
@@ -1207,7 +1209,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def _ddtree_send_paths(self, gpu: Dict[str, torch.Tensor], plan: VerifyPlan):
         """Starts the copy of a device-walked step's accepted paths to the host, one row per tree (its length, then
         the path); returns an older step whose slot had to be read first (see ``LandingCounts.send``)."""
-        rows = torch.cat((gpu["path_lengths"][:, None], gpu["paths"]), dim=1)
+        rows = gpu.get("path_rows")  # the device walk's (a walk graph's output: no launch here)
+        if rows is None:
+            rows = torch.cat((gpu["path_lengths"][:, None], gpu["paths"]), dim=1)
         return self._ddtree_counts.send(rows, plan)
 
     def _ddtree_count_device_steps(self, *steps) -> None:
