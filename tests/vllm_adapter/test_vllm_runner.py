@@ -970,3 +970,45 @@ def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypa
     runner_without_drafter._ddtree_auto = None
     worker.model_runner = runner_without_drafter  # no speculative drafter: nothing to warm
     worker.compile_or_warm_up_model()
+
+
+def test_spec_decode_metadata_kept_for_repeated_counts_is_vllms_own(monkeypatch):
+    """vLLM's spec-decode metadata, kept on the device by its inputs: a repeated step gets vLLM's tensors again
+    with the drafts gathered from this step's input ids; other counts are computed afresh. Compared field by field
+    with vLLM's own function on the same inputs."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    monkeypatch.setattr("vllm.utils.torch_utils.PIN_MEMORY", False)  # vLLM's uploads, on a host without a GPU
+
+    def runner_with(cls, input_ids):
+        runner = object.__new__(cls)
+        runner.device = torch.device("cpu")
+        runner.arange_np = np.arange(4096, dtype=np.int64)
+        runner._arange_scratch = np.zeros(4096, dtype=np.int64)
+        runner.input_ids = SimpleNamespace(gpu=input_ids)
+        runner._ddtree_spec_metadata = {}
+        return runner
+
+    ids = torch.arange(1000, 1400, dtype=torch.int32)
+    ours, vllms = runner_with(DDTreeGPUModelRunner, ids), runner_with(GPUModelRunner, ids)
+    steps = [
+        (np.array([4, 4, 4], np.int32), np.array([5, 10, 15], np.int32)),  # whole trees
+        (np.array([4, 4, 4], np.int32), np.array([5, 10, 15], np.int32)),  # repeated
+        (np.array([3, 0, 2], np.int32), np.array([4, 104, 107], np.int32)),  # a prefill among trees
+        (np.array([4, 4, 4], np.int32), np.array([5, 10, 15], np.int32)),  # repeated again, new input ids
+    ]
+    for step, (num_draft_tokens, cu_num_tokens) in enumerate(steps):
+        ids[:] = torch.arange(1000, 1400, dtype=torch.int32) * (step + 1)
+        mine = ours._calc_spec_decode_metadata(num_draft_tokens.copy(), cu_num_tokens.copy())
+        want = GPUModelRunner._calc_spec_decode_metadata(vllms, num_draft_tokens.copy(), cu_num_tokens.copy())
+        for field in ("draft_token_ids", "cu_num_draft_tokens", "cu_num_sampled_tokens", "target_logits_indices",
+                      "bonus_logits_indices", "logits_indices"):  # fmt: skip
+            got, expected = getattr(mine, field), getattr(want, field)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), (step, field)
+        assert mine.num_draft_tokens == want.num_draft_tokens and mine.max_spec_len == want.max_spec_len
+    assert len(ours._ddtree_spec_metadata) == 2  # the whole-tree counts kept once, the mixed step's once
+    first = ours._calc_spec_decode_metadata(*steps[0])
+    first.num_draft_tokens.append(9)  # a caller's list is its own
+    assert ours._calc_spec_decode_metadata(*steps[0]).num_draft_tokens == [4, 4, 4]
