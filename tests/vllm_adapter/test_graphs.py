@@ -228,6 +228,45 @@ def test_commit_graphs_commit_eagerly_once_per_size_then_replay_with_each_steps_
         )
 
 
+def test_commit_graphs_read_a_replayed_walks_paths_where_they_are():
+    """After a walk that replayed its graph the accepted paths sit at that graph's fixed addresses: the commit graph
+    is keyed by those addresses and reads them in place (no copies into its own buffers); the walk's next replay
+    rewrites them there, and the commit's replay sees the new paths. Other addresses get a graph of their own."""
+    from ddtree.vllm.gdn import GdnCommitPlan
+    from ddtree.vllm.graphs import CommitGraphs
+
+    captured, seen = [], []
+
+    def capture(work):
+        captured.append(work)
+        return work
+
+    def commit_layer(pending, plan):
+        seen.append((pending, plan.paths, plan.paths.tolist(), plan.path_lengths.tolist()))
+
+    graphs = CommitGraphs(CPU, max_requests=4, path_width=3, conv_window=2, capture=capture)
+    offsets = torch.tensor([0, 5, 9], dtype=torch.int32)
+    walk_out = GdnCommitPlan(  # a walk graph's outputs: rewritten in place by each replay
+        node_offsets=offsets,
+        paths=torch.tensor([[0, 2, 0], [0, 0, 0]], dtype=torch.int32),
+        path_lengths=torch.tensor([2, 1], dtype=torch.int32),
+        conv_index=torch.tensor([[1, 6], [2, 3]]),
+    )
+    layers = {"layer.0": "pending-0"}
+    graphs.commit((10, 2), layers, walk_out, commit_layer, in_place=True)
+    assert len(captured) == 1 and graphs.replayed == 0 and seen[0][1] is walk_out.paths  # the walk's own tensor
+    walk_out.paths[0, 1], walk_out.path_lengths[0] = 4, 3  # the walk's next replay
+    walk_out.paths[0, 2] = 1
+    seen.clear()
+    graphs.commit((10, 2), layers, walk_out, commit_layer, in_place=True)
+    assert graphs.replayed == 1 and len(captured) == 1
+    assert seen == [("pending-0", walk_out.paths, [[0, 4, 1], [0, 0, 0]], [3, 1])]
+    assert graphs.paths.abs().sum() == 0  # nothing was copied into the graphs' own buffers
+    moved = GdnCommitPlan(offsets, walk_out.paths.clone(), walk_out.path_lengths, walk_out.conv_index)
+    graphs.commit((10, 2), layers, moved, commit_layer, in_place=True)  # other addresses: a graph of their own
+    assert len(captured) == 2 and graphs.replayed == 1
+
+
 def _schedule_runner(schedule=((1, 64), (4, 32), (8, 16))):
     """A runner (no engine) with vLLM's real CUDA-graph dispatcher and dispatch, its keys initialised as vLLM does
     for budget 64 (capture sizes already rounded to multiples of 65), and a budget schedule."""

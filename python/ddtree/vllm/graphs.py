@@ -353,9 +353,31 @@ class CommitGraphs:
     def replayed(self) -> int:
         return self._graphs.replayed
 
-    def commit(self, graph: GraphKey, commits: Dict[str, PendingCommit], plan: GdnCommitPlan, commit_layer) -> None:
+    def commit(
+        self,
+        graph: GraphKey,
+        commits: Dict[str, PendingCommit],
+        plan: GdnCommitPlan,
+        commit_layer,
+        in_place: bool = False,
+    ) -> None:
         """Commits every layer of a step the FULL graph ``graph`` replayed (``commit_layer(pending, plan)`` per
-        layer)."""
+        layer).
+
+        ``in_place``: the plan's tensors stay where they are from step to step (a walk graph's outputs, rewritten in
+        place by each replay): a graph keyed by their addresses reads them there, and the three copies into this
+        object's buffers (three launches on the host's path) are skipped. A walk keeps at most a few address sets
+        per shape (``WalkGraphs.ADDRESS_SETS``), so such graphs stay few."""
+        if in_place:
+            tensors = (plan.node_offsets, plan.paths, plan.path_lengths, plan.conv_index)
+            key = (graph, tuple(t.data_ptr() for t in tensors), tuple(plan.paths.shape))
+
+            def commit_in_place() -> None:
+                for pending in commits.values():
+                    commit_layer(pending, plan)
+
+            self._graphs.run(key, commit_in_place)
+            return
         num_requests, path_width = plan.paths.shape
         if num_requests > self.paths.shape[0] or path_width != self.paths.shape[1]:
             raise ValueError(

@@ -68,7 +68,7 @@ class DDTreeProposer(DFlashProposer):
         self._late_host: Optional[torch.Tensor] = None
         self._late_landed = None
         self._late_drafts: Optional[torch.Tensor] = None
-        self._late_views: Dict[int, Tuple[torch.Tensor, np.ndarray]] = {}
+        self._late_views: Dict[int, Tuple[torch.Tensor, np.ndarray, torch.Tensor]] = {}
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if not self._capturing:
@@ -173,15 +173,20 @@ class DDTreeProposer(DFlashProposer):
             self._late_drafts = torch.zeros(
                 (self.runner.max_num_reqs, self.budget), dtype=torch.int64, device=self.device
             )
-            self._late_views = {}  # by batch size: the buffer's rows as a tensor and as [R, L, 2K] numpy
+            # By batch size: the buffer's rows as a tensor and as [R, L, 2K] numpy, and the zeros handed to vLLM.
+            self._late_views = {}
         views = self._late_views.get(batch_size)
-        if views is None:  # (a batch size's views are made once: the buffer never moves)
+        if views is None:  # (a batch size's views are made once: the buffers never move)
             host = self._late_host[:rows]
-            views = self._late_views[batch_size] = (host, host.numpy().reshape(batch_size, self.draft_len, width))
+            views = self._late_views[batch_size] = (
+                host,
+                host.numpy().reshape(batch_size, self.draft_len, width),
+                self._late_drafts[:batch_size],
+            )
         views[0].copy_(self._capture, non_blocking=True)
         if self._late_landed is not None:
             self._late_landed.record()
         self._capture = None
         proposal = DeferredProposal(views[1], self.top_k, self._late_landed)
         self.last_drafts = self.store.defer(req_ids, proposal, budget=self.runner.ddtree_budget_for(batch_size))
-        return self._late_drafts[:batch_size]
+        return views[2]

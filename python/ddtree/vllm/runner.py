@@ -1273,7 +1273,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             graphs = self._ddtree_commit_graphs_for(commit)
             if graphs is not None:
                 before = graphs.replayed
-                graphs.commit(self._ddtree_full_graph, commits, commit, commit_layer)
+                # A walk that replayed its graph left the paths in that graph's outputs (fixed addresses).
+                in_place = self._ddtree_walk_replayed and self._ddtree_accept is None
+                graphs.commit(self._ddtree_full_graph, commits, commit, commit_layer, in_place=in_place)
                 self.ddtree_stats.commit_graph_steps += graphs.replayed - before
                 return
             for pending in commits.values():
