@@ -8,7 +8,9 @@ inputs, field by field, for the walk that captures and for replays on new target
 side of one walk both ways in the same run (median microseconds over repeats). Then a plan's placement as the
 runner does it for a whole-tree step (``runner._ddtree_place_plan``: the layout from a pinned staging upload into
 the fixed buffers, the positions written in place), replayed through ``ShapeGraphs`` on each new step's upload,
-must equal the same placement op by op: the upload's views must sit at the captured addresses. Prints one line
+must equal the same placement op by op: the upload's views must sit at the captured addresses. Then the GDN
+commit after a replayed walk, read in place by a commit graph, must leave the layers' states equal to the commit
+run op by op on copies of the same paths. Prints one line
 per case and a verdict; writes ``walk_graphs_check.json`` to ``--out``. Needs torch with CUDA and the ddtree wheel.
 """
 
@@ -25,7 +27,8 @@ import numpy as np
 import torch
 
 from ddtree.vllm import device_accept
-from ddtree.vllm.graphs import ShapeGraphs, TreeStepBuffers, WalkGraphs, cuda_graph_capture
+from ddtree.vllm.gdn import GdnCommitPlan, PendingCommit, commit_layer
+from ddtree.vllm.graphs import CommitGraphs, ShapeGraphs, TreeStepBuffers, WalkGraphs, cuda_graph_capture
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import TreeStore, plan_verify
 
@@ -140,6 +143,64 @@ def check_placement(rng, device, num_trees: int, rounds: int = 6) -> dict:
     return dict(case="placement", trees=num_trees, replays=graphs.replayed, mismatches=mismatches)
 
 
+def random_pending(gen, device, num_slots, num_nodes, channels=64, heads=(2, 4), dims=(32, 32), window=3):
+    """One GDN layer's commit inputs, as its verification records them (random values, the layers' dtypes)."""
+    (hk, hv), (dk, dv) = heads, dims
+    normal = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=gen, device=device).to(dtype)  # noqa: E731
+    return PendingCommit(
+        conv_state=normal(num_slots, channels, window, dtype=torch.bfloat16),
+        ssm_state=normal(num_slots, hv, dk, dv),
+        slots=torch.arange(num_slots - 1, -1, -1, device=device, dtype=torch.int32)[: num_slots // 2],
+        x=normal(num_nodes, channels, dtype=torch.bfloat16),
+        k=normal(num_nodes, hk, dk, dtype=torch.bfloat16),
+        deltas=normal(num_nodes, hv, dv),
+        cum_log_decay=-torch.rand(num_nodes, hv, generator=gen, device=device).cumsum(0) * 0.01,
+    )
+
+
+def check_commit_in_place(rng, device, num_trees: int, rounds: int = 5) -> dict:
+    """The GDN commit after a replayed walk, through ``CommitGraphs.commit(in_place=True)`` (a graph keyed by the
+    walk graph's output addresses, reading them there), against ``commit_layer`` run op by op on copies of the same
+    paths; both sides' conv and recurrent states start equal and are compared after every round. Each round the
+    layers' recorded inputs are rewritten in place (as a FULL graph's replay does) and the walk sees new targets."""
+    plan = make_step(rng, num_trees, 15, 8, 64, 3, False)
+    trees = on_device(plan, device)
+    args = (17, int(plan.trees.draft_depth) + 1, plan.num_tokens, 3)
+    walks, commits = (
+        WalkGraphs(cuda_graph_capture(device)),
+        CommitGraphs(device, 32, args[1], 3, cuda_graph_capture(device)),
+    )
+    gen = torch.Generator(device=device).manual_seed(num_trees)
+    layers = {f"layer.{i}": random_pending(gen, device, 2 * num_trees, plan.num_tree_tokens) for i in range(2)}
+    reference = {name: PendingCommit(**{**vars(p), "conv_state": p.conv_state.clone(), "ssm_state": p.ssm_state.clone()})
+                 for name, p in layers.items()}  # fmt: skip
+    offsets = trees.node_offsets.to(torch.int32)
+    mismatches = []
+    for round_ in range(rounds):
+        fresh = random_pending(gen, device, 2 * num_trees, plan.num_tree_tokens)
+        for name in layers:  # the FULL graph's replay rewrites what the layers recorded, in place
+            for field in ("x", "k", "deltas", "cum_log_decay"):
+                getattr(layers[name], field).copy_(getattr(fresh, field))
+        before = walks.replayed
+        out = walks.walk(trees, targets(rng, plan, device), *args)
+        replayed = walks.replayed > before
+        walked = GdnCommitPlan(offsets, out["paths"], out["path_lengths"], out["commit_conv_index"])
+        copies = GdnCommitPlan(
+            offsets, *(t.clone() for t in (out["paths"], out["path_lengths"], out["commit_conv_index"]))
+        )
+        for pending in reference.values():
+            commit_layer(pending, copies)
+        commits.commit((num_trees * 65, num_trees), layers, walked, commit_layer, in_place=replayed)
+        same = all(
+            torch.equal(layers[n].conv_state, reference[n].conv_state)
+            and torch.equal(layers[n].ssm_state, reference[n].ssm_state)
+            for n in layers
+        )
+        if not same:
+            mismatches.append(f"round {round_}")
+    return dict(case="commit in place", trees=num_trees, replays=commits.replayed, mismatches=mismatches)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/walk_graphs_check"))
@@ -164,6 +225,10 @@ def main() -> int:
         print(json.dumps(result), flush=True)
     for num_trees in (1, 8):
         result = check_placement(rng, device, num_trees)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    for num_trees in (1, 8):
+        result = check_commit_in_place(rng, device, num_trees)
         results.append(result)
         print(json.dumps(result), flush=True)
     ok = all(not r["mismatches"] and r["replays"] >= 3 for r in results)
