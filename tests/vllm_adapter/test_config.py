@@ -14,6 +14,7 @@ from ddtree.vllm.config import (
     budget_description,
     check_target,
     commit_graphs_enabled,
+    commit_in_place_enabled,
     device_accept_enabled,
     late_trees_enabled,
     lone_row_advice,
@@ -401,6 +402,15 @@ def test_commit_graphs_are_on_unless_turned_off(env, on):
 def test_commit_graphs_setting_refuses_other_values(value):
     with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_GRAPHS must be 1 .* or 0 .*got '"):
         commit_graphs_enabled({"DDTREE_COMMIT_GRAPHS": value})
+
+
+@pytest.mark.parametrize(
+    "env, on", [({}, False), ({"DDTREE_COMMIT_IN_PLACE": "1"}, True), ({"DDTREE_COMMIT_IN_PLACE": "0"}, False)]
+)
+def test_commits_reading_the_walks_paths_in_place_are_off_unless_turned_on(env, on):
+    assert commit_in_place_enabled(env) is on
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_IN_PLACE must be 0 .* or 1 .*got 'on'"):
+        commit_in_place_enabled({"DDTREE_COMMIT_IN_PLACE": "on"})
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,8 @@ ATTENTION_BACKEND = "CUSTOM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 #: "0" commits the GDN state of FULL tree steps layer by layer instead of through one CUDA graph per FULL size.
 COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
+#: "1" lets a commit graph read a replayed walk's paths where the walk graph left them (off until GPU-checked).
+COMMIT_IN_PLACE_ENV = "DDTREE_COMMIT_IN_PLACE"
 WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
@@ -429,6 +431,14 @@ def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     (96 Triton launches), 0.29 ms as a graph (benches/results/gpu-h200-27b-shape-7ec2cc3).
     """
     return env_switch(environ, COMMIT_GRAPHS_ENV, "1", {"1": "commit graphs", "0": "commit layer by layer"})
+
+
+def commit_in_place_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a commit graph reads the accepted paths of a walk that replayed its graph where that graph left them
+    (keyed by their addresses) instead of copies in its own buffers (three launches a step). Off by default until
+    ``tests/gpu/walk_graphs_check.py`` (its "commit in place" cases) and the e2e harness have run it on a GPU: it is
+    tested on CPU only (DDTREE_COMMIT_IN_PLACE=1 turns it on)."""
+    return env_switch(environ, COMMIT_IN_PLACE_ENV, "0", {"1": "commit reads the walk's paths", "0": "commit copies"})
 
 
 def step_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:

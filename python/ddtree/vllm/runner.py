@@ -64,6 +64,7 @@ from ddtree.vllm.config import (
     lone_row_advice,
     budget_description,
     commit_graphs_enabled,
+    commit_in_place_enabled,
     device_accept_enabled,
     late_trees_enabled,
     launch_ahead_enabled,
@@ -402,6 +403,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The GDN commit of FULL steps as CUDA graphs (made at the first commit after each FULL graph, when the
         # accepted paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
+        self._ddtree_commit_in_place = commit_in_place_enabled()  # DDTREE_COMMIT_IN_PLACE (off until GPU-checked)
         # The device walk, the plan's device side and the KV moves of FULL steps as CUDA graphs (DDTREE_STEP_GRAPHS;
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
@@ -478,6 +480,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             "the next verification" if self._ddtree_late_trees else "proposal",
             "asynchronous" if self.use_async_scheduling else "synchronous",
         )
+        if self._ddtree_commit_in_place:
+            logger.info("DDTree: commit graphs read a replayed walk's paths in place (DDTREE_COMMIT_IN_PLACE=1)")
         advice = lone_row_advice(self.ddtree_cfg)
         if advice:
             logger.info("DDTree: %s", advice)
@@ -1274,7 +1278,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             if graphs is not None:
                 before = graphs.replayed
                 # A walk that replayed its graph left the paths in that graph's outputs (fixed addresses).
-                in_place = self._ddtree_walk_replayed and self._ddtree_accept is None
+                in_place = self._ddtree_commit_in_place and self._ddtree_walk_replayed and self._ddtree_accept is None
                 graphs.commit(self._ddtree_full_graph, commits, commit, commit_layer, in_place=in_place)
                 self.ddtree_stats.commit_graph_steps += graphs.replayed - before
                 return
