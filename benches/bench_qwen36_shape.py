@@ -375,6 +375,7 @@ def run_engine(
             for counter in (
                 "full_graph_steps",
                 "commit_graph_steps",
+                "commit_in_place_steps",
                 "walk_graph_steps",
                 "walk_copied_steps",
                 "device_accept_steps",

@@ -181,6 +181,7 @@ def child(args):
             row["vllm_host_ms_per_verify_step"] = timed_host_ms(window_start, summary, "vllm_host_ms_per_verify_step")
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
+            row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)
             # Walks by a graph, and of those, by one that copied its trees in (they were not where it reads).
             row["walk_graph_steps"] = summary.get("walk_graph_steps", 0)
             row["walk_copied_steps"] = summary.get("walk_copied_steps", 0)

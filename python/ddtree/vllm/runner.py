@@ -164,6 +164,7 @@ class DDTreeStats:
         self.full_graph_steps = 0  # verify steps that replayed a FULL CUDA graph
         self.full_graph_steps_by_tree_tokens: Dict[int, int] = {}  # the same, by the graph's tokens per tree
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
+        self.commit_in_place_steps = 0  # ... of them, steps whose graph read the walk's paths in place
         self.walk_graph_steps = 0  # FULL steps whose device walk replayed a walk graph
         self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
@@ -284,6 +285,7 @@ class DDTreeStats:
             "full_graph_steps": self.full_graph_steps,
             "full_graph_steps_by_tree_tokens": dict(sorted(self.full_graph_steps_by_tree_tokens.items())),
             "commit_graph_steps": self.commit_graph_steps,
+            "commit_in_place_steps": self.commit_in_place_steps,
             "walk_graph_steps": self.walk_graph_steps,
             "walk_copied_steps": self.walk_copied_steps,
             "device_accept_steps": self.device_accept_steps,
@@ -1281,6 +1283,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 in_place = self._ddtree_commit_in_place and self._ddtree_walk_replayed and self._ddtree_accept is None
                 graphs.commit(self._ddtree_full_graph, commits, commit, commit_layer, in_place=in_place)
                 self.ddtree_stats.commit_graph_steps += graphs.replayed - before
+                self.ddtree_stats.commit_in_place_steps += in_place and graphs.replayed > before
                 return
             for pending in commits.values():
                 commit_layer(pending, commit)
