@@ -329,8 +329,9 @@ def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool
     input_batch.sampling_metadata = input_batch._make_sampling_metadata()
 
 
-#: Spec-decode metadata kept on the device (``_calc_spec_decode_metadata``): entries before the cache starts afresh.
-MAX_KEPT_SPEC_METADATA = 64
+#: Entries of the runner's caches by step shape (``_calc_spec_decode_metadata``, ``_ddtree_staged_plan_specs``)
+#: before one starts afresh: a batch of whole trees repeats one shape, mixed steps' shapes vary without bound.
+MAX_KEPT_SHAPES = 64
 
 #: The runner's plan layouts by step shape (``_ddtree_staged_plan_specs``): ``(specs, full specs, runner names)``.
 _STAGED_PLAN_SPECS: Dict[tuple, tuple] = {}
@@ -641,7 +642,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         kept = self._ddtree_spec_metadata.get(key)
         if kept is None:
             metadata = super()._calc_spec_decode_metadata(num_draft_tokens, cu_num_scheduled_tokens)
-            if len(self._ddtree_spec_metadata) >= MAX_KEPT_SPEC_METADATA:  # shapes vary without bound: afresh
+            if len(self._ddtree_spec_metadata) >= MAX_KEPT_SHAPES:
                 self._ddtree_spec_metadata.clear()
             draft_positions = metadata.logits_indices[metadata.target_logits_indices + 1]
             self._ddtree_spec_metadata[key] = (metadata, draft_positions)
@@ -862,7 +863,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return known[1], known[2]
         full_specs, extra_names = self._ddtree_plan_specs(specs, total, hybrid)
         runner_names = [name for name in extra_names if name not in NODE_OUTPUTS]
-        if len(_STAGED_PLAN_SPECS) >= 64:  # mixed steps' shapes vary without bound: start afresh
+        if len(_STAGED_PLAN_SPECS) >= MAX_KEPT_SHAPES:
             _STAGED_PLAN_SPECS.clear()
         # ``specs`` is kept with its entry: its id cannot be reused by another object while the entry lives.
         _STAGED_PLAN_SPECS[key] = (specs, types.MappingProxyType(full_specs), runner_names)

@@ -86,8 +86,9 @@ class StepStaging:
         A step usually has the shapes of the step before (the same batch of whole trees): the layout and its
         views are then reused, not made again.
         """
-        if specs is self._given_read_only:  # the same read-only mapping as last time (a repeated step shape)
-            given = key = self._key
+        recognised = specs is self._given_read_only  # the same read-only mapping as last time (a repeated shape)
+        if recognised:
+            key = self._key
         else:
             given = tuple(specs.items())  # compared as given (~1 us); normalized (~7 us) only when it changed
             if given == self._given:
@@ -107,7 +108,7 @@ class StepStaging:
             self._lay_out(key)
         else:
             self._wait_for_previous_copy()
-        if given is not key:
+        if not recognised:
             self._given = given
             self._given_read_only = specs if isinstance(specs, types.MappingProxyType) else None
         self._pending = True

@@ -439,18 +439,24 @@ class _UniformStep(NamedTuple):
     token_offsets: np.ndarray  # [R + 1] the trees' draft offsets: 0, b, 2 b, ...
 
 
+def _read_only(*arrays: np.ndarray) -> Tuple[np.ndarray, ...]:
+    """``arrays``, write-protected: constants of a step shape, shared by every step of it."""
+    for array in arrays:
+        array.setflags(write=False)
+    return arrays
+
+
 @functools.lru_cache(maxsize=64)
 def _uniform_step(num_reqs: int, budget: int) -> _UniformStep:
-    arrays = (
-        np.arange(num_reqs, dtype=np.int64),
-        np.full(num_reqs, budget, dtype=np.int64),
-        np.full(num_reqs, budget + 1, dtype=np.int64),
-        np.arange(num_reqs + 1, dtype=np.int64) * (budget + 1),
-        np.arange(num_reqs + 1, dtype=np.int64) * budget,
+    return _UniformStep(
+        *_read_only(
+            np.arange(num_reqs, dtype=np.int64),
+            np.full(num_reqs, budget, dtype=np.int64),
+            np.full(num_reqs, budget + 1, dtype=np.int64),
+            np.arange(num_reqs + 1, dtype=np.int64) * (budget + 1),
+            np.arange(num_reqs + 1, dtype=np.int64) * budget,
+        )
     )
-    for array in arrays:
-        array.setflags(write=False)  # shared by every step of this shape
-    return _UniformStep(*arrays)
 
 
 def _late_uniform_budget(scheduled: List[Sequence[int]], filler: List[bool], every_request: bool) -> Optional[int]:
@@ -618,14 +624,9 @@ class WholeTreeCounts(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _whole_tree_counts(num_reqs: int, whole: int) -> WholeTreeCounts:
-    arrays = (
-        np.arange(num_reqs, dtype=np.int64),
-        np.full(num_reqs, whole, dtype=np.int64),
-        np.arange(num_reqs * whole, dtype=np.int64),
-    )
-    for array in arrays:
-        array.setflags(write=False)  # shared by every step of this shape
-    return WholeTreeCounts(*arrays, whole)
+    shape = _uniform_step(num_reqs, whole - 1)  # trees of whole - 1 drafts: the same rows and node counts
+    (token_index,) = _read_only(np.arange(num_reqs * whole, dtype=np.int64))
+    return WholeTreeCounts(shape.rows, shape.num_scheduled, token_index, whole)
 
 
 def whole_tree_counts(
