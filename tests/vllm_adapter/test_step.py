@@ -395,6 +395,85 @@ def test_a_late_step_of_uniform_trees_plans_what_the_general_path_plans(monkeypa
     assert fast.num_tokens == general.num_tokens == 30 and np.array_equal(fast.trees.tokens, general.trees.tokens)
 
 
+PLAN_FIELDS = (
+    "batch_index", "token_index", "logit_rows", "positions", "ancestor_bits", "row_start", "node_offsets",
+    "num_nodes", "query_starts", "proposed_budgets", "conv_index", "draft_step_index", "draft_tokens", "top1_tokens",
+)  # fmt: skip
+
+
+def _assert_same_plans(mine, theirs):
+    for field in PLAN_FIELDS:
+        a, b = getattr(mine, field), getattr(theirs, field)
+        assert a.dtype == b.dtype and np.array_equal(a, b), field
+    assert mine.num_tokens == theirs.num_tokens and np.array_equal(mine.trees.tokens, theirs.trees.tokens)
+
+
+def test_a_whole_late_proposal_is_verified_without_records_and_plans_what_records_plan(monkeypatch):
+    """The usual late step verifies exactly the last proposal's requests, whole and in order: no request gets a
+    record (none is taken), and the plan is the one the same step plans from records (made when the store's records
+    are read first)."""
+
+    def plan(recorded: bool):
+        rng = np.random.default_rng(21)
+        store = TreeStore(budget=40)
+        # Trees of 12 drafts at most (3 + 9), proposed at 30: the count scheduled is not the budget.
+        placeholders, *_ = _deferred(store, rng, ["a", "b", "c"], depth=2, width=3, budget=30)
+        store.settle()
+        if recorded:
+            assert sorted(store.records) == ["a", "b", "c"]  # (reading them makes them)
+        else:
+            monkeypatch.setattr(TreeStore, "take", lambda *a: pytest.fail("a whole step took a record"))
+        scheduled = dict(zip("abc", placeholders))
+        try:
+            return plan_verify(store, list("abc"), np.array([3, 40, 17]), np.full(3, 13, np.int32), scheduled, 3), store
+        finally:
+            monkeypatch.undo()
+
+    (whole, store), (recorded, _) = plan(False), plan(True)
+    _assert_same_plans(whole, recorded)
+    assert whole.proposed_budgets.tolist() == [30] * 3 and whole.num_nodes.tolist() == [13] * 3
+    assert len(store) == 0  # verified: nothing left
+
+
+@pytest.mark.parametrize("change", ["discard", "order", "cut", "subset", "new proposal"])
+def test_a_step_that_is_not_the_whole_proposal_plans_from_records(change):
+    """Anything but the whole proposal verified whole and in order (a request finished, another order, a cut tree,
+    fewer requests, a newer proposal of some) records every request first: the plan is the one a store whose records
+    were made at once plans, and an unverified request keeps its record."""
+
+    def plan(recorded: bool):
+        rng = np.random.default_rng(22)
+        store = TreeStore(budget=9)
+        placeholders, lp, ids, host, _ = _deferred(store, rng, ["a", "b", "c"], depth=4, width=5)
+        if recorded:
+            store.records  # noqa: B018 (reading them makes them)
+        store.settle()
+        host[...] = np.nan  # the next proposal's buffer: no record may point into it
+        req_ids, scheduled = list("abc"), dict(zip("abc", placeholders))
+        if change == "discard":
+            store.discard(["b"])
+            req_ids.remove("b")
+            del scheduled["b"]
+        elif change == "order":
+            req_ids.reverse()
+        elif change == "cut":
+            scheduled["c"] = placeholders[2][:4]
+        elif change == "subset":
+            del scheduled["a"]
+        else:
+            propose(store, rng, ["a"])
+            del scheduled["a"]
+        counts = np.array([len(scheduled[r]) + 1 if r in scheduled else 1 for r in req_ids])
+        return plan_verify(store, req_ids, np.array([3, 40, 17])[: len(req_ids)], counts, scheduled, 3), store
+
+    (mine, store), (theirs, _) = plan(False), plan(True)
+    _assert_same_plans(mine, theirs)
+    left = sorted(store.records)
+    assert left == {"discard": [], "order": [], "cut": [], "subset": ["a"], "new proposal": ["a"]}[change]
+    if change == "subset":  # the unverified request's record holds its own rows of the settled top-K
+        assert not np.isnan(store.records["a"].log_probs).any()
+
+
 def test_a_step_whose_counts_differ_from_its_uniform_drafts_is_refused():
     """A late step whose scheduled counts are not its drafts + 1 is refused on the shortcut too."""
     rng = np.random.default_rng(12)

@@ -60,6 +60,19 @@ class DeferredProposal:
     req_ids: Tuple[str, ...] = ()
 
 
+@dataclasses.dataclass
+class WholeProposal:
+    """A deferred proposal none of whose requests has needed a record of its own yet: the usual late step verifies
+    exactly its requests, in its order, and takes its top-K whole (no per-request record is made, filled or taken).
+    The first use of one of its requests on its own (a discard, a proposal, another order) records them all."""
+
+    req_ids: Tuple[str, ...]
+    budget: int  # every tree's proposal budget
+    size: int  # the placeholder drafts each request was given (the tree's size)
+    log_probs: Optional[np.ndarray] = None  # [R, L, K] float32, once settled
+    token_ids: Optional[np.ndarray] = None  # [R, L, K] int32, once settled
+
+
 class TreeStore:
     """Draft records by request id, from proposal to verification.
 
@@ -71,7 +84,9 @@ class TreeStore:
     def __init__(self, budget: int, num_threads: int = 1):
         self.budget = budget
         self.executor = ddtree.Executor(num_threads) if num_threads > 1 else None
-        self.records: Dict[str, DraftRecord] = {}
+        self._records: Dict[str, DraftRecord] = {}
+        # The last deferred proposal while none of its requests has a record (see WholeProposal).
+        self._whole: Optional[WholeProposal] = None
         # The last proposal's trees and their requests, in order: a verification of exactly those trees
         # (every request scheduled whole, none added) reuses them instead of building them again.
         self.last_batch: Optional[Tuple[Tuple[str, ...], "ddtree.TreeBatch"]] = None
@@ -88,8 +103,46 @@ class TreeStore:
         # this order, takes the arrays whole (one identity test per record, no index).
         self.settled_in_order: Optional[Tuple[Tuple[str, ...], List["DraftRecord"]]] = None
 
+    @property
+    def records(self) -> Dict[str, DraftRecord]:
+        """Every request's record (a whole deferred proposal's requests get theirs first)."""
+        self._record_whole()
+        return self._records
+
     def __len__(self) -> int:
         return len(self.records)
+
+    def _record_whole(self) -> None:
+        """Gives each request of the whole proposal its record, as a deferred proposal's requests had them before
+        the whole-step shortcut: rows of its settled top-K, or arrays to come at :meth:`settle`."""
+        whole, self._whole = self._whole, None
+        if whole is None:
+            return
+        if whole.log_probs is None:  # not settled yet: settle() fills these
+            for req_id in whole.req_ids:
+                self._records[req_id] = DraftRecord(None, None, None, budget=whole.budget)
+            return
+        rows, in_order = {}, []
+        for r, req_id in enumerate(whole.req_ids):
+            record = DraftRecord(whole.log_probs[r], whole.token_ids[r], None, budget=whole.budget)
+            self._records[req_id] = record
+            rows[req_id] = (record, r)
+            in_order.append(record)
+        self.settled = (rows, whole.log_probs, whole.token_ids)
+        self.settled_in_order = (whole.req_ids, in_order)
+
+    def whole_proposal_of(self, req_ids: Sequence[str]) -> Optional[WholeProposal]:
+        """The settled whole proposal when its requests are exactly ``req_ids``, in order (None: not so)."""
+        whole = self._whole
+        if whole is None or whole.log_probs is None:
+            return None
+        if whole.req_ids is not req_ids and whole.req_ids != tuple(req_ids):
+            return None
+        return whole
+
+    def take_whole(self) -> None:
+        """Takes every request of the whole proposal (their records, had they been made, taken one by one)."""
+        self._whole = None
 
     def defer(
         self, req_ids: Sequence[str], proposal: "DeferredProposal", budget: Optional[int] = None
@@ -105,12 +158,15 @@ class TreeStore:
             raise RuntimeError("DDTree: a deferred proposal was not settled before the next one (a bug)")
         if len(req_ids) != proposal.host.shape[0]:
             raise ValueError(f"{len(req_ids)} request ids for {proposal.host.shape[0]} deferred distributions")
+        self._record_whole()  # an earlier proposal's unverified requests keep what they need
         self.last_batch = None
         self.deferred = proposal
         size = tree_size(budget, proposal.top_k, proposal.host.shape[1])
-        for req_id in req_ids:
-            self.records[req_id] = DraftRecord(None, None, None, budget=budget)
         proposal.req_ids = tuple(req_ids)
+        if self._records:  # this proposal replaces these requests' earlier records
+            for req_id in proposal.req_ids:
+                self._records.pop(req_id, None)
+        self._whole = WholeProposal(proposal.req_ids, budget, size)
         return [[PLACEHOLDER] * size for _ in req_ids]
 
     def has_landed(self) -> bool:
@@ -129,9 +185,14 @@ class TreeStore:
         # One copy of each (the host buffer is reused by the next proposal); the records hold rows of them.
         log_probs = np.array(proposal.host[..., :k])
         token_ids = np.array(proposal.host[..., k:].view(np.int32))
+        whole = self._whole
+        if whole is not None and whole.req_ids is proposal.req_ids:  # no request recorded: the arrays, whole
+            whole.log_probs, whole.token_ids = log_probs, token_ids
+            self.settled = self.settled_in_order = None
+            return
         rows, in_order = {}, []
         for r, req_id in enumerate(proposal.req_ids):
-            record = self.records.get(req_id)
+            record = self._records.get(req_id)
             if record is not None and record.log_probs is None:
                 record.log_probs, record.token_ids = log_probs[r], token_ids[r]
                 rows[req_id] = (record, r)
@@ -166,12 +227,13 @@ class TreeStore:
             raise ValueError(f"{len(req_ids)} request ids for {log_probs.shape[0]} distributions")
         budget = self._step_budget(budget)
         self.settle()  # a deferred proposal left unverified (late trees switched off meanwhile) keeps its records
+        self._record_whole()
         if len(req_ids) == 0:
             return []
         self.last_batch = None
         if not build:
             for r, req_id in enumerate(req_ids):
-                self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], None, budget=budget)
+                self._records[req_id] = DraftRecord(log_probs[r], token_ids[r], None, budget=budget)
             return [[] for _ in req_ids]
         batch = ddtree.build_trees(log_probs, token_ids, budget, self.executor)
         self.last_batch = (tuple(req_ids), batch)
@@ -181,16 +243,19 @@ class TreeStore:
         for r, req_id in enumerate(req_ids):
             own = tokens[offsets[r] : offsets[r + 1]]
             own_list = own.tolist()
-            self.records[req_id] = DraftRecord(log_probs[r], token_ids[r], own, own_list, budget)
+            self._records[req_id] = DraftRecord(log_probs[r], token_ids[r], own, own_list, budget)
             lists.append(own_list)
         return lists
 
     def discard(self, req_ids) -> None:
+        if self._whole is not None and not set(req_ids).isdisjoint(self._whole.req_ids):
+            self._record_whole()
         for req_id in req_ids:
-            self.records.pop(req_id, None)
+            self._records.pop(req_id, None)
 
     def take(self, req_id: str) -> Optional[DraftRecord]:
-        return self.records.pop(req_id, None)
+        self._record_whole()
+        return self._records.pop(req_id, None)
 
 
 class DraftMismatchError(DDTreeError, RuntimeError):
@@ -315,29 +380,18 @@ def plan_verify(
     num_reqs = len(req_ids)
     num_scheduled_tokens = np.asarray(num_scheduled_tokens, dtype=np.int64)[:num_reqs]
     num_computed_tokens = np.asarray(num_computed_tokens, dtype=np.int64)[:num_reqs]
-    # One pass over the requests in plain Python lists (a numpy scalar costs ~1 us here, per request); the checks
-    # after it are whole-batch array operations.
-    rows, records, scheduled, filler = [], [], [], []
-    for i, req_id in enumerate(req_ids):
-        drafts = scheduled_spec_tokens.get(req_id)
-        if not drafts:
-            continue
-        record = store.take(req_id)
-        is_filler = record is None and unproposed is not None and drafts[0] == PLACEHOLDER
-        if is_filler:
-            record = filler_record(*unproposed, len(drafts))  # whole at what was scheduled: not a cut tree
-        elif record is None:
-            raise DraftMismatchError(
-                f"request {req_id}: {len(drafts)} draft tokens scheduled but no DDTree proposal recorded"
-            )
-        rows.append(i)
-        records.append(record)
-        scheduled.append(drafts)
-        filler.append(is_filler)
+    whole, scheduled = _whole_late_step(store, req_ids, scheduled_spec_tokens)
+    if whole is not None:
+        # The usual late step: every request of the last proposal verifies its whole tree, in the proposal's order.
+        # Its requests never got records: nothing per request is looked up or taken.
+        store.take_whole()
+        rows, records, filler = range(num_reqs), None, []
+    else:
+        rows, records, scheduled, filler = _take_records(store, req_ids, scheduled_spec_tokens, unproposed)
     if not rows:
         return None
     every_request = len(rows) == num_reqs  # a step of decodes: the tree rows are the requests, in order
-    late = _late_uniform_budget(scheduled, filler, every_request)
+    late = whole.size if whole is not None else _late_uniform_budget(scheduled, filler, every_request)
     if late is not None:
         # Every request verifies a late tree of one size (the usual step under asynchronous scheduling): its
         # counts are constants of the step's shape, made once.
@@ -373,14 +427,18 @@ def plan_verify(
         placeholders = None  # all of them (made an array only for a mismatch's diagnosis)
     else:
         placeholders = _placeholders(scheduled)
-    trees = _proposed_trees(store, tree_ids, records, budgets)
+    # (A whole proposal is a deferred one: no trees were built at its proposal.)
+    trees = _proposed_trees(store, tree_ids, records, budgets) if records is not None else None
     token_ids = None  # the records' top-K ids when gathered for a build here
     if trees is not None:
         # The proposal's own trees: the scheduled drafts must be the lists handed to vLLM (compared as lists).
         if any(list(d) != r.token_list for d, r in zip(scheduled, records)):
             raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, _placeholders(scheduled))
     else:
-        log_probs, token_ids = top_k_arrays(store, tree_ids, records)
+        if whole is not None:
+            log_probs, token_ids = whole.log_probs, whole.token_ids
+        else:
+            log_probs, token_ids = top_k_arrays(store, tree_ids, records)
         trees = ddtree.build_trees(log_probs, token_ids, budgets, store.executor)
         # One comparison for the whole batch: the rebuilt trees (a prefix of pop order is the tree of the smaller
         # budget) must be exactly the scheduled drafts. The per-request diagnosis runs only on failure.
@@ -402,8 +460,12 @@ def plan_verify(
             else:
                 same = same_values(trees.tokens, drafts)
         if not same:
+            records = records if records is not None else [None] * len(tree_ids)  # (placeholders: not read)
             raise _draft_mismatch(tree_ids, records, scheduled_spec_tokens, trees, _placeholders(scheduled))
-    proposed = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
+    if whole is not None:
+        proposed = _uniform_step(num_reqs, whole.budget).budgets
+    else:
+        proposed = np.fromiter((r.budget for r in records), dtype=np.int64, count=len(records))
     plan = _lay_out(
         trees,
         rows if late is None else shape.rows,
@@ -424,9 +486,52 @@ def plan_verify(
     # record by record (settled above: always set; statistics only, so never raise).
     if token_ids is not None:
         plan.top1_tokens = token_ids[:, :, 0]
-    elif all(r.token_ids is not None for r in records):
+    elif records is not None and all(r.token_ids is not None for r in records):
         plan.top1_tokens = np.stack([r.token_ids[:, 0] for r in records])
     return plan
+
+
+def _whole_late_step(
+    store: TreeStore, req_ids: Sequence[str], scheduled_spec_tokens: Mapping[str, Sequence[int]]
+) -> Tuple[Optional[WholeProposal], Optional[List[Sequence[int]]]]:
+    """The store's whole proposal and the scheduled drafts when this step verifies exactly its trees, every one
+    whole (each request scheduled its placeholders, all of them) and in its order; ``(None, None)`` otherwise."""
+    whole = store.whole_proposal_of(req_ids)
+    if whole is None:
+        return None, None
+    scheduled = list(map(scheduled_spec_tokens.get, req_ids))
+    if not all(scheduled) or _late_uniform_budget(scheduled, (), True) != whole.size:
+        return None, None  # (a request without drafts, a cut tree, a known draft: the general path)
+    return whole, scheduled
+
+
+def _take_records(
+    store: TreeStore,
+    req_ids: Sequence[str],
+    scheduled_spec_tokens: Mapping[str, Sequence[int]],
+    unproposed: Optional[Tuple[int, int]],
+) -> Tuple[List[int], List[DraftRecord], List[Sequence[int]], List[bool]]:
+    """The rows, records, scheduled drafts and filler flags of the requests with scheduled drafts, their records
+    taken from the store. One pass in plain Python lists (a numpy scalar costs ~1 us here, per request); the checks
+    after it are whole-batch array operations."""
+    rows, records, scheduled, filler = [], [], [], []
+    for i, req_id in enumerate(req_ids):
+        drafts = scheduled_spec_tokens.get(req_id)
+        if not drafts:
+            continue
+        record = store.take(req_id)
+        is_filler = record is None and unproposed is not None and drafts[0] == PLACEHOLDER
+        if is_filler:
+            record = filler_record(*unproposed, len(drafts))  # whole at what was scheduled: not a cut tree
+        elif record is None:
+            raise DraftMismatchError(
+                f"request {req_id}: {len(drafts)} draft tokens scheduled but no DDTree proposal recorded"
+            )
+        rows.append(i)
+        records.append(record)
+        scheduled.append(drafts)
+        filler.append(is_filler)
+    return rows, records, scheduled, filler
 
 
 class _UniformStep(NamedTuple):
