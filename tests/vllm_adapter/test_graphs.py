@@ -64,6 +64,16 @@ def test_views_of_a_step_shape_are_made_once_and_are_the_buffers_own(monkeypatch
     assert len(buffers._views) <= 3
 
 
+def test_the_leading_step_indices_are_one_view_per_count():
+    buffers = TreeStepBuffers(CPU, max_requests=4, max_tokens=80, tree_size=65, conv_width=4)
+    view = buffers.leading_step_index(65)
+    assert view is buffers.leading_step_index(65) and view.tolist() == list(range(65))
+    assert view.data_ptr() == buffers.step_index.data_ptr()
+    assert buffers.leading_step_index(80).shape == (80,)
+    with pytest.raises(ValueError, match="81 step tokens exceed the buffers' 80"):
+        buffers.leading_step_index(81)
+
+
 def test_load_refuses_what_does_not_fit():
     buffers = TreeStepBuffers(CPU, max_requests=2, max_tokens=10, tree_size=17)
     with pytest.raises(ValueError, match="3 requests"):

@@ -474,6 +474,18 @@ def test_a_step_that_is_not_the_whole_proposal_plans_from_records(change):
         assert not np.isnan(store.records["a"].log_probs).any()
 
 
+def test_the_uniform_late_step_is_recognised_only_when_every_request_has_placeholders_of_one_count():
+    from ddtree.vllm.step import _late_uniform_budget
+
+    P = PLACEHOLDER
+    assert _late_uniform_budget([[P] * 4, [P] * 4], [False, False], True) == 4
+    assert _late_uniform_budget([[P] * 4, [P] * 3], [False, False], True) is None  # a cut tree
+    assert _late_uniform_budget([[P] * 4, [7, 8, 9, 1]], [False, False], True) is None  # known drafts
+    assert _late_uniform_budget([[], []], [False, False], True) is None
+    assert _late_uniform_budget([[P] * 4, [P] * 4], [False, True], True) is None  # a filler tree
+    assert _late_uniform_budget([[P] * 4], [False], False) is None  # not every request
+
+
 def test_a_step_whose_counts_differ_from_its_uniform_drafts_is_refused():
     """A late step whose scheduled counts are not its drafts + 1 is refused on the shortcut too."""
     rng = np.random.default_rng(12)

@@ -1012,3 +1012,22 @@ def test_spec_decode_metadata_kept_for_repeated_counts_is_vllms_own(monkeypatch)
     first = ours._calc_spec_decode_metadata(*steps[0])
     first.num_draft_tokens.append(9)  # a caller's list is its own
     assert ours._calc_spec_decode_metadata(*steps[0]).num_draft_tokens == [4, 4, 4]
+
+
+def test_vllm_spec_decode_rows_must_be_the_tree_rows():
+    """vLLM's GDN metadata treats a request with drafts (``num_decode_draft_tokens`` >= 0) as a spec decode, in
+    batch order: a step is refused, naming both, when those rows are not the rows that verify trees."""
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+
+    def check(drafts, tree_rows):
+        runner.num_decode_draft_tokens = SimpleNamespace(np=np.array(drafts + [7, 7], dtype=np.int32))
+        runner._ddtree_check_spec_rows(SimpleNamespace(batch_index=np.array(tree_rows)), len(drafts))
+
+    check([5, 5, 5], [0, 1, 2])  # the usual step: every request a tree and a spec decode
+    check([-1, 5, 5], [1, 2])  # a prefill first
+    with pytest.raises(RuntimeError, match=r"spec-decode rows \[0, 1, 2\] differ from the tree rows \[1, 2\]"):
+        check([5, 5, 5], [1, 2])
+    with pytest.raises(RuntimeError, match=r"spec-decode rows \[1, 2\] differ from the tree rows \[0, 1, 2\]"):
+        check([-1, 5, 5], [0, 1, 2])

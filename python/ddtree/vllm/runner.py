@@ -826,7 +826,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # Every scheduled token is a tree token (a step of decodes only): the tree tokens are the step's tokens
             # in order, and the GDN layers read the leading rows without an index. No upload (one copy launch and
             # its host work a step).
-            gpu = {"token_index": step_index[:total]}
+            gpu = {"token_index": self._ddtree_buffers.leading_step_index(total)}
         else:
             specs = {"token_index": (np.int64, token_index.shape)}
             if hybrid and token_index.shape[0] < total:
@@ -892,7 +892,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # vLLM's GDN metadata treats requests with num_scheduled == drafts + 1 as
         # spec decodes, in batch order; they must be exactly the tree requests.
         drafts = self.num_decode_draft_tokens.np[:num_reqs]
-        if plan.batch_index.shape[0] == num_reqs and num_reqs and drafts.min() >= 0:
+        # (A list's min: numpy's reduction costs ~5 us on a CPU for these few values.)
+        if plan.batch_index.shape[0] == num_reqs and num_reqs and min(drafts.tolist()) >= 0:
             return  # every request verifies a tree, and vLLM counts every one a spec decode (the usual step)
         spec_rows = np.flatnonzero(drafts >= 0)
         if not same_values(spec_rows, plan.batch_index):
