@@ -108,6 +108,7 @@ def build_runner(batch: int, budget: int, depth: int, top_k: int):
     runner.num_decode_draft_tokens = SimpleNamespace(np=np.full(batch, budget))
     runner._ddtree_conv_window = 3
     runner._ddtree_buffers = TreeStepBuffers(cpu, max(batch, 4), tokens + 8, budget + 1, 4)
+    runner._ddtree_trees_by_tensors = {}
     runner._ddtree_plan_staging, runner._ddtree_count_staging = StepStaging(cpu), StepStaging(cpu)
     runner._ddtree_gdn_step, runner._ddtree_device_accept = None, True
     runner.use_async_scheduling, runner._ddtree_early_token_index, runner._ddtree_late_step = True, None, None

@@ -489,6 +489,38 @@ def test_walk_graphs_read_the_trees_in_place_and_copy_inputs_that_keep_moving():
     assert graphs.copied_walks == 3  # the six moving walks: three more address sets (four in all), then copies
 
 
+def test_walk_graphs_find_a_known_trees_objects_graph_without_reading_its_tensors(monkeypatch):
+    """A trees object walked before with a graph that reads it in place finds that graph by identity: its next
+    walks read no tensor metadata and replay it on the tensors' new contents (exact). Another target shape, or a
+    shape whose walks copy their inputs, goes the full way."""
+    import dataclasses
+
+    from test_device_accept import agreeing_target, device_trees, random_step
+
+    from ddtree.vllm.device_accept import accept_on_device
+    from ddtree.vllm.graphs import WalkGraphs
+
+    graphs = WalkGraphs(lambda work: work)
+    first, depth = random_step(np.random.default_rng(11), conv_window=3)
+    args = (depth + 2, int(first.trees.draft_depth) + 1, first.num_tokens, 3)
+    trees = device_trees(first)
+    rng = np.random.default_rng(6)
+    graphs.walk(trees, torch.from_numpy(agreeing_target(rng, first)), *args)
+    fields = dataclasses.fields
+    with monkeypatch.context() as patched:
+        patched.setattr(dataclasses, "fields", lambda *a: pytest.fail("a known trees object's metadata was read"))
+        for _ in range(2):
+            target = torch.from_numpy(agreeing_target(rng, first))
+            trees.node_tokens.copy_(trees.node_tokens.flip(0))  # new contents, same tensors
+            got, want = graphs.walk(trees, target, *args), accept_on_device(trees, target, *args)
+            assert all(torch.equal(got[k], want[k]) for k in want)
+    assert graphs.replayed == 2
+    read = []
+    monkeypatch.setattr(dataclasses, "fields", lambda *a: read.append(1) or fields(*a))
+    graphs.walk(trees, torch.from_numpy(agreeing_target(rng, first)).to(torch.int32), *args)  # another dtype
+    assert read == [1]
+
+
 def test_a_capture_while_serving_keeps_the_allocator_and_pinned_caches(monkeypatch):
     """``torch.cuda.graph``'s entry empties the device allocator's and the pinned host memory's caches (as the
     stand-in below does, like torch's own); ddtree's captures run while serving and must not: the steps after would

@@ -135,6 +135,7 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([-1, 6, 4]))
     runner._ddtree_conv_window = 3
     runner._ddtree_buffers = TreeStepBuffers(cpu, max_requests=4, max_tokens=40, tree_size=7, conv_width=4)
+    runner._ddtree_trees_by_tensors = {}
     runner._ddtree_plan_staging = StepStaging(cpu)
     runner._ddtree_gdn_step = None
     runner._ddtree_device_accept = device_accept
@@ -1031,3 +1032,27 @@ def test_vllm_spec_decode_rows_must_be_the_tree_rows():
         check([5, 5, 5], [1, 2])
     with pytest.raises(RuntimeError, match=r"spec-decode rows \[1, 2\] differ from the tree rows \[0, 1, 2\]"):
         check([-1, 5, 5], [0, 1, 2])
+
+
+def test_a_repeated_step_shape_hands_the_walk_the_same_trees_object(monkeypatch):
+    """The device walk's trees: the same object while the step's tensors are the same (the upload's views, the
+    placement graph's outputs), a new one for other tensors; the memory starts afresh past its bound."""
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.device_accept import NODE_ARRAYS
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner._ddtree_trees_by_tensors = {}
+    names = (*NODE_ARRAYS, "depths", "tree_query_starts", "token_index", "ancestor_bits")
+    gpu = {name: torch.arange(4) + i for i, name in enumerate(names)}
+    offsets = torch.tensor([0, 4])
+    trees = runner._ddtree_device_trees(gpu, offsets)
+    assert runner._ddtree_device_trees(dict(gpu), offsets) is trees
+    assert trees.node_offsets is offsets and trees.node_depths is gpu["depths"]
+    assert trees.query_starts is gpu["tree_query_starts"] and trees.ancestor_bits is gpu["ancestor_bits"]
+    other = runner._ddtree_device_trees(gpu, offsets.clone())  # an eager placement's new tensor
+    assert other is not trees and torch.equal(other.node_offsets, offsets)
+    monkeypatch.setattr(runner_module, "MAX_KEPT_SHAPES", 3)
+    for _ in range(5):
+        runner._ddtree_device_trees(gpu, offsets.clone())
+    assert len(runner._ddtree_trees_by_tensors) <= 3

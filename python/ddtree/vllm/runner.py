@@ -431,6 +431,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_count_staging = StepStaging(self.device)
         # vLLM's spec-decode metadata by its inputs' bytes (``_calc_spec_decode_metadata``).
         self._ddtree_spec_metadata: Dict[tuple, tuple] = {}
+        self._ddtree_trees_by_tensors: Dict[tuple, device_accept.DeviceTrees] = {}
         self._ddtree_late_step: Optional[tuple] = None
         self._ddtree_early_token_index: Optional[np.ndarray] = None
         # DDTREE_LAUNCH_AHEAD: the gate a step of whole trees queues its forward behind (None: off, or no
@@ -755,16 +756,31 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         plan.logit_rows_gpu = gpu["logit_rows"]
         plan.batch_index_gpu = gpu["batch_index"]
         if "node_parents" in gpu:
-            plan.device_trees = device_accept.DeviceTrees(
-                **{name: gpu[name] for name in device_accept.NODE_ARRAYS},
-                node_depths=gpu["depths"],
-                node_offsets=placed["node_offsets"],
-                query_starts=gpu["tree_query_starts"],
-                token_index=gpu["token_index"],
-                ancestor_bits=gpu["ancestor_bits"],
-            )
+            plan.device_trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
         self._ddtree_plan = plan
         return logits_indices, spec_decode_metadata
+
+    def _ddtree_device_trees(self, gpu: Dict[str, torch.Tensor], node_offsets: torch.Tensor):
+        """The step's trees for the device walk: one object per set of tensors. A repeated step shape hands the
+        same tensors (the upload's views, the placement graph's outputs), so it gets the same object, which the
+        walk graphs recognise by identity (``WalkGraphs.walk``) instead of reading every tensor's metadata."""
+        tensors = (
+            *(gpu[name] for name in device_accept.NODE_ARRAYS),
+            gpu["depths"],
+            node_offsets,
+            gpu["tree_query_starts"],
+            gpu["token_index"],
+            gpu["ancestor_bits"],
+        )
+        key = tuple(map(id, tensors))  # (the cached object holds the tensors: their ids stay theirs)
+        trees = self._ddtree_trees_by_tensors.get(key)
+        if trees is None:
+            if len(self._ddtree_trees_by_tensors) >= MAX_KEPT_SHAPES:  # eager placements: new tensors every step
+                self._ddtree_trees_by_tensors.clear()
+            names = (*device_accept.NODE_ARRAYS, "node_depths", "node_offsets", "query_starts", "token_index")
+            trees = device_accept.DeviceTrees(**dict(zip(names + ("ancestor_bits",), tensors)))
+            self._ddtree_trees_by_tensors[key] = trees
+        return trees
 
     def _ddtree_place(self, gpu: Dict[str, torch.Tensor], total: int, late: bool, whole: int):
         """:meth:`_ddtree_place_plan`, replayed as one CUDA graph per step shape for steps of whole trees (their
