@@ -277,6 +277,46 @@ def test_commit_graphs_read_a_replayed_walks_paths_where_they_are():
     assert len(captured) == 2 and graphs.replayed == 1
 
 
+def test_a_commit_in_place_records_the_kv_moves_in_the_same_graph():
+    """In place, the step's K/V moves (the walk's outputs too) are recorded with the GDN layers' commits: one graph,
+    keyed by their addresses as well, whose replay moves the walk's new moves; other move tensors get a graph of
+    their own, and moves are refused to a commit that copies its paths."""
+    from ddtree.vllm.gdn import GdnCommitPlan
+    from ddtree.vllm.graphs import CommitGraphs
+
+    captured, ran = [], []
+
+    def capture(work):
+        captured.append(work)
+        return work
+
+    graphs = CommitGraphs(CPU, max_requests=4, path_width=3, conv_window=2, capture=capture)
+    walk_out = GdnCommitPlan(
+        node_offsets=torch.tensor([0, 5], dtype=torch.int32),
+        paths=torch.tensor([[0, 2, 0]], dtype=torch.int32),
+        path_lengths=torch.tensor([2], dtype=torch.int32),
+        conv_index=torch.tensor([[1, 6]]),
+    )
+    src, dst = torch.tensor([2]), torch.tensor([1])
+
+    def move(a, b):
+        ran.append(("move", a.tolist(), b.tolist()))
+
+    def commit_layer(pending, plan):
+        ran.append(("commit", pending, plan.paths.tolist()))
+
+    graphs.commit((5, 1), {"layer.0": "p0"}, walk_out, commit_layer, True, (src, dst, move))
+    assert ran == [("move", [2], [1]), ("commit", "p0", [[0, 2, 0]])] and len(captured) == 1
+    ran.clear()
+    src[0], walk_out.paths[0, 1] = 3, 3  # the walk's next replay
+    graphs.commit((5, 1), {"layer.0": "p0"}, walk_out, commit_layer, True, (src, dst, move))
+    assert ran == [("move", [3], [1]), ("commit", "p0", [[0, 3, 0]])] and graphs.replayed == 1
+    graphs.commit((5, 1), {"layer.0": "p0"}, walk_out, commit_layer, True, (src.clone(), dst, move))
+    assert len(captured) == 2  # other move addresses: a graph of their own
+    with pytest.raises(ValueError, match="K/V moves join only a commit that reads the walk's outputs in place"):
+        graphs.commit((5, 1), {"layer.0": "p0"}, walk_out, commit_layer, False, (src, dst, move))
+
+
 def _schedule_runner(schedule=((1, 64), (4, 32), (8, 16))):
     """A runner (no engine) with vLLM's real CUDA-graph dispatcher and dispatch, its keys initialised as vLLM does
     for budget 64 (capture sizes already rounded to multiples of 65), and a budget schedule."""

@@ -1056,3 +1056,43 @@ def test_a_repeated_step_shape_hands_the_walk_the_same_trees_object(monkeypatch)
     for _ in range(5):
         runner._ddtree_device_trees(gpu, offsets.clone())
     assert len(runner._ddtree_trees_by_tensors) <= 3
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_commit_moves_kv_once_with_the_gdn_commit_in_place_or_beside_it(monkeypatch, in_place):
+    """After a FULL step whose walk replayed its graph, the K/V moves run exactly once a step: recorded in the GDN
+    commit's graph when it reads the walk's outputs in place (``DDTREE_COMMIT_IN_PLACE``), else by the runner's own
+    move."""
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.graphs import CommitGraphs
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    ran = []
+    monkeypatch.setattr(runner_module, "commit_layer", lambda pending, plan: ran.append(("commit", pending)))
+    runner._ddtree_move_kv_now = lambda src, dst: ran.append(("move", src.tolist()))
+    runner._ddtree_kv_move_graphs = None  # the runner's own move launches directly here
+    runner._ddtree_conv_window, runner._ddtree_full_graph = 3, (10, 2)
+    runner._ddtree_captured = SimpleNamespace(replayed=lambda graph: {"layer.0": "p0"})
+    runner._ddtree_commit_graphs = CommitGraphs(torch.device("cpu"), 4, 3, 3, capture=lambda work: work)
+    runner._ddtree_commit_graphs_on, runner.device = True, torch.device("cpu")
+    runner._ddtree_commit_in_place, runner._ddtree_walk_replayed, runner._ddtree_accept = in_place, True, None
+    runner.ddtree_stats = DDTreeStats(3)
+    gpu = {
+        "paths": torch.zeros((2, 3), dtype=torch.int32),
+        "path_lengths": torch.ones(2, dtype=torch.int32),
+        "commit_conv_index": torch.zeros((2, 3), dtype=torch.int64),
+        "kv_src": torch.tensor([4, 5]),
+        "kv_dst": torch.tensor([1, 2]),
+    }
+    runner._ddtree_move_kv = lambda src, dst: runner._ddtree_move_kv_now(src, dst)
+    offsets = torch.tensor([0, 5, 10], dtype=torch.int32)  # the fixed step buffers' view
+    for step in range(2):
+        runner._ddtree_gdn_step = SimpleNamespace(node_offsets=offsets)
+        done = runner._ddtree_commit_gdn(gpu)
+        if not done:
+            runner._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
+        assert done is in_place
+        assert sorted(ran) == [("commit", "p0"), ("move", [4, 5])], step
+        ran.clear()
+    assert runner.ddtree_stats.commit_in_place_steps == (1 if in_place else 0)  # the second step replayed

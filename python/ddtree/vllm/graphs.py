@@ -390,6 +390,7 @@ class CommitGraphs:
         plan: GdnCommitPlan,
         commit_layer,
         in_place: bool = False,
+        kv_moves: Optional[Tuple[torch.Tensor, torch.Tensor, Callable]] = None,
     ) -> None:
         """Commits every layer of a step the FULL graph ``graph`` replayed (``commit_layer(pending, plan)`` per
         layer).
@@ -397,17 +398,25 @@ class CommitGraphs:
         ``in_place``: the plan's tensors stay where they are from step to step (a walk graph's outputs, rewritten in
         place by each replay): a graph keyed by their addresses reads them there, and the three copies into this
         object's buffers (three launches on the host's path) are skipped. A walk keeps at most a few address sets
-        per shape (``WalkGraphs.ADDRESS_SETS``), so such graphs stay few."""
+        per shape (``WalkGraphs.ADDRESS_SETS``), so such graphs stay few. ``kv_moves`` (in place only): ``(src,
+        dst, move)``, the step's K/V moves (the walk's outputs too) recorded in the same graph as ``move(src,
+        dst)``: one replay for the whole commit."""
         if in_place:
             tensors = (plan.node_offsets, plan.paths, plan.path_lengths, plan.conv_index)
             key = (graph, tuple(t.data_ptr() for t in tensors), tuple(plan.paths.shape))
+            if kv_moves is not None:
+                key += (kv_moves[0].data_ptr(), kv_moves[1].data_ptr(), kv_moves[0].shape[0])
 
             def commit_in_place() -> None:
+                if kv_moves is not None:
+                    kv_moves[2](kv_moves[0], kv_moves[1])
                 for pending in commits.values():
                     commit_layer(pending, plan)
 
             self._graphs.run(key, commit_in_place)
             return
+        if kv_moves is not None:
+            raise ValueError("DDTree: K/V moves join only a commit that reads the walk's outputs in place")
         num_requests, path_width = plan.paths.shape
         if num_requests > self.paths.shape[0] or path_width != self.paths.shape[1]:
             raise ValueError(

@@ -1154,8 +1154,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # Host time of the commit's launches (KV moves per attention layer, two per GDN layer): under FULL
             # graphs they are the step's largest host work outside the replay.
             with self.ddtree_stats.timed("commit"):
-                self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
-                self._ddtree_commit_gdn(gpu)
+                if not self._ddtree_commit_gdn(gpu):  # (the K/V moves not recorded with the GDN commit)
+                    self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
             self.drafter.context_order = gpu["context_order"]
             self.drafter.flat_positions = self._ddtree_flat_positions
             if accept is not None:
@@ -1278,11 +1278,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 self.ddtree_stats.observe_paths(plan, rows[:, 1:], rows[:, 0])
                 self.ddtree_stats.device_accept_steps += 1
 
-    def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> None:
+    def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> bool:
+        """Commits the GDN layers' accepted states; True when the step's K/V moves went with them (one commit graph
+        reading the walk's outputs in place, ``DDTREE_COMMIT_IN_PLACE``), False when the caller moves them."""
         step = self._ddtree_gdn_step
         self._ddtree_gdn_step = None
         if self._ddtree_conv_window == 0:
-            return
+            return False
         if step is None:
             raise RuntimeError("DDTree: a hybrid target verified trees without a GDN tree step")
         commit = GdnCommitPlan(
@@ -1299,16 +1301,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 before = graphs.replayed
                 # A walk that replayed its graph left the paths in that graph's outputs (fixed addresses).
                 in_place = self._ddtree_commit_in_place and self._ddtree_walk_replayed and self._ddtree_accept is None
-                graphs.commit(self._ddtree_full_graph, commits, commit, commit_layer, in_place=in_place)
+                # In place, the K/V moves (the walk's outputs too, at fixed addresses) join the same graph.
+                src, dst = gpu["kv_src"], gpu["kv_dst"]
+                kv_moves = (src, dst, self._ddtree_move_kv_now) if in_place and src.shape[0] else None
+                graphs.commit(self._ddtree_full_graph, commits, commit, commit_layer, in_place, kv_moves)
                 self.ddtree_stats.commit_graph_steps += graphs.replayed - before
                 self.ddtree_stats.commit_in_place_steps += in_place and graphs.replayed > before
-                return
+                return in_place
             for pending in commits.values():
                 commit_layer(pending, commit)
-            return
+            return False
         if not step.pending:
             raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
         commit_pending(step, commit)
+        return False
 
     def _ddtree_commit_graphs_for(self, commit: GdnCommitPlan) -> Optional[CommitGraphs]:
         """The commit graphs on a GPU unless DDTREE_COMMIT_GRAPHS=0 (None: commit layer by layer)."""
