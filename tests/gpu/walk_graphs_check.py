@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept
 from ddtree.vllm.gdn import GdnCommitPlan, PendingCommit, commit_layer
 from ddtree.vllm.graphs import CommitGraphs, ShapeGraphs, TreeStepBuffers, WalkGraphs, cuda_graph_capture
@@ -160,8 +161,9 @@ def random_pending(gen, device, num_slots, num_nodes, channels=64, heads=(2, 4),
 
 def check_commit_in_place(rng, device, num_trees: int, rounds: int = 5) -> dict:
     """The GDN commit after a replayed walk, through ``CommitGraphs.commit(in_place=True)`` (a graph keyed by the
-    walk graph's output addresses, reading them there), against ``commit_layer`` run op by op on copies of the same
-    paths; both sides' conv and recurrent states start equal and are compared after every round. Each round the
+    walk graph's output addresses, reading them there, with the step's K/V moves in it), against ``commit_layer``
+    and the moves run op by op on copies of the same paths; both sides' conv and recurrent states and K/V caches
+    start equal and are compared after every round. Each round the
     layers' recorded inputs are rewritten in place (as a FULL graph's replay does) and the walk sees new targets."""
     plan = make_step(rng, num_trees, 15, 8, 64, 3, False)
     trees = on_device(plan, device)
@@ -175,6 +177,15 @@ def check_commit_in_place(rng, device, num_trees: int, rounds: int = 5) -> dict:
     reference = {name: PendingCommit(**{**vars(p), "conv_state": p.conv_state.clone(), "ssm_state": p.ssm_state.clone()})
                  for name, p in layers.items()}  # fmt: skip
     offsets = trees.node_offsets.to(torch.int32)
+    # An attention layer's paged K/V cache on each side ([blocks, 2, block size, heads, dim]): the step's K/V moves
+    # join the in-place commit graph; the reference moves them op by op.
+    slots = torch.arange(plan.num_tokens, device=device) + 20
+    caches = [torch.randn((plan.num_tokens // 16 + 4, 2, 16, 2, 4), generator=gen, device=device)]
+    caches.append(caches[0].clone())
+
+    def move(src, dst, cache=caches[0]):
+        apply_kv_moves_indexed(cache, kv_move_index(slots[src], slots[dst], 16))
+
     mismatches = []
     for round_ in range(rounds):
         fresh = random_pending(gen, device, 2 * num_trees, plan.num_tree_tokens)
@@ -190,8 +201,12 @@ def check_commit_in_place(rng, device, num_trees: int, rounds: int = 5) -> dict:
         )
         for pending in reference.values():
             commit_layer(pending, copies)
-        commits.commit((num_trees * 65, num_trees), layers, walked, commit_layer, in_place=replayed)
-        same = all(
+        move(out["kv_src"].clone(), out["kv_dst"].clone(), caches[1])
+        kv_moves = (out["kv_src"], out["kv_dst"], move) if replayed else None
+        commits.commit((num_trees * 65, num_trees), layers, walked, commit_layer, replayed, kv_moves)
+        if not replayed:  # (the runner moves them itself then)
+            move(out["kv_src"], out["kv_dst"])
+        same = torch.equal(caches[0], caches[1]) and all(
             torch.equal(layers[n].conv_state, reference[n].conv_state)
             and torch.equal(layers[n].ssm_state, reference[n].ssm_state)
             for n in layers
