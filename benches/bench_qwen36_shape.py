@@ -253,6 +253,27 @@ def set_launch_ahead(worker, on: bool) -> bool:
     return previous
 
 
+def set_commit_in_place(worker, on: bool) -> bool:
+    """(collective_rpc) Commits a replayed walk's step with one graph reading the walk's outputs in place, the K/V
+    moves in it (DDTREE_COMMIT_IN_PLACE), or from copies with the moves apart; returns the previous setting."""
+    runner = worker.model_runner
+    previous, runner._ddtree_commit_in_place = runner._ddtree_commit_in_place, bool(on)
+    return previous
+
+
+def host_ms_between(before: dict, after: dict) -> dict:
+    """ddtree's host ms per verify step of the steps between two summaries (each holds per-step means so far)."""
+    steps = after.get("verify_steps", 0) - before.get("verify_steps", 0)
+    if steps <= 0:
+        return {}
+    parts = after.get("host_ms_per_verify_step", {})
+    earlier = before.get("host_ms_per_verify_step", {})
+    return {
+        part: round((ms * after["verify_steps"] - earlier.get(part, 0.0) * before.get("verify_steps", 0)) / steps, 4)
+        for part, ms in parts.items()
+    }
+
+
 #: ``--ab NAME[,NAME...]``: each ddtree batch is timed once more in the same engine per NAME, the switches turned
 #: one after the other and kept (the first timing has the engine's own settings): the setter and its setting.
 AB_SWITCHES = {
@@ -263,6 +284,8 @@ AB_SWITCHES = {
     "no-device-accept": (set_device_accept, False),
     "no-step-graphs": (set_step_graphs, False),
     "no-launch-ahead": (set_launch_ahead, False),
+    "commit-in-place": (set_commit_in_place, True),
+    "no-commit-in-place": (set_commit_in_place, False),
 }
 
 
@@ -273,14 +296,17 @@ def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
         for name in ab.split(","):
             setter, setting = AB_SWITCHES[name]
             restore.append((setter, llm.collective_rpc(setter, args=(setting,))[0]))
+            timed_generate(llm, prompts, 4)  # (untimed: graphs the switched path captures on its first steps)
             before = llm.collective_rpc("ddtree_summary")[0]
             switched, _ = timed_generate(llm, prompts, OUT_TOKENS)
             after = llm.collective_rpc("ddtree_summary")[0]
             ms = round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2)
             row = {"switches": ab.split(",")[: len(rows) + 1], "ms_per_decode_step": ms}
             # What the switched run did (a switch that did not take would show here, not only in a timing).
-            for counter in ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps"):
+            counters = ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps")
+            for counter in (*counters, "commit_in_place_steps"):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
+            row["host_ms_per_verify_step"] = host_ms_between(before, after)
             rows.append(row)
     finally:
         for setter, previous in reversed(restore):
@@ -463,7 +489,9 @@ def main() -> None:
         "the switches turned one after the other and kept: gdn-metadata (patch 10 off), device-accept / "
         "no-device-accept (the tree walk on the device / the host), late-trees / no-late-trees (trees built at the "
         "next verification / at proposal), no-step-graphs (the walk, plan and KV moves launch by launch instead of "
-        "CUDA graphs), no-launch-ahead (every step prepared before its forward)",
+        "CUDA graphs), no-launch-ahead (every step prepared before its forward), commit-in-place / "
+        "no-commit-in-place (a replayed walk's step committed by one graph reading its outputs in place, K/V moves "
+        "included / from copies, moves apart); each row has ddtree's host ms per verify step of its own steps",
     )
     args = ap.parse_args()
     unknown = [name for name in args.ab.split(",") if name and name not in AB_SWITCHES]

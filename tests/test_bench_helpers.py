@@ -533,3 +533,20 @@ def test_the_pair_bench_samples_with_one_seed_per_request_when_asked():
     args.seeded, args.temperature = True, 0.0
     with pytest.raises(SystemExit, match="--seeded needs --temperature"):
         bench_vllm_ddtree.timed_params(args)
+
+
+def test_an_ab_rows_host_ms_are_those_of_its_own_steps():
+    """The summary holds per-step means over every step so far: a switched run's own means come from the two
+    summaries around it (here 10 steps at 0.5 ms of plan, then 30 at 0.3)."""
+    before = {"verify_steps": 10, "host_ms_per_verify_step": {"plan": 0.5, "commit": 0.1}}
+    after = {"verify_steps": 40, "host_ms_per_verify_step": {"plan": 0.35, "commit": 0.07, "stats": 0.03}}
+    assert bench.host_ms_between(before, after) == {"plan": 0.3, "commit": 0.06, "stats": 0.04}
+    assert bench.host_ms_between(after, after) == {}
+
+
+def test_commit_in_place_is_a_switch_of_the_in_engine_ab():
+    runner = types.SimpleNamespace(_ddtree_commit_in_place=False)
+    worker = types.SimpleNamespace(model_runner=runner)
+    setter, setting = bench.AB_SWITCHES["commit-in-place"]
+    assert setter(worker, setting) is False and runner._ddtree_commit_in_place is True
+    assert bench.AB_SWITCHES["no-commit-in-place"][0](worker, False) is True and not runner._ddtree_commit_in_place
