@@ -434,10 +434,10 @@ def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def commit_in_place_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether a commit graph reads the accepted paths of a walk that replayed its graph where that graph left them
-    (keyed by their addresses) instead of copies in its own buffers (three launches a step). Off by default until
-    ``tests/gpu/walk_graphs_check.py`` (its "commit in place" cases) and the e2e harness have run it on a GPU: it is
-    tested on CPU only (DDTREE_COMMIT_IN_PLACE=1 turns it on)."""
+    """Whether a commit graph reads the accepted paths and K/V moves of a walk that replayed its graph where that
+    graph left them (keyed by their addresses; the whole commit one replay) instead of copies in its own buffers
+    (three launches a step) and the moves apart. Off by default until the e2e harness has run it through vLLM on a
+    GPU (its GDN part passed ``tests/gpu/walk_graphs_check.py`` on an H200; DDTREE_COMMIT_IN_PLACE=1 turns it on)."""
     return env_switch(environ, COMMIT_IN_PLACE_ENV, "0", {"1": "commit reads the walk's paths", "0": "commit copies"})
 
 
