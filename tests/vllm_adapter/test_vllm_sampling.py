@@ -466,3 +466,44 @@ def test_a_seeded_request_samples_by_its_seed_and_positions_not_its_generators_s
     assert run(7, 1000, 4) == first  # the generator's state does not matter
     assert run(7, 0, 2) == first  # nor the batch mate's tree
     assert any(run(seed, 0, 4) != first for seed in (8, 9, 10))  # the seed does
+
+
+def test_a_step_where_every_request_verifies_a_tree_takes_the_walks_rows_as_a_copy(monkeypatch):
+    """Every request a tree: the chain rows are the device walk's rows, whole (one copy, not a fill and two
+    scatters), equal to the host walk's, and not the walk's own tensor (a walk graph's output, rewritten by its
+    next replay while vLLM still reads these rows)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(4)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
+    ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    logits = torch.from_numpy(rng.normal(size=(12, 20)).astype(np.float32))
+    greedy = SimpleNamespace(
+        temperature=None, all_greedy=True, top_k=None, top_p=None, generators={}, no_penalties=True,
+        bad_words_token_ids={}, allowed_token_ids_mask=None, max_num_logprobs=None,
+    )  # fmt: skip
+
+    def run(on_device):
+        store = TreeStore(budget=6)
+        lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+        drafts = [lists[0], lists[1][:4]]
+        plan = plan_verify(store, ["a", "b"], np.array([10, 20]), np.array([7, 5]), dict(zip("ab", drafts)))
+        plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+        plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+        runner = _fake_runner(plan, on_device)
+        md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+        walks = []
+        if on_device:
+            walk = runner.ddtree_accept_on_device
+            runner.ddtree_accept_on_device = lambda *a: walks.append(walk(*a)) or walks[-1]
+        return DDTreeRejectionSampler(runner)(md, None, logits, greedy).sampled_token_ids, walks
+
+    (device_rows, walks), (host_rows, _) = run(True), run(False)
+    assert torch.equal(device_rows, host_rows) and device_rows.shape == (2, 7)
+    walked = walks[0]["output_tokens"]
+    assert device_rows.data_ptr() != walked.data_ptr()
+    walked.fill_(0)  # the walk graph's next replay
+    assert torch.equal(device_rows, host_rows)

@@ -104,6 +104,14 @@ def _sampled_positions(runner, metadata) -> Optional[torch.Tensor]:
     return positions[metadata.logits_indices] + 1
 
 
+def _rows_of_requests_without_trees(tokens, metadata, num_reqs: int, width: int) -> torch.Tensor:
+    """vLLM's chain rows ``[num_reqs, width]`` int32 where a request without a tree (no drafts, or the dummy run)
+    emits its last row's token; -1 elsewhere (the trees' rows are written over them)."""
+    out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=tokens.device)
+    out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
+    return out
+
+
 class PerRow:
     """Per-request settings ``[num_reqs, ...]`` repeated for each of a request's ``counts[r]`` logits rows; the
     counts go to the device once, on first use (an all-greedy step needs no per-row settings)."""
@@ -158,21 +166,28 @@ class DDTreeRejectionSampler(nn.Module):
             row_positions=_sampled_positions(runner, metadata) if sampling_metadata.generators else None,
             max_depth=int(plan.trees.draft_depth) if plan is not None and sampling_metadata.generators else None,
         )
-        out = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
-        # Requests without a tree (no drafts, or the dummy run) emit their last row's token.
-        out[:, 0] = tokens[metadata.bonus_logits_indices].to(torch.int32)
         result = walked = None
         if plan is not None and runner.ddtree_device_accepts(plan):
             # Walked on the device: no wait here; the commit and the drafter are queued behind the verification.
             walked = runner.ddtree_accept_on_device(plan, tokens[plan.logit_rows_gpu], width)
-            out[plan.batch_index_gpu] = walked["output_tokens"]
+            if plan.batch_index.shape[0] == num_reqs:
+                # Every request verified a tree (the rows are the requests, in order): the rows are the walk's,
+                # whole. A copy (one launch where filling them took five): the walk graph's next replay rewrites
+                # its output, and vLLM still reads these rows then (the next step's inputs, the copy to the host).
+                out = walked["output_tokens"].clone()
+            else:
+                out = _rows_of_requests_without_trees(tokens, metadata, num_reqs, width)
+                out[plan.batch_index_gpu] = walked["output_tokens"]
             runner.ddtree_output_to_host(out)
         elif plan is not None:
+            out = _rows_of_requests_without_trees(tokens, metadata, num_reqs, width)
             # The step's first wait for the GPU (the verify's tail): its own profiler range.
             with record_function_or_nullcontext("ddtree: wait for the target's tokens"):
                 node_tokens = tokens[plan.logit_rows_gpu].cpu().numpy()
             out[plan.batch_index_gpu] = runner.ddtree_accept(plan, node_tokens, width)["output_tokens"]
             result = runner._ddtree_accept
+        else:
+            out = _rows_of_requests_without_trees(tokens, metadata, num_reqs, width)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(
