@@ -507,3 +507,20 @@ def test_a_step_where_every_request_verifies_a_tree_takes_the_walks_rows_as_a_co
     assert device_rows.data_ptr() != walked.data_ptr()
     walked.fill_(0)  # the walk graph's next replay
     assert torch.equal(device_rows, host_rows)
+
+
+def test_step_rows_are_kept_by_their_counts_read_only(monkeypatch):
+    from ddtree.vllm import sampler
+
+    cpu = torch.device("cpu")
+    rows = sampler.step_rows([3, 0, 2], cpu)
+    assert rows.counts.tolist() == [4, 1, 3] and rows.starts.tolist() == [0, 4, 5]
+    assert sampler.step_rows((3, 0, 2), cpu) is rows and sampler.step_rows([3, 0, 1], cpu) is not rows
+    with pytest.raises(ValueError, match="read-only"):
+        rows.counts[0] = 9  # shared by every step of these counts: nothing may write it
+    assert rows.per_row(torch.tensor([7, 8, 9])).tolist() == [7] * 4 + [8] + [9] * 3
+    assert sampler.step_rows([], cpu).counts.shape == (0,)
+    monkeypatch.setattr(sampler, "MAX_KEPT_STEP_ROWS", 2)
+    for n in range(4):
+        sampler.step_rows([n], cpu)
+    assert len(sampler._STEP_ROWS) <= 2

@@ -20,7 +20,7 @@ sampler returns.
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Dict, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -112,6 +112,36 @@ def _rows_of_requests_without_trees(tokens, metadata, num_reqs: int, width: int)
     return out
 
 
+class StepRows(NamedTuple):
+    """A step's logits rows by request (read-only): ``counts[r]`` rows from ``starts[r]``, and the per-row repeat of
+    per-request settings."""
+
+    counts: np.ndarray
+    starts: np.ndarray
+    per_row: "PerRow"
+
+
+#: Step rows kept by their drafts' counts: the usual step repeats its counts (and keeps the counts' upload).
+_STEP_ROWS: Dict[tuple, StepRows] = {}
+MAX_KEPT_STEP_ROWS = 64
+
+
+def step_rows(num_draft_tokens: Sequence[int], device: torch.device) -> StepRows:
+    """:class:`StepRows` of a step whose requests scheduled ``num_draft_tokens`` drafts each (one row more each)."""
+    key = (tuple(num_draft_tokens), device)
+    rows = _STEP_ROWS.get(key)
+    if rows is None:
+        counts = np.asarray(key[0], dtype=np.int64).reshape(-1) + 1
+        starts = np.zeros_like(counts)
+        np.cumsum(counts[:-1], out=starts[1:])
+        counts.setflags(write=False)
+        starts.setflags(write=False)
+        if len(_STEP_ROWS) >= MAX_KEPT_STEP_ROWS:  # mixed steps' counts vary without bound: start afresh
+            _STEP_ROWS.clear()
+        rows = _STEP_ROWS[key] = StepRows(counts, starts, PerRow(counts, device))
+    return rows
+
+
 class PerRow:
     """Per-request settings ``[num_reqs, ...]`` repeated for each of a request's ``counts[r]`` logits rows; the
     counts go to the device once, on first use (an all-greedy step needs no per-row settings)."""
@@ -125,7 +155,7 @@ class PerRow:
         if t is None:
             return None
         if self._on_device is None:
-            self._on_device = _to_device(self.counts, self.device)
+            self._on_device = _to_device(np.array(self.counts), self.device)  # (a writable copy for torch)
         # The host knows the output size: no device sync to count it.
         return t[: self.counts.shape[0]].repeat_interleave(self._on_device, dim=0, output_size=self.num_rows)
 
@@ -140,9 +170,7 @@ class DDTreeRejectionSampler(nn.Module):
         plan = runner._ddtree_plan if runner is not None else None
         num_reqs = len(metadata.num_draft_tokens)
         width = metadata.max_spec_len + 1
-        counts = np.asarray(metadata.num_draft_tokens, dtype=np.int64) + 1
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        per_row = PerRow(counts, logits.device)
+        counts, starts, per_row = step_rows(metadata.num_draft_tokens, logits.device)
         # min_tokens from the runner's counts: vLLM's processor drops a request early under asynchronous scheduling.
         min_tokens = runner.ddtree_min_tokens_pending(num_reqs, counts) if runner is not None else []
         sample_logits = self._constrained(

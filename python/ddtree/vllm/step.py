@@ -909,6 +909,8 @@ def stop_token_rows(
     its row masks the stop tokens while ``d`` is below that count: exact per node, whatever the branch.
     Requests without a tree have one row (``row_starts[r]``), at depth 0.
     """
+    if not pending:  # (the usual step: no request with min_tokens left; the tree index below is per request)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     tree_of = tree_of_request(plan)
     rows, tokens = [], []
     for r, remaining, stops in pending:
