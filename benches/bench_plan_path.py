@@ -1,7 +1,7 @@
 """The vLLM runner's plan path under asynchronous scheduling, on CPU tensors: host ms and tensor ops per step.
 
     python benches/bench_plan_path.py [--batches 1 8 32] [--budget 64] [--depth 15] [--top-k 64] [--steps 20]
-        [--json FILE] [--baseline OTHER_CHECKOUT [--baseline-loaded second]]
+        [--json FILE] [--baseline OTHER_CHECKOUT [--baseline-loaded second] [--path plan|sampler]]
 
 What the GPU host does between vLLM's input preparation and the verification's launch, with the late trees the
 one-GPU default builds (``runner._prepare_inputs`` publishing the step from vLLM's counts, then
@@ -23,6 +23,10 @@ file builds its runner), its steps alternated with this checkout's step by step,
 of percent between runs on a shared machine) falls on both alike; prints the ratio of the medians. Which copy is
 loaded first is a flag (``--baseline-loaded``); an A/A run (``--baseline`` this checkout) read 0.99-1.00 in both
 orders (``cpu-plan-path-26686ec``).
+
+``--path sampler`` (an A/B only): the rejection sampler's call for the planned step instead (ddtree's sampler in
+place of vLLM's: per-row settings, the chain rows; all greedy, the device walk stubbed with fixed rows, logits of a
+64-token vocabulary, so its argmax is small beside the host work).
 
 The trees are whole trees of the budget for every request (a FULL-graph step), a hybrid GDN target (conv window
 3), the device walk's node arrays included, the plan's step graphs off (no CUDA).
@@ -154,6 +158,30 @@ def plan_step(runner, output) -> None:
     context.withdraw()
 
 
+def sampler_call(runner, vocab: int = 64):
+    """After a :func:`plan_step`: the rejection sampler and its arguments for the planned step (all greedy, no
+    constraints; the device walk stubbed with fixed rows, its cost the same on both sides of an A/B and a CPU's
+    eager walk, not a graph replay). Imports lazily: in an A/B, the side's own ``ddtree`` is the one in
+    ``sys.modules``."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.min_tokens import MinTokensRequests
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+
+    plan = runner._ddtree_plan
+    drafts = [[0] * int(b) for b in plan.num_nodes - 1]
+    metadata = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    rows = torch.zeros((len(drafts), max(map(len, drafts)) + 1), dtype=torch.int32)
+    runner._ddtree_min_tokens = MinTokensRequests()
+    runner.ddtree_accept_on_device = lambda plan, tokens, width: {"output_tokens": rows}
+    logits = torch.zeros((metadata.logits_indices.shape[0], vocab))
+    sampling = SimpleNamespace(
+        temperature=None, all_greedy=True, top_k=None, top_p=None, generators={}, no_penalties=True,
+        bad_words_token_ids={}, allowed_token_ids_mask=None, max_num_logprobs=None,
+    )  # fmt: skip
+    return DDTreeRejectionSampler(runner), (metadata, None, logits, sampling)
+
+
 def tensor_ops(runner, output) -> int:
     """aten ops of one plan step that would run a kernel or a copy on a GPU."""
     from torch.profiler import ProfilerActivity, profile
@@ -201,16 +229,25 @@ def load_package(checkout: str, core=None) -> Dict[str, Any]:
     paths = [os.path.join(checkout, "benches"), os.path.join(checkout, "python")]
     sys.path[:0] = paths
     try:
-        for module in ("ddtree", "ddtree.vllm.runner", "ddtree.vllm.proposer", "bench_plan_path"):
+        for module in (
+            "ddtree",
+            "ddtree.vllm.runner",
+            "ddtree.vllm.proposer",
+            "ddtree.vllm.sampler",
+            "bench_plan_path",
+        ):
             importlib.import_module(module)
     finally:
         del sys.path[: len(paths)]
     return {name: module for name, module in sys.modules.items() if _ours(name)}
 
 
-def compare(baseline: str, loaded: str, batch: int, budget: int, depth: int, top_k: int, steps: int) -> dict:
-    """Median plan step of this checkout and of ``baseline``, steps alternated (and which goes first, too); each
-    side's modules are put back into ``sys.modules`` before its step (the runner and this bench import lazily)."""
+def compare(
+    baseline: str, loaded: str, batch: int, budget: int, depth: int, top_k: int, steps: int, path: str = "plan"
+) -> dict:
+    """Median plan step (``path`` "sampler": sampler call) of this checkout and of ``baseline``, steps alternated
+    (and which goes first, too); each side's modules are put back into ``sys.modules`` before its step (the runner
+    and this bench import lazily; the sampler's call is made by this file's :func:`sampler_call` for both)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     first, second = (baseline, here) if loaded == "first" else (here, baseline)
     modules = {first: load_package(first)}
@@ -219,13 +256,24 @@ def compare(baseline: str, loaded: str, batch: int, budget: int, depth: int, top
     for checkout in (baseline, here):
         sys.modules.update(modules[checkout])
         bench = modules[checkout]["bench_plan_path"]
-        sides.append((bench, bench.build_runner(batch, budget, depth, top_k), np.random.default_rng(0), checkout))
+        runner, rng = bench.build_runner(batch, budget, depth, top_k), np.random.default_rng(0)
+        call = None
+        if path == "sampler":
+            with bench.vllm_parts_stubbed():
+                bench.plan_step(runner, bench.defer_proposal(runner, rng))
+            call = sampler_call(runner)
+        sides.append((bench, runner, rng, checkout, call))
     times: List[List[float]] = [[], []]
     warm_up = 50
     for step in range(2 * steps + warm_up):
         for s in (0, 1) if step % 2 == 0 else (1, 0):
-            bench, runner, rng, checkout = sides[s]
+            bench, runner, rng, checkout, call = sides[s]
             sys.modules.update(modules[checkout])
+            if call is not None:
+                start = time.perf_counter()
+                call[0](*call[1])
+                times[s].append(time.perf_counter() - start)
+                continue
             with bench.vllm_parts_stubbed():
                 output = bench.defer_proposal(runner, rng)
                 start = time.perf_counter()
@@ -233,6 +281,7 @@ def compare(baseline: str, loaded: str, batch: int, budget: int, depth: int, top
                 times[s].append(time.perf_counter() - start)
     base, new = (float(np.median(t[warm_up:])) for t in times)
     return {
+        "path": path,
         "batch": batch,
         "budget": budget,
         "baseline_loaded": loaded,
@@ -252,18 +301,30 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--baseline", help="another checkout: an A/B against it in this process (see above)")
     parser.add_argument("--baseline-loaded", choices=("first", "second"), default="first")
+    parser.add_argument(
+        "--path", choices=("plan", "sampler"), default="plan", help="the A/B's timed path (sampler: --baseline only)"
+    )
     args = parser.parse_args()
+    if args.path != "plan" and not args.baseline:
+        parser.error("--path sampler is an A/B: give --baseline")
     torch.set_num_threads(1)
     print(f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}", flush=True)
     rows = []
     if args.baseline:
         for batch in args.batches:
             row = compare(
-                args.baseline, args.baseline_loaded, batch, args.budget, args.depth, args.top_k, 10 * args.steps
+                args.baseline,
+                args.baseline_loaded,
+                batch,
+                args.budget,
+                args.depth,
+                args.top_k,
+                10 * args.steps,
+                args.path,
             )
             rows.append(row)
             print(
-                f"budget {row['budget']:4d} batch {batch:3d}: this {row['this_ms']:.3f} ms, baseline "
+                f"{args.path}: budget {row['budget']:4d} batch {batch:3d}: this {row['this_ms']:.3f} ms, baseline "
                 f"{row['baseline_ms']:.3f} ms (loaded {args.baseline_loaded}): {row['ratio']:.3f}x",
                 flush=True,
             )

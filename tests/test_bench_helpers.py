@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 import bench_qwen36_shape as bench  # noqa: E402
@@ -201,6 +202,20 @@ def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
     row = bench_plan_path.measure(batch=2, budget=8, depth=3, top_k=4, steps=2, rounds=1)
     assert row["batch"] == 2 and row["host_ms"] > 0 and 5 <= row["tensor_ops"] <= 40
     assert (GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess) == before
+
+
+def test_the_sampler_path_bench_calls_the_sampler_of_the_planned_step():
+    """bench_plan_path --path sampler: after a plan step, ddtree's rejection sampler called for that step emits one
+    chain row per request (the walk's rows: every request verified a tree)."""
+    import bench_plan_path
+    import numpy as np
+
+    runner = bench_plan_path.build_runner(2, 8, 3, 4)
+    with bench_plan_path.vllm_parts_stubbed():
+        bench_plan_path.plan_step(runner, bench_plan_path.defer_proposal(runner, np.random.default_rng(0)))
+    sampler, args = bench_plan_path.sampler_call(runner)
+    rows = sampler(*args).sampled_token_ids
+    assert rows.shape == (2, 9) and rows.dtype == torch.int32
 
 
 def test_the_pair_bench_refuses_fewer_requests_than_its_largest_batch(monkeypatch, capsys):
