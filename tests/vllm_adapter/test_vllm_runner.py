@@ -1096,3 +1096,30 @@ def test_the_commit_moves_kv_once_with_the_gdn_commit_in_place_or_beside_it(monk
         assert sorted(ran) == [("commit", "p0"), ("move", [4, 5])], step
         ran.clear()
     assert runner.ddtree_stats.commit_in_place_steps == (1 if in_place else 0)  # the second step replayed
+
+
+def test_queueing_an_early_launch_is_timed_as_the_plans_host_work(monkeypatch):
+    """A step queued ahead of its trees spends host time queueing the gate, the upload and the placement before
+    vLLM's forward: it counts in the plan's timer, like the trees built later for it."""
+    import time
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+
+    monkeypatch.setattr(GPUModelRunner, "_preprocess", lambda self, *a, **k: "vllm's")
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_stats = DDTreeStats(3)
+    runner._ddtree_early, prepared = None, []
+
+    def queue_early(late):
+        deadline = time.perf_counter() + 0.003
+        while time.perf_counter() < deadline:
+            pass
+        return True
+
+    runner._ddtree_queue_early = queue_early
+    runner._ddtree_settle_and_prepare = lambda late, early=None: prepared.append(late)
+    runner._ddtree_late_step = ("late",)
+    assert runner._preprocess() == "vllm's" and prepared == []  # queued: the trees come after the launch
+    assert runner.ddtree_stats.host_seconds["plan"] >= 0.003

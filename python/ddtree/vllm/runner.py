@@ -562,10 +562,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         stale, self._ddtree_early = self._ddtree_early, None
         if stale is not None:  # queued by a step that never reached its forward: let the GPU go
             stale.release()
-        if late is not None and not self._ddtree_queue_early(late):
-            # Asynchronous scheduling: the trees arrive now, after vLLM's metadata builds and before the input
-            # ids are embedded; the wait is for the drafter of the step before, queued ahead on the GPU.
-            self._ddtree_settle_and_prepare(late)
+        if late is not None:
+            # Timed with the plan: queueing the early launch is the step's host work too.
+            with self.ddtree_stats.timed("plan"):
+                queued = self._ddtree_queue_early(late)
+            if not queued:
+                # Asynchronous scheduling: the trees arrive now, after vLLM's metadata builds and before the input
+                # ids are embedded; the wait is for the drafter of the step before, queued ahead on the GPU.
+                self._ddtree_settle_and_prepare(late)
         with record_function_or_nullcontext("vllm: _preprocess"):
             return super()._preprocess(*args, **kwargs)
 
