@@ -402,6 +402,7 @@ def run_engine(
                 "full_graph_steps",
                 "commit_graph_steps",
                 "commit_in_place_steps",
+                "graph_capture_failures",
                 "walk_graph_steps",
                 "walk_copied_steps",
                 "device_accept_steps",

@@ -182,6 +182,8 @@ def child(args):
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
             row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)
+            # Step graphs whose capture ran out of memory (their shapes then ran launch by launch: slower).
+            row["graph_capture_failures"] = summary.get("graph_capture_failures", 0)
             # Walks by a graph, and of those, by one that copied its trees in (they were not where it reads).
             row["walk_graph_steps"] = summary.get("walk_graph_steps", 0)
             row["walk_copied_steps"] = summary.get("walk_copied_steps", 0)

@@ -277,6 +277,35 @@ def test_commit_graphs_read_a_replayed_walks_paths_where_they_are():
     assert len(captured) == 2 and graphs.replayed == 1
 
 
+def test_a_capture_that_runs_out_of_memory_leaves_its_key_eager_and_the_engine_serving(caplog):
+    """ddtree captures while serving, beside a KV cache that fills the memory vLLM was given: a capture that runs
+    out of memory is not fatal. That call's result is the eager run's; later calls of the key run eagerly without
+    trying again (no replay, no first run counted), with one warning; other keys still capture."""
+    import logging
+
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    attempts = []
+
+    def capture(work):
+        attempts.append(work)
+        if len(attempts) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return work
+
+    graphs, runs = ShapeGraphs(capture), []
+    failures, first_runs = ShapeGraphs.capture_failures, ShapeGraphs.first_runs
+    with caplog.at_level(logging.WARNING, logger="vllm.ddtree.graphs"):
+        for step in range(3):
+            assert graphs.run("big", lambda: runs.append("big") or {"out": torch.ones(1)})["out"].item() == 1.0
+    assert runs == ["big"] * 3 and len(attempts) == 1 and graphs.replayed == 0 and not graphs.has("big")
+    assert ShapeGraphs.capture_failures == failures + 1 and ShapeGraphs.first_runs == first_runs + 1
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "ran out of device memory" in caplog.text
+    graphs.run("small", lambda: None)
+    graphs.run("small", lambda: None)
+    assert graphs.has("small") and graphs.replayed == 1
+
+
 def test_a_commit_in_place_records_the_kv_moves_in_the_same_graph():
     """In place, the step's K/V moves (the walk's outputs too) are recorded with the GDN layers' commits: one graph,
     keyed by their addresses as well, whose replay moves the walk's new moves; other move tensors get a graph of

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -332,10 +333,14 @@ class ShapeGraphs:
     #: it (``runner._ddtree_auto_step``): on the pair, budgets met late (15 at probes, 63 at 11-32 requests) kept
     #: such steps as their medians and ``auto`` took budget 15 at batch 32 (``gpu-h200-pair-landed-ae204db``).
     first_runs = 0
+    #: Captures that ran out of device memory, over every instance (the runner's summary reports them): ddtree
+    #: captures while serving, beside a KV cache sized to fill the memory vLLM was given.
+    capture_failures = 0
 
     def __init__(self, capture):
         self._capture = capture
         self._graphs: Dict[tuple, tuple] = {}
+        self._eager: set = set()  # keys whose capture ran out of memory: their work runs launch by launch
         self.replayed = 0
 
     def has(self, key) -> bool:
@@ -343,13 +348,17 @@ class ShapeGraphs:
         return key in self._graphs
 
     def run(self, key, work: Callable[[], Optional[Dict[str, torch.Tensor]]]):
-        """``work``'s outputs for ``key``: replayed, or (first call) from ``work`` run as is."""
+        """``work``'s outputs for ``key``: replayed, or (first call) from ``work`` run as is. A capture that runs out
+        of device memory leaves its key to run eagerly from then on (slower, exact), with a warning: the engine
+        keeps serving."""
         entry = self._graphs.get(key)
         if entry is not None:
             replay, outputs = entry
             replay()
             self.replayed += 1
             return dict(outputs)
+        if key in self._eager:
+            return work()
         ShapeGraphs.first_runs += 1
         result = work()
         outputs: Dict[str, torch.Tensor] = {}
@@ -357,7 +366,19 @@ class ShapeGraphs:
         def recorded() -> None:
             outputs.update(work() or {})
 
-        self._graphs[key] = (self._capture(recorded), outputs)
+        try:
+            replay = self._capture(recorded)
+        except torch.cuda.OutOfMemoryError as exc:
+            self._eager.add(key)
+            ShapeGraphs.capture_failures += 1
+            # (A child of vLLM's logger, which has the handler, without importing vLLM here.)
+            logging.getLogger("vllm.ddtree.graphs").warning(
+                "DDTree: capturing a step graph ran out of device memory (%s); that step shape runs launch by launch "
+                "from now on (slower, exact). A lower gpu_memory_utilization leaves room for ddtree's graphs.",
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            return result
+        self._graphs[key] = (replay, outputs)
         return result
 
 

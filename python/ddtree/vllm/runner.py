@@ -1445,5 +1445,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return dict(
             self.ddtree_stats.summary(),
             whole_tree_gdn_metadata_builds=gdn_metadata.builds,
+            graph_capture_failures=ShapeGraphs.capture_failures,
             async_scheduling=bool(self.use_async_scheduling),
         )
