@@ -24,6 +24,9 @@ of percent between runs on a shared machine) falls on both alike; prints the rat
 loaded first is a flag (``--baseline-loaded``); an A/A run (``--baseline`` this checkout) read 0.99-1.00 in both
 orders (``cpu-plan-path-26686ec``).
 
+``--path walk`` (an A/B only): after each plan step, the device walk's call through walk graphs whose replay is a
+no-op (the host's side of a replayed walk), with the trees object the step's plan got.
+
 ``--path sampler`` (an A/B only): the rejection sampler's call for the planned step instead (ddtree's sampler in
 place of vLLM's: per-row settings, the chain rows; all greedy, the device walk stubbed with fixed rows, logits of a
 64-token vocabulary, so its argmax is small beside the host work).
@@ -182,6 +185,21 @@ def sampler_call(runner, vocab: int = 64):
     return DDTreeRejectionSampler(runner), (metadata, None, logits, sampling)
 
 
+def walk_call(runner):
+    """After a :func:`plan_step`: the device walk's call for the planned step through walk graphs whose replay is
+    a no-op stand-in (the host's side of a replayed walk: finding the graph, copying the target's tokens in). Its
+    graphs are made once per runner; each step hands the trees object its plan got, as the runner does."""
+    from ddtree.vllm.graphs import WalkGraphs
+
+    graphs = getattr(runner, "_bench_walk_graphs", None)
+    if graphs is None:
+        graphs = runner._bench_walk_graphs = WalkGraphs(lambda work: lambda: None)
+    plan = runner._ddtree_plan
+    target = torch.zeros(plan.num_tree_tokens, dtype=torch.int64)
+    args = (int(plan.num_nodes.max()), int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
+    return graphs.walk, (plan.device_trees, target, *args)
+
+
 def tensor_ops(runner, output) -> int:
     """aten ops of one plan step that would run a kernel or a copy on a GPU."""
     from torch.profiler import ProfilerActivity, profile
@@ -245,9 +263,10 @@ def load_package(checkout: str, core=None) -> Dict[str, Any]:
 def compare(
     baseline: str, loaded: str, batch: int, budget: int, depth: int, top_k: int, steps: int, path: str = "plan"
 ) -> dict:
-    """Median plan step (``path`` "sampler": sampler call) of this checkout and of ``baseline``, steps alternated
-    (and which goes first, too); each side's modules are put back into ``sys.modules`` before its step (the runner
-    and this bench import lazily; the sampler's call is made by this file's :func:`sampler_call` for both)."""
+    """Median plan step (``path`` "sampler": sampler call; "walk": the walk's call after each plan step) of this
+    checkout and of ``baseline``, steps alternated (and which goes first, too); each side's modules are put back
+    into ``sys.modules`` before its step (the runner and this bench import lazily; the sampler's and the walk's
+    calls are made by this file's :func:`sampler_call` and :func:`walk_call` for both)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     first, second = (baseline, here) if loaded == "first" else (here, baseline)
     modules = {first: load_package(first)}
@@ -258,6 +277,12 @@ def compare(
         bench = modules[checkout]["bench_plan_path"]
         runner, rng = bench.build_runner(batch, budget, depth, top_k), np.random.default_rng(0)
         call = None
+        if path == "walk":
+            # The placement as a graph whose outputs stay where its capture left them (as on a GPU, where the walk's
+            # trees are the upload's views and those outputs); its replay a no-op here.
+            shape_graphs = modules[checkout]["ddtree.vllm.graphs"].ShapeGraphs
+            runner._ddtree_plan_graphs = shape_graphs(lambda work: work() or (lambda: None))
+            runner._ddtree_step_graphs_on = True
         if path == "sampler":
             with bench.vllm_parts_stubbed():
                 bench.plan_step(runner, bench.defer_proposal(runner, rng))
@@ -272,6 +297,16 @@ def compare(
             if call is not None:
                 start = time.perf_counter()
                 call[0](*call[1])
+                times[s].append(time.perf_counter() - start)
+                continue
+            if path == "walk":
+                with bench.vllm_parts_stubbed():
+                    bench.plan_step(runner, bench.defer_proposal(runner, rng))
+                walk, args = walk_call(runner)
+                if step == 0:
+                    walk(*args)  # (the shape's first walk runs eagerly: not timed)
+                start = time.perf_counter()
+                walk(*args)
                 times[s].append(time.perf_counter() - start)
                 continue
             with bench.vllm_parts_stubbed():
@@ -302,11 +337,14 @@ def main() -> None:
     parser.add_argument("--baseline", help="another checkout: an A/B against it in this process (see above)")
     parser.add_argument("--baseline-loaded", choices=("first", "second"), default="first")
     parser.add_argument(
-        "--path", choices=("plan", "sampler"), default="plan", help="the A/B's timed path (sampler: --baseline only)"
+        "--path",
+        choices=("plan", "sampler", "walk"),
+        default="plan",
+        help="the A/B's timed path (sampler, walk: --baseline only)",
     )
     args = parser.parse_args()
     if args.path != "plan" and not args.baseline:
-        parser.error("--path sampler is an A/B: give --baseline")
+        parser.error(f"--path {args.path} is an A/B: give --baseline")
     torch.set_num_threads(1)
     print(f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}", flush=True)
     rows = []

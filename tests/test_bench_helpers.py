@@ -218,6 +218,30 @@ def test_the_sampler_path_bench_calls_the_sampler_of_the_planned_step():
     assert rows.shape == (2, 9) and rows.dtype == torch.int32
 
 
+def test_the_walk_path_bench_hands_the_walk_one_trees_object_while_the_shape_repeats():
+    """bench_plan_path --path walk: with the placement as a graph (outputs kept), each plan step hands the walk the
+    same trees object, and the walk finds its graph without reading the tensors' metadata."""
+    import dataclasses
+
+    import bench_plan_path
+    import numpy as np
+
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    runner = bench_plan_path.build_runner(2, 8, 3, 4)
+    runner._ddtree_plan_graphs = ShapeGraphs(lambda work: work() or (lambda: None))
+    runner._ddtree_step_graphs_on = True
+    rng, trees = np.random.default_rng(0), []
+    for _ in range(3):
+        with bench_plan_path.vllm_parts_stubbed():
+            bench_plan_path.plan_step(runner, bench_plan_path.defer_proposal(runner, rng))
+        walk, args = bench_plan_path.walk_call(runner)
+        walk(*args)
+        trees.append(args[0])
+    assert trees[1] is trees[2] and dataclasses.is_dataclass(trees[2])
+    assert runner._bench_walk_graphs.replayed >= 1
+
+
 def test_the_pair_bench_refuses_fewer_requests_than_its_largest_batch(monkeypatch, capsys):
     """Every batch size serves ``--requests`` requests b at a time: fewer than the largest batch would run that
     row with a smaller batch under its name."""
