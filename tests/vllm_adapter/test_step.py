@@ -432,6 +432,8 @@ def test_a_whole_late_proposal_is_verified_without_records_and_plans_what_record
     (whole, store), (recorded, _) = plan(False), plan(True)
     _assert_same_plans(whole, recorded)
     assert whole.proposed_budgets.tolist() == [30] * 3 and whole.num_nodes.tolist() == [13] * 3
+    # Every request verifies a tree: its logits rows are its nodes, in order (the sampler walks the tokens as is).
+    assert whole.logit_rows.tolist() == list(range(whole.num_tokens)) == whole.token_index.tolist()
     assert len(store) == 0  # verified: nothing left
 
 

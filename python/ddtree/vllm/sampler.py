@@ -197,11 +197,15 @@ class DDTreeRejectionSampler(nn.Module):
         result = walked = None
         if plan is not None and runner.ddtree_device_accepts(plan):
             # Walked on the device: no wait here; the commit and the drafter are queued behind the verification.
-            walked = runner.ddtree_accept_on_device(plan, tokens[plan.logit_rows_gpu], width)
-            if plan.batch_index.shape[0] == num_reqs:
-                # Every request verified a tree (the rows are the requests, in order): the rows are the walk's,
-                # whole. A copy (one launch where filling them took five): the walk graph's next replay rewrites
-                # its output, and vLLM still reads these rows then (the next step's inputs, the copy to the host).
+            every_request = plan.batch_index.shape[0] == num_reqs
+            # Every request verifying a tree, its logits rows are its nodes, in order: the tokens as they are.
+            walked = runner.ddtree_accept_on_device(
+                plan, tokens if every_request else tokens[plan.logit_rows_gpu], width
+            )
+            if every_request:
+                # The chain rows are the walk's, whole. A copy (one launch where filling them took five): the walk
+                # graph's next replay rewrites its output, and vLLM still reads these rows then (the next step's
+                # inputs, the copy to the host).
                 out = walked["output_tokens"].clone()
             else:
                 out = _rows_of_requests_without_trees(tokens, metadata, num_reqs, width)
