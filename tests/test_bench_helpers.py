@@ -218,7 +218,7 @@ def test_the_sampler_path_bench_calls_the_sampler_of_the_planned_step():
     assert rows.shape == (2, 9) and rows.dtype == torch.int32
 
 
-def test_the_walk_path_bench_hands_the_walk_one_trees_object_while_the_shape_repeats():
+def test_the_walk_path_bench_hands_the_walk_one_trees_object_while_the_shape_repeats(monkeypatch):
     """bench_plan_path --path walk: with the placement as a graph (outputs kept), each plan step hands the walk the
     same trees object, and the walk finds its graph without reading the tensors' metadata."""
     import dataclasses
@@ -228,6 +228,7 @@ def test_the_walk_path_bench_hands_the_walk_one_trees_object_while_the_shape_rep
 
     from ddtree.vllm.graphs import ShapeGraphs
 
+    monkeypatch.setattr(ShapeGraphs, "first_runs", ShapeGraphs.first_runs)  # a process-wide count, restored
     runner = bench_plan_path.build_runner(2, 8, 3, 4)
     runner._ddtree_plan_graphs = ShapeGraphs(lambda work: work() or (lambda: None))
     runner._ddtree_step_graphs_on = True

@@ -396,6 +396,7 @@ def _auto_runner(monkeypatch, captured):
 
     from ddtree.vllm import runner as runner_module
     from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.graphs import ShapeGraphs
     from ddtree.vllm.runner import DDTreeGPUModelRunner
 
     runner = object.__new__(DDTreeGPUModelRunner)
@@ -406,6 +407,8 @@ def _auto_runner(monkeypatch, captured):
     keys.add(BatchDescriptor(num_tokens=512))  # a PIECEWISE-style key without requests: not a tree graph
     runner.cudagraph_dispatcher = SimpleNamespace(cudagraph_keys={CUDAGraphMode.FULL: keys})
     monkeypatch.setattr(DDTreeGPUModelRunner, "_ddtree_full_graphs", lambda self: True)
+    # No graph key ran for the first time during these steps (the counter is process-wide: other tests raise it).
+    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
     log = _Recorder()
     monkeypatch.setattr(runner_module, "logger", log)
     return runner, log

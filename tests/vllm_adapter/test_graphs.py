@@ -277,7 +277,7 @@ def test_commit_graphs_read_a_replayed_walks_paths_where_they_are():
     assert len(captured) == 2 and graphs.replayed == 1
 
 
-def test_a_capture_that_runs_out_of_memory_leaves_its_key_eager_and_the_engine_serving(caplog):
+def test_a_capture_that_runs_out_of_memory_leaves_its_key_eager_and_the_engine_serving(caplog, monkeypatch):
     """ddtree captures while serving, beside a KV cache that fills the memory vLLM was given: a capture that runs
     out of memory is not fatal. That call's result is the eager run's; later calls of the key run eagerly without
     trying again (no replay, no first run counted), with one warning; other keys still capture."""
@@ -294,6 +294,8 @@ def test_a_capture_that_runs_out_of_memory_leaves_its_key_eager_and_the_engine_s
         return work
 
     graphs, runs = ShapeGraphs(capture), []
+    for counter in ("capture_failures", "first_runs"):  # process-wide counts: restored after the test
+        monkeypatch.setattr(ShapeGraphs, counter, getattr(ShapeGraphs, counter))
     failures, first_runs = ShapeGraphs.capture_failures, ShapeGraphs.first_runs
     with caplog.at_level(logging.WARNING, logger="vllm.ddtree.graphs"):
         for step in range(3):
