@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import ddtree
+from ddtree.vllm.bounded import keep
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, PendingCommit
 import ddtree.vllm.step
 from ddtree.vllm.step import ancestor_words, layout_specs
@@ -129,9 +130,7 @@ class TreeStepBuffers:
                 views["node_offsets"] = self.node_offsets[: num_trees + 1]
             if conv:
                 views["conv_index"] = self.conv_index[:num_tokens]
-            if len(self._views) >= MAX_CACHED_VIEWS:  # mixed steps' shapes vary without bound: start afresh
-                self._views.clear()
-            self._views[key] = views
+            keep(self._views, key, views, MAX_CACHED_VIEWS)
         return dict(views)  # the caller's own dict; the tensors are the cached views
 
     def stage_dummy_trees(self, num_trees: int, depth: int, tree_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
@@ -249,9 +248,7 @@ class WalkGraphs:
             return self._graphs.run(hit[0], lambda: accept_on_device(own_trees, own_target, *args))
         fields = [f.name for f in dataclasses.fields(trees)]
         inputs = [getattr(trees, name) for name in fields]
-        shape = (width, path_width, num_tokens, conv_window) + tuple(
-            (t.shape, t.stride(), t.dtype) for t in [*inputs, target]
-        )
+        shape = args + tuple((t.shape, t.stride(), t.dtype) for t in [*inputs, target])
         key = shape + tuple(t.data_ptr() for t in inputs)
         entry = self._inputs.get(key)
         address_sets = self._address_sets.get(shape, 0)
@@ -269,9 +266,7 @@ class WalkGraphs:
                 for name, given in zip(fields, inputs):
                     getattr(entry[1], name).copy_(given)
         if key[-1] != "copied":  # a graph that reads these tensors in place: the object finds it from now on
-            if len(self._known) >= self.KNOWN_TREES:
-                self._known.clear()
-            self._known[known] = (key, trees)
+            keep(self._known, known, (key, trees), self.KNOWN_TREES)
         own_target, own_trees = entry
         own_target.copy_(target)
         return self._graphs.run(key, lambda: accept_on_device(own_trees, own_target, *args))

@@ -74,6 +74,7 @@ from ddtree.vllm.config import (
     step_graphs_enabled,
     tree_size,
 )
+from ddtree.vllm.bounded import keep
 from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
 from ddtree.vllm.graphs import (
     CapturedCommits,
@@ -647,10 +648,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         kept = self._ddtree_spec_metadata.get(key)
         if kept is None:
             metadata = super()._calc_spec_decode_metadata(num_draft_tokens, cu_num_scheduled_tokens)
-            if len(self._ddtree_spec_metadata) >= MAX_KEPT_SHAPES:
-                self._ddtree_spec_metadata.clear()
             draft_positions = metadata.logits_indices[metadata.target_logits_indices + 1]
-            self._ddtree_spec_metadata[key] = (metadata, draft_positions)
+            keep(self._ddtree_spec_metadata, key, (metadata, draft_positions), MAX_KEPT_SHAPES)
             return metadata
         metadata, draft_positions = kept
         return dataclasses.replace(
@@ -778,12 +777,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         )
         key = tuple(map(id, tensors))  # (the cached object holds the tensors: their ids stay theirs)
         trees = self._ddtree_trees_by_tensors.get(key)
-        if trees is None:
-            if len(self._ddtree_trees_by_tensors) >= MAX_KEPT_SHAPES:  # eager placements: new tensors every step
-                self._ddtree_trees_by_tensors.clear()
+        if trees is None:  # (eager placements make new tensors every step: the memo starts afresh when full)
             names = (*device_accept.NODE_ARRAYS, "node_depths", "node_offsets", "query_starts", "token_index")
             trees = device_accept.DeviceTrees(**dict(zip(names + ("ancestor_bits",), tensors)))
-            self._ddtree_trees_by_tensors[key] = trees
+            keep(self._ddtree_trees_by_tensors, key, trees, MAX_KEPT_SHAPES)
         return trees
 
     def _ddtree_place(self, gpu: Dict[str, torch.Tensor], total: int, late: bool, whole: int):
@@ -883,11 +880,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return known[1], known[2]
         full_specs, extra_names = self._ddtree_plan_specs(specs, total, hybrid)
         runner_names = [name for name in extra_names if name not in NODE_OUTPUTS]
-        if len(_STAGED_PLAN_SPECS) >= MAX_KEPT_SHAPES:
-            _STAGED_PLAN_SPECS.clear()
         # ``specs`` is kept with its entry: its id cannot be reused by another object while the entry lives.
-        _STAGED_PLAN_SPECS[key] = (specs, types.MappingProxyType(full_specs), runner_names)
-        return _STAGED_PLAN_SPECS[key][1], runner_names
+        entry = keep(
+            _STAGED_PLAN_SPECS, key, (specs, types.MappingProxyType(full_specs), runner_names), MAX_KEPT_SHAPES
+        )
+        return entry[1], runner_names
 
     def _ddtree_plan_specs(self, specs, total: int, hybrid: bool) -> Tuple[Dict[str, tuple], List[str]]:
         """The plan staging's layout for the plan's ``specs``: those and the runner's own (named second)."""

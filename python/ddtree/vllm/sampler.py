@@ -25,6 +25,8 @@ from typing import Dict, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+
+from ddtree.vllm.bounded import keep
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.utils import record_function_or_nullcontext
 from vllm.v1.sample.logits_processor.builtin import (
@@ -136,9 +138,7 @@ def step_rows(num_draft_tokens: Sequence[int], device: torch.device) -> StepRows
         np.cumsum(counts[:-1], out=starts[1:])
         counts.setflags(write=False)
         starts.setflags(write=False)
-        if len(_STEP_ROWS) >= MAX_KEPT_STEP_ROWS:  # mixed steps' counts vary without bound: start afresh
-            _STEP_ROWS.clear()
-        rows = _STEP_ROWS[key] = StepRows(counts, starts, PerRow(counts, device))
+        rows = keep(_STEP_ROWS, key, StepRows(counts, starts, PerRow(counts, device)), MAX_KEPT_STEP_ROWS)
     return rows
 
 

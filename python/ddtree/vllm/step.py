@@ -118,18 +118,10 @@ class TreeStore:
         whole, self._whole = self._whole, None
         if whole is None:
             return
-        if whole.log_probs is None:  # not settled yet: settle() fills these
-            for req_id in whole.req_ids:
-                self._records[req_id] = DraftRecord(None, None, None, budget=whole.budget)
-            return
-        rows, in_order = {}, []
-        for r, req_id in enumerate(whole.req_ids):
-            record = DraftRecord(whole.log_probs[r], whole.token_ids[r], None, budget=whole.budget)
-            self._records[req_id] = record
-            rows[req_id] = (record, r)
-            in_order.append(record)
-        self.settled = (rows, whole.log_probs, whole.token_ids)
-        self.settled_in_order = (whole.req_ids, in_order)
+        for req_id in whole.req_ids:
+            self._records[req_id] = DraftRecord(None, None, None, budget=whole.budget)
+        if whole.log_probs is not None:  # settled already (else settle() fills them)
+            self._fill_records(whole.req_ids, whole.log_probs, whole.token_ids)
 
     def whole_proposal_of(self, req_ids: Sequence[str]) -> Optional[WholeProposal]:
         """The settled whole proposal when its requests are exactly ``req_ids``, in order (None: not so)."""
@@ -190,16 +182,20 @@ class TreeStore:
             whole.log_probs, whole.token_ids = log_probs, token_ids
             self.settled = self.settled_in_order = None
             return
+        self._fill_records(proposal.req_ids, log_probs, token_ids)
+
+    def _fill_records(self, req_ids: Tuple[str, ...], log_probs: np.ndarray, token_ids: np.ndarray) -> None:
+        """Gives the records of a settled proposal's requests (``req_ids``, its row order) that still wait for
+        arrays their rows of ``log_probs`` / ``token_ids``, and keeps the proposal whole (:attr:`settled`)."""
         rows, in_order = {}, []
-        for r, req_id in enumerate(proposal.req_ids):
+        for r, req_id in enumerate(req_ids):
             record = self._records.get(req_id)
             if record is not None and record.log_probs is None:
                 record.log_probs, record.token_ids = log_probs[r], token_ids[r]
                 rows[req_id] = (record, r)
                 in_order.append(record)
         self.settled = (rows, log_probs, token_ids)
-        whole = len(in_order) == len(proposal.req_ids)
-        self.settled_in_order = (proposal.req_ids, in_order) if whole else None
+        self.settled_in_order = (req_ids, in_order) if len(in_order) == len(req_ids) else None
 
     def _step_budget(self, budget: Optional[int]) -> int:
         budget = self.budget if budget is None else budget
