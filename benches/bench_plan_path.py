@@ -260,6 +260,48 @@ def load_package(checkout: str, core=None) -> Dict[str, Any]:
     return {name: module for name, module in sys.modules.items() if _ours(name)}
 
 
+def _timed_plan_step(bench, runner, rng, first: bool) -> float:
+    with bench.vllm_parts_stubbed():
+        output = bench.defer_proposal(runner, rng)
+        start = time.perf_counter()
+        bench.plan_step(runner, output)
+        return time.perf_counter() - start
+
+
+def _timed_walk(bench, runner, rng, first: bool) -> float:
+    with bench.vllm_parts_stubbed():
+        bench.plan_step(runner, bench.defer_proposal(runner, rng))
+    walk, args = walk_call(runner)
+    if first:
+        walk(*args)  # (the shape's first walk runs eagerly: not timed)
+    start = time.perf_counter()
+    walk(*args)
+    return time.perf_counter() - start
+
+
+def _timed_sampler_call(bench, runner, rng, first: bool) -> float:
+    sampler, args = runner._bench_sampler_call
+    start = time.perf_counter()
+    sampler(*args)
+    return time.perf_counter() - start
+
+
+#: ``--path``: (what one timed step of a side does, the side's runner prepared for it).
+TIMED_PATHS = {"plan": _timed_plan_step, "walk": _timed_walk, "sampler": _timed_sampler_call}
+
+
+def _prepare_side(path: str, bench, runner, rng, graphs_module) -> None:
+    if path == "walk":
+        # The placement as a graph whose outputs stay where its capture left them (as on a GPU, where the walk's
+        # trees are the upload's views and those outputs); its replay a no-op here.
+        runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(lambda work: work() or (lambda: None))
+        runner._ddtree_step_graphs_on = True
+    elif path == "sampler":
+        with bench.vllm_parts_stubbed():
+            bench.plan_step(runner, bench.defer_proposal(runner, rng))
+        runner._bench_sampler_call = sampler_call(runner)
+
+
 def compare(
     baseline: str, loaded: str, batch: int, budget: int, depth: int, top_k: int, steps: int, path: str = "plan"
 ) -> dict:
@@ -276,44 +318,16 @@ def compare(
         sys.modules.update(modules[checkout])
         bench = modules[checkout]["bench_plan_path"]
         runner, rng = bench.build_runner(batch, budget, depth, top_k), np.random.default_rng(0)
-        call = None
-        if path == "walk":
-            # The placement as a graph whose outputs stay where its capture left them (as on a GPU, where the walk's
-            # trees are the upload's views and those outputs); its replay a no-op here.
-            shape_graphs = modules[checkout]["ddtree.vllm.graphs"].ShapeGraphs
-            runner._ddtree_plan_graphs = shape_graphs(lambda work: work() or (lambda: None))
-            runner._ddtree_step_graphs_on = True
-        if path == "sampler":
-            with bench.vllm_parts_stubbed():
-                bench.plan_step(runner, bench.defer_proposal(runner, rng))
-            call = sampler_call(runner)
-        sides.append((bench, runner, rng, checkout, call))
+        _prepare_side(path, bench, runner, rng, modules[checkout]["ddtree.vllm.graphs"])
+        sides.append((bench, runner, rng, checkout))
+    timed = TIMED_PATHS[path]
     times: List[List[float]] = [[], []]
     warm_up = 50
     for step in range(2 * steps + warm_up):
         for s in (0, 1) if step % 2 == 0 else (1, 0):
-            bench, runner, rng, checkout, call = sides[s]
+            bench, runner, rng, checkout = sides[s]
             sys.modules.update(modules[checkout])
-            if call is not None:
-                start = time.perf_counter()
-                call[0](*call[1])
-                times[s].append(time.perf_counter() - start)
-                continue
-            if path == "walk":
-                with bench.vllm_parts_stubbed():
-                    bench.plan_step(runner, bench.defer_proposal(runner, rng))
-                walk, args = walk_call(runner)
-                if step == 0:
-                    walk(*args)  # (the shape's first walk runs eagerly: not timed)
-                start = time.perf_counter()
-                walk(*args)
-                times[s].append(time.perf_counter() - start)
-                continue
-            with bench.vllm_parts_stubbed():
-                output = bench.defer_proposal(runner, rng)
-                start = time.perf_counter()
-                bench.plan_step(runner, output)
-                times[s].append(time.perf_counter() - start)
+            times[s].append(timed(bench, runner, rng, step == 0))
     base, new = (float(np.median(t[warm_up:])) for t in times)
     return {
         "path": path,
@@ -338,7 +352,7 @@ def main() -> None:
     parser.add_argument("--baseline-loaded", choices=("first", "second"), default="first")
     parser.add_argument(
         "--path",
-        choices=("plan", "sampler", "walk"),
+        choices=tuple(TIMED_PATHS),
         default="plan",
         help="the A/B's timed path (sampler, walk: --baseline only)",
     )
