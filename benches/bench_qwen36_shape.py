@@ -261,19 +261,6 @@ def set_commit_in_place(worker, on: bool) -> bool:
     return previous
 
 
-def host_ms_between(before: dict, after: dict) -> dict:
-    """ddtree's host ms per verify step of the steps between two summaries (each holds per-step means so far)."""
-    steps = after.get("verify_steps", 0) - before.get("verify_steps", 0)
-    if steps <= 0:
-        return {}
-    parts = after.get("host_ms_per_verify_step", {})
-    earlier = before.get("host_ms_per_verify_step", {})
-    return {
-        part: round((ms * after["verify_steps"] - earlier.get(part, 0.0) * before.get("verify_steps", 0)) / steps, 4)
-        for part, ms in parts.items()
-    }
-
-
 #: ``--ab NAME[,NAME...]``: each ddtree batch is timed once more in the same engine per NAME, the switches turned
 #: one after the other and kept (the first timing has the engine's own settings): the setter and its setting.
 AB_SWITCHES = {
@@ -306,7 +293,7 @@ def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
             counters = ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps")
             for counter in (*counters, "commit_in_place_steps"):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
-            row["host_ms_per_verify_step"] = host_ms_between(before, after)
+            row["host_ms_per_verify_step"] = timed_host_ms(before, after)
             rows.append(row)
     finally:
         for setter, previous in reversed(restore):
