@@ -1,9 +1,12 @@
 """Throughput and acceptance of vLLM 0.25.x: no speculation vs vLLM's DFlash vs DDTree (GPU).
 
-    python benches/bench_vllm_ddtree.py [--target DIR --drafter DIR [--prompts FILE]] [--budgets 15,31,63,127,255]
+    python benches/bench_vllm_ddtree.py [--model PAIR_DIR | --target DIR --drafter DIR [--prompts FILE]]
+                                        [--budgets 15,31,63,127,255]
                                         [--batches 1,8,32] [--max-tokens 128] [--out DIR] [--eager]
 
-Without --target/--drafter it writes the tiny random Qwen3 target and DFlash
+``--model DIR`` is a pair's directory as ``tests/fixtures/models`` lays it out (``target/``, ``drafter/``,
+``prompts.json``): the trained pair of every recorded run. Without it or --target/--drafter it writes the tiny
+random Qwen3 target and DFlash
 drafter of ``ddtree.vllm.tiny_models`` (random drafter: acceptance near zero
 except where DDTree's top-K covers the tiny vocabulary). ``--prompts`` takes a
 JSON file ``{"batch32": [[token ids], ...]}`` (e.g. a trained pair's held-out
@@ -36,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import engine_turns
 import thread_cpu
@@ -244,8 +248,22 @@ def largest_budget(spec) -> int:
     return int(budget)
 
 
+def pair_models(ap: argparse.ArgumentParser, args) -> None:
+    """``--model DIR``: the target, drafter and prompts of the pair laid out in ``DIR`` (refused with another of
+    --target/--drafter/--prompts, or where one of the three is missing)."""
+    given = [flag for flag in ("target", "drafter", "prompts") if getattr(args, flag)]
+    if given:
+        ap.error(f"--model sets the pair's target, drafter and prompts: drop --{', --'.join(given)}")
+    root = Path(args.model)
+    args.target, args.drafter, args.prompts = str(root / "target"), str(root / "drafter"), str(root / "prompts.json")
+    missing = [path for path in (args.target, args.drafter, args.prompts) if not os.path.exists(path)]
+    if missing:
+        ap.error(f"--model {args.model}: not a pair's directory, missing {', '.join(missing)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="a pair's directory (target/, drafter/, prompts.json), e.g. tests/fixtures/models")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
     ap.add_argument("--prompts", default=None, help="JSON file with a 'batch32' list of token-id prompts")
@@ -310,8 +328,12 @@ def main():
     if args.requests < largest_batch:
         ap.error(f"--requests {args.requests} cannot fill batch {largest_batch}: give at least {largest_batch}")
 
+    if args.model:
+        pair_models(ap, args)
     if not args.target:
         from ddtree.vllm.tiny_models import write_drafter, write_target
+
+        print("models: RANDOM tiny target and drafter (no --model or --target/--drafter): acceptance means nothing")
 
         args.target, args.drafter = "/tmp/ddtree_bench/target", "/tmp/ddtree_bench/drafter"
         spec = write_target(args.target)

@@ -590,3 +590,30 @@ def test_commit_in_place_is_a_switch_of_the_in_engine_ab():
     setter, setting = bench.AB_SWITCHES["commit-in-place"]
     assert setter(worker, setting) is False and runner._ddtree_commit_in_place is True
     assert bench.AB_SWITCHES["no-commit-in-place"][0](worker, False) is True and not runner._ddtree_commit_in_place
+
+
+def test_the_pair_bench_takes_a_pairs_directory_and_refuses_half_of_one(monkeypatch, capsys, tmp_path):
+    """``--model DIR`` sets the target, drafter and prompts from one directory (as the e2e harness takes it); with
+    --target too, or a directory without the three, it stops with a message that names the problem."""
+    import bench_vllm_ddtree as pair_bench
+
+    def parse(*argv):
+        monkeypatch.setattr(sys, "argv", ["bench_vllm_ddtree.py", *argv])
+        with pytest.raises(SystemExit):
+            pair_bench.main()
+        return capsys.readouterr().err
+
+    pair = Path(__file__).parent / "fixtures" / "models"
+    assert "drop --target" in parse("--model", str(pair), "--target", "x")
+    assert "not a pair's directory, missing" in parse("--model", str(tmp_path))
+    assert str(tmp_path / "prompts.json") in parse("--model", str(tmp_path))
+
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(model=str(pair), target=None, drafter=None, prompts=None)
+    pair_bench.pair_models(None, args)
+    assert (args.target, args.drafter, args.prompts) == (
+        str(pair / "target"),
+        str(pair / "drafter"),
+        str(pair / "prompts.json"),
+    )
