@@ -24,7 +24,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling, FULL steps' forwards queued before their
                     trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
                     lands before the host reaches the step, where the default does not gate)
-  ddtree64-async-inplace  ddtree64-async with DDTREE_COMMIT_IN_PLACE=1 (commit graphs read the walk's paths in place)
+  ddtree64-async-copies  ddtree64-async with DDTREE_COMMIT_IN_PLACE=0 (commit graphs copy the walk's paths; the
+                    default reads them in place)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
   ddtree-auto       ddtree_budget "auto" (candidates 15, 31, 63), each batch size's budget chosen live
 
@@ -171,12 +172,13 @@ ENGINES = {
     # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds.
     "ddtree64-async": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always"},
-    ),
-    # ... with the commit graphs reading a replayed walk's paths in place (DDTREE_COMMIT_IN_PLACE, off by default).
-    "ddtree64-async-inplace": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        # The commit reading a replayed walk's paths in place is the default; set here so the run must show it.
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always", "DDTREE_COMMIT_IN_PLACE": "1"},
+    ),
+    # ... with the commit graphs copying the walk's paths, the K/V moved apart (DDTREE_COMMIT_IN_PLACE=0).
+    "ddtree64-async-copies": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always", "DDTREE_COMMIT_IN_PLACE": "0"},
     ),
     # ... with a budget schedule (vLLM's asynchronous scheduler places each step's budget in drafts).
     "ddtree64to16-async": dict(

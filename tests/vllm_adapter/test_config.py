@@ -405,11 +405,11 @@ def test_commit_graphs_setting_refuses_other_values(value):
 
 
 @pytest.mark.parametrize(
-    "env, on", [({}, False), ({"DDTREE_COMMIT_IN_PLACE": "1"}, True), ({"DDTREE_COMMIT_IN_PLACE": "0"}, False)]
+    "env, on", [({}, True), ({"DDTREE_COMMIT_IN_PLACE": "1"}, True), ({"DDTREE_COMMIT_IN_PLACE": "0"}, False)]
 )
-def test_commits_reading_the_walks_paths_in_place_are_off_unless_turned_on(env, on):
+def test_commits_reading_the_walks_paths_in_place_are_on_unless_turned_off(env, on):
     assert commit_in_place_enabled(env) is on
-    with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_IN_PLACE must be 0 .* or 1 .*got 'on'"):
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_IN_PLACE must be 1 .* or 0 .*got 'on'"):
         commit_in_place_enabled({"DDTREE_COMMIT_IN_PLACE": "on"})
 
 

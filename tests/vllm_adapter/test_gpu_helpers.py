@@ -253,8 +253,8 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert ("async_scheduling", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], synchronous)
     # Launch ahead set to `always` (gated although the drafter has landed) must show gated steps.
     assert ("early_launch_steps", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], ran)
-    # Commits reading the walk's paths in place must have run (counted) in the engine that turns them on.
-    inplace = ENGINES["ddtree64-async-inplace"]["env"]
+    # Commits reading the walk's paths in place must have run (counted) in the engine that sets them on.
+    inplace = ENGINES["ddtree64-async"]["env"]
     assert ("commit_in_place_steps", False) in switched_paths_exercised(inplace, ran)
     assert ("commit_in_place_steps", True) in switched_paths_exercised(inplace, dict(ran, commit_in_place_steps=30))
 

@@ -407,7 +407,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The GDN commit of FULL steps as CUDA graphs (made at the first commit after each FULL graph, when the
         # accepted paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
-        self._ddtree_commit_in_place = commit_in_place_enabled()  # DDTREE_COMMIT_IN_PLACE (off until GPU-checked)
+        self._ddtree_commit_in_place = commit_in_place_enabled()  # DDTREE_COMMIT_IN_PLACE
         # The device walk, the plan's device side and the KV moves of FULL steps as CUDA graphs (DDTREE_STEP_GRAPHS;
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
@@ -485,8 +485,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             "the next verification" if self._ddtree_late_trees else "proposal",
             "asynchronous" if self.use_async_scheduling else "synchronous",
         )
-        if self._ddtree_commit_in_place:
-            logger.info("DDTree: commit graphs read a replayed walk's paths in place (DDTREE_COMMIT_IN_PLACE=1)")
+        if not self._ddtree_commit_in_place:
+            logger.info(
+                "DDTree: commit graphs copy a replayed walk's paths, K/V moved apart (DDTREE_COMMIT_IN_PLACE=0)"
+            )
         advice = lone_row_advice(self.ddtree_cfg)
         if advice:
             logger.info("DDTree: %s", advice)
