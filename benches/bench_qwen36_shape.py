@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from gpu_profile import enable_scopes, family_comparison, profile_generate, timed_host_ms
+from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, family_comparison, profile_generate, timed_host_ms
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -294,6 +294,7 @@ def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
             for counter in (*counters, "commit_in_place_steps"):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
             row["host_ms_per_verify_step"] = timed_host_ms(before, after)
+            row["graph_launch_ms_per_verify_step"] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
             rows.append(row)
     finally:
         for setter, previous in reversed(restore):
@@ -385,6 +386,7 @@ def run_engine(
             row["mean_acceptance_length"] = after["mean_acceptance_length"]
             row["host_ms_per_verify_step"] = timed_host_ms(before, after)
             row["vllm_host_ms_per_verify_step"] = timed_host_ms(before, after, "vllm_host_ms_per_verify_step")
+            row["graph_launch_ms_per_verify_step"] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
             for counter in (
                 "full_graph_steps",
                 "commit_graph_steps",

@@ -15,7 +15,8 @@ its own subprocess, under CUDA graphs as vLLM runs by default (``--eager``: ever
 engine's rows are written to ``bench_vllm_ddtree.json`` as soon as that engine finishes (a run cut short
 keeps them), and one table is printed at the end:
 
-    engine  batch  tokens/s  mean acceptance length  ms/step  host ms/step  (greedy, ignore_eos, token-id prompts)
+    engine  batch  tokens/s  mean acceptance length  ms/step  host ms/step  of it in ddtree's graph launches
+    (greedy, ignore_eos, token-id prompts)
 
 Each row: a warm-up ``generate`` at that batch size, then ``--repeats`` timed runs of the same ``--requests``
 requests (default 32), served b at a time (batch 1: 32 one-request runs), the fastest run reported.
@@ -52,7 +53,7 @@ from engine_turns import (
     run_in_turns,
     wait_for_turn,
 )
-from gpu_profile import enable_scopes, profile_generate, timed_host_ms
+from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, profile_generate, timed_host_ms
 
 
 def child(args):
@@ -183,6 +184,8 @@ def child(args):
             summary = llm.collective_rpc("ddtree_summary")[0]
             row["host_ms_per_verify_step"] = timed_host_ms(window_start, summary)
             row["vllm_host_ms_per_verify_step"] = timed_host_ms(window_start, summary, "vllm_host_ms_per_verify_step")
+            # Of the host ms, those inside ddtree's graph launches (waits for room in a full launch queue included).
+            row["graph_launch_ms_per_verify_step"] = timed_host_ms(window_start, summary, GRAPH_LAUNCH_MS)
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
             row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)
@@ -396,18 +399,20 @@ def main():
         add_round_ratios(table)
     print(
         f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'by round':>10}{'mean acc len':>14}"
-        f"{'ms/step':>10}{'host ms':>9}"
+        f"{'ms/step':>10}{'host ms':>9}{'launches':>10}"
     )
     for row in table:
         mal = row["mean_acceptance_length"]
         ratio = row["tokens_per_s"] / chain[row["batch"]] if row["batch"] in chain else None
         by_round = row.get("ratio_to_dflash_by_round")
         host = sum(row.get("host_ms_per_verify_step", {}).values()) if "host_ms_per_verify_step" in row else None
+        launches = sum(row.get(GRAPH_LAUNCH_MS, {}).values()) if GRAPH_LAUNCH_MS in row else None
         print(
             f"{row['engine']:<14}{row['batch']:>6}{row['tokens_per_s']:>12.1f}"
             f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{by_round:.2f}' if by_round else '-'):>10}"
             f"{(f'{mal:.3f}' if mal else '-'):>14}"
             f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}"
+            f"{(f'{launches:.2f}' if launches is not None else '-'):>10}"
         )
     busy = busiest_threads(table)
     if busy:

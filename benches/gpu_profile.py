@@ -219,6 +219,10 @@ def compress(path: str) -> str:
     return path + ".gz"
 
 
+#: The summary's host ms inside ddtree's own graph replays, by graph (a part of ``host_ms_per_verify_step``).
+GRAPH_LAUNCH_MS = "graph_launch_ms_per_verify_step"
+
+
 def timed_host_ms(before: dict, after: dict, key: str = "host_ms_per_verify_step") -> dict:
     """Host ms per verify step, by part, over the steps between two ``ddtree_summary`` snapshots.
 

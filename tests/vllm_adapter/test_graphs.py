@@ -633,3 +633,29 @@ def test_a_capture_while_serving_keeps_the_allocator_and_pinned_caches(monkeypat
         graphs.cuda_graph_capture(CPU)(failing)
     torch.cuda.empty_cache()
     assert released[-1] == "device"
+
+
+def test_timed_replays_charge_each_replays_host_time_to_its_graphs_name(monkeypatch):
+    """A step graph's replays add their host seconds to their graphs' name; the first run of a key (eager, then
+    captured) adds none, and graphs of another name keep their own account. The clock is a stand-in that the
+    work advances by 3 s a run, so the seconds are exact."""
+    import ddtree.vllm.graphs as graphs
+
+    now = [0.0]
+    monkeypatch.setattr(graphs.time, "perf_counter", lambda: now[0])
+
+    def work():
+        now[0] += 3.0
+        return {}
+
+    seconds = {}
+    walks = graphs.ShapeGraphs(graphs.timed_replays(lambda recorded: recorded, seconds, "walk"))
+    commits = graphs.ShapeGraphs(graphs.timed_replays(lambda recorded: recorded, seconds, "commit"))
+    walks.run("shape", work)  # eager; the stand-in capture runs nothing
+    assert seconds == {}
+    walks.run("shape", work)
+    walks.run("shape", work)
+    commits.run("shape", work)
+    commits.run("shape", work)
+    assert (walks.replayed, commits.replayed) == (2, 1)
+    assert seconds == {"walk": 6.0, "commit": 3.0}

@@ -733,6 +733,17 @@ def test_the_forward_launch_is_timed_apart_from_ddtrees_own_host_work(monkeypatc
     assert "forward launch" not in summary["host_ms_per_verify_step"]
 
 
+def test_the_summary_reports_the_host_time_inside_ddtrees_graph_launches_per_verify_step():
+    """What the runner's step graphs' replays took (``graphs.timed_replays``) is reported by graph, per verify
+    step, beside the timed parts it belongs to."""
+    from ddtree.vllm.runner import DDTreeStats
+
+    stats = DDTreeStats(3)
+    stats.steps = 4
+    stats.graph_launch_seconds.update({"walk": 0.002, "commit": 0.006})
+    assert stats.summary()["graph_launch_ms_per_verify_step"] == pytest.approx({"commit": 1.5, "walk": 0.5})
+
+
 def _whole_async_runner(capture, gate=None):
     """A runner under asynchronous scheduling about to verify two whole trees of 7 tokens (``_whole_async_step``),
     with ``capture`` standing in for CUDA-graph capture of the plan's placement and ``gate`` as its launch gate."""

@@ -84,6 +84,7 @@ from ddtree.vllm.graphs import (
     TreeStepBuffers,
     WalkGraphs,
     cuda_graph_capture,
+    timed_replays,
 )
 from ddtree.vllm import launch_gate
 from ddtree.vllm.launch_gate import StreamGate
@@ -187,6 +188,9 @@ class DDTreeStats:
         # Host seconds of vLLM's own parts that sit between a step's trees and its verification: the target's
         # forward launch (a FULL step: one CUDA-graph replay). Trees built late make the GPU wait through it.
         self.vllm_host_seconds: Dict[str, float] = {}
+        # Host seconds inside the replays of ddtree's own step graphs, by graph (walk, plan, kv moves, commit): part
+        # of the timed parts above; a launch waits there when the GPU's queue is full (a GPU-bound step).
+        self.graph_launch_seconds: Dict[str, float] = {}
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
         # WHAT_IF_EVERY-th verify step (a systematic sample of the traffic; the sampled steps are kept and counted
         # 16 at a time, in one numpy pass).
@@ -305,6 +309,7 @@ class DDTreeStats:
             **({"auto_budget": self.auto.summary()} if self.auto is not None else {}),
             "host_ms_per_verify_step": self._per_verify_step_ms(self.host_seconds),
             "vllm_host_ms_per_verify_step": self._per_verify_step_ms(self.vllm_host_seconds),
+            "graph_launch_ms_per_verify_step": self._per_verify_step_ms(self.graph_launch_seconds),
         }
 
     def _per_verify_step_ms(self, seconds_by_part: Dict[str, float]) -> Dict[str, float]:
@@ -412,9 +417,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
         capture = cuda_graph_capture(self.device) if self.device.type == "cuda" else None
-        self._ddtree_walk_graphs = WalkGraphs(capture) if capture else None
-        self._ddtree_plan_graphs = ShapeGraphs(capture) if capture else None  # the plan's device side
-        self._ddtree_kv_move_graphs = ShapeGraphs(capture) if capture else None  # the KV moves after a graphed walk
+        launches = self.ddtree_stats.graph_launch_seconds
+        self._ddtree_walk_graphs = WalkGraphs(timed_replays(capture, launches, "walk")) if capture else None
+        # the plan's device side; the KV moves after a graphed walk
+        self._ddtree_plan_graphs = ShapeGraphs(timed_replays(capture, launches, "plan")) if capture else None
+        self._ddtree_kv_move_graphs = ShapeGraphs(timed_replays(capture, launches, "kv moves")) if capture else None
         self._ddtree_walk_replayed = False  # this step's device walk replayed its graph
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
@@ -1328,7 +1335,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                     self.max_num_reqs,
                     int(commit.paths.shape[1]),
                     self._ddtree_conv_window,
-                    cuda_graph_capture(self.device),
+                    timed_replays(cuda_graph_capture(self.device), self.ddtree_stats.graph_launch_seconds, "commit"),
                 )
         return self._ddtree_commit_graphs
 
