@@ -28,13 +28,18 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     default reads them in place)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
   ddtree-auto       ddtree_budget "auto" (candidates 15, 31, 63), each batch size's budget chosen live
+  plain-apc, ddtree64-apc  vLLM's prefix caching on (ddtree's with DDTREE_PREFIX_CACHING=1, experimental;
+                    attention-only targets: --model tiny-qwen3), checked against plain without it, and required
+                    to hit the prefix cache in the shared_prefix scenario
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt 120 tokens below
 max_model_len decoded to its end (whole trees, then trees cut to what still fits), stop tokens that end
 requests mid-tree, the same stop tokens held back by min_tokens, greedy under a logit_bias and under penalties, requests aborted
 mid-tree (survivors and a later batch must be
-unaffected), temperature 1 with per-request seeds (run twice: must repeat).
+unaffected), temperature 1 with per-request seeds (run twice: must repeat), and shared_prefix: 8 prompts that share
+their first SHARED_PREFIX tokens, sent together, then again, then as a second turn that appends each one's first
+answer and a few new tokens (with prefix caching: hits on blocks whose K/V trees wrote and moved).
 
 Checks: greedy outputs equal plain's, a divergence allowed only where plain's
 top-2 logprob gap is below --gap-tol (counted and reported); ddtree's logprobs
@@ -185,6 +190,14 @@ ENGINES = {
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}},
         env={"DDTREE_ASYNC_SCHEDULING": "1"},
     ),
+    # vLLM's prefix caching (on by vLLM's default for attention-only targets); ddtree's is experimental
+    # (DDTREE_PREFIX_CACHING=1) and refused for hybrid targets: run these with --model tiny-qwen3.
+    "plain-apc": dict(spec=None, prefix_caching=True),
+    "ddtree64-apc": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_PREFIX_CACHING": "1"},
+        prefix_caching=True,
+    ),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         num_gpu_blocks_override=40,
@@ -202,8 +215,34 @@ ENGINES = {
 
 # ---------------------------------------------------------------------------------------------
 # Child: one engine, all scenarios, JSON on stdout (last line).
+#: Tokens the shared_prefix scenario's prompts share (4 blocks of 16, 1 of the pair's larger attention blocks).
+SHARED_PREFIX = 64
+
+
+def shared_prefix_prompts(prompts, shared: int, count: int):
+    """``count`` prompts that share their first ``shared`` tokens (the first prompt's, cycled if it is shorter) and
+    differ after them (each one's own tail: prompt ``i`` without its first ``shared`` tokens, at least 8 tokens)."""
+    head = [prompts[0][i % len(prompts[0])] for i in range(shared)]
+    out = []
+    for i in range(count):
+        own = prompts[(i + 1) % len(prompts)]
+        tail = own[shared:] if len(own) >= shared + 8 else own[-8:]
+        out.append(head + list(tail) + [i % 97 + 3])  # the last token makes every prompt its own
+    return out
+
+
+def prefix_cache_exercised(conf, spec_m):
+    """``(passed, note)`` for an engine with prefix caching in the shared_prefix scenario: it must have hit the
+    cache (None: the engine runs without prefix caching)."""
+    if not conf.get("prefix_caching"):
+        return None
+    hits = spec_m.get("prefix_cache_hits") or 0
+    return hits > 0, f"prefix-cache hits {hits:.0f} of {spec_m.get('prefix_cache_queries') or 0:.0f} queried; "
+
+
 def diff_metrics(after, before):
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("drafts", "draft_tokens", "accepted", "preemptions")}
+    counters = ("drafts", "draft_tokens", "accepted", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in counters}
     d["mean_acceptance_length"] = 1.0 + d["accepted"] / d["drafts"] if d["drafts"] else None
     pa, pb = after.get("per_pos", []), before.get("per_pos", [])
     if pa and d["drafts"]:
@@ -235,7 +274,7 @@ def run_child(
         gpu_memory_utilization=memory_share(0.35, concurrent),
         seed=0,
         disable_log_stats=False,
-        enable_prefix_caching=False,
+        enable_prefix_caching=conf.get("prefix_caching", False),
     )
     from ddtree.vllm.tiny_models import engine_kwargs_for
 
@@ -431,6 +470,19 @@ def run_child(
             rows[0]["trees_verified_before_abort"] = at_abort["trees"]
         return rows, sum(len(r["tokens"]) for r in rows)
 
+    def shared_prefix():
+        # Three rounds of 8 requests; rows in order (first answers, repeats, second turns). Prefix-cache hits are in
+        # the scenario's metrics ("prefix_cache_hits"), required above zero for engines with prefix caching.
+        first = shared_prefix_prompts(P["batch32"], SHARED_PREFIX, 8)
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in first]
+        rows = collect(llm.generate(reqs, greedy(MAX_TOKENS), use_tqdm=False))
+        rows += collect(llm.generate(reqs, greedy(MAX_TOKENS), use_tqdm=False))
+        second = [p + r["tokens"] + [5, 6, 7] for p, r in zip(first, rows)]
+        rows += collect(
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in second], greedy(MAX_TOKENS), use_tqdm=False)
+        )
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     scenarios = (
         ("batch1", b1),
         ("batch16", b16),
@@ -440,6 +492,7 @@ def run_child(
         ("min_p", min_p),
         ("abort", abort),
         ("t1", t1),
+        ("shared_prefix", shared_prefix),
     )
     for sname, fn in scenarios:
         scenario(sname, fn)
@@ -855,6 +908,11 @@ def main():
                 if before_abort is not None:
                     verdict[f"{name}/abort/mid-tree"] = before_abort > 0
                     notes += f"trees verified before the abort {before_abort}; "
+            if sname == "shared_prefix":
+                cached = prefix_cache_exercised(ENGINES.get(name, {}), spec_m)
+                if cached is not None:
+                    verdict[f"{name}/shared_prefix/prefix_cache_hits"] = cached[0]
+                    notes += cached[1]
             exercised = scenario_exercised(sname, sc.get("trees"))
             if exercised is not None:
                 verdict[f"{name}/{sname}/exercised"] = exercised[0]

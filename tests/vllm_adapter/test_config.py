@@ -158,7 +158,7 @@ def test_the_start_up_log_says_why_an_engine_schedules_synchronously():
         "synchronous here: it needs trees that fill every budget (top-K 2 at depth 3 cannot fill [16])"
     )
     assert "late trees" in override_reason("async_scheduling", {"DDTREE_LATE_TREES": "0"}, 1)
-    assert override_reason("enable_prefix_caching", {}, 2) == "not validated with tree KV compaction yet"
+    assert override_reason("enable_prefix_caching", {}, 2).startswith("not yet run with trees on a GPU; DDTREE_PREFIX")
 
 
 def test_asynchronous_scheduling_needs_late_device_walked_trees_that_fill_the_budget():
@@ -580,3 +580,30 @@ def test_auto_captures_every_candidate_at_every_batch_size_and_starts_at_the_lar
     assert sorted(n for size, n in graphs if size == 16) == [1, 2, 3] + list(range(4, 33)) + [40]
     assert sorted(n for size, n in graphs if size == 32) == [n for n in graphed_tree_counts(40) if n * 32 <= 1024]
     assert dynamic_sd_schedule(cfg, 40) == [(1, 40, 63)]  # vLLM's scheduler starts from the largest everywhere
+
+
+def test_prefix_caching_is_refused_unless_switched_on_and_then_kept_only_when_asked_for():
+    """A user's enable_prefix_caching=True is refused, with the switch named, unless DDTREE_PREFIX_CACHING=1; with
+    it, the user's True is kept, and an unset value is still turned off (the default stays off)."""
+    with pytest.raises(
+        DDTreeConfigError, match=r"needs enable_prefix_caching=False, got True: .*DDTREE_PREFIX_CACHING=1"
+    ):
+        engine_overrides(_args(enable_prefix_caching=True), environ={})
+    switched = {"DDTREE_PREFIX_CACHING": "1"}
+    assert "enable_prefix_caching" not in engine_overrides(_args(enable_prefix_caching=True), environ=switched)
+    assert engine_overrides(_args(), environ=switched)["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in engine_overrides(_args(enable_prefix_caching=False), environ={})
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_PREFIX_CACHING must be 0 .* or 1 .*got 'yes'"):
+        engine_overrides(_args(enable_prefix_caching=True), environ={"DDTREE_PREFIX_CACHING": "yes"})
+
+
+def test_prefix_caching_is_refused_for_hybrid_targets_and_beside_a_kv_connector():
+    cfg = DDTreeConfig(budget=64, draft_len=15, top_k=8)
+    target = dict(uses_mrope=False, sliding_window=None, kv_cache_dtype="auto", vocab_size=1000, cfg=cfg)
+    check_target(is_hybrid=False, prefix_caching=True, **target)  # attention-only: accepted
+    check_target(is_hybrid=True, architecture="Qwen3NextForCausalLM", prefix_caching=False, **target)
+    with pytest.raises(DDTreeConfigError, match="cannot use prefix caching with a hybrid target"):
+        check_target(is_hybrid=True, architecture="Qwen3NextForCausalLM", prefix_caching=True, **target)
+    with pytest.raises(DDTreeConfigError, match="with prefix caching refuses a KV connector"):
+        check_target(is_hybrid=False, prefix_caching=True, kv_connector=True, **target)
+    check_target(is_hybrid=False, prefix_caching=False, kv_connector=True, **target)  # no caching: no conflict

@@ -18,6 +18,8 @@ def test_spec_metrics_reads_vllm_counters_and_never_raises():
         SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", value=None, values=[8, 3, 1]),
         SimpleNamespace(name="vllm:num_requests_running", value=2),
         SimpleNamespace(name="vllm:num_preemptions_total", value=3),
+        SimpleNamespace(name="vllm:prefix_cache_queries_total", value=1200),
+        SimpleNamespace(name="vllm:prefix_cache_hits_total", value=448),
     ]
     out = spec_metrics(SimpleNamespace(get_metrics=lambda: metrics))
     assert out == {
@@ -26,6 +28,8 @@ def test_spec_metrics_reads_vllm_counters_and_never_raises():
         "accepted": 12.0,
         "per_pos": [8.0, 3.0, 1.0],
         "preemptions": 3.0,
+        "prefix_cache_queries": 1200.0,
+        "prefix_cache_hits": 448.0,
     }
 
     def broken():
@@ -446,3 +450,26 @@ def test_the_harness_starts_engines_side_by_side_and_keeps_each_ones_results(tmp
     harness.main()
     logged = (tmp_path / "out" / "vllm_ddtree_e2e.log").read_text()
     assert "plain: SKIPPED" in logged and "ddtree16: SKIPPED" in logged
+
+
+def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hit_the_cache():
+    """The shared_prefix scenario's prompts: one head of ``shared`` tokens, each prompt its own after it (also from
+    prompts shorter than the head); an engine with prefix caching passes only with hits, one without is not judged."""
+    from vllm_ddtree_e2e import ENGINES, prefix_cache_exercised, shared_prefix_prompts
+
+    given = [list(range(100, 190)), list(range(200, 230)), list(range(300, 400))]
+    out = shared_prefix_prompts(given, 64, 8)
+    assert len(out) == 8 and all(p[:64] == out[0][:64] for p in out)
+    assert out[0][:64] == list(range(100, 164))
+    assert len({tuple(p[64:]) for p in out}) == 8  # every prompt differs after the head
+    assert all(len(p) > 64 for p in out)
+    short = shared_prefix_prompts([[1, 2, 3]], 10, 2)
+    assert short[0][:10] == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
+
+    assert prefix_cache_exercised(ENGINES["plain"], {"prefix_cache_hits": 0.0}) is None
+    assert prefix_cache_exercised(ENGINES["ddtree64-apc"], {"prefix_cache_hits": 0.0})[0] is False
+    passed, note = prefix_cache_exercised(
+        ENGINES["ddtree64-apc"], {"prefix_cache_hits": 448.0, "prefix_cache_queries": 1200.0}
+    )
+    assert passed and "hits 448 of 1200" in note
+    assert ENGINES["ddtree64-apc"]["env"]["DDTREE_PREFIX_CACHING"] == "1"

@@ -46,8 +46,10 @@ ATTENTION_BACKEND = "CUSTOM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 #: "0" commits the GDN state of FULL tree steps layer by layer instead of through one CUDA graph per FULL size.
 COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
-#: "1" lets a commit graph read a replayed walk's paths where the walk graph left them (off until GPU-checked).
+#: "1" (the default) lets a commit graph read a replayed walk's paths where the walk graph left them; "0" copies them.
 COMMIT_IN_PLACE_ENV = "DDTREE_COMMIT_IN_PLACE"
+#: "1" keeps a user's ``enable_prefix_caching=True`` for attention-only targets (experimental: docs/prefix-caching.md).
+PREFIX_CACHING_ENV = "DDTREE_PREFIX_CACHING"
 WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
@@ -325,7 +327,13 @@ ENGINE_OVERRIDES = (
         "vLLM's asynchronous scheduling with one GPU, synchronous under tensor parallelism or where the trees "
         "cannot fill every budget (DDTREE_ASYNC_SCHEDULING; docs/async-scheduling.md)",
     ),
-    ("enable_prefix_caching", False, (None,), "not validated with tree KV compaction yet"),
+    (
+        "enable_prefix_caching",
+        False,
+        (None,),
+        f"not yet run with trees on a GPU; {PREFIX_CACHING_ENV}=1 lets an explicit enable_prefix_caching=True "
+        "through for attention-only targets (experimental, docs/prefix-caching.md)",
+    ),
     ("attention_backend", ATTENTION_BACKEND, (None,), "the target's attention must run DDTree's tree backend"),
     ("worker_cls", WORKER_CLS, ("auto",), "DDTree's worker installs its model runner"),
 )
@@ -384,6 +392,8 @@ def engine_overrides(
             value = getattr(value, "name", value)
         if value == required:
             continue
+        if attr == "enable_prefix_caching" and value is True and prefix_caching_allowed(environ):
+            continue  # asked for by hand, and let through: the target is checked at start-up (check_target)
         if value in unset:
             changes[attr] = required
             continue
@@ -431,6 +441,16 @@ def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     (96 Triton launches), 0.29 ms as a graph (benches/results/gpu-h200-27b-shape-7ec2cc3).
     """
     return env_switch(environ, COMMIT_GRAPHS_ENV, "1", {"1": "commit graphs", "0": "commit layer by layer"})
+
+
+def prefix_caching_allowed(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a user's ``enable_prefix_caching=True`` is kept (DDTREE_PREFIX_CACHING=1), for attention-only targets
+    without a KV connector (``check_target`` refuses the rest). Off by default: correct by construction on paper (a
+    tree step's K/V writes and moves stay inside the request's own slots, and vLLM hashes finished tokens only), not
+    yet run on a GPU (docs/prefix-caching.md)."""
+    return env_switch(
+        environ, PREFIX_CACHING_ENV, "0", {"1": "prefix caching when asked for", "0": "prefix caching refused"}
+    )
 
 
 def commit_in_place_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -823,12 +843,25 @@ def check_target(
     architecture: str = "",
     mamba_cache_mode: str = "none",
     logprobs_mode: str = "raw_logprobs",
+    prefix_caching: bool = False,
+    kv_connector: bool = False,
 ) -> None:
     """Refuses targets this adapter cannot verify exactly.
 
     M-RoPE targets are accepted: a tree token's three rotary sections are its
     root's plus the node's depth (the runner writes them).
     """
+    if prefix_caching and is_hybrid:
+        raise DDTreeConfigError(
+            "method 'ddtree' cannot use prefix caching with a hybrid target: its recurrent state lives in one slot "
+            "per request that the tree commit writes, where vLLM's prefix caching keeps a state per block "
+            "(mamba_cache_mode 'align'); set enable_prefix_caching=False (vLLM's own default for hybrids)"
+        )
+    if prefix_caching and kv_connector:
+        raise DDTreeConfigError(
+            "method 'ddtree' with prefix caching refuses a KV connector: a connector may read a block before the "
+            "step's tree K/V moves reach it; drop kv_transfer_config or prefix caching"
+        )
     if is_hybrid:
         if architecture not in GDN_ARCHITECTURES:
             raise DDTreeConfigError(

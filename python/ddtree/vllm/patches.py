@@ -323,6 +323,8 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
         use_v2_model_runner=bool(vllm_config.use_v2_model_runner),
         has_logits_processors=bool(getattr(model, "logits_processors", None)),
         logprobs_mode=str(getattr(model, "logprobs_mode", "raw_logprobs")),
+        prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
+        kv_connector=getattr(vllm_config, "kv_transfer_config", None) is not None,
     )
     if spec.num_speculative_tokens != cfg.budget:
         raise DDTreeConfigError("internal: vLLM's num_speculative_tokens must equal the ddtree budget")

@@ -176,9 +176,10 @@ def engine_kwargs_for(target: str) -> Dict:
 
 
 def spec_metrics(llm) -> Dict:
-    """vLLM's cumulative spec-decode counters (drafts, draft tokens, accepted, accepted per position) and its
-    preemption count."""
+    """vLLM's cumulative spec-decode counters (drafts, draft tokens, accepted, accepted per position), its
+    preemption count and its prefix-cache queries and hits (tokens)."""
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": [], "preemptions": 0.0}
+    out.update(prefix_cache_queries=0.0, prefix_cache_hits=0.0)
     try:
         for m in llm.get_metrics():
             name = m.name.replace("_total", "")
@@ -190,6 +191,8 @@ def spec_metrics(llm) -> Dict:
                 out["accepted"] = float(m.value)
             elif name == "vllm:num_preemptions":
                 out["preemptions"] = float(m.value)
+            elif name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+                out[name.split(":")[1]] = float(m.value)
             elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
                 out["per_pos"] = [float(v) for v in getattr(m, "values", [])]
     except Exception as err:  # metrics are informative, never fatal
