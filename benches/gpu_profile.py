@@ -3,10 +3,12 @@ benchmark scripts beside this file."""
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import os
 import shutil
+from typing import Any, Dict
 
 
 def enable_scopes() -> None:
@@ -57,8 +59,10 @@ def profile_generate(llm, prompts, params, path: str, row_limit: int = 40, stack
     with open(path, "a") as handle:
         # Host times here are inflated by the profiler's Python tracing; the shares of idle time are the point.
         handle.write("\n" + idle_table(events, params.max_tokens, measured))
+        by_range = calls_by_range(events)
+        handle.write("\n" + calls_table(by_range))
     compress(raw)
-    return idle_summary(events, params.max_tokens, measured=measured)
+    return dict(idle_summary(events, params.max_tokens, measured=measured), host_calls_by_ddtree_range=by_range)
 
 
 #: Operations whose host side can block until the GPU catches up (a data-dependent size, a scalar, a copy).
@@ -177,6 +181,57 @@ def family_comparison(mine: dict, chain: dict) -> str:
         lines.append(f"{family:<26}{a:>10.3f}{b:>10.3f}{a - b:>+12.3f}\n")
     total_a, total_b = sum(mine.values()), sum(chain.values())
     lines.append(f"{'all GPU work':<26}{total_a:>10.3f}{total_b:>10.3f}{total_a - total_b:>+12.3f}\n")
+    return "".join(lines)
+
+
+#: Trace categories of the host calls counted inside ddtree's ranges: CUDA API calls and torch ops.
+HOST_CALL_CATEGORIES = ("cuda_runtime", "cuda_driver", "cpu_op")
+
+
+def calls_by_range(trace_events, prefix: str = "ddtree: ") -> dict:
+    """For each host range named ``prefix...`` (ddtree's timed parts): how many there were, their mean host us, and
+    the CUDA API calls and torch ops inside them on the same thread, ``{name: [calls per range, us per range]}``
+    (nested ops counted at each level: ``aten::copy_`` and the ``cudaMemcpyAsync`` inside it both). What is left of
+    a range's time beyond its calls is Python (and Rust) between them."""
+    ranges = [e for e in trace_events if e.get("cat") == "user_annotation" and "dur" in e]
+    ranges = [e for e in ranges if e.get("name", "").startswith(prefix)]
+    calls: Dict[Any, list] = {}
+    for e in trace_events:
+        if e.get("cat") in HOST_CALL_CATEGORIES and "dur" in e:
+            calls.setdefault(e.get("tid"), []).append(e)
+    for events in calls.values():
+        events.sort(key=lambda e: e["ts"])
+    starts = {tid: [e["ts"] for e in events] for tid, events in calls.items()}
+    out: Dict[str, dict] = {}
+    for r in ranges:
+        entry = out.setdefault(r["name"], {"ranges": 0, "us": 0.0, "calls": {}})
+        entry["ranges"] += 1
+        entry["us"] += r["dur"]
+        events, first = calls.get(r.get("tid"), []), starts.get(r.get("tid"), [])
+        i = bisect.bisect_left(first, r["ts"])
+        while i < len(events) and events[i]["ts"] < r["ts"] + r["dur"]:
+            name = events[i]["name"]
+            count = entry["calls"].setdefault(name, [0, 0.0])
+            count[0] += 1
+            count[1] += events[i]["dur"]
+            i += 1
+    for entry in out.values():
+        n = entry["ranges"]
+        entry["us"] = round(entry["us"] / n, 1)
+        entry["calls"] = {
+            name: [round(c / n, 2), round(us / n, 1)]
+            for name, (c, us) in sorted(entry["calls"].items(), key=lambda kv: -kv[1][1])
+        }
+    return out
+
+
+def calls_table(by_range: dict, most: int = 8) -> str:
+    """:func:`calls_by_range` as text: each range's mean host us, then its ``most`` costliest calls."""
+    lines = ["Host calls inside ddtree's ranges (per range; the rest of a range is Python and Rust):\n"]
+    for name, entry in sorted(by_range.items(), key=lambda kv: -kv[1]["us"] * kv[1]["ranges"]):
+        lines.append(f"  {name} ({entry['ranges']} ranges): {entry['us']:.1f} us each\n")
+        for call, (count, us) in list(entry["calls"].items())[:most]:
+            lines.append(f"      {call[:60]:<60} {count:>6.2f} x {us:>9.1f} us\n")
     return "".join(lines)
 
 

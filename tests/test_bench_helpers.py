@@ -123,6 +123,41 @@ def test_gpu_idle_time_is_charged_to_the_innermost_host_range():
     assert gpu_profile.idle_table([], tokens=5).startswith("GPU busy: no GPU work")
 
 
+def test_host_calls_are_counted_inside_each_ddtree_range_on_its_own_thread():
+    """CUDA API calls and torch ops inside ddtree's ranges, per range on average; calls outside every range, on
+    another thread or in vLLM's ranges are not counted."""
+    import gpu_profile
+
+    def event(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = [
+        event("user_annotation", "ddtree: accept", 0, 100),
+        event("cpu_op", "aten::copy_", 10, 30),
+        event("cuda_runtime", "cudaMemcpyAsync", 15, 20),
+        event("cuda_runtime", "cudaGraphLaunch", 50, 40),
+        event("cuda_runtime", "cudaGraphLaunch", 60, 5, tid=2),  # another thread
+        event("user_annotation", "ddtree: accept", 200, 50),
+        event("cuda_runtime", "cudaGraphLaunch", 210, 20),
+        event("cuda_runtime", "cudaLaunchKernel", 300, 5),  # outside every range
+        event("user_annotation", "gpu_model_runner: forward", 400, 50),
+        event("cuda_runtime", "cudaGraphLaunch", 410, 30),  # vLLM's range
+        event("kernel", "walk", 20, 30),  # GPU work is not a host call
+    ]
+    by_range = gpu_profile.calls_by_range(trace)
+    assert list(by_range) == ["ddtree: accept"]
+    accept = by_range["ddtree: accept"]
+    assert accept["ranges"] == 2 and accept["us"] == 75.0
+    assert accept["calls"] == {
+        "cudaGraphLaunch": [1.0, 30.0],
+        "aten::copy_": [0.5, 15.0],
+        "cudaMemcpyAsync": [0.5, 10.0],
+    }
+    assert list(accept["calls"]) == ["cudaGraphLaunch", "aten::copy_", "cudaMemcpyAsync"]  # costliest first
+    table = gpu_profile.calls_table(by_range, most=2)
+    assert "ddtree: accept (2 ranges): 75.0 us each" in table and "cudaMemcpyAsync" not in table
+
+
 def test_host_ms_cover_only_the_timed_steps():
     before = {"verify_steps": 10, "host_ms_per_verify_step": {"commit": 60.0, "plan": 0.5}}  # a 600 ms capture
     after = {"verify_steps": 30, "host_ms_per_verify_step": {"commit": 20.2, "plan": 0.5, "build": 0.1}}
