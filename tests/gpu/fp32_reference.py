@@ -31,7 +31,15 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_ddtree_e2e import CONSTRAINED_SCENARIOS, current_scenarios, prompts  # noqa: E402
+from vllm_ddtree_e2e import (  # noqa: E402
+    CONSTRAINED_SCENARIOS,
+    SHARED_PREFIX,
+    SHARED_PREFIX_REQUESTS,
+    current_scenarios,
+    prompts,
+    second_turn,
+    shared_prefix_prompts,
+)
 
 #: Scenarios replayed (the harness's greedy ones); each maps to its prompt set.
 PROMPT_SETS = {
@@ -40,6 +48,9 @@ PROMPT_SETS = {
     "batch32": "batch32",
     "near_max": None,
     **{name: "stop" for name in CONSTRAINED_SCENARIOS},
+    # Its first two rounds from the pair's prompts; the third (second turns) from the reference's own first answers,
+    # judged for an engine whose first answer is the reference's (``shared_prefix_references``).
+    "shared_prefix": "shared_prefix",
 }
 
 
@@ -106,6 +117,28 @@ def greedy_reference(model, prompt: Sequence[int], length: int, settings: dict) 
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
 
 
+def scenario_prompts(sname: str, P: dict) -> List[List[int]]:
+    """The prompts of a scenario's rows that do not depend on an engine's output, in row order."""
+    if sname == "shared_prefix":
+        first = shared_prefix_prompts(P["batch32"], SHARED_PREFIX, SHARED_PREFIX_REQUESTS)
+        return first + first
+    return P[PROMPT_SETS[sname]] if PROMPT_SETS[sname] else [P["near_max"]]
+
+
+def shared_prefix_references(reference: dict, first: Sequence[Sequence[int]], lengths: Dict[int, int], greedy) -> None:
+    """The shared_prefix scenario's third round: row ``2n + i`` (``n = len(first)``) continues the reference's own
+    first answer to ``first[i]`` (``second_turn``) for ``lengths[row]`` tokens (``greedy(prompt, length)``: tokens and
+    gaps); kept with ``i``, whose engine row must equal that answer for the row to be judged (an engine that answered
+    otherwise was asked something else)."""
+    n = len(first)
+    for i, prompt in enumerate(first):
+        row, answer = 2 * n + i, reference.get(("shared_prefix", i))
+        if answer is None or row not in lengths:
+            continue
+        tokens, gaps = greedy(second_turn(prompt, answer[0]), lengths[row])
+        reference[("shared_prefix", row)] = (tokens[: lengths[row]], gaps[: lengths[row]], i)
+
+
 def classify(
     output: Sequence[int], reference: Sequence[int], gaps: Sequence[float], tol: float
 ) -> Tuple[str, Optional[int], Optional[float]]:
@@ -133,7 +166,13 @@ def judge(
             for r, row in enumerate(sc["rows"]):
                 if (sname, r) not in reference:
                     continue
-                verdict, pos, gap = classify(row["tokens"], *reference[(sname, r)], tol)
+                tokens, gaps, *asked = reference[(sname, r)]
+                if asked and sc["rows"][asked[0]]["tokens"] != list(reference[(sname, asked[0])][0]):
+                    lines.append(
+                        f"    {engine}/{sname}: req {r}: not judged (its first answer was not the reference's)"
+                    )
+                    continue
+                verdict, pos, gap = classify(row["tokens"], tokens, gaps, tol)
                 tally[verdict] += 1
                 if verdict != "equal":
                     widest[engine] = max(widest.get(engine, 0.0), float("inf") if gap is None else gap)
@@ -267,7 +306,7 @@ def main() -> int:
             continue
         settings = scenario_settings(sname, results, overrides)
         key = json.dumps(settings, sort_keys=True)
-        prompt_set = P[PROMPT_SETS[sname]] if PROMPT_SETS[sname] else [P["near_max"]]
+        prompt_set = scenario_prompts(sname, P)
         for r, prompt in enumerate(prompt_set):
             rows = [
                 res["scenarios"][sname]["rows"]
@@ -282,6 +321,14 @@ def main() -> int:
                 cache[prompt_key] = greedy_reference(model, prompt, length, settings)
             tokens, gaps = cache[prompt_key]
             reference[(sname, r)] = (tokens[:length], gaps[:length])
+        if sname == "shared_prefix":
+            rows = [res["scenarios"][sname].get("rows") or [] for res in results.values() if sname in res["scenarios"]]
+            third = range(2 * SHARED_PREFIX_REQUESTS, 3 * SHARED_PREFIX_REQUESTS)
+            lengths = {
+                r: max(len(x[r]["tokens"]) for x in rows if len(x) > r) for r in third if any(len(x) > r for x in rows)
+            }
+            first = prompt_set[:SHARED_PREFIX_REQUESTS]
+            shared_prefix_references(reference, first, lengths, lambda p, n: greedy_reference(model, p, n, settings))
 
     lines, counts, widest = judge(results, reference, args.gap_tol)
     report = [

@@ -217,6 +217,13 @@ ENGINES = {
 # Child: one engine, all scenarios, JSON on stdout (last line).
 #: Tokens the shared_prefix scenario's prompts share (4 blocks of 16, 1 of the pair's larger attention blocks).
 SHARED_PREFIX = 64
+#: Its requests per round (three rounds: the prompts, the same again, the second turns).
+SHARED_PREFIX_REQUESTS = 8
+
+
+def second_turn(prompt, answer):
+    """The shared_prefix scenario's third round: a prompt, its first answer and three new tokens."""
+    return list(prompt) + list(answer) + [5, 6, 7]
 
 
 def shared_prefix_prompts(prompts, shared: int, count: int):
@@ -473,11 +480,11 @@ def run_child(
     def shared_prefix():
         # Three rounds of 8 requests; rows in order (first answers, repeats, second turns). Prefix-cache hits are in
         # the scenario's metrics ("prefix_cache_hits"), required above zero for engines with prefix caching.
-        first = shared_prefix_prompts(P["batch32"], SHARED_PREFIX, 8)
+        first = shared_prefix_prompts(P["batch32"], SHARED_PREFIX, SHARED_PREFIX_REQUESTS)
         reqs = [TokensPrompt(prompt_token_ids=p) for p in first]
         rows = collect(llm.generate(reqs, greedy(MAX_TOKENS), use_tqdm=False))
         rows += collect(llm.generate(reqs, greedy(MAX_TOKENS), use_tqdm=False))
-        second = [p + r["tokens"] + [5, 6, 7] for p, r in zip(first, rows)]
+        second = [second_turn(p, r["tokens"]) for p, r in zip(first, rows)]
         rows += collect(
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in second], greedy(MAX_TOKENS), use_tqdm=False)
         )

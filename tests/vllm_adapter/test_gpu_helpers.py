@@ -131,6 +131,38 @@ def test_fp32_reference_classifies_divergences_by_the_references_gap():
     assert "no plain engine" in ref.noise_verdict({"e": 0.01}, ["e"])[0]
 
 
+def test_fp32_reference_judges_second_turns_only_where_the_first_answer_was_the_references():
+    """shared_prefix's third round continues the reference's own first answers (``second_turn``); an engine whose
+    first answer differs was asked another question there: its row is reported, not judged."""
+    ref = _fp32_reference()
+    n = ref.SHARED_PREFIX_REQUESTS
+    first = [[100 + i, 1, 2] for i in range(n)]
+    reference = {("shared_prefix", i): ([40 + i, 41], [1.0, 1.0]) for i in range(n)}
+    asked = []
+
+    def greedy(prompt, length):
+        asked.append(prompt)
+        return [9] * (length + 2), [1.0] * (length + 2)
+
+    ref.shared_prefix_references(reference, first, {2 * n: 3, 2 * n + 1: 2}, greedy)
+    assert asked == [[100, 1, 2, 40, 41, 5, 6, 7], [101, 1, 2, 41, 41, 5, 6, 7]]
+    assert reference[("shared_prefix", 2 * n)] == ([9, 9, 9], [1.0, 1.0, 1.0], 0)
+    assert ("shared_prefix", 2 * n + 2) not in reference  # no engine row there: nothing asked
+
+    def rows(first_answer, third):
+        out = [{"tokens": [40 + i, 41]} for i in range(2 * n)] + [{"tokens": third}, {"tokens": [9, 9]}]
+        out[0] = {"tokens": first_answer}
+        return {"scenarios": {"shared_prefix": {"rows": out}}}
+
+    same, other = rows([40, 41], [9, 9, 1]), rows([40, 77], [9, 9, 9])
+    lines, counts, _ = ref.judge({"same": same, "other": other}, reference, 0.05)
+    # Judged: the first round's n rows (the repeats have no reference here) and the third round's two rows.
+    assert counts["same"]["shared_prefix"] == (n + 1, 0, 1)  # the third round's first row leaves the reference
+    # Its first answer to prompt 0 differs (real); its second turn to it is not judged; the other one is, equal.
+    assert counts["other"]["shared_prefix"] == (n - 1 + 1, 0, 1)
+    assert any("other/shared_prefix: req 16: not judged" in line for line in lines)
+
+
 def test_min_p_check_needs_logprobs_and_flags_a_token_below_the_floor():
     import math
     import sys
