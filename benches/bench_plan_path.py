@@ -27,6 +27,11 @@ orders (``cpu-plan-path-26686ec``).
 ``--path walk`` (an A/B only): after each plan step, the device walk's call through walk graphs whose replay is a
 no-op (the host's side of a replayed walk), with the trees object the step's plan got.
 
+``--path early`` (an A/B only): the early-launch path of a FULL whole-tree step instead (``DDTREE_LAUNCH_AHEAD``,
+62-63 of 63 steps at the Qwen3.6-27B shape): the gate, upload and placement queued before the trees, then the trees
+built into the queued upload after vLLM's (stubbed) forward launch; the placement a graph replayed as a no-op and
+the gate's stream wait a stand-in.
+
 ``--path sampler`` (an A/B only): the rejection sampler's call for the planned step instead (ddtree's sampler in
 place of vLLM's: per-row settings, the chain rows; all greedy, the device walk stubbed with fixed rows, logits of a
 64-token vocabulary, so its argmax is small beside the host work).
@@ -85,13 +90,14 @@ def vllm_parts_stubbed():
     """vLLM's own ``_prepare_inputs`` and ``_preprocess`` (which need an engine) replaced while measuring."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    saved = GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess
+    saved = GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward
     GPUModelRunner._prepare_inputs = lambda self, scheduler_output, counts: ("logits indices", "spec metadata")
     GPUModelRunner._preprocess = lambda self, *args: None
+    GPUModelRunner._model_forward = lambda self, *args, **kwargs: None
     try:
         yield
     finally:
-        GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess = saved
+        GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward = saved
 
 
 def build_runner(batch: int, budget: int, depth: int, top_k: int):
@@ -159,6 +165,36 @@ def plan_step(runner, output) -> None:
     runner._prepare_inputs(output, np.full(batch, runner.ddtree_cfg.budget + 1))
     runner._preprocess(output, output.total_num_scheduled_tokens)
     context.withdraw()
+
+
+def early_step(runner, output) -> None:
+    """The early-launch path of a FULL whole-tree step (``DDTREE_LAUNCH_AHEAD``): publish from the counts, vLLM's
+    FULL dispatch, the gate, upload and placement queued before the trees (``_preprocess``), then, after vLLM's
+    forward launch (stubbed), the trees built into the queued upload and the gate released. Needs
+    :func:`prepare_early`'s runner."""
+    from ddtree.vllm import context
+
+    batch = len(runner.req_ids)
+    runner._prepare_inputs(output, np.full(batch, runner.ddtree_cfg.budget + 1))
+    runner._ddtree_full_graph = (output.total_num_scheduled_tokens, batch)  # vLLM's FULL dispatch
+    runner._preprocess(output, output.total_num_scheduled_tokens)
+    runner._model_forward()
+    context.withdraw()
+
+
+def prepare_early(runner, graphs_module, gate_module) -> None:
+    """The runner for :func:`early_step`: a gate whose stream wait is a stand-in, and placement graphs captured by
+    running the work once (its outputs stay where that left them, as a capture's do) and replayed as a no-op."""
+
+    def capture(work):
+        work()
+        return lambda: None
+
+    runner._ddtree_gate = gate_module.StreamGate(torch.device("cpu"), wait=lambda *args: 0)
+    runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(capture)
+    runner._ddtree_step_graphs_on = True
+    runner._ddtree_gate_landed_steps = True  # a CPU proposal has always landed: gate it anyway (as "always")
+    runner._ddtree_early = None
 
 
 def sampler_call(runner, vocab: int = 64):
@@ -252,6 +288,7 @@ def load_package(checkout: str, core=None) -> Dict[str, Any]:
             "ddtree.vllm.runner",
             "ddtree.vllm.proposer",
             "ddtree.vllm.sampler",
+            "ddtree.vllm.launch_gate",
             "bench_plan_path",
         ):
             importlib.import_module(module)
@@ -279,6 +316,14 @@ def _timed_walk(bench, runner, rng, first: bool) -> float:
     return time.perf_counter() - start
 
 
+def _timed_early_step(bench, runner, rng, first: bool) -> float:
+    with bench.vllm_parts_stubbed():
+        output = bench.defer_proposal(runner, rng)
+        start = time.perf_counter()
+        bench.early_step(runner, output)
+        return time.perf_counter() - start
+
+
 def _timed_sampler_call(bench, runner, rng, first: bool) -> float:
     sampler, args = runner._bench_sampler_call
     start = time.perf_counter()
@@ -287,11 +332,19 @@ def _timed_sampler_call(bench, runner, rng, first: bool) -> float:
 
 
 #: ``--path``: (what one timed step of a side does, the side's runner prepared for it).
-TIMED_PATHS = {"plan": _timed_plan_step, "walk": _timed_walk, "sampler": _timed_sampler_call}
+TIMED_PATHS = {
+    "plan": _timed_plan_step,
+    "early": _timed_early_step,
+    "walk": _timed_walk,
+    "sampler": _timed_sampler_call,
+}
 
 
-def _prepare_side(path: str, bench, runner, rng, graphs_module) -> None:
-    if path == "walk":
+def _prepare_side(path: str, bench, runner, rng, modules) -> None:
+    graphs_module = modules["ddtree.vllm.graphs"]
+    if path == "early":
+        bench.prepare_early(runner, graphs_module, modules["ddtree.vllm.launch_gate"])
+    elif path == "walk":
         # The placement as a graph whose outputs stay where its capture left them (as on a GPU, where the walk's
         # trees are the upload's views and those outputs); its replay a no-op here.
         runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(lambda work: work() or (lambda: None))
@@ -318,7 +371,7 @@ def compare(
         sys.modules.update(modules[checkout])
         bench = modules[checkout]["bench_plan_path"]
         runner, rng = bench.build_runner(batch, budget, depth, top_k), np.random.default_rng(0)
-        _prepare_side(path, bench, runner, rng, modules[checkout]["ddtree.vllm.graphs"])
+        _prepare_side(path, bench, runner, rng, modules[checkout])
         sides.append((bench, runner, rng, checkout))
     timed = TIMED_PATHS[path]
     times: List[List[float]] = [[], []]

@@ -239,6 +239,30 @@ def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
     assert (GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess) == before
 
 
+def test_the_early_path_bench_queues_each_step_before_its_trees_and_releases_the_gate(monkeypatch):
+    """bench_plan_path --path early: after the first step (which captures the placement), every step is queued
+    early (gate, upload, placement) and its trees written after the stubbed forward launch, the gate released;
+    vLLM's runner methods are back afterwards."""
+    import bench_plan_path
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm import graphs, launch_gate
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    monkeypatch.setattr(ShapeGraphs, "first_runs", ShapeGraphs.first_runs)  # a process-wide count, restored
+    before = GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward
+    runner, rng = bench_plan_path.build_runner(2, 8, 3, 4), np.random.default_rng(0)
+    bench_plan_path.prepare_early(runner, graphs, launch_gate)
+    with bench_plan_path.vllm_parts_stubbed():
+        for _ in range(4):
+            bench_plan_path.early_step(runner, bench_plan_path.defer_proposal(runner, rng))
+    assert runner.ddtree_stats.early_launch_steps == 3  # the first step captured the placement: prepared at once
+    assert runner._ddtree_gate.released == 3 and runner._ddtree_early is None
+    assert runner._ddtree_plan is not None and runner._ddtree_plan.num_nodes.tolist() == [9, 9]
+    assert (GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward) == before
+
+
 def test_the_sampler_path_bench_calls_the_sampler_of_the_planned_step():
     """bench_plan_path --path sampler: after a plan step, ddtree's rejection sampler called for that step emits one
     chain row per request (the walk's rows: every request verified a tree)."""
