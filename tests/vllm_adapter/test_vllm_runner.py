@@ -1030,12 +1030,16 @@ def test_vllm_spec_decode_rows_must_be_the_tree_rows():
     """vLLM's GDN metadata treats a request with drafts (``num_decode_draft_tokens`` >= 0) as a spec decode, in
     batch order: a step is refused, naming both, when those rows are not the rows that verify trees."""
     from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.step import VerifyPlan
+
+    class TreeRows(SimpleNamespace):  # a plan's tree rows, with the plan's own test of them
+        every_request = VerifyPlan.every_request
 
     runner = object.__new__(DDTreeGPUModelRunner)
 
     def check(drafts, tree_rows):
         runner.num_decode_draft_tokens = SimpleNamespace(np=np.array(drafts + [7, 7], dtype=np.int32))
-        runner._ddtree_check_spec_rows(SimpleNamespace(batch_index=np.array(tree_rows)), len(drafts))
+        runner._ddtree_check_spec_rows(TreeRows(batch_index=np.array(tree_rows)), len(drafts))
 
     check([5, 5, 5], [0, 1, 2])  # the usual step: every request a tree and a spec decode
     check([-1, 5, 5], [1, 2])  # a prefill first

@@ -919,7 +919,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # spec decodes, in batch order; they must be exactly the tree requests.
         drafts = self.num_decode_draft_tokens.np[:num_reqs]
         # (A list's min: numpy's reduction costs ~5 us on a CPU for these few values.)
-        if plan.batch_index.shape[0] == num_reqs and num_reqs and min(drafts.tolist()) >= 0:
+        if plan.every_request(num_reqs) and num_reqs and min(drafts.tolist()) >= 0:
             return  # every request verifies a tree, and vLLM counts every one a spec decode (the usual step)
         spec_rows = np.flatnonzero(drafts >= 0)
         if not same_values(spec_rows, plan.batch_index):

@@ -197,7 +197,7 @@ class DDTreeRejectionSampler(nn.Module):
         result = walked = None
         if plan is not None and runner.ddtree_device_accepts(plan):
             # Walked on the device: no wait here; the commit and the drafter are queued behind the verification.
-            every_request = plan.batch_index.shape[0] == num_reqs
+            every_request = plan.every_request(num_reqs)
             # Every request verifying a tree, its logits rows are its nodes, in order: the tokens as they are.
             walked = runner.ddtree_accept_on_device(
                 plan, tokens if every_request else tokens[plan.logit_rows_gpu], width

@@ -321,6 +321,11 @@ class VerifyPlan:
     def num_filler_trees(self) -> int:
         return 0 if self.filler_mask is None else int(self.filler_mask.sum())
 
+    def every_request(self, num_reqs: int) -> bool:
+        """Whether each of the step's ``num_reqs`` requests verifies a tree: the tree rows are then the batch's rows
+        ``0 .. num_reqs - 1`` in order (they are ascending and distinct), and each request's logits rows its nodes."""
+        return self.batch_index.shape[0] == num_reqs
+
     @functools.cached_property
     def deepest(self) -> np.ndarray:
         """``[R_t]``: each tree's deepest node's depth (read by the drafter's fit test and the statistics)."""
