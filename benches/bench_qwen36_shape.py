@@ -277,29 +277,38 @@ AB_SWITCHES = {
 
 
 def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
-    """ms per decode step with each switch of ``ab`` turned in turn (cumulatively), then every switch restored."""
+    """ms per decode step with each switch of ``ab`` turned in turn (cumulatively), then every switch restored and
+    the engine's own settings timed once more (``"again": true``): later runs of one process tend to be faster (a
+    warmer host), and this last row shows by how much, beside the first timing of the same settings."""
     rows, restore = [], []
+    names = ab.split(",")
     try:
-        for name in ab.split(","):
+        for name in names:
             setter, setting = AB_SWITCHES[name]
             restore.append((setter, llm.collective_rpc(setter, args=(setting,))[0]))
-            timed_generate(llm, prompts, 4)  # (untimed: graphs the switched path captures on its first steps)
-            before = llm.collective_rpc("ddtree_summary")[0]
-            switched, _ = timed_generate(llm, prompts, OUT_TOKENS)
-            after = llm.collective_rpc("ddtree_summary")[0]
-            ms = round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2)
-            row = {"switches": ab.split(",")[: len(rows) + 1], "ms_per_decode_step": ms}
-            # What the switched run did (a switch that did not take would show here, not only in a timing).
-            counters = ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps")
-            for counter in (*counters, "commit_in_place_steps"):
-                row[counter] = after.get(counter, 0) - before.get(counter, 0)
-            row["host_ms_per_verify_step"] = timed_host_ms(before, after)
-            row["graph_launch_ms_per_verify_step"] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
-            rows.append(row)
+            rows.append(_switched_row(llm, prompts, prefill_seconds, names[: len(rows) + 1]))
     finally:
         for setter, previous in reversed(restore):
             llm.collective_rpc(setter, args=(previous,))
+    rows.append(dict(_switched_row(llm, prompts, prefill_seconds, []), again=True))
     return rows
+
+
+def _switched_row(llm, prompts, prefill_seconds: float, switches: list) -> dict:
+    """One A/B row: ms per decode step of a run with the engine as it is set now, and what that run did."""
+    timed_generate(llm, prompts, 4)  # (untimed: graphs the switched path captures on its first steps)
+    before = llm.collective_rpc("ddtree_summary")[0]
+    switched, _ = timed_generate(llm, prompts, OUT_TOKENS)
+    after = llm.collective_rpc("ddtree_summary")[0]
+    ms = round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2)
+    row = {"switches": switches, "ms_per_decode_step": ms}
+    # What the run did (a switch that did not take would show here, not only in a timing).
+    counters = ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps")
+    for counter in (*counters, "commit_in_place_steps"):
+        row[counter] = after.get(counter, 0) - before.get(counter, 0)
+    row["host_ms_per_verify_step"] = timed_host_ms(before, after)
+    row["graph_launch_ms_per_verify_step"] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
+    return row
 
 
 def run_engine(
@@ -481,7 +490,8 @@ def main() -> None:
         "next verification / at proposal), no-step-graphs (the walk, plan and KV moves launch by launch instead of "
         "CUDA graphs), no-launch-ahead (every step prepared before its forward), commit-in-place / "
         "no-commit-in-place (a replayed walk's step committed by one graph reading its outputs in place, K/V moves "
-        "included / from copies, moves apart); each row has ddtree's host ms per verify step of its own steps",
+        "included / from copies, moves apart); each row has ddtree's host ms per verify step of its own steps, and a "
+        "last row (again) times the engine's own settings once more, after the switches are restored",
     )
     args = ap.parse_args()
     unknown = [name for name in args.ab.split(",") if name and name not in AB_SWITCHES]

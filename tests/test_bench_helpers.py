@@ -643,6 +643,36 @@ def test_an_ab_rows_host_ms_are_those_of_its_own_steps():
     assert bench.timed_host_ms(after, after) == {}
 
 
+def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(monkeypatch):
+    """Switches are turned cumulatively, each row timed with the settings it names; then every switch is restored
+    and the engine's own settings are timed once more (the order's effect, beside the first timing)."""
+    runner = types.SimpleNamespace(_ddtree_commit_in_place=False)
+    worker = types.SimpleNamespace(model_runner=runner)
+    steps = {"verify_steps": 0}
+    timed_with = []
+
+    class Engine:
+        def collective_rpc(self, method, args=()):
+            if method == "ddtree_summary":
+                return [dict(steps, host_ms_per_verify_step={"commit": 0.1})]
+            return [method(worker, *args)]
+
+    def timed_generate(llm, prompts, max_tokens):
+        steps["verify_steps"] += max_tokens
+        timed_with.append((max_tokens, runner._ddtree_commit_in_place))
+        return 1.0, None
+
+    monkeypatch.setattr(bench, "timed_generate", timed_generate)
+    rows = bench.ab_timings(Engine(), ["p"], "commit-in-place", prefill_seconds=0.0)
+    assert [row["switches"] for row in rows] == [["commit-in-place"], []]
+    assert rows[-1]["again"] is True and "again" not in rows[0]
+    timed = [on for tokens, on in timed_with if tokens == bench.OUT_TOKENS]
+    assert timed == [True, False] and runner._ddtree_commit_in_place is False  # restored before the last row
+    assert rows[0]["verify_steps"] == bench.OUT_TOKENS and rows[0]["host_ms_per_verify_step"] == pytest.approx(
+        {"commit": 0.1}
+    )
+
+
 def test_commit_in_place_is_a_switch_of_the_in_engine_ab():
     runner = types.SimpleNamespace(_ddtree_commit_in_place=False)
     worker = types.SimpleNamespace(model_runner=runner)
