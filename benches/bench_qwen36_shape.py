@@ -30,7 +30,14 @@ import subprocess
 import sys
 import time
 
-from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, family_comparison, profile_generate, timed_host_ms
+from gpu_profile import (
+    GRAPH_LAUNCH_MS,
+    enable_scopes,
+    family_comparison,
+    profile_generate,
+    scopes_on,
+    timed_host_ms,
+)
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -359,6 +366,8 @@ def run_engine(
         "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
         # vLLM's chain overlaps scheduling with the GPU when this is on; ddtree turns it off.
         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+        # On with --profile-batches for the whole engine (vLLM reads it once): every timed row pays for the ranges.
+        "profiling_scopes": scopes_on(),
     }
     cache = llm.llm_engine.vllm_config.cache_config
     res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}

@@ -53,7 +53,7 @@ from engine_turns import (
     run_in_turns,
     wait_for_turn,
 )
-from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, profile_generate, timed_host_ms
+from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, profile_generate, scopes_on, timed_host_ms
 
 
 def child(args):
@@ -173,6 +173,7 @@ def child(args):
             "seconds_by_repeat": seconds_by_repeat,
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
             "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+            "profiling_scopes": scopes_on(),  # on with --profile-batches: the timed runs pay for vLLM's ranges
             "engine_start_s": round(init_s, 1),
             # Which threads of the engine's processes were busy over all timed runs (seconds of wall: sum of
             # seconds_by_repeat): a thread busy beside the main one slows it (gpu-h200-pair-cad0d30's profiles).

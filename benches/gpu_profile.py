@@ -11,6 +11,12 @@ import shutil
 from typing import Any, Dict
 
 
+def scopes_on() -> bool:
+    """Whether vLLM's named ranges are real ``record_function`` calls in this process (:func:`enable_scopes`): each
+    costs microseconds to enter and leave, so timed rows taken with them on say so (``profiling_scopes``)."""
+    return os.environ.get("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "0") == "1"
+
+
 def enable_scopes() -> None:
     """vLLM's named ranges ("gpu_model_runner: preprocess", ... and ddtree's "ddtree: plan", ...) in profiles.
 

@@ -706,3 +706,16 @@ def test_the_pair_bench_takes_a_pairs_directory_and_refuses_half_of_one(monkeypa
         str(pair / "drafter"),
         str(pair / "prompts.json"),
     )
+
+
+def test_rows_say_whether_vllms_profiling_ranges_were_on(monkeypatch):
+    """enable_scopes() (the benches call it for --profile-batches, for the whole engine) is what scopes_on() reads:
+    the rows' ``profiling_scopes`` says the timed runs paid for the ranges."""
+    import gpu_profile
+
+    monkeypatch.delenv("VLLM_CUSTOM_SCOPES_FOR_PROFILING", raising=False)
+    assert gpu_profile.scopes_on() is False
+    gpu_profile.enable_scopes()
+    assert gpu_profile.scopes_on() is True
+    monkeypatch.setenv("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "0")
+    assert gpu_profile.scopes_on() is False
