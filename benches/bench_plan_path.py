@@ -297,12 +297,18 @@ def load_package(checkout: str, core=None) -> Dict[str, Any]:
     return {name: module for name, module in sys.modules.items() if _ours(name)}
 
 
-def _timed_plan_step(bench, runner, rng, first: bool) -> float:
+def _timed_step(step_name: str, bench, runner, rng) -> float:
+    """One proposal deferred (untimed), then the side's ``step_name`` (``plan_step``, ``early_step``) timed."""
     with bench.vllm_parts_stubbed():
         output = bench.defer_proposal(runner, rng)
+        step = getattr(bench, step_name)  # the side's own module's function
         start = time.perf_counter()
-        bench.plan_step(runner, output)
+        step(runner, output)
         return time.perf_counter() - start
+
+
+def _timed_plan_step(bench, runner, rng, first: bool) -> float:
+    return _timed_step("plan_step", bench, runner, rng)
 
 
 def _timed_walk(bench, runner, rng, first: bool) -> float:
@@ -317,11 +323,7 @@ def _timed_walk(bench, runner, rng, first: bool) -> float:
 
 
 def _timed_early_step(bench, runner, rng, first: bool) -> float:
-    with bench.vllm_parts_stubbed():
-        output = bench.defer_proposal(runner, rng)
-        start = time.perf_counter()
-        bench.early_step(runner, output)
-        return time.perf_counter() - start
+    return _timed_step("early_step", bench, runner, rng)
 
 
 def _timed_sampler_call(bench, runner, rng, first: bool) -> float:
