@@ -215,7 +215,8 @@ ENGINES = {
 
 # ---------------------------------------------------------------------------------------------
 # Child: one engine, all scenarios, JSON on stdout (last line).
-#: Tokens the shared_prefix scenario's prompts share (4 blocks of 16, 1 of the pair's larger attention blocks).
+#: Tokens the shared_prefix scenario's prompts share (4 of tiny-qwen3's 16-token blocks; its second turns share
+#: their whole first prompt and answer, 100-270 tokens).
 SHARED_PREFIX = 64
 #: Its requests per round (three rounds: the prompts, the same again, the second turns).
 SHARED_PREFIX_REQUESTS = 8
