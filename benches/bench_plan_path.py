@@ -250,9 +250,42 @@ def tensor_ops(runner, output) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_KERNEL and top_level(e))
 
 
-def measure(batch: int, budget: int, depth: int, top_k: int, steps: int, rounds: int = 5, seed: int = 0) -> dict:
+class CacheSweep:
+    """What an engine step runs between two visits of ddtree's code, as a stand-in: ~2,000 distinct small Python
+    functions (instruction cache, branch predictors, the interpreter's caches) and a 32 MB array read (data caches).
+
+    In vLLM's engine ddtree's host path runs once a step among much other Python, so it runs cold; a loop of the same
+    step runs hot. On the development CPU the early path took 2.7x its hot time at batch 1 after such a sweep
+    (1.35x at batch 32, where more of it is work on data), not from garbage collection (the same with it off): the
+    likely part of the 3-8x between this bench and the H200 host's timers (``gpu-h200-5d593db``). ``--cold`` runs it
+    before every timed step (untimed)."""
+
+    def __init__(self, functions: int = 2000, floats: int = 4_000_000):
+        self.data = np.random.default_rng(0).random(floats)
+        self.functions = []
+        for i in range(functions):
+            namespace: Dict[str, Any] = {}
+            exec(f"def f(x):\n    return [x * {i} for _ in range(3)]", namespace)  # a distinct code object each
+            self.functions.append(namespace["f"])
+
+    def __call__(self) -> None:
+        self.data.sum()
+        for function in self.functions:
+            function(1)
+
+
+def measure(
+    batch: int,
+    budget: int,
+    depth: int,
+    top_k: int,
+    steps: int,
+    rounds: int = 5,
+    seed: int = 0,
+    sweep=None,
+) -> dict:
     """The best of ``rounds`` rounds' median step (a shared machine's noise only adds time), after 5 warm-up steps
-    (the staging buffers' first allocations)."""
+    (the staging buffers' first allocations); ``sweep`` (a :class:`CacheSweep`) run before each step, untimed."""
     rng = np.random.default_rng(seed)
     runner = build_runner(batch, budget, depth, top_k)
     medians = []
@@ -261,12 +294,20 @@ def measure(batch: int, budget: int, depth: int, top_k: int, steps: int, rounds:
             times = []
             for step in range(steps + (5 if round_ == 0 else 0)):
                 output = defer_proposal(runner, rng)
+                if sweep is not None:
+                    sweep()
                 start = time.perf_counter()
                 plan_step(runner, output)
                 times.append(time.perf_counter() - start)
             medians.append(float(np.median(times[-steps:])))
         ops = tensor_ops(runner, defer_proposal(runner, rng))
-    return {"batch": batch, "budget": budget, "host_ms": 1e3 * min(medians), "tensor_ops": ops}
+    return {
+        "batch": batch,
+        "budget": budget,
+        "host_ms": 1e3 * min(medians),
+        "tensor_ops": ops,
+        "cold": sweep is not None,
+    }
 
 
 def _ours(name: str) -> bool:
@@ -358,7 +399,15 @@ def _prepare_side(path: str, bench, runner, rng, modules) -> None:
 
 
 def compare(
-    baseline: str, loaded: str, batch: int, budget: int, depth: int, top_k: int, steps: int, path: str = "plan"
+    baseline: str,
+    loaded: str,
+    batch: int,
+    budget: int,
+    depth: int,
+    top_k: int,
+    steps: int,
+    path: str = "plan",
+    sweep=None,
 ) -> dict:
     """Median plan step (``path`` "sampler": sampler call; "walk": the walk's call after each plan step) of this
     checkout and of ``baseline``, steps alternated (and which goes first, too); each side's modules are put back
@@ -382,6 +431,8 @@ def compare(
         for s in (0, 1) if step % 2 == 0 else (1, 0):
             bench, runner, rng, checkout = sides[s]
             sys.modules.update(modules[checkout])
+            if sweep is not None:
+                sweep()
             times[s].append(timed(bench, runner, rng, step == 0))
     base, new = (float(np.median(t[warm_up:])) for t in times)
     return {
@@ -392,6 +443,7 @@ def compare(
         "baseline_ms": 1e3 * base,
         "this_ms": 1e3 * new,
         "ratio": new / base,
+        "cold": sweep is not None,
     }
 
 
@@ -411,7 +463,11 @@ def main() -> None:
         default="plan",
         help="the A/B's timed path (sampler, walk: --baseline only)",
     )
+    parser.add_argument(
+        "--cold", action="store_true", help="a CacheSweep before every timed step: ddtree's code runs cold, as in vLLM"
+    )
     args = parser.parse_args()
+    sweep = CacheSweep() if args.cold else None
     if args.path != "plan" and not args.baseline:
         parser.error(f"--path {args.path} is an A/B: give --baseline")
     torch.set_num_threads(1)
@@ -428,6 +484,7 @@ def main() -> None:
                 args.top_k,
                 10 * args.steps,
                 args.path,
+                sweep,
             )
             rows.append(row)
             print(
@@ -437,7 +494,7 @@ def main() -> None:
             )
         args.batches = []
     for batch in args.batches:
-        row = measure(batch, args.budget, args.depth, args.top_k, args.steps)
+        row = measure(batch, args.budget, args.depth, args.top_k, args.steps, sweep=sweep)
         rows.append(row)
         print(
             f"budget {row['budget']:4d} batch {batch:3d}: host {row['host_ms']:.3f} ms, "

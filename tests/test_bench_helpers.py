@@ -263,6 +263,22 @@ def test_the_early_path_bench_queues_each_step_before_its_trees_and_releases_the
     assert (GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward) == before
 
 
+def test_a_cache_sweep_runs_distinct_code_and_reads_its_data_before_each_cold_step(monkeypatch):
+    """--cold: the sweep's functions are distinct code objects (one each, so the sweep touches as much code as it
+    says), it is called once before every timed step, outside the timing, and the row says it was cold."""
+    import bench_plan_path
+
+    sweep = bench_plan_path.CacheSweep(functions=50, floats=1000)
+    assert len({f.__code__ for f in sweep.functions}) == 50 and sweep.data.shape == (1000,)
+    assert [f(1) for f in sweep.functions[:3]] == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    calls = []
+    counted = bench_plan_path.CacheSweep.__call__
+    monkeypatch.setattr(bench_plan_path.CacheSweep, "__call__", lambda self: calls.append(counted(self)))
+    row = bench_plan_path.measure(batch=2, budget=8, depth=3, top_k=4, steps=2, rounds=1, sweep=sweep)
+    assert row["cold"] is True and len(calls) == 2 + 5  # every step, the 5 warm-up steps included
+    assert bench_plan_path.measure(batch=2, budget=8, depth=3, top_k=4, steps=2, rounds=1)["cold"] is False
+
+
 def test_the_sampler_path_bench_calls_the_sampler_of_the_planned_step():
     """bench_plan_path --path sampler: after a plan step, ddtree's rejection sampler called for that step emits one
     chain row per request (the walk's rows: every request verified a tree)."""
