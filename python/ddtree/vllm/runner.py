@@ -416,12 +416,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The device walk, the plan's device side and the KV moves of FULL steps as CUDA graphs (DDTREE_STEP_GRAPHS;
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
-        capture = cuda_graph_capture(self.device) if self.device.type == "cuda" else None
-        launches = self.ddtree_stats.graph_launch_seconds
-        self._ddtree_walk_graphs = WalkGraphs(timed_replays(capture, launches, "walk")) if capture else None
-        # the plan's device side; the KV moves after a graphed walk
-        self._ddtree_plan_graphs = ShapeGraphs(timed_replays(capture, launches, "plan")) if capture else None
-        self._ddtree_kv_move_graphs = ShapeGraphs(timed_replays(capture, launches, "kv moves")) if capture else None
+        on_gpu = self.device.type == "cuda"
+        self._ddtree_walk_graphs = WalkGraphs(self._ddtree_capture("walk")) if on_gpu else None
+        # The plan's device side, and the KV moves after a graphed walk.
+        self._ddtree_plan_graphs = ShapeGraphs(self._ddtree_capture("plan")) if on_gpu else None
+        self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_capture("kv moves")) if on_gpu else None
         self._ddtree_walk_replayed = False  # this step's device walk replayed its graph
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
@@ -1335,9 +1334,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                     self.max_num_reqs,
                     int(commit.paths.shape[1]),
                     self._ddtree_conv_window,
-                    timed_replays(cuda_graph_capture(self.device), self.ddtree_stats.graph_launch_seconds, "commit"),
+                    self._ddtree_capture("commit"),
                 )
         return self._ddtree_commit_graphs
+
+    def _ddtree_capture(self, graphs: str):
+        """The CUDA-graph capture of ddtree's step graphs named ``graphs``, their replays' host time counted under
+        that name (``graph_launch_ms_per_verify_step``)."""
+        return timed_replays(cuda_graph_capture(self.device), self.ddtree_stats.graph_launch_seconds, graphs)
 
     def _target_kv_layers(self) -> List[tuple]:
         """(kv_cache_group_id, kv cache tensor) of each target attention layer, shared caches once."""
