@@ -498,10 +498,13 @@ def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hi
     short = shared_prefix_prompts([[1, 2, 3]], 10, 2)
     assert short[0][:10] == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
 
-    assert prefix_cache_exercised(ENGINES["plain"], {"prefix_cache_hits": 0.0}) is None
-    assert prefix_cache_exercised(ENGINES["ddtree64-apc"], {"prefix_cache_hits": 0.0})[0] is False
-    passed, note = prefix_cache_exercised(
-        ENGINES["ddtree64-apc"], {"prefix_cache_hits": 448.0, "prefix_cache_queries": 1200.0}
-    )
-    assert passed and "hits 448 of 1200" in note
+    def rows(first, later):  # 8 first answers, then 16 repeats and second turns, with their cached tokens
+        return [{"cached_tokens": first}] * 8 + [{"cached_tokens": n} for n in later]
+
+    assert prefix_cache_exercised(ENGINES["plain"], rows(0, [0] * 16)) is None
+    assert prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(0, [0] * 16))[0] is False
+    assert prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(48, [64] * 15 + [0]))[0] is False  # one missed
+    assert prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(48, []))[0] is False  # nothing after the first round
+    passed, note = prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(0, [64] * 8 + [96] * 8))
+    assert passed and "hits in 16 of 16 later requests (1280 tokens)" in note
     assert ENGINES["ddtree64-apc"]["env"]["DDTREE_PREFIX_CACHING"] == "1"
