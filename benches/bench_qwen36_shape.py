@@ -30,14 +30,7 @@ import subprocess
 import sys
 import time
 
-from gpu_profile import (
-    GRAPH_LAUNCH_MS,
-    enable_scopes,
-    family_comparison,
-    profile_generate,
-    scopes_on,
-    timed_host_ms,
-)
+from gpu_profile import enable_scopes, family_comparison, host_ms_fields, profile_generate, scopes_on
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -313,8 +306,7 @@ def _switched_row(llm, prompts, prefill_seconds: float, switches: list) -> dict:
     counters = ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps")
     for counter in (*counters, "commit_in_place_steps"):
         row[counter] = after.get(counter, 0) - before.get(counter, 0)
-    row["host_ms_per_verify_step"] = timed_host_ms(before, after)
-    row["graph_launch_ms_per_verify_step"] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
+    row.update(host_ms_fields(before, after, vllm_parts=False))  # (the A/B rows leave out vLLM's launch)
     return row
 
 
@@ -402,9 +394,7 @@ def run_engine(
             steps = after["verify_steps"] - before["verify_steps"]
             row["verify_steps"] = steps
             row["mean_acceptance_length"] = after["mean_acceptance_length"]
-            row["host_ms_per_verify_step"] = timed_host_ms(before, after)
-            row["vllm_host_ms_per_verify_step"] = timed_host_ms(before, after, "vllm_host_ms_per_verify_step")
-            row["graph_launch_ms_per_verify_step"] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
+            row.update(host_ms_fields(before, after))
             for counter in (
                 "full_graph_steps",
                 "commit_graph_steps",

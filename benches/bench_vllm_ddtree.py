@@ -53,7 +53,7 @@ from engine_turns import (
     run_in_turns,
     wait_for_turn,
 )
-from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, profile_generate, scopes_on, timed_host_ms
+from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, host_ms_fields, profile_generate, scopes_on
 
 
 def child(args):
@@ -180,13 +180,11 @@ def child(args):
             "thread_cpu_s": thread_cpu.busiest({}, thread_seconds),
         }
         if is_tree:
-            # Host work per verify step over the timed repeats (the warm-up's one-time costs, a shape's first
-            # commit with its graph captures and Triton compiles, left out).
             summary = llm.collective_rpc("ddtree_summary")[0]
-            row["host_ms_per_verify_step"] = timed_host_ms(window_start, summary)
-            row["vllm_host_ms_per_verify_step"] = timed_host_ms(window_start, summary, "vllm_host_ms_per_verify_step")
-            # Of the host ms, those inside ddtree's graph launches (waits for room in a full launch queue included).
-            row["graph_launch_ms_per_verify_step"] = timed_host_ms(window_start, summary, GRAPH_LAUNCH_MS)
+            # Host work per steady verify step over the timed repeats (the warm-up's one-time costs left out, and
+            # the timed steps that ran a graph shape for the first time counted apart), of it the graph launches
+            # (waits for room in a full launch queue included).
+            row.update(host_ms_fields(window_start, summary))
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
             row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)
@@ -400,7 +398,7 @@ def main():
         add_round_ratios(table)
     print(
         f"\n{'engine':<14}{'batch':>6}{'tokens/s':>12}{'x dflash':>10}{'by round':>10}{'mean acc len':>14}"
-        f"{'ms/step':>10}{'host ms':>9}{'launches':>10}"
+        f"{'ms/step':>10}{'host ms':>9}{'launches':>10}{'first runs':>12}"
     )
     for row in table:
         mal = row["mean_acceptance_length"]
@@ -413,7 +411,7 @@ def main():
             f"{(f'{ratio:.2f}' if ratio else '-'):>10}{(f'{by_round:.2f}' if by_round else '-'):>10}"
             f"{(f'{mal:.3f}' if mal else '-'):>14}"
             f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}"
-            f"{(f'{launches:.2f}' if launches is not None else '-'):>10}"
+            f"{(f'{launches:.2f}' if launches is not None else '-'):>10}{row.get('first_runs', '-'):>12}"
         )
     busy = busiest_threads(table)
     if busy:

@@ -291,11 +291,36 @@ def timed_host_ms(before: dict, after: dict, key: str = "host_ms_per_verify_step
     graph capture, Triton compiles) would weigh in: up to 17 ms of "commit" per step in the records before
     gpu-h200-gdn-metadata-ffa8839, where the steady state is 0.3 ms. ``key``: ``vllm_host_ms_per_verify_step`` for
     the parts of vLLM's step the runner times (the forward's launch)."""
-    steps = after["verify_steps"] - before["verify_steps"]
+    # ddtree's own parts average over the steady steps (``steady_verify_steps``: no first run of a step graph's
+    # shape), vLLM's over all; summaries from before that split have verify steps only.
+    count = "verify_steps" if key == "vllm_host_ms_per_verify_step" else "steady_verify_steps"
+    if count not in after:
+        count = "verify_steps"
+    steps = after[count] - before.get(count, before["verify_steps"])
     if steps <= 0:
         return {}
     now, then = after.get(key, {}), before.get(key, {})
     return {
-        part: (ms * after["verify_steps"] - then.get(part, 0.0) * before["verify_steps"]) / steps
+        part: (ms * after[count] - then.get(part, 0.0) * before.get(count, before["verify_steps"])) / steps
         for part, ms in now.items()
     }
+
+
+def host_ms_fields(before: dict, after: dict, vllm_parts: bool = True) -> dict:
+    """A bench row's host figures between two ``ddtree_summary`` snapshots: ddtree's host ms per steady verify
+    step by part, of them the ms inside its graph launches, vLLM's timed parts (``vllm_parts``), and the steps that
+    ran a graph shape for the first time with their mean host ms (:func:`first_run_steps`)."""
+    fields = {"host_ms_per_verify_step": timed_host_ms(before, after)}
+    if vllm_parts:
+        fields["vllm_host_ms_per_verify_step"] = timed_host_ms(before, after, "vllm_host_ms_per_verify_step")
+    fields[GRAPH_LAUNCH_MS] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
+    fields.update(first_run_steps(before, after))
+    return fields
+
+
+def first_run_steps(before: dict, after: dict) -> dict:
+    """The steps between two ``ddtree_summary`` snapshots that ran a step graph's shape for the first time, and their
+    mean host ms (``first_runs``, ``host_ms_per_first_run``): one-time costs, kept out of the host ms per step."""
+    runs = after.get("first_run_steps", 0) - before.get("first_run_steps", 0)
+    ms = sum(after.get("first_run_host_ms", {}).values()) - sum(before.get("first_run_host_ms", {}).values())
+    return {"first_runs": runs, "host_ms_per_first_run": ms / runs if runs else None}

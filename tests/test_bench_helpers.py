@@ -159,15 +159,38 @@ def test_host_calls_are_counted_inside_each_ddtree_range_on_its_own_thread():
 
 
 def test_host_ms_cover_only_the_timed_steps():
+    import gpu_profile
+
     before = {"verify_steps": 10, "host_ms_per_verify_step": {"commit": 60.0, "plan": 0.5}}  # a 600 ms capture
     after = {"verify_steps": 30, "host_ms_per_verify_step": {"commit": 20.2, "plan": 0.5, "build": 0.1}}
-    timed = bench.timed_host_ms(before, after)
+    timed = gpu_profile.timed_host_ms(before, after)
     assert timed["commit"] == pytest.approx(0.3) and timed["plan"] == pytest.approx(0.5)
     assert timed["build"] == pytest.approx(0.15)  # a part first timed in this run
-    assert bench.timed_host_ms(after, after) == {}
+    assert gpu_profile.timed_host_ms(after, after) == {}
     before["vllm_host_ms_per_verify_step"] = {"forward launch": 3.0}
     after["vllm_host_ms_per_verify_step"] = {"forward launch": 2.0}
-    assert bench.timed_host_ms(before, after, "vllm_host_ms_per_verify_step") == {"forward launch": pytest.approx(1.5)}
+    assert gpu_profile.timed_host_ms(before, after, "vllm_host_ms_per_verify_step") == {"forward launch": pytest.approx(1.5)}
+
+
+def test_host_ms_average_the_steady_steps_and_count_first_runs_apart():
+    """Summaries with the first-run split: ddtree's parts over the steady steps, vLLM's over all verify steps, and
+    the window's first runs with their mean host ms."""
+    import gpu_profile
+
+    before = {"verify_steps": 10, "steady_verify_steps": 8, "first_run_steps": 2, "first_run_host_ms": {"plan": 40.0}}
+    before.update(host_ms_per_verify_step={"plan": 0.5}, vllm_host_ms_per_verify_step={"forward launch": 0.3})
+    before["graph_launch_ms_per_verify_step"] = {"walk": 0.02}
+    after = {"verify_steps": 30, "steady_verify_steps": 26, "first_run_steps": 4}
+    after["first_run_host_ms"] = {"plan": 70.0, "accept": 10.0}
+    after.update(host_ms_per_verify_step={"plan": 26 * 0.4 / 26 + (8 * 0.1) / 26})  # 0.5 over 8, then 0.4 over 18
+    after.update(vllm_host_ms_per_verify_step={"forward launch": 0.3}, graph_launch_ms_per_verify_step={"walk": 0.02})
+    fields = gpu_profile.host_ms_fields(before, after)
+    assert fields["host_ms_per_verify_step"]["plan"] == pytest.approx((26 * 0.4 + 0.8 - 8 * 0.5) / 18)
+    assert fields["vllm_host_ms_per_verify_step"]["forward launch"] == pytest.approx(0.3)  # over all 20 steps
+    assert fields["graph_launch_ms_per_verify_step"]["walk"] == pytest.approx(0.02)
+    assert fields["first_runs"] == 2 and fields["host_ms_per_first_run"] == pytest.approx(20.0)
+    assert "vllm_host_ms_per_verify_step" not in gpu_profile.host_ms_fields(before, after, vllm_parts=False)
+    assert gpu_profile.first_run_steps(after, after) == {"first_runs": 0, "host_ms_per_first_run": None}
 
 
 def test_gpu_time_is_summed_by_kernel_family_and_compared_with_the_chain():
@@ -648,15 +671,6 @@ def test_the_pair_bench_samples_with_one_seed_per_request_when_asked():
     args.seeded, args.temperature = True, 0.0
     with pytest.raises(SystemExit, match="--seeded needs --temperature"):
         bench_vllm_ddtree.timed_params(args)
-
-
-def test_an_ab_rows_host_ms_are_those_of_its_own_steps():
-    """The summary holds per-step means over every step so far: a switched run's own means come from the two
-    summaries around it (here 10 steps at 0.5 ms of plan, then 30 at 0.3)."""
-    before = {"verify_steps": 10, "host_ms_per_verify_step": {"plan": 0.5, "commit": 0.1}}
-    after = {"verify_steps": 40, "host_ms_per_verify_step": {"plan": 0.35, "commit": 0.07, "stats": 0.03}}
-    assert bench.timed_host_ms(before, after) == pytest.approx({"plan": 0.3, "commit": 0.06, "stats": 0.04})
-    assert bench.timed_host_ms(after, after) == {}
 
 
 def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(monkeypatch):

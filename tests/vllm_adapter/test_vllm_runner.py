@@ -246,6 +246,32 @@ def test_stats_count_cut_trees_against_their_proposal_and_steps_by_budget():
     assert summary["steps_by_budget"] == {6: 1}
 
 
+def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():
+    """A step in which a step graph ran a shape for the first time (a capture: tens of ms once) has its host
+    seconds moved out of the per-step parts, which then average the steady steps only; the launches with them."""
+    from ddtree.vllm.runner import DDTreeStats
+
+    stats = DDTreeStats(3)
+    plan = SimpleNamespace(num_nodes=np.array([4]), proposed_budgets=np.array([3]), num_filler_trees=0)
+
+    def step(first_runs, plan_s, launch_s):
+        stats.close_step(first_runs)
+        stats.host_seconds["plan"] = stats.host_seconds.get("plan", 0.0) + plan_s
+        stats.graph_launch_seconds["walk"] = stats.graph_launch_seconds.get("walk", 0.0) + launch_s
+        stats.observe_counts(plan, np.array([1]))
+
+    step(0, 0.001, 0.0001)  # steady
+    step(0, 0.020, 0.0050)  # ran a new shape: first_runs goes 0 -> 1 before the next step starts
+    step(1, 0.001, 0.0001)
+    step(1, 0.001, 0.0001)
+    stats.close_step(1)
+    summary = stats.summary()
+    assert summary["verify_steps"] == 4 and summary["first_run_steps"] == 1 and summary["steady_verify_steps"] == 3
+    assert summary["host_ms_per_verify_step"]["plan"] == pytest.approx(1.0)
+    assert summary["graph_launch_ms_per_verify_step"]["walk"] == pytest.approx(0.1)
+    assert summary["first_run_host_ms"] == {"plan": pytest.approx(20.0)}
+
+
 def _prefixes(tree):
     """Each node's token prefix from the root (a tuple), in node order."""
     out = [()]

@@ -191,11 +191,33 @@ class DDTreeStats:
         # Host seconds inside the replays of ddtree's own step graphs, by graph (walk, plan, kv moves, commit): part
         # of the timed parts above; a launch waits there when the GPU's queue is full (a GPU-bound step).
         self.graph_launch_seconds: Dict[str, float] = {}
+        # Steps that ran one of ddtree's step-graph shapes for the first time (``ShapeGraphs.first_runs``: compiles,
+        # allocations, a capture that synchronizes the device; tens of ms, once per shape) keep their host seconds
+        # here, by part, instead of in the two dicts above, whose per-step figures are then the steady state's. At
+        # batch 32 a batch shrinking request by request meets a new shape at most steps of its first run.
+        self.first_run_steps = 0
+        self.first_run_host_seconds: Dict[str, float] = {}
+        self._step_mark: Tuple[int, Dict[str, float], Dict[str, float]] = (0, {}, {})
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
         # WHAT_IF_EVERY-th verify step (a systematic sample of the traffic; the sampled steps are kept and counted
         # 16 at a time, in one numpy pass).
         self.what_if = WhatIfAcceptance(smaller_budgets)
         self.auto: Optional[AutoBudget] = None  # ``ddtree_budget: "auto"``: fed every verify step
+
+    def close_step(self, first_runs: int) -> None:
+        """Called as each engine step starts, with ``ShapeGraphs.first_runs``: when the step since the last call ran
+        a graph shape for the first time, its host seconds move to ``first_run_host_seconds`` (its launch seconds,
+        part of them, are dropped with it) and it counts in ``first_run_steps``."""
+        runs, host, launches = self._step_mark
+        if first_runs != runs:
+            self.first_run_steps += 1
+            for part, seconds in self.host_seconds.items():
+                moved = seconds - host.get(part, 0.0)
+                self.host_seconds[part] = host.get(part, 0.0)
+                self.first_run_host_seconds[part] = self.first_run_host_seconds.get(part, 0.0) + moved
+            self.graph_launch_seconds.clear()
+            self.graph_launch_seconds.update(launches)
+        self._step_mark = (first_runs, dict(self.host_seconds), dict(self.graph_launch_seconds))
 
     def timed(self, part: str) -> "PartTimer":
         """``with stats.timed(part):`` adds the block's host seconds to ``host_seconds[part]``; also a profiler range
@@ -307,13 +329,24 @@ class DDTreeStats:
             "acceptance_rate_per_depth": (self.accepted_per_depth[1:] / trees).tolist(),
             **{f"acceptance_length_if_{what}": result for what, result in self.what_if.summary().items()},
             **({"auto_budget": self.auto.summary()} if self.auto is not None else {}),
-            "host_ms_per_verify_step": self._per_verify_step_ms(self.host_seconds),
-            "vllm_host_ms_per_verify_step": self._per_verify_step_ms(self.vllm_host_seconds),
-            "graph_launch_ms_per_verify_step": self._per_verify_step_ms(self.graph_launch_seconds),
+            # ddtree's host parts and their graph launches over the steady steps (no first run of a graph shape);
+            # the first runs' host ms in total, apart.
+            "steady_verify_steps": self.steady_steps,
+            "host_ms_per_verify_step": self._per_verify_step_ms(self.host_seconds, self.steady_steps),
+            "vllm_host_ms_per_verify_step": self._per_verify_step_ms(self.vllm_host_seconds, self.steps),
+            "graph_launch_ms_per_verify_step": self._per_verify_step_ms(self.graph_launch_seconds, self.steady_steps),
+            "first_run_steps": self.first_run_steps,
+            "first_run_host_ms": {part: 1e3 * s for part, s in sorted(self.first_run_host_seconds.items())},
         }
 
-    def _per_verify_step_ms(self, seconds_by_part: Dict[str, float]) -> Dict[str, float]:
-        return {part: 1e3 * seconds / max(self.steps, 1) for part, seconds in sorted(seconds_by_part.items())}
+    @property
+    def steady_steps(self) -> int:
+        """Verify steps that ran no step-graph shape for the first time."""
+        return max(self.steps - self.first_run_steps, 0)
+
+    @staticmethod
+    def _per_verify_step_ms(seconds_by_part: Dict[str, float], steps: int) -> Dict[str, float]:
+        return {part: 1e3 * seconds / max(steps, 1) for part, seconds in sorted(seconds_by_part.items())}
 
 
 def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool) -> None:
@@ -1146,6 +1179,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return step, saved
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self.ddtree_stats.close_step(ShapeGraphs.first_runs)
         if self._ddtree_step_timer is not None:
             self._ddtree_step_timer.start()
             self._ddtree_first_runs_at_start = ShapeGraphs.first_runs
