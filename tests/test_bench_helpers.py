@@ -169,7 +169,9 @@ def test_host_ms_cover_only_the_timed_steps():
     assert gpu_profile.timed_host_ms(after, after) == {}
     before["vllm_host_ms_per_verify_step"] = {"forward launch": 3.0}
     after["vllm_host_ms_per_verify_step"] = {"forward launch": 2.0}
-    assert gpu_profile.timed_host_ms(before, after, "vllm_host_ms_per_verify_step") == {"forward launch": pytest.approx(1.5)}
+    assert gpu_profile.timed_host_ms(before, after, "vllm_host_ms_per_verify_step") == {
+        "forward launch": pytest.approx(1.5)
+    }
 
 
 def test_host_ms_average_the_steady_steps_and_count_first_runs_apart():
@@ -284,6 +286,25 @@ def test_the_early_path_bench_queues_each_step_before_its_trees_and_releases_the
     assert runner._ddtree_gate.released == 3 and runner._ddtree_early is None
     assert runner._ddtree_plan is not None and runner._ddtree_plan.num_nodes.tolist() == [9, 9]
     assert (GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward) == before
+
+
+def test_the_stats_path_counts_every_step_through_the_runners_ring_and_is_compared_by_its_mean():
+    """bench_plan_path --path stats: each timed call sends one step's path rows into the ring the runner makes and
+    counts what landed; with the ring read every fourth step, all steps are counted by then. The comparison of an
+    amortized path is the mean of its steps (the slowest 2% left out), not the median step."""
+    import bench_plan_path
+    import numpy as np
+
+    runner, rng = bench_plan_path.build_runner(2, 8, 3, 4), np.random.default_rng(0)
+    assert runner._ddtree_counts.read_every == 4
+    counted = []
+    for _ in range(8):
+        assert bench_plan_path._timed_stats(bench_plan_path, runner, rng, False) > 0
+        counted.append(runner.ddtree_stats.steps)
+    assert counted == [0, 0, 0, 4, 4, 4, 4, 8]  # read once four steps are in flight
+    steps = [1.0] * 50 + [5.0] * 49 + [100.0]  # a read every other step and one hiccup
+    assert bench_plan_path._typical(steps, amortized=False) == 3.0
+    assert bench_plan_path._typical(steps, amortized=True) == (50 * 1.0 + 48 * 5.0) / 98
 
 
 def test_a_cache_sweep_runs_distinct_code_and_reads_its_data_before_each_cold_step(monkeypatch):

@@ -48,3 +48,30 @@ def test_on_cpu_copies_land_at_once_and_are_copies():
     source[0] = 0
     counts.send(torch.tensor([1], dtype=torch.int32), "t")  # reuses no slot still being read
     assert tag == "s" and got.tolist() == [4, 2, 9] and isinstance(got, np.ndarray)
+
+
+def test_the_host_looks_only_once_read_every_steps_are_in_flight():
+    """With ``read_every`` 3 no event is queried and nothing counted until three steps are in flight; then every
+    landed one comes back, in order, and a ring of more slots than that never waits."""
+    counts = LandingCounts(torch.device("cpu"), max_reqs=2, slots=4, read_every=3)
+    events = counts._events = [FakeEvent() for _ in range(4)]
+    queried = []
+    for i, event in enumerate(events):
+        event.query = (lambda e, i: lambda: queried.append(i) or e.done)(event, i)
+    for step in range(2):
+        assert counts.send(torch.tensor([step], dtype=torch.int32), step) is None
+        events[step].done = True
+        assert counts.landed(wait=False) == []
+    assert queried == []  # below read_every: no query at all
+    assert counts.send(torch.tensor([2], dtype=torch.int32), 2) is None
+    got = counts.landed(wait=False)  # three in flight; steps 0 and 1 landed, step 2 not yet
+    assert [(tag, c.tolist()) for tag, c in got] == [(0, [0]), (1, [1])] and len(counts) == 1
+    assert all(e.waited == 0 for e in events)
+    assert [(tag, c.tolist()) for tag, c in counts.landed(wait=True)] == [(2, [2])]  # the summary's read: all
+
+
+def test_read_every_must_leave_a_free_slot():
+    import pytest
+
+    with pytest.raises(ValueError, match="read_every must be 1 .. slots - 1 = 3, got 4"):
+        LandingCounts(torch.device("cpu"), max_reqs=2, slots=4, read_every=4)

@@ -460,7 +460,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
         self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
         # Each row: the path length, then the path (draft_len + 1 entries; ``_ddtree_send_paths``).
-        self._ddtree_counts = LandingCounts(self.device, self.max_num_reqs, width=(self.ddtree_cfg.draft_len or 0) + 2)
+        self._ddtree_counts = self._ddtree_landing_counts()
         # What the trees say about the chain and smaller budgets, logged on vLLM's statistics interval (rank 0 only).
         self._ddtree_what_if_log = PeriodicLog(log_interval()) if tensor_parallel_rank() == 0 else None
         # Requests with min_tokens, counted from the engine's token counts (vLLM's processor is wrong for trees
@@ -1204,7 +1204,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             if accept is not None:
                 self.ddtree_stats.observe(plan, accept)
             else:  # walked on the device: counted once the copy of its paths has landed
-                self._ddtree_count_device_steps(self._ddtree_send_paths(gpu, plan))
+                with self.ddtree_stats.timed("stats"):  # (the statistics' copy: host work of every step)
+                    self._ddtree_count_device_steps(self._ddtree_send_paths(gpu, plan))
             self.ddtree_stats.count_full_graph(self._ddtree_full_graph)
         else:
             self.drafter.context_order = None
@@ -1303,6 +1304,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if self._ddtree_full_graph is None or not self._ddtree_step_graphs_on:
             return None
         return self._ddtree_walk_graphs
+
+    def _ddtree_landing_counts(self) -> LandingCounts:
+        """The ring the device walk's accepted paths reach the host through, for the statistics: read every fourth
+        step (the host runs a step ahead; a copy four steps old has landed), with room for twice that in flight."""
+        return LandingCounts(
+            self.device, self.max_num_reqs, slots=8, width=(self.ddtree_cfg.draft_len or 0) + 2, read_every=4
+        )
 
     def _ddtree_send_paths(self, gpu: Dict[str, torch.Tensor], plan: VerifyPlan):
         """Starts the copy of a device-walked step's accepted paths to the host, one row per tree (its length, then
