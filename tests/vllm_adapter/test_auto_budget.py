@@ -397,10 +397,11 @@ def _auto_runner(monkeypatch, captured):
     from ddtree.vllm import runner as runner_module
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import ShapeGraphs
-    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
 
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.ddtree_cfg = DDTreeConfig(budget=63, draft_len=15, top_k=8, auto=True)
+    runner.ddtree_stats = DDTreeStats(15)  # (as the runner's __init__ makes it)
     runner._ddtree_auto = AutoBudget(runner.ddtree_cfg.budgets, max_num_seqs=40)
     runner.drafter = SimpleNamespace(top_k=8)
     keys = {BatchDescriptor(num_tokens=t * n, num_reqs=n, uniform=True) for t, n in captured}
