@@ -18,8 +18,10 @@ keeps them), and one table is printed at the end:
     engine  batch  tokens/s  mean acceptance length  ms/step  host ms/step  of it in ddtree's graph launches
     (greedy, ignore_eos, token-id prompts)
 
-Each row: a warm-up ``generate`` at that batch size, then ``--repeats`` timed runs of the same ``--requests``
-requests (default 32), served b at a time (batch 1: 32 one-request runs), the fastest run reported.
+Each row: a warm-up ``generate`` at that batch size (the first b requests as the timed runs serve them: every step
+shape the runs meet, ddtree's step-graph captures left there and counted, ``warmup_first_runs``), then ``--repeats``
+timed runs of the same ``--requests`` requests (default 32), served b at a time (batch 1: 32 one-request runs), the
+fastest run reported.
 ``--profile-batches 8`` adds a torch.profiler table per engine and batch (``profile_<engine>_b8.txt``), taken after
 every timed run of that engine (the profiler leaves the process slower).
 ``--interleave`` (with ``--concurrent-starts`` at least the engines' number) takes the timed runs in rounds, each
@@ -53,7 +55,7 @@ from engine_turns import (
     run_in_turns,
     wait_for_turn,
 )
-from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, host_ms_fields, profile_generate, scopes_on
+from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, first_run_steps, host_ms_fields, profile_generate, scopes_on
 
 
 def child(args):
@@ -129,15 +131,17 @@ def child(args):
         groups = [all_prompts[i : i + b] for i in range(0, len(all_prompts), b)]
         prompts = groups[0]
         params = timed_params(args)
-        # Warm-up at this batch size: Triton kernels specialise on shapes, and their first compilation must not
-        # land in the timed run.
-        llm.generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False
-        )
+        is_tree = spec is not None and spec.get("method") == "ddtree"
+        warm_start = llm.collective_rpc("ddtree_summary")[0] if is_tree else None
+        # Warm-up at this batch size: the first group as the timed runs serve it. Triton kernels specialise on
+        # shapes, and ddtree captures a step graph the first time it meets a step shape (a batch shrinking request
+        # by request meets one per size: a 16-token warm-up, where every request ends at once, met one, and
+        # ddtree's first timed run at batch 32 took 1.6-2.0x its later ones, gpu-h200-pair-2b9ceeb). The warm-up's
+        # first runs are reported (``warmup_first_runs``): users pay them once per shape.
+        llm.generate(prompts, params[: len(prompts)] if isinstance(params, list) else params, use_tqdm=False)
         best = None
         seconds_by_repeat = []  # every timed run's, in round order (the parent's per-round ratios)
         thread_seconds = {}  # CPU seconds by thread of this process tree over the timed runs (thread_cpu)
-        is_tree = spec is not None and spec.get("method") == "ddtree"
         window_start = llm.collective_rpc("ddtree_summary")[0] if is_tree else None
         for repeat in range(args.repeats):
             if repeat:
@@ -185,6 +189,11 @@ def child(args):
             # the timed steps that ran a graph shape for the first time counted apart), of it the graph launches
             # (waits for room in a full launch queue included).
             row.update(host_ms_fields(window_start, summary))
+            warm = first_run_steps(warm_start, window_start)
+            row["warmup_first_runs"], row["warmup_host_ms_per_first_run"] = (
+                warm["first_runs"],
+                warm["host_ms_per_first_run"],
+            )
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
             row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)
@@ -279,7 +288,7 @@ def main():
     )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
-        "--temperature", type=float, default=0.0, help="of the timed runs (default 0: greedy; the warm-ups are greedy)"
+        "--temperature", type=float, default=0.0, help="of the timed runs and their warm-ups (default 0: greedy)"
     )
     ap.add_argument(
         "--seeded", action="store_true", help="with --temperature: request i of a run has seed i (seeded sampling)"
