@@ -5,8 +5,9 @@ the walk's ``path_lengths`` and ``paths`` (one ``[R, 1 + P]`` row per tree: the 
 synchronous engine reads it at the end of the step (it landed with the chain rows vLLM's bookkeeping waited for). Under asynchronous scheduling the host runs a step ahead of the GPU, and a
 wait there would stall it; so each step's copy goes into its own pinned slot, and a step is counted once its copy
 has landed (``Event.query``), at the latest when every slot is in flight. The host looks only once ``read_every``
-steps are in flight (an event query and a read each, then counted together): per step that was ~half of the
-statistics' host time (``stats``: 0.054 ms a batch-1 step on the H200 host, ``gpu-h200-pair-2b9ceeb``).
+steps are in flight (an event query and a read each, then counted together): the statistics' host path took
+0.62-0.65x its time read every step on CPU, cold (``cpu-stats-ring-4742664``; 0.054 ms a batch-1 step on the H200
+host before, ``gpu-h200-pair-2b9ceeb``).
 
 Torch only (no vLLM import): CI tests it on CPU, where copies land at once.
 """
