@@ -408,6 +408,8 @@ def run_engine(
                 "landed_before_launch_steps",
                 "early_output_steps",
                 "whole_tree_gdn_metadata_builds",
+                "step_graphs",
+                "step_graph_reserved_mb",
             ):
                 row[counter] = after.get(counter, 0) - before.get(counter, 0)
             by_tree, then = (

@@ -199,6 +199,9 @@ def child(args):
             row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)
             # Step graphs whose capture ran out of memory (their shapes then ran launch by launch: slower).
             row["graph_capture_failures"] = summary.get("graph_capture_failures", 0)
+            # Engine life so far: ddtree's step graphs and the device memory their captures reserved.
+            row["step_graphs"] = summary.get("step_graphs", 0)
+            row["step_graph_reserved_mb"] = summary.get("step_graph_reserved_mb", 0.0)
             # Walks by a graph, and of those, by one that copied its trees in (they were not where it reads).
             row["walk_graph_steps"] = summary.get("walk_graph_steps", 0)
             row["walk_copied_steps"] = summary.get("walk_copied_steps", 0)

@@ -308,6 +308,32 @@ def test_a_capture_that_runs_out_of_memory_leaves_its_key_eager_and_the_engine_s
     assert graphs.has("small") and graphs.replayed == 1
 
 
+def test_captures_count_the_device_memory_their_pools_reserved(monkeypatch):
+    """Each successful capture counts once, with the growth of the allocator's reserved bytes across it (the
+    graph's own pool); a replay and a failed capture add nothing."""
+    from ddtree.vllm import graphs as graphs_module
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    reserved = [100]
+
+    def capture(work):  # a capture whose pool takes 2 MiB, then one that runs out of memory
+        if reserved[0] > 100 + 2**21:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        reserved[0] += 2**21
+        return work
+
+    monkeypatch.setattr(graphs_module, "_reserved_bytes", lambda: reserved[0])
+    for counter in ("captures", "capture_reserved_bytes", "capture_failures", "first_runs"):
+        monkeypatch.setattr(ShapeGraphs, counter, 0)
+    graphs = ShapeGraphs(capture)
+    graphs.run("a", lambda: None)
+    graphs.run("a", lambda: None)  # a replay
+    reserved[0] += 2**22  # memory reserved outside a capture (the eager first run's, vLLM's): not counted
+    graphs.run("b", lambda: None)  # its capture fails
+    assert ShapeGraphs.captures == 1 and ShapeGraphs.capture_reserved_bytes == 2**21
+    assert ShapeGraphs.capture_failures == 1 and graphs.replayed == 1
+
+
 def test_a_commit_in_place_records_the_kv_moves_in_the_same_graph():
     """In place, the step's K/V moves (the walk's outputs too) are recorded with the GDN layers' commits: one graph,
     keyed by their addresses as well, whose replay moves the walk's new moves; other move tensors get a graph of

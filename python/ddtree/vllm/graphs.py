@@ -352,6 +352,11 @@ class ShapeGraphs:
     #: Captures that ran out of device memory, over every instance (the runner's summary reports them): ddtree
     #: captures while serving, beside a KV cache sized to fill the memory vLLM was given.
     capture_failures = 0
+    #: Graphs captured, over every instance, and the device memory their captures reserved (the growth of the caching
+    #: allocator's reserved bytes across each capture: a graph keeps its own memory pool, so these add up with the
+    #: step shapes an engine meets; outside the KV-cache budget vLLM planned at start-up).
+    captures = 0
+    capture_reserved_bytes = 0
 
     def __init__(self, capture):
         self._capture = capture
@@ -382,6 +387,7 @@ class ShapeGraphs:
         def recorded() -> None:
             outputs.update(work() or {})
 
+        reserved = _reserved_bytes()
         try:
             replay = self._capture(recorded)
         except torch.cuda.OutOfMemoryError as exc:
@@ -394,8 +400,15 @@ class ShapeGraphs:
                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
             )
             return result
+        ShapeGraphs.captures += 1
+        ShapeGraphs.capture_reserved_bytes += max(_reserved_bytes() - reserved, 0)
         self._graphs[key] = (replay, outputs)
         return result
+
+
+def _reserved_bytes() -> int:
+    """The caching allocator's reserved device bytes (0 without CUDA)."""
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
 
 
 class CommitGraphs:

@@ -1498,5 +1498,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self.ddtree_stats.summary(),
             whole_tree_gdn_metadata_builds=gdn_metadata.builds,
             graph_capture_failures=ShapeGraphs.capture_failures,
+            # ddtree's own step graphs so far and the device memory their captures reserved (each its own pool).
+            step_graphs=ShapeGraphs.captures,
+            step_graph_reserved_mb=ShapeGraphs.capture_reserved_bytes / 2**20,
             async_scheduling=bool(self.use_async_scheduling),
         )
