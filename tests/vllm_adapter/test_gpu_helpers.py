@@ -446,8 +446,9 @@ def test_every_engine_of_the_gpu_scripts_sets_known_switches_to_known_values():
 
 
 def test_the_harness_starts_engines_side_by_side_and_keeps_each_ones_results(tmp_path, monkeypatch):
-    """``--concurrent-starts 2``: both engines get the gate and a fixed KV cache, their results are kept in order, and
-    an engine left without time before the deadline is reported as skipped (fake engines; no GPU)."""
+    """``--concurrent-starts 2`` (and the default, every engine up to four): both engines get the gate and a fixed KV
+    cache, their results are kept in order, and an engine left without time before the deadline is reported as
+    skipped (fake engines; no GPU)."""
     import sys
     from pathlib import Path
 
@@ -482,6 +483,11 @@ def test_the_harness_starts_engines_side_by_side_and_keeps_each_ones_results(tmp
     harness.main()
     logged = (tmp_path / "out" / "vllm_ddtree_e2e.log").read_text()
     assert "plain: SKIPPED" in logged and "ddtree16: SKIPPED" in logged
+    # Without --concurrent-starts the harness starts its engines side by side (the fake insists on the gate).
+    monkeypatch.setattr(sys, "argv", argv + ["--deadline", "120"])
+    harness.main()
+    saved = json.loads((tmp_path / "out" / "vllm_ddtree_e2e.json").read_text())
+    assert list(saved["results"]) == ["plain", "ddtree16"] and not any(r["errors"] for r in saved["results"].values())
 
 
 def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hit_the_cache():
