@@ -272,6 +272,29 @@ def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():
     assert summary["first_run_host_ms"] == {"plan": pytest.approx(20.0)}
 
 
+def test_a_summary_closes_the_last_step_so_two_summaries_bracket_their_steps(monkeypatch):
+    """Read between generates, the summary puts the last step's host seconds where they belong (a first run's
+    apart) without waiting for the next step to start."""
+    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.graphs import ShapeGraphs
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+
+    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_stats = DDTreeStats(3)
+    runner._ddtree_counts = LandingCounts(torch.device("cpu"), 2)
+    runner.use_async_scheduling = True
+    plan = SimpleNamespace(num_nodes=np.array([4]), proposed_budgets=np.array([3]), num_filler_trees=0)
+    runner.ddtree_stats.close_step(ShapeGraphs.first_runs)  # the step starts
+    ShapeGraphs.first_runs += 1  # ... meets a new shape
+    runner.ddtree_stats.host_seconds["plan"] = 0.02
+    runner.ddtree_stats.observe_counts(plan, np.array([1]))
+    summary = runner.ddtree_summary()  # no step after it
+    assert summary["first_run_steps"] == 1 and summary["first_run_host_ms"] == {"plan": pytest.approx(20.0)}
+    assert summary["host_ms_per_verify_step"] == {"plan": 0.0}
+    assert runner.ddtree_summary()["first_run_steps"] == 1  # read again: nothing moved twice
+
+
 def _prefixes(tree):
     """Each node's token prefix from the root (a tuple), in node order."""
     out = [()]

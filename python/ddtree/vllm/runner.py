@@ -1494,6 +1494,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def ddtree_summary(self) -> Dict[str, object]:
         self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=True))
+        # The last step is over (the engine is between generates): its host seconds go where they belong now, so
+        # that two summaries bracket exactly the steps between them.
+        self.ddtree_stats.close_step(ShapeGraphs.first_runs)
         return dict(
             self.ddtree_stats.summary(),
             whole_tree_gdn_metadata_builds=gdn_metadata.builds,
