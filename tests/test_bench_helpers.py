@@ -307,6 +307,40 @@ def test_the_stats_path_counts_every_step_through_the_runners_ring_and_is_compar
     assert bench_plan_path._typical(steps, amortized=True) == (50 * 1.0 + 48 * 5.0) / 98
 
 
+@pytest.mark.parametrize("precapture", [True, False])
+def test_precaptured_step_graphs_are_the_ones_a_real_step_of_that_size_replays(monkeypatch, precapture):
+    """DDTREE_PRECAPTURE: the placement and walk graphs captured at start-up on filler trees are found by a real
+    late step of whole trees of that size (its plan, placement and device walk run no graph for the first time);
+    without it that step captures both. A replay is a no-op here: the captured outputs stay where the capture's run
+    left them, as on a GPU."""
+    import bench_plan_path
+    import numpy as np
+
+    from ddtree.vllm.graphs import ShapeGraphs, WalkGraphs
+
+    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
+    batch, budget = 3, 8
+
+    def capture(work):
+        work()
+        return lambda: None
+
+    runner, rng = bench_plan_path.build_runner(batch, budget, 3, 4), np.random.default_rng(0)
+    runner._ddtree_plan_graphs, runner._ddtree_walk_graphs = ShapeGraphs(capture), WalkGraphs(capture)
+    runner._ddtree_step_graphs_on, runner._ddtree_late_trees = True, True
+    if precapture:
+        runner._ddtree_precapture_step_graphs(batch, budget + 1)
+        assert ShapeGraphs.first_runs == 2  # the placement's and the walk's
+    before = ShapeGraphs.first_runs
+    with bench_plan_path.vllm_parts_stubbed():
+        bench_plan_path.plan_step(runner, bench_plan_path.defer_proposal(runner, rng))
+    plan = runner._ddtree_plan
+    assert plan.num_nodes.tolist() == [budget + 1] * batch and plan.device_trees is not None
+    target = torch.zeros(plan.num_tokens, dtype=torch.int64)
+    runner._ddtree_walk_graphs.walk(plan.device_trees, target, budget + 1, 4, plan.num_tokens, plan.conv_window)
+    assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
+
+
 def test_a_cache_sweep_runs_distinct_code_and_reads_its_data_before_each_cold_step(monkeypatch):
     """--cold: the sweep's functions are distinct code objects (one each, so the sweep touches as much code as it
     says), it is called once before every timed step, outside the timing, and the row says it was cold."""

@@ -474,9 +474,11 @@ def test_without_a_schedule_the_graphs_are_vllms_own():
     assert _dispatch(runner, 33, 4) == ("PIECEWISE", (195, None, False), None)
 
 
-def test_a_capture_of_smaller_trees_stages_them_and_keeps_their_commit_inputs_by_graph(monkeypatch):
+@pytest.mark.parametrize("precapture", [False, True])
+def test_a_capture_of_smaller_trees_stages_them_and_keeps_their_commit_inputs_by_graph(monkeypatch, precapture):
     """The dummy run of a schedule graph's capture publishes whole trees of that graph's size, tells vLLM's GDN
-    builder their draft count, and records the graph's commit inputs under (tokens, trees)."""
+    builder their draft count, and records the graph's commit inputs under (tokens, trees); with DDTREE_PRECAPTURE
+    it then captures that size's step graphs (trees, tokens per tree)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -498,8 +500,13 @@ def test_a_capture_of_smaller_trees_stages_them_and_keeps_their_commit_inputs_by
 
     monkeypatch.setattr(GPUModelRunner, "_dummy_run", dummy_run)
     monkeypatch.setattr("vllm.utils.torch_utils.weak_ref_tensor", lambda t: t)  # vLLM's op needs its CUDA build
+    precaptured = []
+    runner._ddtree_precapture = precapture
+    runner._ddtree_precapture_step_graphs = lambda trees, tokens: precaptured.append((trees, tokens))
     with runner._ddtree_uniform_query_len(33):
         runner._dummy_run(231, CUDAGraphMode.FULL, False, True, is_graph_capturing=True)
+        runner._dummy_run(231, CUDAGraphMode.FULL, False, True)  # a warm-up run, not a capture: nothing captured
+    assert precaptured == ([(7, 33)] if precapture else [])
     assert seen["offsets"] == [33 * r for r in range(8)]
     assert seen["drafts"] == [32] * 7 + [-1]
     assert runner.num_decode_draft_tokens.cpu.tolist() == [-1] * 8  # restored

@@ -55,6 +55,8 @@ DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
 ASYNC_SCHEDULING_ENV = "DDTREE_ASYNC_SCHEDULING"
 STEP_GRAPHS_ENV = "DDTREE_STEP_GRAPHS"
+#: "1" captures the placement and walk graphs of every FULL size at start-up (experimental: not yet run on a GPU).
+PRECAPTURE_ENV = "DDTREE_PRECAPTURE"
 LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
@@ -473,6 +475,16 @@ def step_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     vLLM's input ids), the KV moves two per attention layer.
     """
     return env_switch(environ, STEP_GRAPHS_ENV, "1", {"1": "step graphs", "0": "launch by launch"})
+
+
+def precapture_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the placement and walk graphs of a step of whole trees are captured at start-up, for every size vLLM
+    captures a FULL graph of, instead of at the first step of each size while serving (``DDTREE_PRECAPTURE=1``;
+    experimental, off by default: not yet run on a GPU). A capture synchronizes the device; a batch shrinking request
+    by request meets a new size at most steps of its first run (``gpu-h200-pair-2b9ceeb``). Late trees only (the
+    one-GPU default): filler trees of each size have the real steps' shapes there."""
+    meanings = {"0": "step graphs captured at a size's first step", "1": "step graphs captured at start-up"}
+    return env_switch(environ, PRECAPTURE_ENV, "0", meanings)
 
 
 def launch_ahead_enabled(environ: Mapping[str, str] = os.environ) -> bool:

@@ -69,6 +69,7 @@ from ddtree.vllm.config import (
     late_trees_enabled,
     launch_ahead_enabled,
     launch_ahead_mode,
+    precapture_enabled,
     schedule_tree_graphs,
     smaller_budgets,
     step_graphs_enabled,
@@ -91,7 +92,9 @@ from ddtree.vllm.launch_gate import StreamGate
 from ddtree.vllm.staging import StepStaging
 from ddtree.vllm.step import (
     NODE_OUTPUTS,
+    PLACEHOLDER,
     AcceptPlan,
+    TreeStore,
     VerifyPlan,
     accept,
     cut_trees,
@@ -209,7 +212,8 @@ class DDTreeStats:
         a graph shape for the first time, its host seconds move to ``first_run_host_seconds`` (its launch seconds,
         part of them, are dropped with it) and it counts in ``first_run_steps``."""
         runs, host, launches = self._step_mark
-        if first_runs != runs:
+        # (First runs without any host work since the mark are start-up captures, DDTREE_PRECAPTURE: no step.)
+        if first_runs != runs and self.host_seconds != host:
             self.first_run_steps += 1
             for part, seconds in self.host_seconds.items():
                 moved = seconds - host.get(part, 0.0)
@@ -406,6 +410,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_auto: Optional[AutoBudget] = None
     _ddtree_step_timer: Optional[StepTimer] = None
     _ddtree_first_runs_at_start = 0  # ShapeGraphs.first_runs when the timed step started
+    _ddtree_precapture = False  # DDTREE_PRECAPTURE (read at start-up)
 
     # Off until __init__ sets them (the CPU tests build runners without it).
     _ddtree_gate: Optional[StreamGate] = None
@@ -449,6 +454,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The device walk, the plan's device side and the KV moves of FULL steps as CUDA graphs (DDTREE_STEP_GRAPHS;
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
+        self._ddtree_precapture = precapture_enabled()  # DDTREE_PRECAPTURE: those of whole-tree steps at start-up
         on_gpu = self.device.type == "cuda"
         self._ddtree_walk_graphs = WalkGraphs(self._ddtree_capture("walk")) if on_gpu else None
         # The plan's device side, and the KV moves after a graphed walk.
@@ -1125,10 +1131,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             out = super()._dummy_run(
                 num_tokens, cudagraph_runtime_mode, force_attention, uniform_decode, *args, **kwargs
             )
-            if step is not None and kwargs.get("is_graph_capturing") and cudagraph_runtime_mode == CUDAGraphMode.FULL:
+            full_capture = trees and kwargs.get("is_graph_capturing") and cudagraph_runtime_mode == CUDAGraphMode.FULL
+            if step is not None and full_capture:
                 from vllm.utils.torch_utils import weak_ref_tensor
 
                 self._ddtree_captured.record((num_tokens, num_tokens // tree_size), step, weak_ref_tensor)
+            if full_capture and self._ddtree_precapture:
+                self._ddtree_precapture_step_graphs(num_tokens // tree_size, tree_size)
             return out
         finally:
             self._ddtree_in_dummy_run = False
@@ -1163,6 +1172,41 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # recorded.
         self._ddtree_gdn_step = step
         return step
+
+    def _ddtree_precapture_step_graphs(self, num_trees: int, tree_tokens: int) -> None:
+        """DDTREE_PRECAPTURE: the placement and walk graphs of a step of ``num_trees`` whole trees of ``tree_tokens``
+        tokens, captured now (after vLLM's FULL capture of that size) on filler trees through the plan's own path,
+        so that serving's first step of the size replays them. Filler trees of a size have its real steps' shapes,
+        hence their keys: the same staged layout (the placement's key) and, from the placement graph's own outputs,
+        the same trees object (the walk's). The GDN commit graph is still captured at the size's first step (it
+        reads what the FULL graph's layers recorded while serving). Late trees only: with trees built at proposal
+        a step's drafts are known, and its layout is another."""
+        if not (self._ddtree_late_trees and self._ddtree_step_graphs_on and self._ddtree_plan_graphs is not None):
+            return
+        total = num_trees * tree_tokens
+        hybrid = self._ddtree_conv_window > 0
+        req_ids = [f"ddtree-precapture-{i}" for i in range(num_trees)]
+        extras: Dict[str, np.ndarray] = {}
+        plan = plan_verify(
+            TreeStore(tree_tokens - 1),  # no proposals: every request verifies a filler tree of its placeholders
+            req_ids,
+            np.zeros(num_trees, dtype=np.int64),
+            np.full(num_trees, tree_tokens, dtype=np.int64),
+            {req_id: [PLACEHOLDER] * (tree_tokens - 1) for req_id in req_ids},
+            conv_window=self._ddtree_conv_window,
+            words=self._ddtree_buffers.words,
+            arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid, extras),
+            unproposed=(self.drafter.draft_len, self.drafter.top_k),
+        )
+        fill_plan_extras(extras, plan, total)
+        gpu = self._ddtree_plan_staging.upload_host()
+        self._ddtree_place(gpu, total, True, tree_tokens)  # run, then captured
+        placed = self._ddtree_place(gpu, total, True, tree_tokens)  # the graph's outputs, as serving gets them
+        if self._ddtree_device_accept and self._ddtree_walk_graphs is not None and "node_parents" in gpu:
+            trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
+            target = torch.zeros(total, dtype=torch.int64, device=self.device)  # (the sampler's tokens)
+            walk_args = (tree_tokens, int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
+            self._ddtree_walk_graphs.walk(trees, target, *walk_args)
 
     def _ddtree_stage_dummy_step(self, num_trees: int, tree_tokens: int):
         """Dummy whole trees of ``tree_tokens`` tokens for a uniform dummy run of ``num_trees`` requests, published
