@@ -331,6 +331,7 @@ def test_precaptured_step_graphs_are_the_ones_a_real_step_of_that_size_replays(m
     if precapture:
         runner._ddtree_precapture_step_graphs(batch, budget + 1)
         assert ShapeGraphs.first_runs == 2  # the placement's and the walk's
+        assert runner.ddtree_stats.summary()["precaptured_sizes"] == 1
     before = ShapeGraphs.first_runs
     with bench_plan_path.vllm_parts_stubbed():
         bench_plan_path.plan_step(runner, bench_plan_path.defer_proposal(runner, rng))

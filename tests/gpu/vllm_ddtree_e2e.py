@@ -180,6 +180,11 @@ ENGINES = {
         # The commit reading a replayed walk's paths in place is the default; set here so the run must show it.
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always", "DDTREE_COMMIT_IN_PLACE": "1"},
     ),
+    # ... with the placement and walk graphs of every FULL size captured at start-up (DDTREE_PRECAPTURE=1).
+    "ddtree64-async-precapture": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "1"},
+    ),
     # ... with the commit graphs copying the walk's paths, the K/V moved apart (DDTREE_COMMIT_IN_PLACE=0).
     "ddtree64-async-copies": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
@@ -570,6 +575,7 @@ SWITCH_COUNTERS = {
     "DDTREE_ASYNC_SCHEDULING": ("async_scheduling", "late_tree_steps", "device_accept_steps"),
     "DDTREE_LAUNCH_AHEAD": ("early_launch_steps",),
     "DDTREE_COMMIT_IN_PLACE": ("commit_in_place_steps",),
+    "DDTREE_PRECAPTURE": ("precaptured_sizes",),
 }
 
 

@@ -200,6 +200,7 @@ class DDTreeStats:
         # batch 32 a batch shrinking request by request meets a new shape at most steps of its first run.
         self.first_run_steps = 0
         self.first_run_host_seconds: Dict[str, float] = {}
+        self.precaptured_sizes = 0  # FULL sizes whose step graphs were captured at start-up (DDTREE_PRECAPTURE)
         self._step_mark: Tuple[int, Dict[str, float], Dict[str, float]] = (0, {}, {})
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
         # WHAT_IF_EVERY-th verify step (a systematic sample of the traffic; the sampled steps are kept and counted
@@ -340,6 +341,7 @@ class DDTreeStats:
             "vllm_host_ms_per_verify_step": self._per_verify_step_ms(self.vllm_host_seconds, self.steps),
             "graph_launch_ms_per_verify_step": self._per_verify_step_ms(self.graph_launch_seconds, self.steady_steps),
             "first_run_steps": self.first_run_steps,
+            "precaptured_sizes": self.precaptured_sizes,
             "first_run_host_ms": {part: 1e3 * s for part, s in sorted(self.first_run_host_seconds.items())},
         }
 
@@ -1183,6 +1185,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         a step's drafts are known, and its layout is another."""
         if not (self._ddtree_late_trees and self._ddtree_step_graphs_on and self._ddtree_plan_graphs is not None):
             return
+        self.ddtree_stats.precaptured_sizes += 1
         total = num_trees * tree_tokens
         hybrid = self._ddtree_conv_window > 0
         req_ids = [f"ddtree-precapture-{i}" for i in range(num_trees)]
