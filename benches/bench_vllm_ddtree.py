@@ -189,11 +189,8 @@ def child(args):
             # the timed steps that ran a graph shape for the first time counted apart), of it the graph launches
             # (waits for room in a full launch queue included).
             row.update(host_ms_fields(window_start, summary))
-            warm = first_run_steps(warm_start, window_start)
-            row["warmup_first_runs"], row["warmup_host_ms_per_first_run"] = (
-                warm["first_runs"],
-                warm["host_ms_per_first_run"],
-            )
+            # The warm-up's first runs (warmup_first_runs, warmup_host_ms_per_first_run).
+            row.update(("warmup_" + k, v) for k, v in first_run_steps(warm_start, window_start).items())
             row["verify_steps"], row["full_graph_steps"] = summary["verify_steps"], summary["full_graph_steps"]
             row["commit_graph_steps"] = summary.get("commit_graph_steps", 0)
             row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)

@@ -296,14 +296,12 @@ def timed_host_ms(before: dict, after: dict, key: str = "host_ms_per_verify_step
     count = "verify_steps" if key == "vllm_host_ms_per_verify_step" else "steady_verify_steps"
     if count not in after:
         count = "verify_steps"
-    steps = after[count] - before.get(count, before["verify_steps"])
+    steps_then = before.get(count, before["verify_steps"])
+    steps = after[count] - steps_then
     if steps <= 0:
         return {}
     now, then = after.get(key, {}), before.get(key, {})
-    return {
-        part: (ms * after[count] - then.get(part, 0.0) * before.get(count, before["verify_steps"])) / steps
-        for part, ms in now.items()
-    }
+    return {part: (ms * after[count] - then.get(part, 0.0) * steps_then) / steps for part, ms in now.items()}
 
 
 def host_ms_fields(before: dict, after: dict, vllm_parts: bool = True) -> dict:
