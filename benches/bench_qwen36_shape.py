@@ -341,8 +341,7 @@ def run_engine(
         max_num_seqs=max(batches),
         seed=0,
         language_model_only=True,
-        enable_prefix_caching=False,
-        enforce_eager=eager,
+        enforce_eager=eager,  # prefix caching at vLLM's default: off for this hybrid shape, on both sides
         additional_config={"gdn_prefill_backend": "triton"},
         tensor_parallel_size=tp,
     )
@@ -375,8 +374,8 @@ def run_engine(
         # (they did in the batch-8 rows of ddtree engines with commit graphs in gpu-h200-27b-shape-7ec2cc3 and
         # -05fced2).
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        # The prompts' prefill alone (one token each; prefix caching is off, so the timed run prefills again):
-        # subtracted from the timed run, it leaves the decode steps' cost.
+        # The prompts' prefill alone (one token each; prefix caching is off, vLLM's default for hybrids, so the
+        # timed run prefills again): subtracted from the timed run, it leaves the decode steps' cost.
         prefill_seconds, _ = timed_generate(llm, prompts, 1)
         before = llm.collective_rpc("ddtree_summary")[0] if name.startswith("ddtree") else None
         seconds, outs = timed_generate(llm, prompts, OUT_TOKENS)

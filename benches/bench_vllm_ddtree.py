@@ -79,7 +79,8 @@ def child(args):
         seed=0,
         disable_log_stats=False,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=False,
+        # Prefix caching at vLLM's default on both sides (off for hybrid targets such as the pair's, on for
+        # attention-only ones): both as users run them; with it on, a repeat's prompts hit the cache on both sides.
         max_num_batched_tokens=max(8192, max_batch * (budget + args.draft_len) + args.prompt_len),
     )
     if spec is not None:
@@ -177,6 +178,7 @@ def child(args):
             "seconds_by_repeat": seconds_by_repeat,
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
             "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+            "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
             "profiling_scopes": scopes_on(),  # on with --profile-batches: the timed runs pay for vLLM's ranges
             "engine_start_s": round(init_s, 1),
             # Which threads of the engine's processes were busy over all timed runs (seconds of wall: sum of

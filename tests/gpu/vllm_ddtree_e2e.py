@@ -28,8 +28,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     default reads them in place)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
   ddtree-auto       ddtree_budget "auto" (candidates 15, 31, 63), each batch size's budget chosen live
-  plain-apc, ddtree64-apc  vLLM's prefix caching on (ddtree's with DDTREE_PREFIX_CACHING=1, experimental;
-                    attention-only targets: --model tiny-qwen3), checked against plain without it, and required
+  plain-apc, ddtree64-apc  vLLM's prefix caching on (vLLM's default and ddtree's for attention-only targets:
+                    --model tiny-qwen3; the other engines turn it off), checked against plain without it, and required
                     to hit the prefix cache in the shared_prefix scenario
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
@@ -195,13 +195,11 @@ ENGINES = {
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}},
         env={"DDTREE_ASYNC_SCHEDULING": "1"},
     ),
-    # vLLM's prefix caching (on by vLLM's default for attention-only targets); ddtree's is experimental
-    # (DDTREE_PREFIX_CACHING=1) and refused for hybrid targets: run these with --model tiny-qwen3.
+    # vLLM's prefix caching (on by vLLM's default for attention-only targets, ddtree's too; the other engines turn
+    # it off); ddtree refuses it for hybrid targets: run these with --model tiny-qwen3.
     "plain-apc": dict(spec=None, prefix_caching=True),
     "ddtree64-apc": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-        env={"DDTREE_PREFIX_CACHING": "1"},
-        prefix_caching=True,
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, prefix_caching=True
     ),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},

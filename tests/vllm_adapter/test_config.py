@@ -112,7 +112,6 @@ def test_engine_overrides_fill_unset_settings():
     assert "DDTREE_ASYNC_SCHEDULING" in override_reason("async_scheduling")
     assert changes == {
         "async_scheduling": True,
-        "enable_prefix_caching": False,
         "attention_backend": ATTENTION_BACKEND,
         "worker_cls": WORKER_CLS,
     }
@@ -158,7 +157,7 @@ def test_the_start_up_log_says_why_an_engine_schedules_synchronously():
         "synchronous here: it needs trees that fill every budget (top-K 2 at depth 3 cannot fill [16])"
     )
     assert "late trees" in override_reason("async_scheduling", {"DDTREE_LATE_TREES": "0"}, 1)
-    assert override_reason("enable_prefix_caching", {}, 2).startswith("not yet run with trees on a GPU; DDTREE_PREFIX")
+    assert "DDTREE_PREFIX_CACHING=0" in override_reason("enable_prefix_caching", {}, 2)
 
 
 def test_asynchronous_scheduling_needs_late_device_walked_trees_that_fill_the_budget():
@@ -184,7 +183,7 @@ def test_asynchronous_scheduling_needs_late_device_walked_trees_that_fill_the_bu
 @pytest.mark.parametrize(
     "kw, env, match",
     [
-        ({"enable_prefix_caching": True}, {}, "enable_prefix_caching"),
+        ({"enable_prefix_caching": True}, {"DDTREE_PREFIX_CACHING": "0"}, "enable_prefix_caching=True"),
         ({"attention_backend": SimpleNamespace(name="FLASH_ATTN")}, {}, "attention_backend"),
         ({"attention_config": SimpleNamespace(backend="FLASH_ATTN")}, {}, "attention_config.backend"),
         ({"worker_cls": "my.Worker"}, {}, "worker_cls"),
@@ -582,19 +581,24 @@ def test_auto_captures_every_candidate_at_every_batch_size_and_starts_at_the_lar
     assert dynamic_sd_schedule(cfg, 40) == [(1, 40, 63)]  # vLLM's scheduler starts from the largest everywhere
 
 
-def test_prefix_caching_is_refused_unless_switched_on_and_then_kept_only_when_asked_for():
-    """A user's enable_prefix_caching=True is refused, with the switch named, unless DDTREE_PREFIX_CACHING=1; with
-    it, the user's True is kept, and an unset value is still turned off (the default stays off)."""
-    with pytest.raises(
-        DDTreeConfigError, match=r"needs enable_prefix_caching=False, got True: .*DDTREE_PREFIX_CACHING=1"
-    ):
-        engine_overrides(_args(enable_prefix_caching=True), environ={})
-    switched = {"DDTREE_PREFIX_CACHING": "1"}
-    assert "enable_prefix_caching" not in engine_overrides(_args(enable_prefix_caching=True), environ=switched)
-    assert engine_overrides(_args(), environ=switched)["enable_prefix_caching"] is False
+def test_prefix_caching_follows_vllm_unless_switched_off_or_beside_a_kv_connector():
+    """Unset, prefix caching is left to vLLM's default (on for attention-only targets, off for hybrids) and a user's
+    choice is kept; DDTREE_PREFIX_CACHING=0 turns it off and refuses an explicit True, naming the switch; beside a KV
+    connector an unset value is turned off (check_target would refuse the pair at start-up)."""
+    assert "enable_prefix_caching" not in engine_overrides(_args(), environ={})
+    assert "enable_prefix_caching" not in engine_overrides(_args(enable_prefix_caching=True), environ={})
     assert "enable_prefix_caching" not in engine_overrides(_args(enable_prefix_caching=False), environ={})
-    with pytest.raises(DDTreeConfigError, match=r"DDTREE_PREFIX_CACHING must be 0 .* or 1 .*got 'yes'"):
-        engine_overrides(_args(enable_prefix_caching=True), environ={"DDTREE_PREFIX_CACHING": "yes"})
+    off = {"DDTREE_PREFIX_CACHING": "0"}
+    assert engine_overrides(_args(), environ=off)["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in engine_overrides(_args(enable_prefix_caching=False), environ=off)
+    with pytest.raises(DDTreeConfigError, match=r"turned off by DDTREE_PREFIX_CACHING=0, got enable_prefix_caching"):
+        engine_overrides(_args(enable_prefix_caching=True), environ=off)
+    connector = SimpleNamespace(kv_connector="SomeConnector")
+    assert engine_overrides(_args(kv_transfer_config=connector), environ={})["enable_prefix_caching"] is False
+    kept = engine_overrides(_args(kv_transfer_config=connector, enable_prefix_caching=True), environ={})
+    assert "enable_prefix_caching" not in kept  # asked for by hand: refused at start-up, by check_target
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_PREFIX_CACHING must be 1 .* or 0 .*got 'yes'"):
+        engine_overrides(_args(), environ={"DDTREE_PREFIX_CACHING": "yes"})
 
 
 def test_prefix_caching_is_refused_for_hybrid_targets_and_beside_a_kv_connector():

@@ -513,4 +513,4 @@ def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hi
     assert prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(48, []))[0] is False  # nothing after the first round
     passed, note = prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(0, [64] * 8 + [96] * 8))
     assert passed and "hits in 16 of 16 later requests (1280 tokens)" in note
-    assert ENGINES["ddtree64-apc"]["env"]["DDTREE_PREFIX_CACHING"] == "1"
+    assert ENGINES["ddtree64-apc"]["prefix_caching"] and "env" not in ENGINES["ddtree64-apc"]

@@ -52,7 +52,8 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     assert cfg.budget == 32 and cfg.draft_len == 15
     assert args.speculative_config == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 32}
     assert args.additional_config["ddtree"]["budget"] == 32
-    assert args.async_scheduling is True and args.enable_prefix_caching is False  # one GPU: asynchronous
+    assert args.async_scheduling is True  # one GPU: asynchronous
+    assert args.enable_prefix_caching is None  # left to vLLM's default (off for hybrids, on otherwise)
     assert args.enforce_eager is False and args.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
     assert args.worker_cls == "ddtree.vllm.worker.DDTreeWorker"
     assert str(getattr(args.attention_backend, "name", args.attention_backend)) == "CUSTOM"

@@ -24,10 +24,11 @@ request before vLLM sees it:
 Restrictions of this adapter (each checked, each refused with the
 reason when the user asked for the opposite, see :data:`ENGINE_OVERRIDES`):
 CUDA graphs as :func:`cudagraph_mode_choice` allows, V1 model runner, asynchronous scheduling as
-:func:`async_scheduling_choice` decides, no prefix caching, the adapter's own attention backend for the target
+:func:`async_scheduling_choice` decides, the adapter's own attention backend for the target
 (CUSTOM) and its own worker class, attention-only or Gated-DeltaNet hybrid targets
 (:data:`GDN_ARCHITECTURES`) without sliding windows, unquantized KV cache,
-tensor parallelism only (pipeline/data parallel size 1).
+tensor parallelism only (pipeline/data parallel size 1). Prefix caching follows vLLM's default (on for
+attention-only targets, off for hybrids) and is refused for hybrids and beside a KV connector.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
 #: "1" (the default) lets a commit graph read a replayed walk's paths where the walk graph left them; "0" copies them.
 COMMIT_IN_PLACE_ENV = "DDTREE_COMMIT_IN_PLACE"
-#: "1" keeps a user's ``enable_prefix_caching=True`` for attention-only targets (experimental: docs/prefix-caching.md).
+#: "1" (the default) leaves prefix caching as vLLM decides it (its default, or the user's choice); "0" turns it off.
 PREFIX_CACHING_ENV = "DDTREE_PREFIX_CACHING"
 WHOLE_TREE_GDN_METADATA_ENV = "DDTREE_WHOLE_TREE_GDN_METADATA"
 DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
@@ -331,10 +332,11 @@ ENGINE_OVERRIDES = (
     ),
     (
         "enable_prefix_caching",
-        False,
+        None,  # decided by prefix_caching_choice
         (None,),
-        f"not yet run with trees on a GPU; {PREFIX_CACHING_ENV}=1 lets an explicit enable_prefix_caching=True "
-        "through for attention-only targets (experimental, docs/prefix-caching.md)",
+        f"prefix caching at vLLM's default (on for attention-only targets) unless {PREFIX_CACHING_ENV}=0; off "
+        "beside a KV connector, which may read a block before a tree step's K/V moves reach it "
+        "(docs/prefix-caching.md)",
     ),
     ("attention_backend", ATTENTION_BACKEND, (None,), "the target's attention must run DDTree's tree backend"),
     ("worker_cls", WORKER_CLS, ("auto",), "DDTree's worker installs its model runner"),
@@ -389,13 +391,16 @@ def engine_overrides(
             if choice is not None:
                 changes[attr] = choice
             continue
+        if attr == "enable_prefix_caching":
+            choice = prefix_caching_choice(args.enable_prefix_caching, environ, _has_kv_connector(args))
+            if choice is not None:
+                changes[attr] = choice
+            continue
         value = getattr(args, attr)
         if attr == "attention_backend" and value is not None:
             value = getattr(value, "name", value)
         if value == required:
             continue
-        if attr == "enable_prefix_caching" and value is True and prefix_caching_allowed(environ):
-            continue  # asked for by hand, and let through: the target is checked at start-up (check_target)
         if value in unset:
             changes[attr] = required
             continue
@@ -445,14 +450,29 @@ def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return env_switch(environ, COMMIT_GRAPHS_ENV, "1", {"1": "commit graphs", "0": "commit layer by layer"})
 
 
-def prefix_caching_allowed(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether a user's ``enable_prefix_caching=True`` is kept (DDTREE_PREFIX_CACHING=1), for attention-only targets
-    without a KV connector (``check_target`` refuses the rest). Off by default: correct by construction on paper (a
-    tree step's K/V writes and moves stay inside the request's own slots, and vLLM hashes finished tokens only), not
-    yet run on a GPU (docs/prefix-caching.md)."""
-    return env_switch(
-        environ, PREFIX_CACHING_ENV, "0", {"1": "prefix caching when asked for", "0": "prefix caching refused"}
+def prefix_caching_choice(user: Optional[bool], environ: Mapping[str, str], kv_connector: bool) -> Optional[bool]:
+    """The ``enable_prefix_caching`` to set, or ``None`` to keep the user's value or leave vLLM's default (on for
+    attention-only targets, off for hybrids; ``check_target`` refuses it for hybrids and beside a KV connector).
+
+    On by default since a GPU run showed it exact with cache hits on trees (``gpu-h200-pair-38e16ce``: tiny-qwen3,
+    every e2e scenario, hits in every later request of ``shared_prefix``). ``DDTREE_PREFIX_CACHING=0`` turns it off
+    and refuses an explicit ``True``. Unset beside a KV connector it is turned off rather than refused.
+    """
+    allowed = env_switch(
+        environ, PREFIX_CACHING_ENV, "1", {"1": "prefix caching as vLLM decides", "0": "prefix caching off"}
     )
+    if not allowed and user:
+        raise DDTreeConfigError(
+            f"method 'ddtree' has prefix caching turned off by {PREFIX_CACHING_ENV}=0, got enable_prefix_caching=True;"
+            f" unset {PREFIX_CACHING_ENV} or drop enable_prefix_caching"
+        )
+    if user is None and (not allowed or kv_connector):
+        return False
+    return None
+
+
+def _has_kv_connector(args: Any) -> bool:
+    return getattr(args, "kv_transfer_config", None) is not None
 
 
 def commit_in_place_enabled(environ: Mapping[str, str] = os.environ) -> bool:
