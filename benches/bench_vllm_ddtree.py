@@ -328,7 +328,7 @@ def main():
         "built at proposal; ddtree-B-device: the walk on the device, trees built at proposal; ddtree-B-late: both "
         "on, synchronous scheduling; ddtree-B-async: under vLLM's asynchronous scheduling, the TP-1 default, set "
         "explicitly; ddtree-B-behind: the forward queued after the trees are built, DDTREE_LAUNCH_AHEAD=0; "
-        "ddtree-B-precapture: DDTREE_PRECAPTURE=1, the step graphs of every FULL size captured at start-up; "
+        "ddtree-B-lazy: DDTREE_PRECAPTURE=0, the step graphs captured at each size's first step, not at start-up; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -373,8 +373,8 @@ def main():
         engines.append((f"ddtree-{b}-async", dict(tree, env={"DDTREE_ASYNC_SCHEDULING": "1"})))
         # ... with each forward queued after its trees are built (DDTREE_LAUNCH_AHEAD=0; the default queues it first).
         engines.append((f"ddtree-{b}-behind", dict(tree, env={"DDTREE_LAUNCH_AHEAD": "0"})))
-        # ... with the step graphs of every FULL size captured at start-up (DDTREE_PRECAPTURE=1).
-        engines.append((f"ddtree-{b}-precapture", dict(tree, env={"DDTREE_PRECAPTURE": "1"})))
+        # ... with the step graphs captured at each size's first step, not at start-up (DDTREE_PRECAPTURE=0).
+        engines.append((f"ddtree-{b}-lazy", dict(tree, env={"DDTREE_PRECAPTURE": "0"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}

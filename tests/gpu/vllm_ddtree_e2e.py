@@ -24,6 +24,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling, FULL steps' forwards queued before their
                     trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
                     lands before the host reaches the step, where the default does not gate)
+  ddtree64-async-lazy  ddtree64-async with DDTREE_PRECAPTURE=0 (placement and walk graphs captured at each size's
+                    first step, not at start-up)
   ddtree64-async-copies  ddtree64-async with DDTREE_COMMIT_IN_PLACE=0 (commit graphs copy the walk's paths; the
                     default reads them in place)
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
@@ -177,13 +179,19 @@ ENGINES = {
     # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds.
     "ddtree64-async": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-        # The commit reading a replayed walk's paths in place is the default; set here so the run must show it.
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always", "DDTREE_COMMIT_IN_PLACE": "1"},
+        # The commit reading a replayed walk's paths in place and the start-up captures of the placement and walk
+        # graphs are defaults; set here so the run must show them.
+        env={
+            "DDTREE_ASYNC_SCHEDULING": "1",
+            "DDTREE_LAUNCH_AHEAD": "always",
+            "DDTREE_COMMIT_IN_PLACE": "1",
+            "DDTREE_PRECAPTURE": "1",
+        },
     ),
-    # ... with the placement and walk graphs of every FULL size captured at start-up (DDTREE_PRECAPTURE=1).
-    "ddtree64-async-precapture": dict(
+    # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
+    "ddtree64-async-lazy": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "1"},
+        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "0"},
     ),
     # ... with the commit graphs copying the walk's paths, the K/V moved apart (DDTREE_COMMIT_IN_PLACE=0).
     "ddtree64-async-copies": dict(

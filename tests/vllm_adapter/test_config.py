@@ -19,6 +19,7 @@ from ddtree.vllm.config import (
     late_trees_enabled,
     lone_row_advice,
     lone_row_budgets,
+    precapture_enabled,
     whole_tree_gdn_metadata_enabled,
     cudagraph_mode_choice,
     engine_overrides,
@@ -401,6 +402,15 @@ def test_commit_graphs_are_on_unless_turned_off(env, on):
 def test_commit_graphs_setting_refuses_other_values(value):
     with pytest.raises(DDTreeConfigError, match=r"DDTREE_COMMIT_GRAPHS must be 1 .* or 0 .*got '"):
         commit_graphs_enabled({"DDTREE_COMMIT_GRAPHS": value})
+
+
+@pytest.mark.parametrize(
+    "env, on", [({}, True), ({"DDTREE_PRECAPTURE": "1"}, True), ({"DDTREE_PRECAPTURE": "0"}, False)]
+)
+def test_start_up_captures_of_the_step_graphs_are_on_unless_turned_off(env, on):
+    assert precapture_enabled(env) is on
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_PRECAPTURE must be 1 \(step graphs captured at start-up"):
+        precapture_enabled({"DDTREE_PRECAPTURE": "yes"})
 
 
 @pytest.mark.parametrize(
