@@ -133,7 +133,9 @@ def build_runner(batch: int, budget: int, depth: int, top_k: int):
     runner.ddtree_stats = DDTreeStats(depth)
     runner.positions = torch.arange(tokens)
     runner.max_num_reqs = max(batch, 4)
-    runner._ddtree_counts = runner._ddtree_landing_counts()
+    # The statistics' ring (``_ddtree_landing_counts`` in checkouts before the walk wrote it on the device).
+    make_ring = getattr(runner, "_ddtree_path_ring", None) or runner._ddtree_landing_counts
+    runner._ddtree_counts = make_ring()
     runner.input_ids = SimpleNamespace(gpu=torch.zeros(tokens, dtype=torch.int32))
     return runner
 
@@ -372,13 +374,19 @@ def _timed_early_step(bench, runner, rng, first: bool) -> float:
 
 def _timed_stats(bench, runner, rng, first: bool) -> float:
     """After a plan step (untimed): the statistics' host work of a device-walked step, as the runner does it (the
-    copy of the walk's path rows sent, then the landed steps counted), its ring as each side's runner makes it."""
+    step noted, or its path rows' copy sent in checkouts before the device ring, then the landed steps counted),
+    its ring as each side's runner makes it. Where the walk writes the ring on the device, that write is the
+    walk's (untimed here, as in a walk graph's replay)."""
     with bench.vllm_parts_stubbed():
         bench.plan_step(runner, bench.defer_proposal(runner, rng))
     plan = runner._ddtree_plan
     rows = torch.ones((len(plan.trees), int(plan.trees.draft_depth) + 2), dtype=torch.int32)
+    serial = getattr(plan, "step_serial", None)
+    if serial is not None:
+        runner._ddtree_counts.write(rows, torch.tensor([serial], dtype=torch.int64))
     start = time.perf_counter()
-    runner._ddtree_count_device_steps(runner._ddtree_send_paths({"path_rows": rows}, plan))
+    sent = runner._ddtree_send_paths({"path_rows": rows}, plan)
+    runner._ddtree_count_device_steps(*(sent if isinstance(sent, list) else [sent]))
     runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=False))
     return time.perf_counter() - start
 

@@ -1,19 +1,21 @@
-"""The device walk's accepted counts on their way to the host (``ddtree.vllm.counts``)."""
+"""The device walk's accepted paths on their way to the host (``ddtree.vllm.counts.PathRing``)."""
 
 import numpy as np
+import pytest
 import torch
 
-from ddtree.vllm.counts import LandingCounts
+from ddtree.vllm.counts import PathRing
 
 
 class FakeEvent:
     """A CUDA event's interface, with the copy landing when the test says so."""
 
     def __init__(self):
-        self.done, self.waited = False, 0
+        self.done, self.waited, self.recorded = False, 0, 0
 
     def record(self):
         self.done = False
+        self.recorded += 1
 
     def query(self):
         return self.done
@@ -23,55 +25,104 @@ class FakeEvent:
         self.done = True
 
 
-def test_counts_are_read_in_step_order_once_landed_and_a_full_ring_waits_for_the_oldest():
-    counts = LandingCounts(torch.device("cpu"), max_reqs=4, slots=2)
-    events = counts._events = [FakeEvent(), FakeEvent()]
-    assert counts.send(torch.tensor([3, 1], dtype=torch.int32), "step 1") is None
-    assert counts.send(torch.tensor([2], dtype=torch.int32), "step 2") is None
-    assert counts.landed(wait=False) == [] and len(counts) == 2  # nothing landed: the host does not wait
-    events[1].done = True  # step 2 landed, step 1 not: counted in order, so neither yet
-    assert counts.landed(wait=False) == []
-    # A third step needs step 1's slot: step 1 is read first (waiting for it), and handed back.
-    evicted = counts.send(torch.tensor([5, 6, 7], dtype=torch.int32), "step 3")
-    assert evicted[0] == "step 1" and evicted[1].tolist() == [3, 1] and events[0].waited == 1
-    got = counts.landed(wait=False)
-    assert [(tag, c.tolist()) for tag, c in got] == [("step 2", [2])]
-    got = counts.landed(wait=True)  # a synchronous engine: everything, waiting where needed
-    assert [(tag, c.tolist()) for tag, c in got] == [("step 3", [5, 6, 7])] and len(counts) == 0
+def _rows(serial: int, num_trees: int, width: int = 3) -> torch.Tensor:
+    """Rows of each step: ``(serial % 1000) * 100 + tree * 10 + column`` (distinct for nearby serials)."""
+    base = (serial % 1000) * 100
+    return torch.tensor(
+        [[base + tree * 10 + col for col in range(width)] for tree in range(num_trees)], dtype=torch.int32
+    )
 
 
-def test_on_cpu_copies_land_at_once_and_are_copies():
-    counts = LandingCounts(torch.device("cpu"), max_reqs=3)
-    source = torch.tensor([4, 2, 9], dtype=torch.int32)
-    counts.send(source, "s")
-    ((tag, got),) = counts.landed(wait=False)
-    source[0] = 0
-    counts.send(torch.tensor([1], dtype=torch.int32), "t")  # reuses no slot still being read
-    assert tag == "s" and got.tolist() == [4, 2, 9] and isinstance(got, np.ndarray)
+def _walk(ring: PathRing, serial: int, num_trees: int) -> torch.Tensor:
+    """What a walk does on the device: its rows into the ring under the step's uploaded serial."""
+    rows = _rows(serial, num_trees)
+    ring.write(rows, torch.tensor([serial], dtype=torch.int64))
+    return rows
 
 
-def test_the_host_looks_only_once_read_every_steps_are_in_flight():
-    """With ``read_every`` 3 no event is queried and nothing counted until three steps are in flight; then every
-    landed one comes back, in order, and a ring of more slots than that never waits."""
-    counts = LandingCounts(torch.device("cpu"), max_reqs=2, slots=4, read_every=3)
-    events = counts._events = [FakeEvent() for _ in range(4)]
-    queried = []
-    for i, event in enumerate(events):
-        event.query = (lambda e, i: lambda: queried.append(i) or e.done)(event, i)
-    for step in range(2):
-        assert counts.send(torch.tensor([step], dtype=torch.int32), step) is None
-        events[step].done = True
-        assert counts.landed(wait=False) == []
-    assert queried == []  # below read_every: no query at all
-    assert counts.send(torch.tensor([2], dtype=torch.int32), 2) is None
-    got = counts.landed(wait=False)  # three in flight; steps 0 and 1 landed, step 2 not yet
-    assert [(tag, c.tolist()) for tag, c in got] == [(0, [0]), (1, [1])] and len(counts) == 1
-    assert all(e.waited == 0 for e in events)
-    assert [(tag, c.tolist()) for tag, c in counts.landed(wait=True)] == [(2, [2])]  # the summary's read: all
+def test_every_slots_th_step_copies_the_ring_once_and_its_steps_come_back_in_order_once_landed():
+    ring = PathRing(torch.device("cpu"), max_reqs=4, width=3, slots=4)
+    events = ring._events = [FakeEvent(), FakeEvent()]
+    sizes = [2, 4, 1, 3]
+    for serial, n in enumerate(sizes):
+        _walk(ring, serial, n)
+        assert ring.note(serial, n, f"step {serial}") == []
+        if serial < 3:  # no copy, no event before the fourth step: no host work but the note
+            assert events[0].recorded == 0
+    assert events[0].recorded == 1 and len(ring) == 4
+    assert ring.landed(wait=False) == []  # not landed yet: the host does not wait
+    events[0].done = True
+    got = ring.landed(wait=False)
+    assert [tag for tag, _ in got] == [f"step {s}" for s in range(4)] and len(ring) == 0
+    for (tag, rows), serial, n in zip(got, range(4), sizes):
+        assert isinstance(rows, np.ndarray) and rows.tolist() == _rows(serial, n).tolist()
+    assert ring.lost_steps == 0 and all(e.waited == 0 for e in events)
 
 
-def test_read_every_must_leave_a_free_slot():
-    import pytest
+def test_the_copy_is_a_snapshot_later_walks_do_not_change():
+    """On CPU the copy lands at once: the rows read are those of the noted steps, whatever the walks write after."""
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=2)
+    for serial in range(2):
+        _walk(ring, serial, 2)
+        ring.note(serial, 2, serial)
+    _walk(ring, 2, 2)  # overwrites serial 0's slot on the device after the copy
+    got = ring.landed(wait=False)
+    assert [(tag, rows.tolist()) for tag, rows in got] == [(0, _rows(0, 2).tolist()), (1, _rows(1, 2).tolist())]
 
-    with pytest.raises(ValueError, match="read_every must be 1 .. slots - 1 = 3, got 4"):
-        LandingCounts(torch.device("cpu"), max_reqs=2, slots=4, read_every=4)
+
+def test_a_pinned_buffer_still_in_flight_is_read_before_it_is_reused():
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=1)
+    events = ring._events = [FakeEvent(), FakeEvent()]
+    _walk(ring, 0, 1)
+    assert ring.note(0, 1, "a") == []  # copy into buffer 0
+    _walk(ring, 1, 2)
+    assert ring.note(1, 2, "b") == []  # copy into buffer 1
+    _walk(ring, 2, 1)
+    freed = ring.note(2, 1, "c")  # buffer 0 again: its copy is waited for and read first
+    assert [(tag, rows.tolist()) for tag, rows in freed] == [("a", _rows(0, 1).tolist())] and events[0].waited == 1
+    got = ring.landed(wait=True)  # the summary's read: everything, waiting where needed
+    assert [tag for tag, _ in got] == ["b", "c"] and len(ring) == 0
+
+
+def test_the_summary_copies_the_steps_noted_since_the_last_copy():
+    ring = PathRing(torch.device("cpu"), max_reqs=3, width=3, slots=4)
+    _walk(ring, 0, 3)
+    ring.note(0, 3, "only")
+    assert ring.landed(wait=False) == []  # below the copy's period: nothing read
+    ((tag, rows),) = ring.landed(wait=True)
+    assert tag == "only" and rows.tolist() == _rows(0, 3).tolist()
+    assert ring.landed(wait=True) == []  # nothing counted twice
+
+
+def test_a_slot_holding_another_steps_serial_is_lost_not_miscounted():
+    """A step whose walk did not write (or whose slot a later serial of the same copy overwrote) is left out and
+    counted as lost: the statistics never count another step's paths."""
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=4)
+    _walk(ring, 0, 1)
+    ring.note(0, 1, "walked")
+    ring.note(1, 1, "not walked")  # its slot still holds the initial -1
+    _walk(ring, 2, 1)
+    ring.note(2, 1, "walked too")
+    _walk(ring, 7, 2)  # serial 7 takes serial 3's slot: a skipped serial
+    ring.note(3, 1, "overwritten")
+    got = ring.landed(wait=True)
+    assert [tag for tag, _ in got] == ["walked", "walked too"] and ring.lost_steps == 2
+
+
+def test_serials_wrap_through_the_ring_and_past_the_int32_stamp():
+    ring = PathRing(torch.device("cpu"), max_reqs=1, width=3, slots=2)
+    counted = []
+    for serial in (2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1, 2**33 + 4):
+        _walk(ring, serial, 1)
+        counted += ring.note(serial, 1, serial)
+    counted += ring.landed(wait=True)
+    assert [tag for tag, _ in counted] == [2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1, 2**33 + 4]
+    assert ring.lost_steps == 0
+
+
+def test_rows_that_do_not_fit_are_refused_by_name():
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3)
+    with pytest.raises(ValueError, match=r"rows of shape \(3, 3\) do not fit 2 rows of width 3"):
+        ring.write(torch.zeros((3, 3), dtype=torch.int32), torch.tensor([0]))
+    with pytest.raises(ValueError, match="slots, max_reqs and width must be positive"):
+        PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=0)

@@ -541,6 +541,44 @@ def test_walk_graphs_replay_a_shape_on_each_steps_inputs_and_capture_each_shape_
     assert len(captured) == 2 and graphs.replayed == 2
 
 
+def test_a_walk_writes_its_path_rows_into_the_ring_under_the_serial_uploaded_with_its_trees():
+    """With the statistics' ring, every walk (the eager first one and each replay of its graph, which reads the
+    serial in place like the trees) puts its path rows in slot ``serial % slots`` with the serial beside them; the
+    host, noting each step's serial, reads back exactly each step's rows."""
+    import dataclasses
+
+    from test_device_accept import agreeing_target, device_trees, random_step
+
+    from ddtree.vllm.counts import PathRing
+    from ddtree.vllm.device_accept import accept_on_device
+    from ddtree.vllm.graphs import WalkGraphs
+
+    captured = []
+
+    def capture(work):
+        captured.append(work)
+        return work
+
+    rng = np.random.default_rng(7)
+    plan, depth = random_step(rng, conv_window=3)
+    args = (depth + 2, int(plan.trees.draft_depth) + 1, plan.num_tokens, 3)
+    num_trees = len(plan.trees)
+    ring = PathRing(torch.device("cpu"), max_reqs=num_trees + 1, width=args[1] + 1, slots=2)
+    graphs = WalkGraphs(capture, ring)
+    trees = dataclasses.replace(device_trees(plan), step_serial=torch.zeros(1, dtype=torch.int64))
+    counted, expected = [], []
+    for serial in range(5):
+        trees.step_serial.fill_(serial)  # the plan's upload writes the step's serial into the same view
+        target = torch.from_numpy(agreeing_target(rng, plan))
+        got = graphs.walk(trees, target, *args)
+        assert torch.equal(got["path_rows"], accept_on_device(trees, target, *args)["path_rows"])
+        expected.append((serial, got["path_rows"].tolist()))
+        counted += ring.note(serial, num_trees, serial)
+    counted += ring.landed(wait=True)
+    assert len(captured) == 1 and graphs.replayed == 4  # the ring's writes are inside the graph
+    assert [(tag, rows.tolist()) for tag, rows in counted] == expected and ring.lost_steps == 0
+
+
 def test_walk_graphs_read_the_trees_in_place_and_copy_inputs_that_keep_moving():
     """A graph keyed by the trees' addresses reads them where they are: a later step's trees written into the same
     tensors (the plan's upload views) are what its replay walks. Trees at new addresses get graphs of their own,
@@ -578,7 +616,8 @@ def test_walk_graphs_read_the_trees_in_place_and_copy_inputs_that_keep_moving():
         plan = first if step == 0 else same_shape_step(100 + step)[0]
         fresh = device_trees(plan)
         for field in dataclasses.fields(fresh):  # the upload rewrites the same views
-            getattr(in_place, field.name).copy_(getattr(fresh, field.name))
+            if getattr(fresh, field.name) is not None:
+                getattr(in_place, field.name).copy_(getattr(fresh, field.name))
         target = torch.from_numpy(agreeing_target(rng, plan))
         got, want = graphs.walk(in_place, target, *args), accept_on_device(fresh, target, *args)
         assert all(torch.equal(got[k], want[k]) for k in want), step

@@ -276,14 +276,14 @@ def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():
 def test_a_summary_closes_the_last_step_so_two_summaries_bracket_their_steps(monkeypatch):
     """Read between generates, the summary puts the last step's host seconds where they belong (a first run's
     apart) without waiting for the next step to start."""
-    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.counts import PathRing
     from ddtree.vllm.graphs import ShapeGraphs
     from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
 
     monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.ddtree_stats = DDTreeStats(3)
-    runner._ddtree_counts = LandingCounts(torch.device("cpu"), 2)
+    runner._ddtree_counts = PathRing(torch.device("cpu"), 2, width=5)
     runner.use_async_scheduling = True
     plan = SimpleNamespace(num_nodes=np.array([4]), proposed_budgets=np.array([3]), num_filler_trees=0)
     runner.ddtree_stats.close_step(ShapeGraphs.first_runs)  # the step starts
@@ -409,10 +409,10 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     from ddtree.vllm.step import accept
 
     runner, _, output = _mixed_hybrid_step(device_accept=True)
-    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.counts import PathRing
 
     runner.max_num_reqs, runner.device = 4, torch.device("cpu")
-    runner._ddtree_counts = LandingCounts(runner.device, 4, width=3 + 2)
+    runner._ddtree_counts = PathRing(runner.device, 4, width=3 + 2)
     runner.ddtree_stats = DDTreeStats(3)
     try:
         runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
@@ -437,7 +437,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert np.array_equal(gpu["output_tokens"].numpy(), host.output_tokens)
     assert np.array_equal(gpu["context_order"].numpy(), host.context_order)
     assert np.array_equal(gpu["commit_conv_index"].numpy(), host.commit_conv_index)
-    assert runner._ddtree_send_paths(gpu, plan) is None
+    assert runner._ddtree_send_paths(gpu, plan) == []  # (the walk wrote the ring; copied every fourth step)
     runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=True))
     expected = DDTreeStats(3)
     expected.observe(plan, host)
@@ -568,7 +568,7 @@ def test_asynchronous_scheduling_publishes_from_counts_and_places_trees_from_the
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from ddtree.vllm import context
-    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.counts import PathRing
     from ddtree.vllm.runner import DDTreeStats
     from ddtree.vllm.staging import StepStaging
     from ddtree.vllm.step import TreeStore
@@ -577,7 +577,7 @@ def test_asynchronous_scheduling_publishes_from_counts_and_places_trees_from_the
     runner.use_async_scheduling, runner.max_num_reqs = True, 4
     runner.ddtree_stats = DDTreeStats(3)
     runner._ddtree_count_staging, runner._ddtree_late_step = StepStaging(torch.device("cpu")), None
-    runner._ddtree_counts = LandingCounts(torch.device("cpu"), 4)
+    runner._ddtree_counts = PathRing(torch.device("cpu"), 4, width=5)
     runner.drafter.store = TreeStore(6)
     proposer, log_probs, ids = _late_proposer(runner, runner.drafter.store, 2)
     runner.drafter.draft_len, runner.drafter.top_k = 3, 4
@@ -797,7 +797,7 @@ def test_the_summary_reports_the_host_time_inside_ddtrees_graph_launches_per_ver
 def _whole_async_runner(capture, gate=None):
     """A runner under asynchronous scheduling about to verify two whole trees of 7 tokens (``_whole_async_step``),
     with ``capture`` standing in for CUDA-graph capture of the plan's placement and ``gate`` as its launch gate."""
-    from ddtree.vllm.counts import LandingCounts
+    from ddtree.vllm.counts import PathRing
     from ddtree.vllm.graphs import ShapeGraphs
     from ddtree.vllm.staging import StepStaging
 
@@ -805,7 +805,7 @@ def _whole_async_runner(capture, gate=None):
     runner, _, _ = _mixed_hybrid_step()
     runner.use_async_scheduling, runner.max_num_reqs = True, 4
     runner._ddtree_count_staging, runner._ddtree_late_step = StepStaging(cpu), None
-    runner._ddtree_counts = LandingCounts(cpu, 4)
+    runner._ddtree_counts = PathRing(cpu, 4, width=5)
     runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([6, 6]))
     runner._ddtree_plan_graphs, runner._ddtree_gate = ShapeGraphs(capture), gate
     return runner

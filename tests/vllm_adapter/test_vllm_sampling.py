@@ -36,6 +36,7 @@ def _fake_runner(plan, on_device):
     runner._ddtree_accept_staging = StepStaging(torch.device("cpu"))
     runner._ddtree_min_tokens = MinTokensRequests()
     runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, True, None
+    runner._ddtree_counts = None  # (the statistics' ring: not read here)
     return runner
 
 

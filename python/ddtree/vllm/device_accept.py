@@ -20,12 +20,15 @@ No vLLM import (CPU-tested in CI).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import TYPE_CHECKING, Dict, Optional
 
 import numpy as np
 import torch
 
 from ddtree.vllm.step import index_within_groups
+
+if TYPE_CHECKING:
+    from ddtree.vllm.counts import PathRing
 
 #: Host arrays the plan uploads for the device walk beside the verification layout and the nodes' ``depths``,
 #: written by the Rust layout (``ddtree.verify_layout_into``; :func:`node_arrays` is their numpy reference).
@@ -68,6 +71,8 @@ class DeviceTrees:
     query_starts: torch.Tensor  # [R] int64: each tree's root among the step's scheduled tokens
     token_index: torch.Tensor  # [T] int64: each node among the step's scheduled tokens
     ancestor_bits: torch.Tensor  # [T, words] int32, tree-local ancestor-or-self bits
+    # [1] int64: the step's serial, which places its path rows in the statistics' ring (None: no ring write)
+    step_serial: Optional[torch.Tensor] = None
 
 
 def accepted_nodes(trees: DeviceTrees, target: torch.Tensor) -> torch.Tensor:
@@ -88,13 +93,21 @@ def accepted_nodes(trees: DeviceTrees, target: torch.Tensor) -> torch.Tensor:
 
 
 def accept_on_device(
-    trees: DeviceTrees, target: torch.Tensor, width: int, path_width: int, num_tokens: int, conv_window: int
+    trees: DeviceTrees,
+    target: torch.Tensor,
+    width: int,
+    path_width: int,
+    num_tokens: int,
+    conv_window: int,
+    ring: Optional["PathRing"] = None,
 ) -> Dict[str, torch.Tensor]:
     """What :func:`ddtree.vllm.step.accept` returns, on the device: ``output_tokens`` ``[R, width]`` int32 (vLLM's
     chain rows), ``kv_src``/``kv_dst`` ``[R * path_width]`` int64 (step tokens; unused slots move a root onto
     itself), ``context_order`` ``[num_tokens]`` int64, ``paths`` ``[R, path_width]`` int32 (0-padded),
     ``path_lengths`` ``[R]`` int32, both again as ``path_rows`` ``[R, 1 + path_width]`` int32 (the length, then the
-    path) and, with a conv window, ``commit_conv_index`` ``[R, conv_window]`` int64."""
+    path) and, with a conv window, ``commit_conv_index`` ``[R, conv_window]`` int64. With a ``ring`` and the trees'
+    ``step_serial``, the path rows also go into the statistics' ring (inside a walk graph's replay: no host launch).
+    """
     device = target.device
     target = target.to(torch.int64)
     num_trees = trees.node_offsets.shape[0] - 1
@@ -141,10 +154,11 @@ def accept_on_device(
         "context_order": order,
         "paths": paths,  # (contiguous, as the commit kernels read them)
         "path_lengths": path_lengths,
-        # One row per tree for the statistics' copy to the host (``LandingCounts``): the length, then the path.
-        # Made here, inside a walk graph's replay, rather than by a launch of its own on the host's path.
+        # One row per tree for the statistics (``PathRing``): the length, then the path.
         "path_rows": torch.cat((path_lengths[:, None], paths), dim=1),
     }
+    if ring is not None and trees.step_serial is not None:
+        ring.write(out["path_rows"], trees.step_serial)
     if conv_window > 0:
         # The last w rows of (w history rows, path): history rows r*w + i, path node p at R*w + node p.
         entry = lengths[:, None] + torch.arange(conv_window, device=device)[None, :]

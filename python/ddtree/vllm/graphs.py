@@ -220,8 +220,10 @@ class WalkGraphs:
     #: Trees objects remembered with their graph's key (see :meth:`walk`), before the memory starts afresh.
     KNOWN_TREES = 16
 
-    def __init__(self, capture):
+    def __init__(self, capture, ring=None):
         self._graphs = ShapeGraphs(capture)
+        # The statistics' ``PathRing``, written inside each walk (and so inside its graph); None: not written.
+        self.ring = ring
         self._inputs: Dict[tuple, tuple] = {}  # by key: (the graph's target, the trees it reads)
         self._address_sets: Dict[tuple, int] = {}  # by shape: graphs keyed by input addresses
         # By the trees object and the walk's other inputs' shapes: (the key, the trees object itself, so its id
@@ -246,11 +248,12 @@ class WalkGraphs:
         if hit is not None:
             own_target, own_trees = self._inputs[hit[0]]
             own_target.copy_(target)
-            return self._graphs.run(hit[0], lambda: accept_on_device(own_trees, own_target, *args))
+            return self._graphs.run(hit[0], lambda: accept_on_device(own_trees, own_target, *args, ring=self.ring))
         fields = [f.name for f in dataclasses.fields(trees)]
         inputs = [getattr(trees, name) for name in fields]
-        shape = args + tuple((t.shape, t.stride(), t.dtype) for t in [*inputs, target])
-        key = shape + tuple(t.data_ptr() for t in inputs)
+        # (An optional field, e.g. no step serial, is None: part of the key as such.)
+        shape = args + tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in [*inputs, target])
+        key = shape + tuple(0 if t is None else t.data_ptr() for t in inputs)
         entry = self._inputs.get(key)
         address_sets = self._address_sets.get(shape, 0)
         if entry is None and address_sets < self.ADDRESS_SETS:
@@ -261,16 +264,17 @@ class WalkGraphs:
             key = shape + ("copied",)
             entry = self._inputs.get(key)
             if entry is None:
-                own = [t.clone() for t in inputs]
+                own = [None if t is None else t.clone() for t in inputs]
                 entry = self._inputs[key] = (target.clone(), dataclasses.replace(trees, **dict(zip(fields, own))))
             else:
                 for name, given in zip(fields, inputs):
-                    getattr(entry[1], name).copy_(given)
+                    if given is not None:
+                        getattr(entry[1], name).copy_(given)
         if key[-1] != "copied":  # a graph that reads these tensors in place: the object finds it from now on
             keep(self._known, known, (key, trees), self.KNOWN_TREES)
         own_target, own_trees = entry
         own_target.copy_(target)
-        return self._graphs.run(key, lambda: accept_on_device(own_trees, own_target, *args))
+        return self._graphs.run(key, lambda: accept_on_device(own_trees, own_target, *args, ring=self.ring))
 
 
 def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], None]]:

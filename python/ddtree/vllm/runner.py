@@ -54,7 +54,7 @@ from ddtree.vllm.attention import DDTreeAttentionBackend
 from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata
-from ddtree.vllm.counts import LandingCounts
+from ddtree.vllm.counts import PathRing
 from ddtree.vllm.min_tokens import MinTokensRequests, Pending
 from ddtree.vllm.proposer import tensor_parallel_rank
 from ddtree.vllm.config import (
@@ -384,7 +384,9 @@ _STAGED_PLAN_SPECS: Dict[tuple, tuple] = {}
 
 def fill_plan_extras(extras: Dict[str, np.ndarray], plan: VerifyPlan, total: int) -> None:
     """Fills the runner's arrays that ride in the plan's upload and that the Rust layout does not write (see
-    ``_ddtree_plan_arrays``)."""
+    ``_ddtree_plan_arrays``); the plan's ``step_serial`` is set already."""
+    if "step_serial" in extras:  # where the device walk puts the step's path rows (``PathRing``)
+        extras["step_serial"][0] = plan.step_serial
     if "tree_query_starts" in extras:  # the device walk's (DDTREE_DEVICE_ACCEPT)
         extras["tree_query_starts"][:] = plan.query_starts
     if "other_index" in extras:
@@ -413,6 +415,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_step_timer: Optional[StepTimer] = None
     _ddtree_first_runs_at_start = 0  # ShapeGraphs.first_runs when the timed step started
     _ddtree_precapture = False  # DDTREE_PRECAPTURE (read at start-up)
+    _ddtree_step_serial = 0  # the next planned step's number (``PathRing``)
 
     # Off until __init__ sets them (the CPU tests build runners without it).
     _ddtree_gate: Optional[StreamGate] = None
@@ -458,7 +461,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_step_graphs_on = step_graphs_enabled()
         self._ddtree_precapture = precapture_enabled()  # DDTREE_PRECAPTURE: those of whole-tree steps at start-up
         on_gpu = self.device.type == "cuda"
-        self._ddtree_walk_graphs = WalkGraphs(self._ddtree_capture("walk")) if on_gpu else None
+        # The accepted paths of device-walked steps, written by the walk into a device ring the host reads every
+        # fourth step (``ddtree.vllm.counts``); ``_ddtree_step_serial`` numbers the steps that place rows there.
+        self._ddtree_counts = self._ddtree_path_ring()
+        self._ddtree_step_serial = 0
+        self._ddtree_walk_graphs = WalkGraphs(self._ddtree_capture("walk"), self._ddtree_counts) if on_gpu else None
         # The plan's device side, and the KV moves after a graphed walk.
         self._ddtree_plan_graphs = ShapeGraphs(self._ddtree_capture("plan")) if on_gpu else None
         self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_capture("kv moves")) if on_gpu else None
@@ -467,8 +474,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # the accepted counts of such steps, read once their copies to the host have landed.
         tensor_parallel_size = self.parallel_config.tensor_parallel_size
         self._ddtree_device_accept = device_accept_enabled(tensor_parallel_size=tensor_parallel_size)
-        # Each row: the path length, then the path (draft_len + 1 entries; ``_ddtree_send_paths``).
-        self._ddtree_counts = self._ddtree_landing_counts()
         # What the trees say about the chain and smaller budgets, logged on vLLM's statistics interval (rank 0 only).
         self._ddtree_what_if_log = PeriodicLog(log_interval()) if tensor_parallel_rank() == 0 else None
         # Requests with min_tokens, counted from the engine's token counts (vLLM's processor is wrong for trees
@@ -776,6 +781,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return logits_indices, spec_decode_metadata
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
+        plan.step_serial, self._ddtree_step_serial = self._ddtree_step_serial, self._ddtree_step_serial + 1
         fill_plan_extras(extras, plan, total)
         late = plan.draft_tokens is not None
         self.ddtree_stats.late_tree_steps += late
@@ -823,12 +829,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             gpu["tree_query_starts"],
             gpu["token_index"],
             gpu["ancestor_bits"],
+            gpu.get("step_serial"),
         )
         key = tuple(map(id, tensors))  # (the cached object holds the tensors: their ids stay theirs)
         trees = self._ddtree_trees_by_tensors.get(key)
         if trees is None:  # (eager placements make new tensors every step: the memo starts afresh when full)
             names = (*device_accept.NODE_ARRAYS, "node_depths", "node_offsets", "query_starts", "token_index")
-            trees = device_accept.DeviceTrees(**dict(zip(names + ("ancestor_bits",), tensors)))
+            trees = device_accept.DeviceTrees(**dict(zip(names + ("ancestor_bits", "step_serial"), tensors)))
             keep(self._ddtree_trees_by_tensors, key, trees, MAX_KEPT_SHAPES)
         return trees
 
@@ -952,6 +959,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # The device walk's inputs (its node depths are ``depths``, uploaded once).
             extra_specs.update((name, per_node) for name in ("depths", *device_accept.NODE_ARRAYS))
             extra_specs["tree_query_starts"] = (np.int64, (specs["batch_index"][1][0],))
+            extra_specs["step_serial"] = (np.int64, (1,))
         return {**specs, **extra_specs}, list(extra_specs)
 
     def _ddtree_check_spec_rows(self, plan: VerifyPlan, num_reqs: int) -> None:
@@ -1201,6 +1209,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid, extras),
             unproposed=(self.drafter.draft_len, self.drafter.top_k),
         )
+        plan.step_serial = -1  # (no serial of a real step: its walk's rows are never read)
         fill_plan_extras(extras, plan, total)
         gpu = self._ddtree_plan_staging.upload_host()
         self._ddtree_place(gpu, total, True, tree_tokens)  # run, then captured
@@ -1251,8 +1260,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             if accept is not None:
                 self.ddtree_stats.observe(plan, accept)
             else:  # walked on the device: counted once the copy of its paths has landed
-                with self.ddtree_stats.timed("stats"):  # (the statistics' copy: host work of every step)
-                    self._ddtree_count_device_steps(self._ddtree_send_paths(gpu, plan))
+                with self.ddtree_stats.timed("stats"):  # (host work of every step, a copy every fourth)
+                    self._ddtree_count_device_steps(*self._ddtree_send_paths(gpu, plan))
             self.ddtree_stats.count_full_graph(self._ddtree_full_graph)
         else:
             self.drafter.context_order = None
@@ -1340,7 +1349,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 self.ddtree_stats.walk_graph_steps += self._ddtree_walk_replayed
                 self.ddtree_stats.walk_copied_steps += graphs.copied_walks > copied
             else:
-                gpu = device_accept.accept_on_device(plan.device_trees, node_tokens, *walk_args)
+                gpu = device_accept.accept_on_device(
+                    plan.device_trees, node_tokens, *walk_args, ring=self._ddtree_counts
+                )
         self._ddtree_accept = None
         self._ddtree_accept_gpu = gpu
         return gpu
@@ -1352,20 +1363,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return None
         return self._ddtree_walk_graphs
 
-    def _ddtree_landing_counts(self) -> LandingCounts:
-        """The ring the device walk's accepted paths reach the host through, for the statistics: read every fourth
-        step (the host runs a step ahead; a copy four steps old has landed), with room for twice that in flight."""
-        return LandingCounts(
-            self.device, self.max_num_reqs, slots=8, width=(self.ddtree_cfg.draft_len or 0) + 2, read_every=4
-        )
+    def _ddtree_path_ring(self) -> PathRing:
+        """The ring the device walk writes its accepted paths into, for the statistics: four slots, copied to the
+        host together every fourth step (the host runs a step ahead; a copy is read once it has landed)."""
+        return PathRing(self.device, self.max_num_reqs, width=(self.ddtree_cfg.draft_len or 0) + 2, slots=4)
 
     def _ddtree_send_paths(self, gpu: Dict[str, torch.Tensor], plan: VerifyPlan):
-        """Starts the copy of a device-walked step's accepted paths to the host, one row per tree (its length, then
-        the path); returns an older step whose slot had to be read first (see ``LandingCounts.send``)."""
-        rows = gpu.get("path_rows")  # the device walk's (a walk graph's output: no launch here)
-        if rows is None:
-            rows = torch.cat((gpu["path_lengths"][:, None], gpu["paths"]), dim=1)
-        return self._ddtree_counts.send(rows, plan)
+        """Notes a device-walked step whose walk wrote its accepted paths into the ring (one row per tree: its
+        length, then the path); every fourth step starts the ring's copy. Returns older steps that had to be read
+        first (``PathRing.note``)."""
+        return self._ddtree_counts.note(plan.step_serial, int(plan.num_nodes.shape[0]), plan)
 
     def _ddtree_count_device_steps(self, *steps) -> None:
         """Counts device-walked steps in the statistics: ``(plan, rows)`` each, as ``_ddtree_send_paths`` sent them
@@ -1551,5 +1558,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # ddtree's own step graphs so far and the device memory their captures reserved (each its own pool).
             step_graphs=ShapeGraphs.captures,
             step_graph_reserved_mb=ShapeGraphs.capture_reserved_bytes / 2**20,
+            # Device-walked steps left out of the statistics: their ring slot held another step's paths.
+            stats_lost_steps=self._ddtree_counts.lost_steps,
             async_scheduling=bool(self.use_async_scheduling),
         )

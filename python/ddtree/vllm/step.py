@@ -316,6 +316,9 @@ class VerifyPlan:
     logit_rows_gpu: Optional[Any] = None
     batch_index_gpu: Optional[Any] = None
     device_trees: Optional[Any] = None
+    # The runner's number for the step, uploaded with the plan: the slot of its accepted paths in the statistics'
+    # ring (``ddtree.vllm.counts.PathRing``; -1: none).
+    step_serial: int = -1
 
     @property
     def num_filler_trees(self) -> int:
