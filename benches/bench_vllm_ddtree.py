@@ -198,6 +198,8 @@ def child(args):
             row["commit_in_place_steps"] = summary.get("commit_in_place_steps", 0)
             # Step graphs whose capture ran out of memory (their shapes then ran launch by launch: slower).
             row["graph_capture_failures"] = summary.get("graph_capture_failures", 0)
+            # Device-walked steps the statistics left out (their ring slot held another step's paths): 0 expected.
+            row["stats_lost_steps"] = summary.get("stats_lost_steps", 0)
             # Engine life so far: ddtree's step graphs and the device memory their captures reserved.
             row["step_graphs"] = summary.get("step_graphs", 0)
             row["step_graph_reserved_mb"] = summary.get("step_graph_reserved_mb", 0.0)

@@ -625,6 +625,14 @@ def step_graphs_exercised(env, summary):
     return [("walk_graph_steps", summary.get("walk_graph_steps", 0) > 0)]
 
 
+def statistics_complete(summary):
+    """``[(counter, passed)]``: an engine that walked trees on the device counted every such step in its statistics
+    (none left out because its slot of the statistics' ring held another step's paths)."""
+    if not summary.get("device_accept_steps", 0):
+        return []
+    return [("stats_lost_steps", summary.get("stats_lost_steps", 0) == 0)]
+
+
 def switched_paths_exercised(env, summary):
     """``[(counter, passed)]``: an engine run with a switch on must show that the switch's path ran."""
     return [
@@ -974,6 +982,8 @@ def main():
             ):
                 verdict[f"{name}/{counter}"] = passed
             for counter, passed in step_graphs_exercised(ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"]):
+                verdict[f"{name}/{counter}"] = passed
+            for counter, passed in statistics_complete(res["ddtree_summary"]):
                 verdict[f"{name}/{counter}"] = passed
             for counter, passed in schedule_graphs_exercised(ENGINES.get(name, {}).get("spec"), res["ddtree_summary"]):
                 verdict[f"{name}/{counter}"] = passed

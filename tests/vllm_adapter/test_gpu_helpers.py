@@ -295,6 +295,18 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert ("commit_in_place_steps", True) in switched_paths_exercised(inplace, dict(ran, commit_in_place_steps=30))
 
 
+def test_harness_fails_an_engine_whose_statistics_lost_device_walked_steps():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import statistics_complete
+
+    assert statistics_complete(dict(device_accept_steps=50, stats_lost_steps=0)) == [("stats_lost_steps", True)]
+    assert statistics_complete(dict(device_accept_steps=50, stats_lost_steps=2)) == [("stats_lost_steps", False)]
+    assert statistics_complete(dict(device_accept_steps=0, stats_lost_steps=0)) == []  # the host walk: no ring
+
+
 def test_harness_fails_an_engine_whose_device_walk_replayed_no_graph():
     import sys
     from pathlib import Path
