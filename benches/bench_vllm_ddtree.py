@@ -331,6 +331,7 @@ def main():
         "on, synchronous scheduling; ddtree-B-async: under vLLM's asynchronous scheduling, the TP-1 default, set "
         "explicitly; ddtree-B-behind: the forward queued after the trees are built, DDTREE_LAUNCH_AHEAD=0; "
         "ddtree-B-lazy: DDTREE_PRECAPTURE=0, the step graphs captured at each size's first step, not at start-up; "
+        "ddtree-B-topk-graphs: DDTREE_TOPK_GRAPHS=1, the drafter's top-K as CUDA graphs; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -377,6 +378,8 @@ def main():
         engines.append((f"ddtree-{b}-behind", dict(tree, env={"DDTREE_LAUNCH_AHEAD": "0"})))
         # ... with the step graphs captured at each size's first step, not at start-up (DDTREE_PRECAPTURE=0).
         engines.append((f"ddtree-{b}-lazy", dict(tree, env={"DDTREE_PRECAPTURE": "0"})))
+        # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
+        engines.append((f"ddtree-{b}-topk-graphs", dict(tree, env={"DDTREE_TOPK_GRAPHS": "1"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}

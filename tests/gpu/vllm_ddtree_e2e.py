@@ -24,6 +24,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling, FULL steps' forwards queued before their
                     trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
                     lands before the host reaches the step, where the default does not gate)
+  ddtree64-async-topk-graphs  ddtree64-async with DDTREE_TOPK_GRAPHS=1 (the drafter's top-K as CUDA graphs)
   ddtree64-async-lazy  ddtree64-async with DDTREE_PRECAPTURE=0 (placement and walk graphs captured at each size's
                     first step, not at start-up)
   ddtree64-async-copies  ddtree64-async with DDTREE_COMMIT_IN_PLACE=0 (commit graphs copy the walk's paths; the
@@ -187,6 +188,11 @@ ENGINES = {
             "DDTREE_COMMIT_IN_PLACE": "1",
             "DDTREE_PRECAPTURE": "1",
         },
+    ),
+    # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
+    "ddtree64-async-topk-graphs": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_TOPK_GRAPHS": "1"},
     ),
     # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
     "ddtree64-async-lazy": dict(
@@ -582,6 +588,7 @@ SWITCH_COUNTERS = {
     "DDTREE_LAUNCH_AHEAD": ("early_launch_steps",),
     "DDTREE_COMMIT_IN_PLACE": ("commit_in_place_steps",),
     "DDTREE_PRECAPTURE": ("precaptured_sizes",),
+    "DDTREE_TOPK_GRAPHS": ("topk_graph_steps",),
 }
 
 

@@ -20,6 +20,7 @@ from ddtree.vllm.config import (
     lone_row_advice,
     lone_row_budgets,
     precapture_enabled,
+    topk_graphs_enabled,
     whole_tree_gdn_metadata_enabled,
     cudagraph_mode_choice,
     engine_overrides,
@@ -411,6 +412,18 @@ def test_start_up_captures_of_the_step_graphs_are_on_unless_turned_off(env, on):
     assert precapture_enabled(env) is on
     with pytest.raises(DDTreeConfigError, match=r"DDTREE_PRECAPTURE must be 1 \(step graphs captured at start-up"):
         precapture_enabled({"DDTREE_PRECAPTURE": "yes"})
+
+
+def test_the_drafters_top_k_graphs_are_off_unless_switched_on_and_refused_under_tensor_parallelism():
+    assert topk_graphs_enabled({}) is False
+    assert topk_graphs_enabled({"DDTREE_TOPK_GRAPHS": "1"}) is True
+    assert topk_graphs_enabled({"DDTREE_TOPK_GRAPHS": "0"}, tensor_parallel_size=2) is False
+    with pytest.raises(
+        DDTreeConfigError, match=r"DDTREE_TOPK_GRAPHS=1 runs with one GPU only \(tensor_parallel_size=2"
+    ):
+        topk_graphs_enabled({"DDTREE_TOPK_GRAPHS": "1"}, tensor_parallel_size=2)
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_TOPK_GRAPHS must be 0 .* or 1 .*got 'on'"):
+        topk_graphs_enabled({"DDTREE_TOPK_GRAPHS": "on"})
 
 
 @pytest.mark.parametrize(

@@ -676,9 +676,12 @@ def test_a_capture_while_serving_keeps_the_allocator_and_pinned_caches(monkeypat
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append("device"))
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: released.append("pinned"), raising=False)
 
+    pools = []
+
     @contextlib.contextmanager
-    def graph(cuda_graph, capture_error_mode):
+    def graph(cuda_graph, capture_error_mode, pool=None):
         assert capture_error_mode == "thread_local"
+        pools.append(pool)
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()
         yield
@@ -703,6 +706,8 @@ def test_a_capture_while_serving_keeps_the_allocator_and_pinned_caches(monkeypat
 
     with pytest.raises(RuntimeError, match="capture failed"):
         graphs.cuda_graph_capture(CPU)(failing)
+    graphs.cuda_graph_capture(CPU, pool="shared")(lambda: None)  # graphs made with one pool share it
+    assert pools == [None, None, "shared"]
     torch.cuda.empty_cache()
     assert released[-1] == "device"
 
@@ -731,3 +736,40 @@ def test_timed_replays_charge_each_replays_host_time_to_its_graphs_name(monkeypa
     commits.run("shape", work)
     assert (walks.replayed, commits.replayed) == (2, 1)
     assert seconds == {"walk": 6.0, "commit": 3.0}
+
+
+def test_draft_top_k_graphs_replay_each_row_count_on_each_steps_hidden_states_and_leave_large_logits_eager():
+    """The drafter's top-K as a graph per number of rows: the first proposal of a row count runs eagerly and is
+    captured, later ones copy their hidden states into the graph's own and replay it (a stand-in capture that
+    replays by calling the work), equal to the eager computation every time; a row count whose logits would exceed
+    the byte limit runs eagerly and captures nothing."""
+    from ddtree.kernels.draft_top_k import pack_top_k
+    from ddtree.vllm.graphs import DraftTopKGraphs
+
+    captured = []
+
+    def capture(work):
+        captured.append(work)
+        return work
+
+    weight = torch.randn(64, 16)  # a stand-in lm_head: vocab 64, hidden 16
+
+    def top_k_of(hidden):
+        logits = hidden @ weight.T
+        values, ids = logits.topk(4, dim=-1)
+        return {"packed": pack_top_k(logits, values, ids), "top1": ids[:, 0]}
+
+    # 64 x 4-byte logits per row: at most 5 rows under a 1280-byte limit.
+    graphs = DraftTopKGraphs(capture, vocab=64, itemsize=4, max_logit_bytes=1280)
+    assert graphs.max_rows == 5
+    for step in range(3):
+        hidden = torch.randn(5, 16)
+        got, want = graphs.run(hidden, top_k_of), top_k_of(hidden)
+        assert torch.equal(got["packed"], want["packed"]) and torch.equal(got["top1"], want["top1"]), step
+    assert len(captured) == 1 and graphs.replayed == 2
+    graphs.run(torch.randn(3, 16), top_k_of)  # another row count: its own graph
+    assert len(captured) == 2
+    big = torch.randn(6, 16)
+    got = graphs.run(big, top_k_of)
+    assert torch.equal(got["packed"], top_k_of(big)["packed"])
+    assert len(captured) == 2 and graphs.eager_steps == 1

@@ -1034,6 +1034,35 @@ def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypa
     worker.compile_or_warm_up_model()
 
 
+def test_the_proposers_top_k_through_its_graphs_equals_the_eager_one_and_feeds_the_deferred_copy():
+    """DDTREE_TOPK_GRAPHS: a proposal's top-K (the drafter's logits, top-K, packing) through the top-K graphs (a
+    stand-in capture on CPU) is what the eager path packs, proposal after proposal, and is what the deferred copy
+    reads (``_capture``); vLLM gets each row's top token. Without the graphs the same path runs eagerly."""
+    from ddtree.kernels.draft_top_k import pack_top_k
+    from ddtree.vllm.graphs import DraftTopKGraphs
+    from ddtree.vllm.proposer import DDTreeProposer
+
+    weight = torch.randn(32, 8)
+    drafter = object.__new__(DDTreeProposer)
+    drafter.model = SimpleNamespace(compute_logits=lambda hidden: hidden @ weight.T)
+    drafter.top_k, drafter._capturing, drafter._topk_graphs_on = 4, True, False
+    drafter._topk_graphs = DraftTopKGraphs(lambda work: work, vocab=32, itemsize=4)
+    for step in range(3):
+        hidden = torch.randn(6, 8)
+        logits = hidden @ weight.T
+        values, ids = logits.topk(4, dim=-1)
+        top1, probs = drafter._sample_draft_tokens(hidden, None)
+        assert torch.equal(drafter._capture, pack_top_k(logits, values, ids)) and probs is None
+        assert torch.equal(top1, ids[:, 0]), step
+    assert drafter.topk_graph_steps == 2  # the first proposal ran eagerly, then was captured
+    drafter._topk_graphs = None  # switched off: launch by launch, the same values
+    hidden = torch.randn(6, 8)
+    drafter._sample_draft_tokens(hidden, None)
+    logits = hidden @ weight.T
+    assert torch.equal(drafter._capture, pack_top_k(logits, *logits.topk(4, dim=-1)))
+    assert drafter.topk_graph_steps == 0
+
+
 def test_spec_decode_metadata_kept_for_repeated_counts_is_vllms_own(monkeypatch):
     """vLLM's spec-decode metadata, kept on the device by its inputs: a repeated step gets vLLM's tensors again
     with the drafts gathered from this step's input ids; other counts are computed afresh. Compared field by field

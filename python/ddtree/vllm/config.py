@@ -59,6 +59,8 @@ STEP_GRAPHS_ENV = "DDTREE_STEP_GRAPHS"
 #: "1" (the default) captures the placement and walk graphs of every FULL size at start-up; "0" at their first step.
 PRECAPTURE_ENV = "DDTREE_PRECAPTURE"
 LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
+#: "1" replays the drafter's top-K (logits, top-K, packing) as one CUDA graph per batch size (experimental, off).
+TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -507,6 +509,22 @@ def precapture_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     first step. Late trees only (the one-GPU default): filler trees of each size have the real steps' shapes there."""
     meanings = {"1": "step graphs captured at start-up", "0": "step graphs captured at a size's first step"}
     return env_switch(environ, PRECAPTURE_ENV, "1", meanings)
+
+
+def topk_graphs_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_size: int = 1) -> bool:
+    """Whether the drafter's top-K after each drafter pass (its logits, their top-K and the packed copy for the
+    host: a few launches, one of them Triton's) replays one CUDA graph per number of rows
+    (``graphs.DraftTopKGraphs``; ``DDTREE_TOPK_GRAPHS=1``). Experimental, off by default: tested on CPU with a
+    stand-in capture, not yet run on a GPU. One GPU only (with tensor parallelism the logits are gathered across
+    ranks inside the computation)."""
+    meanings = {"0": "the drafter's top-K launch by launch", "1": "the drafter's top-K as CUDA graphs"}
+    on = env_switch(environ, TOPK_GRAPHS_ENV, "0", meanings)
+    if on and tensor_parallel_size > 1:
+        raise DDTreeConfigError(
+            f"{TOPK_GRAPHS_ENV}=1 runs with one GPU only (tensor_parallel_size={tensor_parallel_size}): the drafter's "
+            "logits are gathered across ranks; unset it"
+        )
+    return on
 
 
 def launch_ahead_enabled(environ: Mapping[str, str] = os.environ) -> bool:

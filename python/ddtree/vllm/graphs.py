@@ -277,14 +277,15 @@ class WalkGraphs:
         return self._graphs.run(key, lambda: accept_on_device(own_trees, own_target, *args, ring=self.ring))
 
 
-def cuda_graph_capture(device) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    """Captures ``work`` (nothing runs) into a CUDA graph on ``device``; returns its replay."""
+def cuda_graph_capture(device, pool=None) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Captures ``work`` (nothing runs) into a CUDA graph on ``device``; returns its replay. ``pool``: a memory pool
+    (``torch.cuda.graph_pool_handle()``) the graphs share; None: each graph its own."""
 
     def capture(work: Callable[[], None]) -> Callable[[], None]:
         graph = torch.cuda.CUDAGraph()
         # Thread-local capture: a launch from another thread of the process (vLLM's output thread) must not
         # invalidate it.
-        with cache_kept(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with cache_kept(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             work()
         return graph.replay
 
@@ -408,6 +409,45 @@ class ShapeGraphs:
         ShapeGraphs.capture_reserved_bytes += max(_reserved_bytes() - reserved, 0)
         self._graphs[key] = (replay, outputs)
         return result
+
+
+class DraftTopKGraphs:
+    """The drafter's top-K as one CUDA graph per number of rows (``DDTREE_TOPK_GRAPHS``, experimental).
+
+    After vLLM's drafter pass the proposer computes the drafter's logits, their top-K and the packed
+    ``[rows, 2K]`` tensor for the host (:func:`ddtree.kernels.draft_top_k.pack_top_k`): a few launches, one of them
+    a Triton kernel whose Python launch alone costs tens of microseconds, on the host's path of every step. Here
+    the sampled hidden states (a new tensor each step: vLLM gathers them) are copied into the graph's own, and
+    one replay runs the rest. ``top_k_of(hidden)`` is the eager computation (a dict of outputs); a graph's outputs
+    are rewritten by its next replay, which the proposer's step consumes before (the packed top-K goes to the host
+    in the same ``propose``).
+
+    The graphs share one memory pool (``capture`` is made with one), and a step whose logits would exceed
+    ``max_logit_bytes`` runs eagerly: a graph keeps its temporaries' memory reserved for good, and at a 248k
+    vocabulary the logits of 32 requests x 15 positions are ~240 MB, which vLLM's memory planning counted once,
+    as a transient.
+    """
+
+    def __init__(self, capture, vocab: int, itemsize: int, max_logit_bytes: int = 64 << 20):
+        self._graphs = ShapeGraphs(capture)
+        self._inputs: Dict[tuple, torch.Tensor] = {}  # by input shape: the graph's own hidden states
+        self.max_rows = max(0, max_logit_bytes // max(1, vocab * itemsize))
+        self.eager_steps = 0  # steps above max_rows
+
+    @property
+    def replayed(self) -> int:
+        return self._graphs.replayed
+
+    def run(self, hidden: torch.Tensor, top_k_of: Callable[[torch.Tensor], Dict[str, torch.Tensor]]):
+        if hidden.shape[0] > self.max_rows:
+            self.eager_steps += 1
+            return top_k_of(hidden)
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device)
+        own = self._inputs.get(key)
+        if own is None:
+            own = self._inputs[key] = torch.empty_like(hidden)
+        own.copy_(hidden)
+        return self._graphs.run(("draft top-k",) + key, lambda: top_k_of(own))
 
 
 def _reserved_bytes() -> int:

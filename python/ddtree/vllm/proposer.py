@@ -25,7 +25,8 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.utils import record_function_or_nullcontext
 
 from ddtree.kernels.draft_top_k import pack_top_k
-from ddtree.vllm.config import DDTreeConfig
+from ddtree.vllm.config import DDTreeConfig, topk_graphs_enabled
+from ddtree.vllm.graphs import DraftTopKGraphs
 from ddtree.vllm.step import DeferredProposal, TreeStore
 
 
@@ -39,6 +40,10 @@ def tensor_parallel_rank() -> int:
 
 
 class DDTreeProposer(DFlashProposer):
+    # DDTREE_TOPK_GRAPHS (set in __init__; proposers built without it, as the CPU tests do, launch by launch).
+    _topk_graphs_on = False
+    _topk_graphs: Optional[DraftTopKGraphs] = None
+
     def __init__(self, vllm_config, device, runner, cfg: DDTreeConfig):
         super().__init__(vllm_config, device, runner)
         if cfg.draft_len is None:
@@ -69,15 +74,41 @@ class DDTreeProposer(DFlashProposer):
         self._late_landed = None
         self._late_drafts: Optional[torch.Tensor] = None
         self._late_views: Dict[int, Tuple[torch.Tensor, np.ndarray, torch.Tensor]] = {}
+        # DDTREE_TOPK_GRAPHS: the top-K after each drafter pass as CUDA graphs (made at the first proposal).
+        self._topk_graphs_on = (
+            topk_graphs_enabled(tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size)
+            and torch.device(device).type == "cuda"
+        )
+        self._topk_graphs: Optional[DraftTopKGraphs] = None
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if not self._capturing:
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
-        logits = self.model.compute_logits(hidden_states)  # [batch * L, V]
+        graphs = self._draft_top_k_graphs()
+        out = graphs.run(hidden_states, self._top_k_of) if graphs is not None else self._top_k_of(hidden_states)
+        self._capture = out["packed"]
+        return out["top1"], None
+
+    def _top_k_of(self, hidden_states: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The drafter's logits ``[batch * L, V]`` reduced to the packed top-K for the host (``packed``: ``[rows,
+        2K]`` float32, the ids' int32 bits beside the log-probs, one kernel on a GPU) and each row's top token
+        (``top1``, what vLLM's chain would have drafted)."""
+        logits = self.model.compute_logits(hidden_states)
         values, ids = logits.topk(self.top_k, dim=-1)
-        # One host copy: [rows, 2K] float32 with the ids' int32 bits beside the log-probs (one kernel on a GPU).
-        self._capture = pack_top_k(logits, values, ids)
-        return ids[:, 0], None
+        return {"packed": pack_top_k(logits, values, ids), "top1": ids[:, 0]}
+
+    def _draft_top_k_graphs(self) -> Optional[DraftTopKGraphs]:
+        """The top-K graphs under ``DDTREE_TOPK_GRAPHS`` (None: launch by launch), sharing one memory pool."""
+        if self._topk_graphs is None and self._topk_graphs_on:
+            capture = self.runner._ddtree_capture("draft top-k", pool=torch.cuda.graph_pool_handle())
+            itemsize = torch.empty((), dtype=self.draft_logits_dtype).element_size()
+            self._topk_graphs = DraftTopKGraphs(capture, self.draft_vocab_size, itemsize)
+        return self._topk_graphs
+
+    @property
+    def topk_graph_steps(self) -> int:
+        """Proposals whose top-K replayed a graph (the runner's summary reports them)."""
+        return 0 if self._topk_graphs is None else self._topk_graphs.replayed
 
     def warm_up(self) -> None:
         """Runs the packed top-K once at start-up on logits of the drafter's shape, so that its kernel is compiled

@@ -1434,10 +1434,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 )
         return self._ddtree_commit_graphs
 
-    def _ddtree_capture(self, graphs: str):
+    def _ddtree_capture(self, graphs: str, pool=None):
         """The CUDA-graph capture of ddtree's step graphs named ``graphs``, their replays' host time counted under
-        that name (``graph_launch_ms_per_verify_step``)."""
-        return timed_replays(cuda_graph_capture(self.device), self.ddtree_stats.graph_launch_seconds, graphs)
+        that name (``graph_launch_ms_per_verify_step``); ``pool``: one memory pool for all of them (None: each
+        graph its own)."""
+        return timed_replays(cuda_graph_capture(self.device, pool), self.ddtree_stats.graph_launch_seconds, graphs)
 
     def _target_kv_layers(self) -> List[tuple]:
         """(kv_cache_group_id, kv cache tensor) of each target attention layer, shared caches once."""
@@ -1560,5 +1561,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             step_graph_reserved_mb=ShapeGraphs.capture_reserved_bytes / 2**20,
             # Device-walked steps left out of the statistics: their ring slot held another step's paths.
             stats_lost_steps=self._ddtree_counts.lost_steps,
+            # Proposals whose top-K replayed a graph (DDTREE_TOPK_GRAPHS).
+            topk_graph_steps=getattr(getattr(self, "drafter", None), "topk_graph_steps", 0),
             async_scheduling=bool(self.use_async_scheduling),
         )
