@@ -32,7 +32,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64to16-async the schedule under vLLM's asynchronous scheduling (its scheduler places each budget in drafts)
   ddtree-auto       ddtree_budget "auto" (candidates 15, 31, 63), each batch size's budget chosen live
   plain-apc, ddtree64-apc  vLLM's prefix caching on (vLLM's default and ddtree's for attention-only targets:
-                    --model tiny-qwen3; the other engines turn it off), checked against plain without it, and required
+                    --model tiny-qwen3; plain-apc asks for it, ddtree64-apc leaves it unset; the other engines turn
+                    it off), checked against plain without it, and required
                     to hit the prefix cache in the shared_prefix scenario
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
@@ -210,10 +211,11 @@ ENGINES = {
         env={"DDTREE_ASYNC_SCHEDULING": "1"},
     ),
     # vLLM's prefix caching (on by vLLM's default for attention-only targets, ddtree's too; the other engines turn
-    # it off); ddtree refuses it for hybrid targets: run these with --model tiny-qwen3.
+    # it off); ddtree refuses it for hybrid targets: run these with --model tiny-qwen3. plain-apc asks for it;
+    # ddtree64-apc leaves it unset ("default"), so the run shows what a user who sets nothing gets.
     "plain-apc": dict(spec=None, prefix_caching=True),
     "ddtree64-apc": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, prefix_caching=True
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, prefix_caching="default"
     ),
     "ddtree64-preempt": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
@@ -258,6 +260,13 @@ def shared_prefix_prompts(prompts, shared: int, count: int):
         tail = own[shared:] if len(own) >= shared + 8 else own[-8:]
         out.append(head + list(tail) + [i % 97 + 3])  # the last token makes every prompt its own
     return out
+
+
+def prefix_caching_arg(conf):
+    """The engine's ``enable_prefix_caching``: its ``prefix_caching`` (off when not given), None for ``"default"``
+    (left to vLLM and the adapter, as a user who sets nothing)."""
+    value = conf.get("prefix_caching", False)
+    return None if value == "default" else value
 
 
 def prefix_cache_exercised(conf, rows):
@@ -309,7 +318,7 @@ def run_child(
         gpu_memory_utilization=memory_share(0.35, concurrent),
         seed=0,
         disable_log_stats=False,
-        enable_prefix_caching=conf.get("prefix_caching", False),
+        enable_prefix_caching=prefix_caching_arg(conf),
     )
     from ddtree.vllm.tiny_models import engine_kwargs_for
 

@@ -505,7 +505,7 @@ def test_the_harness_starts_engines_side_by_side_and_keeps_each_ones_results(tmp
 def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hit_the_cache():
     """The shared_prefix scenario's prompts: one head of ``shared`` tokens, each prompt its own after it (also from
     prompts shorter than the head); an engine with prefix caching passes only with hits, one without is not judged."""
-    from vllm_ddtree_e2e import ENGINES, prefix_cache_exercised, shared_prefix_prompts
+    from vllm_ddtree_e2e import ENGINES, prefix_cache_exercised, prefix_caching_arg, shared_prefix_prompts
 
     given = [list(range(100, 190)), list(range(200, 230)), list(range(300, 400))]
     out = shared_prefix_prompts(given, 64, 8)
@@ -525,4 +525,6 @@ def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hi
     assert prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(48, []))[0] is False  # nothing after the first round
     passed, note = prefix_cache_exercised(ENGINES["ddtree64-apc"], rows(0, [64] * 8 + [96] * 8))
     assert passed and "hits in 16 of 16 later requests (1280 tokens)" in note
-    assert ENGINES["ddtree64-apc"]["prefix_caching"] and "env" not in ENGINES["ddtree64-apc"]
+    assert "env" not in ENGINES["ddtree64-apc"]  # prefix caching as a user who sets nothing gets it
+    assert prefix_caching_arg(ENGINES["ddtree64-apc"]) is None and prefix_caching_arg(ENGINES["plain-apc"]) is True
+    assert prefix_caching_arg(ENGINES["ddtree64"]) is False  # the other engines turn it off
