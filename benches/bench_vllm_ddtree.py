@@ -332,6 +332,7 @@ def main():
         "explicitly; ddtree-B-behind: the forward queued after the trees are built, DDTREE_LAUNCH_AHEAD=0; "
         "ddtree-B-lazy: DDTREE_PRECAPTURE=0, the step graphs captured at each size's first step, not at start-up; "
         "ddtree-B-topk-graphs: DDTREE_TOPK_GRAPHS=1, the drafter's top-K as CUDA graphs; "
+        "ddtree-B-precapture-all: DDTREE_PRECAPTURE=all, the commit's graphs at start-up too; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -378,6 +379,8 @@ def main():
         engines.append((f"ddtree-{b}-behind", dict(tree, env={"DDTREE_LAUNCH_AHEAD": "0"})))
         # ... with the step graphs captured at each size's first step, not at start-up (DDTREE_PRECAPTURE=0).
         engines.append((f"ddtree-{b}-lazy", dict(tree, env={"DDTREE_PRECAPTURE": "0"})))
+        # ... with the commit's graphs captured at start-up too (DDTREE_PRECAPTURE=all, experimental).
+        engines.append((f"ddtree-{b}-precapture-all", dict(tree, env={"DDTREE_PRECAPTURE": "all"})))
         # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
         engines.append((f"ddtree-{b}-topk-graphs", dict(tree, env={"DDTREE_TOPK_GRAPHS": "1"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).

@@ -344,6 +344,56 @@ def test_precaptured_step_graphs_are_the_ones_a_real_step_of_that_size_replays(m
     assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
 
 
+def test_precapture_all_commits_a_filler_step_the_way_serving_commits_that_size(monkeypatch):
+    """DDTREE_PRECAPTURE=all: after the walk's graph, the precapture runs the commit of a step of that size as
+    ``_sample`` does after a replayed walk (the FULL graph's key, the walk graph's own outputs, a GDN step on the
+    fixed tree buffers), so the commit graph's key (those addresses) is the one a real step of the size hands
+    over; the runner's step state is restored after. Without a GDN commit the K/V moves go the same way."""
+    import bench_plan_path
+    import numpy as np
+
+    from ddtree.vllm.graphs import ShapeGraphs, WalkGraphs
+
+    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
+    batch, budget = 3, 8
+
+    def capture(work):
+        work()
+        return lambda: None
+
+    runner, rng = bench_plan_path.build_runner(batch, budget, 3, 4), np.random.default_rng(0)
+    runner._ddtree_plan_graphs, runner._ddtree_walk_graphs = ShapeGraphs(capture), WalkGraphs(capture)
+    runner._ddtree_step_graphs_on, runner._ddtree_late_trees, runner._ddtree_precapture_commits = True, True, True
+    runner._ddtree_walk_replayed, runner._ddtree_accept = False, None
+    commits, moves = [], []
+
+    def commit_gdn(gpu):
+        step = runner._ddtree_gdn_step
+        commits.append(
+            (runner._ddtree_full_graph, runner._ddtree_walk_replayed, runner._ddtree_accept, step.node_offsets, gpu)
+        )
+        return False  # (the K/V moves then go apart, as for a target without GDN layers)
+
+    runner._ddtree_commit_gdn = commit_gdn
+    runner._ddtree_move_kv = lambda src, dst: moves.append((src, dst))
+    runner._ddtree_precapture_step_graphs(batch, budget + 1)
+    total = batch * (budget + 1)
+    ((graph, replayed, host_walk, node_offsets, walked),) = commits
+    assert (graph, replayed, host_walk) == ((total, batch), True, None)
+    assert moves == [(walked["kv_src"], walked["kv_dst"])]
+    assert (runner._ddtree_full_graph, runner._ddtree_walk_replayed, runner._ddtree_gdn_step) == (None, False, None)
+    # A real step of that size: its GDN step's tree offsets and its replayed walk's outputs are the same tensors'
+    # addresses, so its commit finds the precaptured graph.
+    with bench_plan_path.vllm_parts_stubbed():
+        bench_plan_path.plan_step(runner, bench_plan_path.defer_proposal(runner, rng))
+    plan = runner._ddtree_plan
+    assert runner._ddtree_gdn_step.node_offsets.data_ptr() == node_offsets.data_ptr()
+    target = torch.zeros(plan.num_tokens, dtype=torch.int64)
+    served = runner._ddtree_walk_graphs.walk(plan.device_trees, target, budget + 1, 4, plan.num_tokens, 3)
+    for name in ("paths", "path_lengths", "commit_conv_index", "kv_src", "kv_dst"):
+        assert served[name].data_ptr() == walked[name].data_ptr(), name
+
+
 def test_a_cache_sweep_runs_distinct_code_and_reads_its_data_before_each_cold_step(monkeypatch):
     """--cold: the sweep's functions are distinct code objects (one each, so the sweep touches as much code as it
     says), it is called once before every timed step, outside the timing, and the row says it was cold."""

@@ -25,6 +25,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
                     lands before the host reaches the step, where the default does not gate)
   ddtree64-async-topk-graphs  ddtree64-async with DDTREE_TOPK_GRAPHS=1 (the drafter's top-K as CUDA graphs)
+  ddtree64-async-precapture-all  ddtree64-async with DDTREE_PRECAPTURE=all (the commit's graphs at start-up too)
   ddtree64-async-lazy  ddtree64-async with DDTREE_PRECAPTURE=0 (placement and walk graphs captured at each size's
                     first step, not at start-up)
   ddtree64-async-copies  ddtree64-async with DDTREE_COMMIT_IN_PLACE=0 (commit graphs copy the walk's paths; the
@@ -194,6 +195,11 @@ ENGINES = {
     "ddtree64-async-topk-graphs": dict(
         spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_TOPK_GRAPHS": "1"},
+    ),
+    # ... with the commit's graphs (GDN commit with the K/V moves) captured at start-up too (DDTREE_PRECAPTURE=all).
+    "ddtree64-async-precapture-all": dict(
+        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "all"},
     ),
     # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
     "ddtree64-async-lazy": dict(
@@ -651,12 +657,15 @@ def statistics_complete(summary):
 
 def switched_paths_exercised(env, summary):
     """``[(counter, passed)]``: an engine run with a switch on must show that the switch's path ran."""
-    return [
+    checks = [
         (counter, summary.get(counter, 0) > 0)
         for switch, counters in SWITCH_COUNTERS.items()
-        if env.get(switch) in ("1", "always")
+        if env.get(switch) in ("1", "always", "all")
         for counter in counters
     ]
+    if env.get("DDTREE_PRECAPTURE") == "all":  # the commit's graphs at start-up too
+        checks.append(("precaptured_commits", summary.get("precaptured_commits", 0) > 0))
+    return checks
 
 
 def compare(ref_rows, rows, gap_tol):

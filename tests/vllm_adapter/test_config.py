@@ -19,6 +19,7 @@ from ddtree.vllm.config import (
     late_trees_enabled,
     lone_row_advice,
     lone_row_budgets,
+    precapture_commits,
     precapture_enabled,
     topk_graphs_enabled,
     whole_tree_gdn_metadata_enabled,
@@ -412,6 +413,14 @@ def test_start_up_captures_of_the_step_graphs_are_on_unless_turned_off(env, on):
     assert precapture_enabled(env) is on
     with pytest.raises(DDTreeConfigError, match=r"DDTREE_PRECAPTURE must be 1 \(step graphs captured at start-up"):
         precapture_enabled({"DDTREE_PRECAPTURE": "yes"})
+
+
+def test_precapture_all_also_captures_the_commits_graphs_and_other_values_are_refused():
+    assert precapture_commits({}) is False and precapture_commits({"DDTREE_PRECAPTURE": "1"}) is False
+    assert precapture_commits({"DDTREE_PRECAPTURE": "all"}) is True
+    assert precapture_enabled({"DDTREE_PRECAPTURE": "all"}) is True
+    with pytest.raises(DDTreeConfigError, match=r"must be 1 .*, 0 .* or all .*got 'some'"):
+        precapture_commits({"DDTREE_PRECAPTURE": "some"})
 
 
 def test_the_drafters_top_k_graphs_are_off_unless_switched_on_and_refused_under_tensor_parallelism():

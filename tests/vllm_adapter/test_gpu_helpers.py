@@ -293,6 +293,11 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     inplace = ENGINES["ddtree64-async"]["env"]
     assert ("commit_in_place_steps", False) in switched_paths_exercised(inplace, ran)
     assert ("commit_in_place_steps", True) in switched_paths_exercised(inplace, dict(ran, commit_in_place_steps=30))
+    # DDTREE_PRECAPTURE=all: the sizes and the commits captured at start-up must both show.
+    everything = ENGINES["ddtree64-async-precapture-all"]["env"]
+    checks = dict(switched_paths_exercised(everything, dict(ran, precaptured_sizes=32, precaptured_commits=0)))
+    assert checks["precaptured_sizes"] is True and checks["precaptured_commits"] is False
+    assert ("precaptured_commits", True) in switched_paths_exercised(everything, dict(ran, precaptured_commits=32))
 
 
 def test_harness_fails_an_engine_whose_statistics_lost_device_walked_steps():
@@ -454,6 +459,7 @@ def test_every_engine_of_the_gpu_scripts_sets_known_switches_to_known_values():
         assert set(env) <= switches, (name, set(env) - switches)
         known = {switch: ("0", "1") for switch in switches}
         known[config.LAUNCH_AHEAD_ENV] = tuple(config.LAUNCH_AHEAD_MODES)
+        known[config.PRECAPTURE_ENV] = config.PRECAPTURE_MODES
         assert all(value in known[switch] for switch, value in env.items()), (name, env)
 
 

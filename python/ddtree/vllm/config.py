@@ -56,8 +56,10 @@ DEVICE_ACCEPT_ENV = "DDTREE_DEVICE_ACCEPT"
 LATE_TREES_ENV = "DDTREE_LATE_TREES"
 ASYNC_SCHEDULING_ENV = "DDTREE_ASYNC_SCHEDULING"
 STEP_GRAPHS_ENV = "DDTREE_STEP_GRAPHS"
-#: "1" (the default) captures the placement and walk graphs of every FULL size at start-up; "0" at their first step.
+#: "1" (the default) captures the placement and walk graphs of every FULL size at start-up; "0" at their first step;
+#: "all" (experimental) the commit's (GDN commit, K/V moves) too.
 PRECAPTURE_ENV = "DDTREE_PRECAPTURE"
+PRECAPTURE_MODES = ("1", "0", "all")
 LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 #: "1" replays the drafter's top-K (logits, top-K, packing) as one CUDA graph per batch size (experimental, off).
 TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
@@ -505,10 +507,31 @@ def precapture_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     ``DDTREE_PRECAPTURE=0``). A capture synchronizes the device; a batch shrinking request by request meets a new
     size at most steps of its first run. On the pair on an H200 (``gpu-h200-pair-38e16ce``) the timed runs met 0 / 2
     / 0 first runs at batch 1 / 8 / 32 against 0 / 6 / 20 without it, every e2e scenario exact; start-up took 1 s
-    longer and its graphs reserved 130-170 MB from the start. The GDN commit graphs are still captured at a size's
-    first step. Late trees only (the one-GPU default): filler trees of each size have the real steps' shapes there."""
-    meanings = {"1": "step graphs captured at start-up", "0": "step graphs captured at a size's first step"}
-    return env_switch(environ, PRECAPTURE_ENV, "1", meanings)
+    longer and its graphs reserved 130-170 MB from the start. The commit's graphs follow with ``all``
+    (:func:`precapture_commits`). Late trees only (the one-GPU default): filler trees of each size have the real
+    steps' shapes there."""
+    return precapture_mode(environ) != "0"
+
+
+def precapture_commits(environ: Mapping[str, str] = os.environ) -> bool:
+    """``DDTREE_PRECAPTURE=all`` (experimental, not yet run on a GPU): the commit's graphs of every FULL size too (the
+    GDN commit, with the K/V moves, for hybrid targets; the K/V moves for attention-only ones), captured at
+    start-up after the walk's: their first run writes the filler step's commit into the state slots and K/V slots
+    of vLLM's capture run (its dummy blocks) before any request exists. Without it each is captured at its size's
+    first step while serving (~27 ms each on the pair; 67 such steps over an e2e engine's life,
+    ``gpu-h200-pair-38e16ce``), and ``auto``'s probes, which leave out steps that captured, measure less."""
+    return precapture_mode(environ) == "all"
+
+
+def precapture_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """``DDTREE_PRECAPTURE``: ``"1"`` (default), ``"0"`` or ``"all"``; anything else is refused with the meanings."""
+    value = environ.get(PRECAPTURE_ENV, "1").strip().lower()
+    if value not in PRECAPTURE_MODES:
+        raise DDTreeConfigError(
+            f"{PRECAPTURE_ENV} must be 1 (step graphs captured at start-up, the default), 0 (at a size's first "
+            f"step) or all (the commit's graphs at start-up too, experimental), got {value!r}"
+        )
+    return value
 
 
 def topk_graphs_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_size: int = 1) -> bool:

@@ -69,6 +69,7 @@ from ddtree.vllm.config import (
     late_trees_enabled,
     launch_ahead_enabled,
     launch_ahead_mode,
+    precapture_commits,
     precapture_enabled,
     schedule_tree_graphs,
     smaller_budgets,
@@ -201,6 +202,7 @@ class DDTreeStats:
         self.first_run_steps = 0
         self.first_run_host_seconds: Dict[str, float] = {}
         self.precaptured_sizes = 0  # FULL sizes whose step graphs were captured at start-up (DDTREE_PRECAPTURE)
+        self.precaptured_commits = 0  # ... whose commit's graphs were too (DDTREE_PRECAPTURE=all)
         self._step_mark: Tuple[int, Dict[str, float], Dict[str, float]] = (0, {}, {})
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
         # WHAT_IF_EVERY-th verify step (a systematic sample of the traffic; the sampled steps are kept and counted
@@ -342,6 +344,7 @@ class DDTreeStats:
             "graph_launch_ms_per_verify_step": self._per_verify_step_ms(self.graph_launch_seconds, self.steady_steps),
             "first_run_steps": self.first_run_steps,
             "precaptured_sizes": self.precaptured_sizes,
+            "precaptured_commits": self.precaptured_commits,
             "first_run_host_ms": {part: 1e3 * s for part, s in sorted(self.first_run_host_seconds.items())},
         }
 
@@ -415,6 +418,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_step_timer: Optional[StepTimer] = None
     _ddtree_first_runs_at_start = 0  # ShapeGraphs.first_runs when the timed step started
     _ddtree_precapture = False  # DDTREE_PRECAPTURE (read at start-up)
+    _ddtree_precapture_commits = False  # DDTREE_PRECAPTURE=all
     _ddtree_step_serial = 0  # the next planned step's number (``PathRing``)
 
     # Off until __init__ sets them (the CPU tests build runners without it).
@@ -460,6 +464,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
         self._ddtree_precapture = precapture_enabled()  # DDTREE_PRECAPTURE: those of whole-tree steps at start-up
+        self._ddtree_precapture_commits = precapture_commits()  # ... and the commit's (DDTREE_PRECAPTURE=all)
         on_gpu = self.device.type == "cuda"
         # The accepted paths of device-walked steps, written by the walk into a device ring the host reads every
         # fourth step (``ddtree.vllm.counts``); ``_ddtree_step_serial`` numbers the steps that place rows there.
@@ -1188,9 +1193,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         tokens, captured now (after vLLM's FULL capture of that size) on filler trees through the plan's own path,
         so that serving's first step of the size replays them. Filler trees of a size have its real steps' shapes,
         hence their keys: the same staged layout (the placement's key) and, from the placement graph's own outputs,
-        the same trees object (the walk's). The GDN commit graph is still captured at the size's first step (it
-        reads what the FULL graph's layers recorded while serving). Late trees only: with trees built at proposal
-        a step's drafts are known, and its layout is another."""
+        the same trees object (the walk's). The commit's graphs follow with ``DDTREE_PRECAPTURE=all``
+        (:meth:`_ddtree_precapture_commit`); otherwise they are captured at the size's first step. Late trees only:
+        with trees built at proposal a step's drafts are known, and its layout is another."""
         if not (self._ddtree_late_trees and self._ddtree_step_graphs_on and self._ddtree_plan_graphs is not None):
             return
         self.ddtree_stats.precaptured_sizes += 1
@@ -1218,7 +1223,37 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
             target = torch.zeros(total, dtype=torch.int64, device=self.device)  # (the sampler's tokens)
             walk_args = (tree_tokens, int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
-            self._ddtree_walk_graphs.walk(trees, target, *walk_args)
+            self._ddtree_walk_graphs.walk(trees, target, *walk_args)  # run, then captured
+            if self._ddtree_precapture_commits:
+                walked = self._ddtree_walk_graphs.walk(trees, target, *walk_args)  # the graph's outputs
+                self._ddtree_precapture_commit(walked, num_trees, total)
+
+    def _ddtree_precapture_commit(self, walked: Dict[str, torch.Tensor], num_trees: int, total: int) -> None:
+        """DDTREE_PRECAPTURE=all: the commit of a step of ``num_trees`` whole trees (``total`` tokens) as ``_sample``
+        runs it after a replayed walk, on the precapture's walked filler trees: the GDN commit graph (with the K/V
+        moves, in place) of a hybrid target, the K/V-move graph of an attention-only one. Their keys are the FULL
+        graph and the addresses of the walk graph's outputs and of the fixed tree buffers, which serving's steps of
+        that size hand over too. The first run commits the filler step into the slots vLLM's capture run used."""
+        saved = (self._ddtree_full_graph, self._ddtree_walk_replayed, self._ddtree_accept)
+        self._ddtree_full_graph, self._ddtree_walk_replayed, self._ddtree_accept = (total, num_trees), True, None
+        if self._ddtree_conv_window > 0:
+            layout = self._ddtree_buffers.views(num_trees, total, num_trees, conv=True)  # (serving's views too)
+            self._ddtree_gdn_step = GdnTreeStep(
+                token_index=self._ddtree_buffers.leading_step_index(total),
+                other_index=None,
+                node_offsets=layout["node_offsets"],
+                ancestor_bits=layout["ancestor_bits"],
+                conv_index=layout["conv_index"],
+                num_requests=num_trees,
+                num_tree_tokens=total,
+            )
+        try:
+            if not self._ddtree_commit_gdn(walked):
+                self._ddtree_move_kv(walked["kv_src"], walked["kv_dst"])
+            self.ddtree_stats.precaptured_commits += 1
+        finally:
+            self._ddtree_full_graph, self._ddtree_walk_replayed, self._ddtree_accept = saved
+            self._ddtree_gdn_step = None
 
     def _ddtree_stage_dummy_step(self, num_trees: int, tree_tokens: int):
         """Dummy whole trees of ``tree_tokens`` tokens for a uniform dummy run of ``num_trees`` requests, published
