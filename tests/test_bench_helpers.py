@@ -309,6 +309,27 @@ def test_the_stats_path_counts_every_step_through_the_runners_ring_and_is_compar
     assert bench_plan_path._typical(steps, amortized=True) == (50 * 1.0 + 48 * 5.0) / 98
 
 
+def _precapture_runner(monkeypatch, batch: int, budget: int):
+    """The plan-path bench's runner with step graphs on, late trees, and placement and walk graphs whose capture is
+    a stand-in (a replay is a no-op: the captured outputs stay where the capture's run left them, as on a GPU);
+    first runs counted from zero."""
+    import bench_plan_path
+    import numpy as np
+
+    from ddtree.vllm.graphs import ShapeGraphs, WalkGraphs
+
+    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
+
+    def capture(work):
+        work()
+        return lambda: None
+
+    runner = bench_plan_path.build_runner(batch, budget, 3, 4)
+    runner._ddtree_plan_graphs, runner._ddtree_walk_graphs = ShapeGraphs(capture), WalkGraphs(capture)
+    runner._ddtree_step_graphs_on, runner._ddtree_late_trees = True, True
+    return runner, np.random.default_rng(0)
+
+
 @pytest.mark.parametrize("precapture", [True, False])
 def test_precaptured_step_graphs_are_the_ones_a_real_step_of_that_size_replays(monkeypatch, precapture):
     """DDTREE_PRECAPTURE: the placement and walk graphs captured at start-up on filler trees are found by a real
@@ -316,20 +337,11 @@ def test_precaptured_step_graphs_are_the_ones_a_real_step_of_that_size_replays(m
     without it that step captures both. A replay is a no-op here: the captured outputs stay where the capture's run
     left them, as on a GPU."""
     import bench_plan_path
-    import numpy as np
 
-    from ddtree.vllm.graphs import ShapeGraphs, WalkGraphs
+    from ddtree.vllm.graphs import ShapeGraphs
 
-    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
     batch, budget = 3, 8
-
-    def capture(work):
-        work()
-        return lambda: None
-
-    runner, rng = bench_plan_path.build_runner(batch, budget, 3, 4), np.random.default_rng(0)
-    runner._ddtree_plan_graphs, runner._ddtree_walk_graphs = ShapeGraphs(capture), WalkGraphs(capture)
-    runner._ddtree_step_graphs_on, runner._ddtree_late_trees = True, True
+    runner, rng = _precapture_runner(monkeypatch, batch, budget)
     if precapture:
         runner._ddtree_precapture_step_graphs(batch, budget + 1)
         assert ShapeGraphs.first_runs == 2  # the placement's and the walk's
@@ -350,21 +362,10 @@ def test_precapture_all_commits_a_filler_step_the_way_serving_commits_that_size(
     fixed tree buffers), so the commit graph's key (those addresses) is the one a real step of the size hands
     over; the runner's step state is restored after. Without a GDN commit the K/V moves go the same way."""
     import bench_plan_path
-    import numpy as np
 
-    from ddtree.vllm.graphs import ShapeGraphs, WalkGraphs
-
-    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
     batch, budget = 3, 8
-
-    def capture(work):
-        work()
-        return lambda: None
-
-    runner, rng = bench_plan_path.build_runner(batch, budget, 3, 4), np.random.default_rng(0)
-    runner._ddtree_plan_graphs, runner._ddtree_walk_graphs = ShapeGraphs(capture), WalkGraphs(capture)
-    runner._ddtree_step_graphs_on, runner._ddtree_late_trees, runner._ddtree_precapture_commits = True, True, True
-    runner._ddtree_walk_replayed, runner._ddtree_accept = False, None
+    runner, rng = _precapture_runner(monkeypatch, batch, budget)
+    runner._ddtree_precapture_commits, runner._ddtree_walk_replayed, runner._ddtree_accept = True, False, None
     commits, moves = [], []
 
     def commit_gdn(gpu):
