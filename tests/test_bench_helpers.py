@@ -715,6 +715,30 @@ def test_auto_in_the_simulated_pair_traffic_settles_near_the_best_fixed_budget()
     assert "budget by batch size" in final["lookup"] and final["octave_budgets"]
 
 
+def test_the_simulation_with_lazy_graph_captures_leaves_each_shapes_first_step_out_and_still_measures_batch_32():
+    """--lazy-graphs: the first step of each (budget, batch size) run is handed to the step timer as untimed (the
+    runner leaves out a step that captured a graph), one per shape besides the groups' prefills; the 32-63 octave is
+    still measured in this world."""
+    import bench_auto_traffic
+
+    untimed = []
+
+    class CountingTimer(bench_auto_traffic.StepTimer):
+        def finish(self, key):
+            untimed.append(key is None)
+            super().finish(key)
+
+    saved = bench_auto_traffic.StepTimer
+    bench_auto_traffic.StepTimer = CountingTimer
+    try:
+        rows = bench_auto_traffic.simulate(4, 0, 6.0, 0.2, 0.0025, lazy_graphs=True)
+    finally:
+        bench_auto_traffic.StepTimer = saved
+    prefills = 4 * (32 + 4 + 1)  # per round: 32 groups of one, 4 of eight, one of 32
+    assert rows[-1]["first_run_steps"] > 0 and sum(untimed) == prefills + rows[-1]["first_run_steps"]
+    assert "32-63" in rows[-1]["period_ratios"]
+
+
 def test_thread_cpu_finds_the_busy_thread_of_a_process_tree():
     """A thread that spins shows as the busiest of the process between two snapshots (by its native thread id; a
     thread's name is its process's unless it sets one), and a child process's threads are in the tree."""
