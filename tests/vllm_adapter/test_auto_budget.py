@@ -132,6 +132,17 @@ def test_a_probe_compares_the_two_budgets_periods_at_each_batch_size_per_octave(
     eighth = (2 * math.log(21 / 11) + 2 * math.log(1.5)) / 4  # weighted by the smaller count of each batch size
     assert ratios.log_ratios[4][(31, 63)] == (pytest.approx(eighth), 4.0)
     assert ratios.log_ratios[2][(31, 63)] == (pytest.approx(math.log(1.5)), 2.0)
+    # What the probe kept, by budget and batch size, and the octaves it measured (the summary's probe_history).
+    assert list(ratios.history) == [
+        {
+            "pair": [31, 63],
+            "kept": {"31@12": 2, "31@2": 2, "31@8": 3, "31@9": 2, "63@12": 1, "63@2": 2, "63@8": 2, "63@9": 2},
+            "measured": ["2-3", "8-15"],
+        }
+    ]
+    ratios.close((31, 63))  # a probe that kept nothing measures nothing, and says so
+    assert ratios.history[-1] == {"pair": [31, 63], "kept": {}, "measured": []}
+    assert ratios.log_ratios[4][(31, 63)] == (pytest.approx(eighth), 4.0)
     assert ratios.measured(4, 63, 31) and not ratios.measured(4, 63, 127) and not ratios.measured(3, 31, 63)
     candidates = (15, 31, 63, 127)
     assert ratios.relative(4, candidates, 31) == {31: 1.0, 63: pytest.approx(math.exp(eighth))}

@@ -126,8 +126,14 @@ class ProbedRatios:
     candidates, and :meth:`relative` chains them.
     """
 
+    #: Closed probes kept in :attr:`history` (the latest).
+    HISTORY = 16
+
     def __init__(self):
         self._open: Dict[Tuple[int, int], List[float]] = {}  # (budget, trees) -> periods of the open probe
+        # The latest probes: their pair, the kept periods each (budget, trees) got, and the octaves they measured
+        # (a probe that measured none says why in its counts: too few periods of both budgets at one batch size).
+        self.history: Deque[Dict[str, object]] = deque(maxlen=self.HISTORY)
         # octave -> {(smaller, larger): (log of larger's period over smaller's, weight)}
         self.log_ratios: Dict[int, Dict[Tuple[int, int], Tuple[float, float]]] = {}
 
@@ -139,6 +145,7 @@ class ProbedRatios:
     def close(self, pair: Tuple[int, int]) -> None:
         """Folds the open probe of budgets ``pair`` into each octave it timed both budgets in."""
         small, large = sorted(pair)
+        kept = {f"{budget}@{trees}": len(periods) for (budget, trees), periods in sorted(self._open.items())}
         by_octave: Dict[int, List[Tuple[float, float]]] = {}
         for trees in sorted({n for _, n in self._open}):
             below, above = self._open.get((small, trees), ()), self._open.get((large, trees), ())
@@ -146,6 +153,9 @@ class ProbedRatios:
                 log_ratio = math.log(float(np.median(above)) / float(np.median(below)))
                 by_octave.setdefault(octave(trees), []).append((log_ratio, float(min(len(below), len(above)))))
         self._open = {}
+        self.history.append(
+            {"pair": [small, large], "kept": kept, "measured": [octave_range(o) for o in sorted(by_octave)]}
+        )
         for oct_, points in by_octave.items():
             weight = sum(w for _, w in points)
             value = sum(v * w for v, w in points) / weight
@@ -500,6 +510,8 @@ class AutoBudget:
             "octave_budgets": {octave_range(o): b for o, b in sorted(self.octave_budgets.items())},
             # The latest step periods, kept or not, oldest first: (budget, trees, ms, kept).
             "step_periods": [list(period) for period in self.period_trace],
+            # The latest probes: pair, kept periods by "budget@trees", octaves measured.
+            "probe_history": list(self.ratios.history),
         }
 
 
