@@ -145,43 +145,49 @@ def model_info(target):
     return cfg["architectures"][0], int(text["vocab_size"])
 
 
+def ddtree_spec(budget) -> dict:
+    """The speculative config of a ddtree engine: the drafter's 15 positions and ``budget`` (a number, a schedule by
+    batch size, or "auto")."""
+    return {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": budget}
+
+
 ENGINES = {
     "plain": dict(spec=None),
     "dflash": dict(spec={"method": "dflash", "num_speculative_tokens": 15}),
-    "ddtree16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 16}),
-    "ddtree64": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}),
+    "ddtree16": dict(spec=ddtree_spec(16)),
+    "ddtree64": dict(spec=ddtree_spec(64)),
     # Tensor parallelism over 2 GPUs: compared with plain (TP 1) and with the same engine at TP 1.
-    "ddtree64-tp2": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, tp=2),
+    "ddtree64-tp2": dict(spec=ddtree_spec(64), tp=2),
     "plain-tp2": dict(spec=None, tp=2),
-    "ddtree256": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 256}),
+    "ddtree256": dict(spec=ddtree_spec(256)),
     # Budgets 2^k - 1 (the recommended ones): trees of whole 16-row kernel blocks, no partly filled last block.
-    "ddtree63": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 63}),
-    "ddtree255": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 255}),
+    "ddtree63": dict(spec=ddtree_spec(63)),
+    "ddtree255": dict(spec=ddtree_spec(255)),
     # A budget schedule: 64 below 8 drafting requests, 16 from 8 on, each budget in FULL graphs of its own trees.
-    "ddtree64to16": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}}),
+    "ddtree64to16": dict(spec=ddtree_spec({"1": 64, "8": 16})),
     # ddtree_budget "auto" (candidates 15, 31, 63): each batch size's budget chosen live, changing mid-run.
-    "ddtree-auto": dict(spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": "auto"}),
+    "ddtree-auto": dict(spec=ddtree_spec("auto")),
     # The host paths the TP-1 defaults replaced (the tree walk on the host, trees built at proposal).
     "ddtree64-host": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_DEVICE_ACCEPT": "0", "DDTREE_LATE_TREES": "0"},
     ),
     # The tree walk on the device, trees built at proposal.
     "ddtree64-device": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "0"},
     ),
     # ... and the trees built at the next verification (vLLM schedules placeholder drafts), synchronously: the TP-1
     # default before asynchronous scheduling became it.
     "ddtree64-late": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_DEVICE_ACCEPT": "1", "DDTREE_LATE_TREES": "1", "DDTREE_ASYNC_SCHEDULING": "0"},
     ),
     # 160 blocks held 16,384 tokens of the pair's cache (attention blocks of 144 tokens sized to the GDN state's
     # page) and batch 32 never preempted (2026-12-02); 40 blocks hold ~4,096, under batch 32's ~7,500.
     # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds.
     "ddtree64-async": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         # The commit reading a replayed walk's paths in place and the start-up captures of the placement and walk
         # graphs are defaults; set here so the run must show them.
         env={
@@ -193,44 +199,42 @@ ENGINES = {
     ),
     # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
     "ddtree64-async-topk-graphs": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_TOPK_GRAPHS": "1"},
     ),
     # ... with the commit's graphs (GDN commit with the K/V moves) captured at start-up too (DDTREE_PRECAPTURE=all).
     "ddtree64-async-precapture-all": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "all"},
     ),
     # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
     "ddtree64-async-lazy": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "0"},
     ),
     # ... with the commit graphs copying the walk's paths, the K/V moved apart (DDTREE_COMMIT_IN_PLACE=0).
     "ddtree64-async-copies": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always", "DDTREE_COMMIT_IN_PLACE": "0"},
     ),
     # ... with a budget schedule (vLLM's asynchronous scheduler places each step's budget in drafts).
     "ddtree64to16-async": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": {"1": 64, "8": 16}},
+        spec=ddtree_spec({"1": 64, "8": 16}),
         env={"DDTREE_ASYNC_SCHEDULING": "1"},
     ),
     # vLLM's prefix caching (on by vLLM's default for attention-only targets, ddtree's too; the other engines turn
     # it off); ddtree refuses it for hybrid targets: run these with --model tiny-qwen3. plain-apc asks for it;
     # ddtree64-apc leaves it unset ("default"), so the run shows what a user who sets nothing gets.
     "plain-apc": dict(spec=None, prefix_caching=True),
-    "ddtree64-apc": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64}, prefix_caching="default"
-    ),
+    "ddtree64-apc": dict(spec=ddtree_spec(64), prefix_caching="default"),
     "ddtree64-preempt": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         num_gpu_blocks_override=40,
         only=("batch32",),
     ),
     # Preemption under asynchronous scheduling (it takes effect a step late there).
     "ddtree64-async-preempt": dict(
-        spec={"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": 64},
+        spec=ddtree_spec(64),
         env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always"},
         num_gpu_blocks_override=40,
         only=("batch32",),

@@ -467,9 +467,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_precapture_commits = precapture_commits()  # ... and the commit's (DDTREE_PRECAPTURE=all)
         on_gpu = self.device.type == "cuda"
         # The accepted paths of device-walked steps, written by the walk into a device ring the host reads every
-        # fourth step (``ddtree.vllm.counts``); ``_ddtree_step_serial`` numbers the steps that place rows there.
+        # fourth step (``ddtree.vllm.counts``); ``_ddtree_step_serial`` (from 0) numbers the steps that place rows
+        # there.
         self._ddtree_counts = self._ddtree_path_ring()
-        self._ddtree_step_serial = 0
         self._ddtree_walk_graphs = WalkGraphs(self._ddtree_capture("walk"), self._ddtree_counts) if on_gpu else None
         # The plan's device side, and the KV moves after a graphed walk.
         self._ddtree_plan_graphs = ShapeGraphs(self._ddtree_capture("plan")) if on_gpu else None
