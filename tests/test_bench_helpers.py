@@ -356,6 +356,40 @@ def test_precaptured_step_graphs_are_the_ones_a_real_step_of_that_size_replays(m
     assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
 
 
+def test_vllm_graph_memory_profile_precaptures_nothing_and_the_real_capture_after_it_does(monkeypatch):
+    """vLLM's CUDA-graph memory profile (with its default ``gpu_memory_utilization``) runs FULL captures under
+    inference mode on a profiling KV cache it frees after; the capture that follows runs outside inference mode.
+    A precapture inside the profile left inference tensors that the real capture's walk then wrote: start-up
+    failed on the H200 (the 27B shape, ``c0abd2f``). The profile now precaptures nothing; the capture does."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    batch, budget = 3, 8
+    runner, _ = _precapture_runner(monkeypatch, batch, budget)
+    runner._ddtree_precapture, runner.uniform_decode_query_len = True, budget + 1
+    runner._ddtree_full_graphs = lambda: True
+    runner._ddtree_stage_dummy_step = lambda trees, tree_size: (None, None)  # (vLLM's dummy tree step: not here)
+    total = batch * (budget + 1)
+
+    def capture_run(self):
+        return self._dummy_run(total, CUDAGraphMode.FULL, uniform_decode=True, is_graph_capturing=True)
+
+    @torch.inference_mode()
+    def vllm_profile(self):
+        capture_run(self)
+        return 0
+
+    monkeypatch.setattr(GPUModelRunner, "_dummy_run", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(GPUModelRunner, "profile_cudagraph_memory", vllm_profile)
+    assert runner.profile_cudagraph_memory() == 0
+    assert runner.ddtree_stats.summary()["precaptured_sizes"] == 0 and ShapeGraphs.first_runs == 0
+    assert not runner._ddtree_profiling_graph_memory
+    capture_run(runner)  # vLLM's capture_model: outside inference mode
+    assert runner.ddtree_stats.summary()["precaptured_sizes"] == 1 and ShapeGraphs.first_runs == 2
+
+
 def test_precapture_all_commits_a_filler_step_the_way_serving_commits_that_size(monkeypatch):
     """DDTREE_PRECAPTURE=all: after the walk's graph, the precapture runs the commit of a step of that size as
     ``_sample`` does after a replayed walk (the FULL graph's key, the walk graph's own outputs, a GDN step on the

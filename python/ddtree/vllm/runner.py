@@ -419,6 +419,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_first_runs_at_start = 0  # ShapeGraphs.first_runs when the timed step started
     _ddtree_precapture = False  # DDTREE_PRECAPTURE (read at start-up)
     _ddtree_precapture_commits = False  # DDTREE_PRECAPTURE=all
+    _ddtree_profiling_graph_memory = False  # inside vLLM's profile_cudagraph_memory (no start-up captures)
     _ddtree_step_serial = 0  # the next planned step's number (``PathRing``)
 
     # Off until __init__ sets them (the CPU tests build runners without it).
@@ -1151,7 +1152,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 from vllm.utils.torch_utils import weak_ref_tensor
 
                 self._ddtree_captured.record((num_tokens, num_tokens // tree_size), step, weak_ref_tensor)
-            if full_capture and self._ddtree_precapture:
+            if full_capture and self._ddtree_precapture and not self._ddtree_profiling_graph_memory:
                 self._ddtree_precapture_step_graphs(num_tokens // tree_size, tree_size)
             return out
         finally:
@@ -1160,6 +1161,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_gdn_step = None
             if saved_drafts is not None:
                 self.num_decode_draft_tokens.cpu[: saved_drafts.shape[0]] = saved_drafts
+
+    def profile_cudagraph_memory(self) -> int:
+        """vLLM's estimate of its CUDA graphs' memory (run before the KV cache exists, unless ``kv_cache_memory_bytes``
+        is given): it captures the largest sizes on a minimal profiling KV cache, under inference mode, then frees
+        that cache and clears its graphs. ddtree's start-up captures (DDTREE_PRECAPTURE) are left out of it: its own
+        graphs would outlive the profile, one of ``all``'s commit graphs writing into the freed profiling cache,
+        and tensors made under inference mode here cannot be written by the real capture that follows (outside
+        it). They are captured after the KV cache, with vLLM's own captures, as their lazy captures always were;
+        the step graphs' few MB each are not in vLLM's estimate either way."""
+        self._ddtree_profiling_graph_memory = True
+        try:
+            return super().profile_cudagraph_memory()
+        finally:
+            self._ddtree_profiling_graph_memory = False
 
     def _ddtree_publish(self, layout, num_reqs, num_tokens, token_index, other_index, num_trees):
         """Publishes a tree layout (views of :class:`TreeStepBuffers`) to the attention backend and, for GDN
