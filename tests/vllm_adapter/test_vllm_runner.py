@@ -108,6 +108,52 @@ def test_kv_moves_share_one_index_across_the_layers_of_a_group():
     assert runner._ddtree_kv_move_graphs.replayed == 2
 
 
+def test_kv_moves_after_vllm_replaces_its_kv_cache_go_into_the_new_one(monkeypatch):
+    """With ``gpu_memory_utilization`` vLLM allocates a minimal KV cache for its CUDA-graph memory profile, frees
+    it, and allocates the real one (``initialize_kv_cache`` twice). Whatever ddtree made on the first (the target
+    layers' caches, K/V-move and commit graphs, captured commit inputs) is dropped with it: a move after the second
+    lands in the new cache, and the freed one is not written."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.attention import DDTreeAttentionBackend
+    from ddtree.vllm.graphs import CapturedCommits, ShapeGraphs
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    layer = SimpleNamespace(kv_cache=None)
+    gen = torch.Generator().manual_seed(0)
+
+    def allocate(self, kv_cache_config, is_profiling=False):  # vLLM's: a new cache tensor for the layer
+        layer.kv_cache = torch.randn(6, 2, 4, 2, 8, generator=gen)
+
+    monkeypatch.setattr(GPUModelRunner, "initialize_kv_cache", allocate)
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.compilation_config = SimpleNamespace(static_forward_context={"layer.0": layer})
+    group = SimpleNamespace(backend=DDTreeAttentionBackend, layer_names=["layer.0"], kv_cache_group_id=0)
+    runner.attn_groups = [[group]]
+    runner._ddtree_kv_move_graphs = old_graphs = ShapeGraphs(lambda work: work)
+    old_captured = CapturedCommits()
+    runner._ddtree_commit_graphs, runner._ddtree_captured = object(), old_captured
+    runner.ddtree_stats = SimpleNamespace(graph_launch_seconds={})
+    runner.device = torch.device("cpu")
+    runner._ddtree_kv_layers = None
+    mapping = torch.tensor([17, 18, 19, 20, 21, 22, 23, 4, 5])
+    runner.input_batch = SimpleNamespace(block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(gpu=mapping))])
+    runner._ddtree_accept, runner._ddtree_walk_replayed = None, False
+    src, dst = torch.tensor([3, 6]), torch.tensor([1, 2])
+
+    runner.initialize_kv_cache("profiling", is_profiling=True)
+    profiling_cache = layer.kv_cache
+    runner._ddtree_move_kv(src, dst)  # (a move on the profiling cache: the layers are looked up from it)
+    runner.initialize_kv_cache("real")
+    real_cache, freed = layer.kv_cache, profiling_cache.clone()
+    before = real_cache.clone()
+    runner._ddtree_move_kv(src, dst)
+    assert not torch.equal(real_cache, before)  # moved in the new cache
+    assert torch.equal(profiling_cache, freed)  # the freed one untouched
+    assert runner._ddtree_kv_move_graphs is not old_graphs and runner._ddtree_commit_graphs is None
+    assert runner._ddtree_captured is not old_captured
+
+
 def _tree_lists(store, req_ids, seed=0):
     import numpy as np
 

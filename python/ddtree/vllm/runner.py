@@ -1162,6 +1162,22 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             if saved_drafts is not None:
                 self.num_decode_draft_tokens.cpu[: saved_drafts.shape[0]] = saved_drafts
 
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        """vLLM's, then ddtree's references into the KV cache dropped: the target layers' caches, the K/V-move and
+        commit graphs (captured on them) and the commit inputs FULL captures recorded. vLLM allocates a KV cache
+        more than once in a process (with ``gpu_memory_utilization``, its CUDA-graph memory profile makes a
+        minimal one and frees it before the real one), and a K/V move into the freed cache would go nowhere
+        silently. All of them are made again from the new cache when next needed."""
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        self._ddtree_forget_kv_cache()
+
+    def _ddtree_forget_kv_cache(self) -> None:
+        self._ddtree_kv_layers = None
+        self._ddtree_commit_graphs = None
+        self._ddtree_captured = CapturedCommits()
+        if self._ddtree_kv_move_graphs is not None:
+            self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_capture("kv moves"))
+
     def profile_cudagraph_memory(self) -> int:
         """vLLM's estimate of its CUDA graphs' memory (run before the KV cache exists, unless ``kv_cache_memory_bytes``
         is given): it captures the largest sizes on a minimal profiling KV cache, under inference mode, then frees
