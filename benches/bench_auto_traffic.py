@@ -1,11 +1,14 @@
 """``ddtree_budget: "auto"`` through the pair bench's traffic in a simulated world, on CPU: what it runs, and what
 that costs against the best fixed budget of the same world.
 
-    python benches/bench_auto_traffic.py [--rounds 4] [--seed 0] [--json FILE]
+    python benches/bench_auto_traffic.py [--rounds 4] [--seed 0] [--lengths 28 36] [--lazy-graphs]
+        [--settle-steps N] [--json FILE]
 
 The traffic is ``bench_vllm_ddtree.py``'s: per round, 32 requests one at a time, then in groups of 8, then all 32
-together, each request ~32 verify steps (its length drawn per request, so a group ends in a tail of shrinking batch
-sizes), an untimed gap (a prefill) before every group. Each step runs the budget ``AutoBudget.lookup`` gives its
+together, each request ~32 verify steps (its length drawn per request from ``--lengths``, so a group ends in a tail
+of shrinking batch sizes), an untimed gap (a prefill) before every group. The default, 28-35 steps, keeps a batch of
+32 whole for ~28 steps; on the H200 the pair's batch of 32 stayed whole for 10-14 steps a run
+(``gpu-h200-pair-38e16ce``'s step trace), which ``--lengths 12 50`` (the same mean) comes closer to. Each step runs the budget ``AutoBudget.lookup`` gives its
 batch size, through the real :class:`~ddtree.vllm.auto_budget.StepTimer` on a simulated clock, and its trees accept
 paths drawn from a fixed mix.
 
@@ -27,6 +30,7 @@ import json
 
 import numpy as np
 
+from ddtree.vllm import auto_budget
 from ddtree.vllm.auto_budget import AutoBudget, StepTimer
 
 CANDIDATES = (15, 31, 63, 127)
@@ -42,12 +46,19 @@ def tau(budget: int) -> float:
 
 
 def simulate(
-    rounds: int, seed: int, fixed: float, per_request: float, per_token: float, lazy_graphs: bool = False
+    rounds: int,
+    seed: int,
+    fixed: float,
+    per_request: float,
+    per_token: float,
+    lazy_graphs: bool = False,
+    lengths: tuple = (28, 36),
 ) -> list:
-    """``lazy_graphs``: the first step of each (budget, batch size) captures its graphs and is left out of the
+    """``lengths``: each request's verify steps are drawn from ``[lo, hi)``. ``lazy_graphs``: the first step of each (budget, batch size) captures its graphs and is left out of the
     timing, as the runner leaves out a step that ran a graph for the first time (its GDN commit graphs are captured
     at a size's first step unless ``DDTREE_PRECAPTURE=all``)."""
     rng = np.random.default_rng(seed)
+    lengths_range = lengths
     captured = set()
     auto = AutoBudget(CANDIDATES, 32)
     clock = [0.0]
@@ -80,7 +91,7 @@ def simulate(
             for _ in range(32 // batch):
                 timer.start()
                 timer.finish(None)  # the group's prefill: not a timed verify step
-                lengths = rng.integers(28, 36, size=batch)
+                lengths = rng.integers(*lengths_range, size=batch)
                 for s in range(int(lengths.max())):
                     n = int((lengths > s).sum())
                     budget = auto.budget_for(n)
@@ -124,11 +135,25 @@ def main() -> None:
         action="store_true",
         help="the first step of each (budget, batch size) captures graphs and is left out of the timing",
     )
+    ap.add_argument("--lengths", type=int, nargs=2, default=(28, 36), metavar=("LO", "HI"))
+    ap.add_argument(
+        "--settle-steps",
+        type=int,
+        default=auto_budget.SETTLE_STEPS,
+        help="auto_budget.SETTLE_STEPS for this run (0: probes open at window closes only, the policy before it)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
+    auto_budget.SETTLE_STEPS = args.settle_steps if args.settle_steps > 0 else 10**9
     print("acceptance length by budget:", {c: tau(c) for c in CANDIDATES})
     rows = simulate(
-        args.rounds, args.seed, args.fixed_ms, args.per_request_ms, args.per_token_ms, lazy_graphs=args.lazy_graphs
+        args.rounds,
+        args.seed,
+        args.fixed_ms,
+        args.per_request_ms,
+        args.per_token_ms,
+        lazy_graphs=args.lazy_graphs,
+        lengths=tuple(args.lengths),
     )
     for row in rows[:-1]:
         print(

@@ -274,6 +274,27 @@ def test_a_window_that_passed_through_batch_sizes_opens_no_probe():
     assert idle.maybe_decide() is False and not idle.probing
 
 
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_burst_opens_its_probe_once_it_settles_and_measures_before_its_tail(monkeypatch, settle):
+    """A burst of requests stays at its full batch size for a dozen steps, then tails off (the test pair's batch of
+    32: 10-14 steps at 32 a run on the H200). A window's close comes too late there: its probe ran in the tail and
+    measured nothing. The probe opens once the traffic has stayed :data:`SETTLE_STEPS` steps at one batch size
+    (closing the window early) and measures the octave before the tail; without that rule it does not."""
+    if not settle:
+        monkeypatch.setattr(auto_budget, "SETTLE_STEPS", 10**9)
+    auto = AutoBudget((16, 64), max_num_seqs=32, window_steps=16, min_trees=1, margin=0.0)
+    world = _per_token_world(4.0, 0.02)
+    burst = [32] * 12 + [31, 29, 27, 24, 20, 17, 12, 9, 5, 3, 2] + [1] * 20  # then one request for a while
+    for trees in burst:
+        budget = auto.budget_for(trees)
+        auto.observe_step_time(budget, trees, world(budget, trees))
+        _observe(auto, budget, trees=trees, steps=1)
+        auto.maybe_decide()
+    assert auto.ratios.measured(6, 16, 64) == settle
+    if settle:
+        assert auto.ratios.history[0]["measured"] == ["32-63"] and auto.octave_budgets[6] == 16
+
+
 def test_an_octave_keeps_its_budget_while_that_budgets_acceptance_is_not_trusted_yet():
     """The smaller candidates can pass ``min_trees`` first (every tree counts for them, and a probe adds theirs);
     an octave leaves its budget only once that budget's own acceptance is trusted."""

@@ -32,7 +32,8 @@ second::
 * **Hill climbing**: every octave starts at the largest candidate (like a fixed budget; its trees measure every
   candidate's acceptance at once). While a neighbour of an octave's budget has no measured ratio in that octave
   (the next larger first, then the next smaller), a probe is due when the traffic is in that octave (half a
-  window's steps or more at one batch size of it): at most :data:`MAX_PROBES` per octave, :data:`PROBE_EVERY`
+  window's steps or more at one batch size of it, or :data:`SETTLE_STEPS` steps in a row there, which opens it at
+  once): at most :data:`MAX_PROBES` per octave, :data:`PROBE_EVERY`
   windows apart. Budgets linked by measured ratios are compared every window, and the octave moves to the best
   only for a gain above :data:`SWITCH_MARGIN`; a move opens the new budget's other neighbour to a probe. An octave no probe has measured takes the budget of the nearest measured
   octave (the one above on a tie), so batch sizes the traffic passes through briefly (a batch's tail, a ramp up)
@@ -83,6 +84,12 @@ MAX_PROBES = 4
 PROBE_BLOCKS = 4
 #: Kept periods a probe needs of each budget at a batch size before that batch size's ratio counts.
 MIN_PROBE_SAMPLES = 2
+#: Steps in a row at one batch size after which a due probe opens at once, closing the window early, instead of
+#: waiting for the window to close: a burst of requests stays at its full batch size for a dozen steps or so before
+#: its tail, and a probe opened by the next window's close ran in the tail, where it measures nothing (the test
+#: pair's batch of 32 stayed at 32 for 10-14 steps a run: ``gpu-h200-pair-38e16ce``, two probes, the 32-63 octave
+#: unmeasured). A tail (one request fewer every step or two) never stays long enough.
+SETTLE_STEPS = 2
 #: Steps :class:`AcceptanceByBudget` buffers at most before counting them (a window is counted when it closes; this
 #: bounds the buffer while no window closes, e.g. before vLLM's scheduler attached the lookup).
 MAX_BUFFERED_STEPS = 64
@@ -346,6 +353,8 @@ class AutoBudget:
         self._probes_by_octave: Dict[int, Tuple[int, int]] = {}  # octave -> (probes, decision of the last)
         self._before_probe: Optional[List[int]] = None
         self._window_batch_sizes: Dict[int, int] = {}  # trees per observed step -> steps, this window
+        # The trees of the latest observed steps and how many steps in a row had them (:data:`SETTLE_STEPS`).
+        self._last_trees, self._settled_steps = 0, 0
         # The step timer's latest periods (``StepTimer.trace``, which the runner hands over), for the summary.
         self.period_trace: Sequence[Tuple[int, int, float, bool]] = ()
 
@@ -363,6 +372,8 @@ class AutoBudget:
         self._steps_in_window += 1
         trees = len(budgets)
         self._window_batch_sizes[trees] = self._window_batch_sizes.get(trees, 0) + 1
+        self._settled_steps = self._settled_steps + 1 if trees == self._last_trees else 1
+        self._last_trees = trees
         if self.probing:
             self._probe_steps += 1
             if self._probe_steps % self._probe_block == 0:
@@ -379,9 +390,13 @@ class AutoBudget:
             self.ratios.observe(budget, trees, step_ms)
 
     def maybe_decide(self) -> Optional[bool]:
-        """After a full window: folds it in and re-decides every octave. None: no decision this step; else whether
-        the lookup changed."""
-        if self._steps_in_window < self.window_steps or (self.needs_scheduler and not self.attached):
+        """After a full window, or once the traffic has settled at a batch size a probe is due for (the window then
+        closes early): folds it in and re-decides every octave. None: no decision this step; else whether the
+        lookup changed."""
+        if self.needs_scheduler and not self.attached:
+            return None
+        settled = self._settled_probe_size()
+        if self._steps_in_window < self.window_steps and settled is None:
             return None
         self._steps_in_window = 0
         self.acceptance.close_window()
@@ -390,7 +405,8 @@ class AutoBudget:
         if self.probing:
             self.ratios.close(self._probe_pair)
         self.decide()
-        typical, self._window_batch_sizes = self._typical_batch_size(), {}
+        typical = settled if settled is not None else self._typical_batch_size()
+        self._window_batch_sizes = {}
         neighbour = self._probe_due(typical) if typical is not None else None
         if neighbour is not None:
             self._before_probe = list(self.lookup)
@@ -403,6 +419,14 @@ class AutoBudget:
         changed = self.lookup != before
         self.changes += int(changed)
         return changed
+
+    def _settled_probe_size(self) -> Optional[int]:
+        """The batch size the traffic has just stayed at for :data:`SETTLE_STEPS` steps, if no probe runs and one is
+        due there (checked once per such run: a few Python operations on the other steps)."""
+        if self._settled_steps != SETTLE_STEPS or self.probing:
+            return None
+        self._settled_steps += 1  # (this run of steps is checked once)
+        return self._last_trees if self._probe_due(self._last_trees) is not None else None
 
     def _typical_batch_size(self) -> Optional[int]:
         """The trees per step the window saw most often (the larger on a tie), if at least half its steps had them;
