@@ -1,16 +1,18 @@
 """``ddtree_budget: "auto"`` through the pair bench's traffic in a simulated world, on CPU: what it runs, and what
 that costs against the best fixed budget of the same world.
 
-    python benches/bench_auto_traffic.py [--rounds 4] [--seed 0] [--lengths 28 36] [--lazy-graphs]
+    python benches/bench_auto_traffic.py [--rounds 4] [--seed 0] [--lengths 28 36] [--ring 4] [--lazy-graphs]
         [--settle-steps N] [--json FILE]
 
 The traffic is ``bench_vllm_ddtree.py``'s: per round, 32 requests one at a time, then in groups of 8, then all 32
 together, each request ~32 verify steps (its length drawn per request from ``--lengths``, so a group ends in a tail
 of shrinking batch sizes), an untimed gap (a prefill) before every group. The default, 28-35 steps, keeps a batch of
 32 whole for ~28 steps; on the H200 the pair's batch of 32 stayed whole for 10-14 steps a run
-(``gpu-h200-pair-38e16ce``'s step trace), which ``--lengths 12 50`` (the same mean) comes closer to. Each step runs the budget ``AutoBudget.lookup`` gives its
-batch size, through the real :class:`~ddtree.vllm.auto_budget.StepTimer` on a simulated clock, and its trees accept
-paths drawn from a fixed mix.
+(``gpu-h200-pair-38e16ce``'s step trace), which ``--lengths 12 50`` (the same mean) comes closer to. Each step runs
+the budget ``AutoBudget.lookup`` gives its batch size, through the real :class:`~ddtree.vllm.auto_budget.StepTimer`
+on a simulated clock, and its trees accept paths drawn from a fixed mix, which reach the policy four steps at a time
+(``--ring``), as the runner's statistics ring delivers them; each step's batch size reaches it as the step runs
+(``note_step``).
 
 The world (not a measurement of any GPU): a step's period is ``fixed + per_request * n + per_token * n * (c + 1)``
 ms, times a +-10% jitter, with ``n`` requests of budget ``c``. The defaults make a host-bound pair-like engine where a
@@ -53,13 +55,16 @@ def simulate(
     per_token: float,
     lazy_graphs: bool = False,
     lengths: tuple = (28, 36),
+    ring: int = 4,
 ) -> list:
-    """``lengths``: each request's verify steps are drawn from ``[lo, hi)``. ``lazy_graphs``: the first step of each (budget, batch size) captures its graphs and is left out of the
+    """``lengths``: each request's verify steps are drawn from ``[lo, hi)``. ``ring``: the steps whose acceptance
+    reaches the policy together (the runner's statistics ring: four; 1, every step as it runs). ``lazy_graphs``:
+    the first step of each (budget, batch size) captures its graphs and is left out of the
     timing, as the runner leaves out a step that ran a graph for the first time (its GDN commit graphs are captured
     at a size's first step unless ``DDTREE_PRECAPTURE=all``)."""
     rng = np.random.default_rng(seed)
-    lengths_range = lengths
     captured = set()
+    landing: list = []
     auto = AutoBudget(CANDIDATES, 32)
     clock = [0.0]
     timer = StepTimer(clock=lambda: clock[0])
@@ -78,7 +83,12 @@ def simulate(
             auto.observe_step_time(b, trees, ms)
         clock[0] += period(budget, n) * rng.uniform(0.9, 1.1) / 1e3
         accepted = rng.choice(ACCEPTED, size=n)
-        auto.observe(np.full(n, budget), np.ones(n, dtype=bool), np.tile(PATH, (n, 1)), accepted)
+        landing.append((np.full(n, budget), np.ones(n, dtype=bool), np.tile(PATH, (n, 1)), accepted))
+        if len(landing) == ring:  # as the runner's statistics ring lands: four steps' acceptance at once
+            for observed in landing:
+                auto.observe(*observed)
+            landing.clear()
+        auto.note_step(n)
         auto.maybe_decide()
 
     rows = []
@@ -91,9 +101,9 @@ def simulate(
             for _ in range(32 // batch):
                 timer.start()
                 timer.finish(None)  # the group's prefill: not a timed verify step
-                lengths = rng.integers(*lengths_range, size=batch)
-                for s in range(int(lengths.max())):
-                    n = int((lengths > s).sum())
+                steps_of = rng.integers(*lengths, size=batch)  # each request's verify steps
+                for s in range(int(steps_of.max())):
+                    n = int((steps_of > s).sum())
                     budget = auto.budget_for(n)
                     tokens += n * tau(budget)
                     ms += period(budget, n)
@@ -136,6 +146,7 @@ def main() -> None:
         help="the first step of each (budget, batch size) captures graphs and is left out of the timing",
     )
     ap.add_argument("--lengths", type=int, nargs=2, default=(28, 36), metavar=("LO", "HI"))
+    ap.add_argument("--ring", type=int, default=4, help="steps whose acceptance reaches the policy together")
     ap.add_argument(
         "--settle-steps",
         type=int,
@@ -154,6 +165,7 @@ def main() -> None:
         args.per_token_ms,
         lazy_graphs=args.lazy_graphs,
         lengths=tuple(args.lengths),
+        ring=args.ring,
     )
     for row in rows[:-1]:
         print(

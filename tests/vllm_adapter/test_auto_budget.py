@@ -279,16 +279,24 @@ def test_a_burst_opens_its_probe_once_it_settles_and_measures_before_its_tail(mo
     """A burst of requests stays at its full batch size for a dozen steps, then tails off (the test pair's batch of
     32: 10-14 steps at 32 a run on the H200). A window's close comes too late there: its probe ran in the tail and
     measured nothing. The probe opens once the traffic has stayed :data:`SETTLE_STEPS` steps at one batch size
-    (closing the window early) and measures the octave before the tail; without that rule it does not."""
+    (closing the window early) and measures the octave before the tail; without that rule it does not. Fed as the
+    runner feeds it: every step's trees and period as it runs, its acceptance in bursts of four (the statistics'
+    ring, ``counts.PathRing``)."""
     if not settle:
         monkeypatch.setattr(auto_budget, "SETTLE_STEPS", 10**9)
     auto = AutoBudget((16, 64), max_num_seqs=32, window_steps=16, min_trees=1, margin=0.0)
     world = _per_token_world(4.0, 0.02)
     burst = [32] * 12 + [31, 29, 27, 24, 20, 17, 12, 9, 5, 3, 2] + [1] * 20  # then one request for a while
-    for trees in burst:
+    landing = []
+    for step, trees in enumerate(burst, 1):
         budget = auto.budget_for(trees)
         auto.observe_step_time(budget, trees, world(budget, trees))
-        _observe(auto, budget, trees=trees, steps=1)
+        landing.append((budget, trees))
+        if step % 4 == 0:  # the ring's copy has landed: the last four steps' acceptance
+            for budget, trees in landing:
+                _observe(auto, budget, trees=trees, steps=1)
+            landing.clear()
+        auto.note_step(trees)
         auto.maybe_decide()
     assert auto.ratios.measured(6, 16, 64) == settle
     if settle:
@@ -579,7 +587,8 @@ def test_in_random_worlds_each_octave_climbs_to_a_local_best_and_to_the_best_whe
 
 def test_the_runner_feeds_auto_each_steps_wall_clock_period(monkeypatch):
     """execute_model starts the timer and sampling names the step: a whole-tree step's time, from its start to the
-    next step's start, reaches a probe once the steps beside it turn out timed and of its key too."""
+    next step's start, reaches a probe once the steps beside it turn out timed and of its key too. Each step's trees
+    reach the policy as it runs (``note_step``), a step without trees as 0."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from ddtree.vllm.graphs import ShapeGraphs
@@ -608,6 +617,10 @@ def test_the_runner_feeds_auto_each_steps_wall_clock_period(monkeypatch):
         [12.0, True],
         [11.0, True],
     ]
+    assert (auto._last_trees, auto._settled_steps) == (2, 4)
+    runner._ddtree_plan = None
+    runner._ddtree_auto_step()
+    assert (auto._last_trees, auto._settled_steps) == (0, 1)
 
 
 def test_the_statistics_and_autos_bookkeeping_after_sampling_are_timed_host_work(monkeypatch):

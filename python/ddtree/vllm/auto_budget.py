@@ -372,13 +372,20 @@ class AutoBudget:
         self._steps_in_window += 1
         trees = len(budgets)
         self._window_batch_sizes[trees] = self._window_batch_sizes.get(trees, 0) + 1
-        self._settled_steps = self._settled_steps + 1 if trees == self._last_trees else 1
-        self._last_trees = trees
         if self.probing:
             self._probe_steps += 1
             if self._probe_steps % self._probe_block == 0:
                 first, second = self._probe_pair
                 self.lookup[1:] = [second if self.lookup[1] == first else first] * (len(self.lookup) - 1)
+
+    def note_step(self, trees: int) -> None:
+        """A verify step's trees (0: a step without any), as it runs: the runner's acceptance reaches :meth:`observe`
+        up to four steps later, in bursts (``counts.PathRing``), but whether the traffic has settled at a batch size
+        (:data:`SETTLE_STEPS`) is known at once."""
+        if trees == self._last_trees:
+            self._settled_steps += 1
+        else:
+            self._last_trees, self._settled_steps = trees, 1
 
     @property
     def _probe_block(self) -> int:
@@ -421,11 +428,11 @@ class AutoBudget:
         return changed
 
     def _settled_probe_size(self) -> Optional[int]:
-        """The batch size the traffic has just stayed at for :data:`SETTLE_STEPS` steps, if no probe runs and one is
-        due there (checked once per such run: a few Python operations on the other steps)."""
-        if self._settled_steps != SETTLE_STEPS or self.probing:
+        """The batch size the traffic has just stayed at for :data:`SETTLE_STEPS` steps (:meth:`note_step`), if no
+        probe runs and one is due there: checked once per such run of steps, at its :data:`SETTLE_STEPS`-th step
+        (a few Python operations on the others)."""
+        if self._settled_steps != SETTLE_STEPS or self.probing or not self._last_trees:
             return None
-        self._settled_steps += 1  # (this run of steps is checked once)
         return self._last_trees if self._probe_due(self._last_trees) is not None else None
 
     def _typical_batch_size(self) -> Optional[int]:

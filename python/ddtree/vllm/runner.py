@@ -421,6 +421,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_precapture_commits = False  # DDTREE_PRECAPTURE=all
     _ddtree_profiling_graph_memory = False  # inside vLLM's profile_cudagraph_memory (no start-up captures)
     _ddtree_step_serial = 0  # the next planned step's number (``PathRing``)
+    _ddtree_plan: Optional[VerifyPlan] = None  # the step's verification (None: no tree step)
 
     # Off until __init__ sets them (the CPU tests build runners without it).
     _ddtree_gate: Optional[StreamGate] = None
@@ -1593,9 +1594,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def _ddtree_auto_step(self) -> None:
         """After a step: whether it is timed (it verified whole trees of one size and captured no graph), the steps
         whose time is known, and the policy's window (a new choice is logged)."""
-        auto, timer = self._ddtree_auto, self._ddtree_step_timer
+        auto, timer, plan = self._ddtree_auto, self._ddtree_step_timer, self._ddtree_plan
         if timer is not None:
-            tokens, plan = self._ddtree_whole_tree_tokens, self._ddtree_plan
+            tokens = self._ddtree_whole_tree_tokens
             # A step that ran a graph key for the first time (compiled, captured, synchronized) says nothing of
             # the steps after it.
             settled = ShapeGraphs.first_runs == self._ddtree_first_runs_at_start
@@ -1603,6 +1604,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             timer.finish((tokens - 1, int(plan.num_nodes.shape[0])) if timed else None)
             for (budget, trees), ms in timer.landed():
                 auto.observe_step_time(budget, trees, ms)
+        auto.note_step(int(plan.num_nodes.shape[0]) if plan is not None else 0)
         changed = auto.maybe_decide()
         if changed or (changed is False and auto.decisions == 1):  # every change, and the first choice
             logger.info("DDTree auto: %s", auto.describe())
