@@ -301,6 +301,11 @@ def test_a_burst_opens_its_probe_once_it_settles_and_measures_before_its_tail(mo
     assert auto.ratios.measured(6, 16, 64) == settle
     if settle:
         assert auto.ratios.history[0]["measured"] == ["32-63"] and auto.octave_budgets[6] == 16
+        assert auto.ratios.history[0]["opened"] == "settled at 32"
+    else:
+        # Opened for 32 requests at the window's close, it ran in the tail and after it: not at 32.
+        assert auto.ratios.history[0]["opened"] == "window at 32"
+        assert "32-63" not in auto.ratios.history[0]["measured"]
 
 
 def test_an_octave_keeps_its_budget_while_that_budgets_acceptance_is_not_trusted_yet():

@@ -149,8 +149,9 @@ class ProbedRatios:
         if math.isfinite(ms) and ms > 0:
             self._open.setdefault((budget, trees), []).append(ms)
 
-    def close(self, pair: Tuple[int, int]) -> None:
-        """Folds the open probe of budgets ``pair`` into each octave it timed both budgets in."""
+    def close(self, pair: Tuple[int, int], opened: Optional[str] = None) -> None:
+        """Folds the open probe of budgets ``pair`` into each octave it timed both budgets in. ``opened``: what
+        opened it, for :attr:`history` (e.g. ``"settled at 32"``)."""
         small, large = sorted(pair)
         kept = {f"{budget}@{trees}": len(periods) for (budget, trees), periods in sorted(self._open.items())}
         by_octave: Dict[int, List[Tuple[float, float]]] = {}
@@ -160,9 +161,8 @@ class ProbedRatios:
                 log_ratio = math.log(float(np.median(above)) / float(np.median(below)))
                 by_octave.setdefault(octave(trees), []).append((log_ratio, float(min(len(below), len(above)))))
         self._open = {}
-        self.history.append(
-            {"pair": [small, large], "kept": kept, "measured": [octave_range(o) for o in sorted(by_octave)]}
-        )
+        entry = {"pair": [small, large], "kept": kept, "measured": [octave_range(o) for o in sorted(by_octave)]}
+        self.history.append(entry if opened is None else dict(entry, opened=opened))
         for oct_, points in by_octave.items():
             weight = sum(w for _, w in points)
             value = sum(v * w for v, w in points) / weight
@@ -350,6 +350,7 @@ class AutoBudget:
         self.probes = 0
         self._probe_steps = 0
         self._probe_pair: Tuple[int, int] = (self.candidates[0], self.largest)
+        self._probe_opened = ""  # what opened the probe (``ProbedRatios.history``)
         self._probes_by_octave: Dict[int, Tuple[int, int]] = {}  # octave -> (probes, decision of the last)
         self._before_probe: Optional[List[int]] = None
         self._window_batch_sizes: Dict[int, int] = {}  # trees per observed step -> steps, this window
@@ -410,7 +411,7 @@ class AutoBudget:
         self.decisions += 1
         before = list(self.lookup)
         if self.probing:
-            self.ratios.close(self._probe_pair)
+            self.ratios.close(self._probe_pair, self._probe_opened)
         self.decide()
         typical = settled if settled is not None else self._typical_batch_size()
         self._window_batch_sizes = {}
@@ -420,6 +421,8 @@ class AutoBudget:
             self._probe_pair = (neighbour, self.budget_for(typical))
             self.lookup[1:] = [neighbour] * (len(self.lookup) - 1)
             self._probe_steps = 0
+            # (the window's close for its typical batch size, or the traffic settled at one: the summary says which)
+            self._probe_opened = f"{'settled' if settled is not None else 'window'} at {typical}"
             self.probes += 1
             oct_ = octave(typical)
             self._probes_by_octave[oct_] = (self._probes_by_octave.get(oct_, (0, 0))[0] + 1, self.decisions)
