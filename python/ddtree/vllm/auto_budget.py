@@ -354,7 +354,7 @@ class AutoBudget:
         self._probes_by_octave: Dict[int, Tuple[int, int]] = {}  # octave -> (probes, decision of the last)
         self._before_probe: Optional[List[int]] = None
         self._window_batch_sizes: Dict[int, int] = {}  # trees per observed step -> steps, this window
-        # The trees of the latest observed steps and how many steps in a row had them (:data:`SETTLE_STEPS`).
+        # The latest step's trees (:meth:`note_step`) and how many steps in a row had them (:data:`SETTLE_STEPS`).
         self._last_trees, self._settled_steps = 0, 0
         # The step timer's latest periods (``StepTimer.trace``, which the runner hands over), for the summary.
         self.period_trace: Sequence[Tuple[int, int, float, bool]] = ()

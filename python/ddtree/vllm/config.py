@@ -514,8 +514,8 @@ def precapture_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def precapture_commits(environ: Mapping[str, str] = os.environ) -> bool:
-    """``DDTREE_PRECAPTURE=all`` (experimental): the commit's graphs of every FULL size too (the
-    GDN commit, with the K/V moves, for hybrid targets; the K/V moves for attention-only ones), captured at
+    """``DDTREE_PRECAPTURE=all`` (experimental): the commit's graphs of every FULL size too (the GDN commit, with the
+    K/V moves, for hybrid targets; the K/V moves for attention-only ones), captured at
     start-up after the walk's: their first run writes the filler step's commit into the state slots and K/V slots
     of vLLM's capture run (its dummy blocks) before any request exists. Without it each is captured at its size's
     first step while serving (~27 ms each on the pair; 67 such steps over an e2e engine's life,
@@ -539,9 +539,9 @@ def precapture_mode(environ: Mapping[str, str] = os.environ) -> str:
 def topk_graphs_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel_size: int = 1) -> bool:
     """Whether the drafter's top-K after each drafter pass (its logits, their top-K and the packed copy for the
     host: a few launches, one of them Triton's) replays one CUDA graph per number of rows
-    (``graphs.DraftTopKGraphs``; ``DDTREE_TOPK_GRAPHS=1``). Experimental, off by default: exact on the pair (bench and
-    e2e, ``gpu-h200-pair-c0abd2f``), with no tokens/s gain above the rounds' spread there. One GPU only (with tensor parallelism the logits are gathered across
-    ranks inside the computation)."""
+    (``graphs.DraftTopKGraphs``; ``DDTREE_TOPK_GRAPHS=1``). Experimental, off by default: exact on the pair (bench
+    and e2e, ``gpu-h200-pair-c0abd2f``), with no tokens/s gain above the rounds' spread there. One GPU only (with
+    tensor parallelism the logits are gathered across ranks inside the computation)."""
     meanings = {"0": "the drafter's top-K launch by launch", "1": "the drafter's top-K as CUDA graphs"}
     on = env_switch(environ, TOPK_GRAPHS_ENV, "0", meanings)
     if on and tensor_parallel_size > 1:
