@@ -151,6 +151,12 @@ def ddtree_spec(budget) -> dict:
     return {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": budget}
 
 
+def async_ddtree(budget=64, **switches) -> dict:
+    """A ddtree engine under vLLM's asynchronous scheduling (the TP-1 default, set explicitly so the run must show
+    it) with the DDTREE_* ``switches`` given."""
+    return dict(spec=ddtree_spec(budget), env={"DDTREE_ASYNC_SCHEDULING": "1", **switches})
+
+
 ENGINES = {
     "plain": dict(spec=None),
     "dflash": dict(spec={"method": "dflash", "num_speculative_tokens": 15}),
@@ -186,42 +192,19 @@ ENGINES = {
     # 160 blocks held 16,384 tokens of the pair's cache (attention blocks of 144 tokens sized to the GDN state's
     # page) and batch 32 never preempted (2026-12-02); 40 blocks hold ~4,096, under batch 32's ~7,500.
     # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds.
-    "ddtree64-async": dict(
-        spec=ddtree_spec(64),
-        # The commit reading a replayed walk's paths in place and the start-up captures of the placement and walk
-        # graphs are defaults; set here so the run must show them.
-        env={
-            "DDTREE_ASYNC_SCHEDULING": "1",
-            "DDTREE_LAUNCH_AHEAD": "always",
-            "DDTREE_COMMIT_IN_PLACE": "1",
-            "DDTREE_PRECAPTURE": "1",
-        },
-    ),
+    # The commit reading a replayed walk's paths in place and the start-up captures of the placement and walk graphs
+    # are defaults; set here so the run must show them.
+    "ddtree64-async": async_ddtree(DDTREE_LAUNCH_AHEAD="always", DDTREE_COMMIT_IN_PLACE="1", DDTREE_PRECAPTURE="1"),
     # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
-    "ddtree64-async-topk-graphs": dict(
-        spec=ddtree_spec(64),
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_TOPK_GRAPHS": "1"},
-    ),
+    "ddtree64-async-topk-graphs": async_ddtree(DDTREE_TOPK_GRAPHS="1"),
     # ... with the commit's graphs (GDN commit with the K/V moves) captured at start-up too (DDTREE_PRECAPTURE=all).
-    "ddtree64-async-precapture-all": dict(
-        spec=ddtree_spec(64),
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "all"},
-    ),
+    "ddtree64-async-precapture-all": async_ddtree(DDTREE_PRECAPTURE="all"),
     # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
-    "ddtree64-async-lazy": dict(
-        spec=ddtree_spec(64),
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_PRECAPTURE": "0"},
-    ),
+    "ddtree64-async-lazy": async_ddtree(DDTREE_PRECAPTURE="0"),
     # ... with the commit graphs copying the walk's paths, the K/V moved apart (DDTREE_COMMIT_IN_PLACE=0).
-    "ddtree64-async-copies": dict(
-        spec=ddtree_spec(64),
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always", "DDTREE_COMMIT_IN_PLACE": "0"},
-    ),
+    "ddtree64-async-copies": async_ddtree(DDTREE_LAUNCH_AHEAD="always", DDTREE_COMMIT_IN_PLACE="0"),
     # ... with a budget schedule (vLLM's asynchronous scheduler places each step's budget in drafts).
-    "ddtree64to16-async": dict(
-        spec=ddtree_spec({"1": 64, "8": 16}),
-        env={"DDTREE_ASYNC_SCHEDULING": "1"},
-    ),
+    "ddtree64to16-async": async_ddtree({"1": 64, "8": 16}),
     # vLLM's prefix caching (on by vLLM's default for attention-only targets, ddtree's too; the other engines turn
     # it off); ddtree refuses it for hybrid targets: run these with --model tiny-qwen3. plain-apc asks for it;
     # ddtree64-apc leaves it unset ("default"), so the run shows what a user who sets nothing gets.
@@ -234,8 +217,7 @@ ENGINES = {
     ),
     # Preemption under asynchronous scheduling (it takes effect a step late there).
     "ddtree64-async-preempt": dict(
-        spec=ddtree_spec(64),
-        env={"DDTREE_ASYNC_SCHEDULING": "1", "DDTREE_LAUNCH_AHEAD": "always"},
+        async_ddtree(DDTREE_LAUNCH_AHEAD="always"),
         num_gpu_blocks_override=40,
         only=("batch32",),
     ),

@@ -442,7 +442,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_gdn_step: Optional[GdnTreeStep] = None
         self._ddtree_proposed = False
         self.ddtree_stats = DDTreeStats(self.ddtree_cfg.draft_len or 0, smaller_budgets(self.ddtree_cfg))
-        self._ddtree_kv_layers: Optional[List[tuple]] = None
+        # What ddtree makes on a KV cache (its layers' caches, the commit inputs FULL captures record, the K/V-move
+        # and commit graphs): none yet, made when first needed, dropped with the cache (``initialize_kv_cache``).
+        self._ddtree_forget_kv_cache()
         # One host-to-device copy per phase and step (the plan's arrays; the acceptance's).
         self._ddtree_plan_staging = StepStaging(self.device)
         self._ddtree_accept_staging = StepStaging(self.device)
@@ -457,7 +459,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             tree_size,
             self._ddtree_conv_window + 1 if self._ddtree_conv_window else 0,
         )
-        self._ddtree_captured = CapturedCommits()
         # The GDN commit of FULL steps as CUDA graphs (made at the first commit after each FULL graph, when the
         # accepted paths' width is known); DDTREE_COMMIT_GRAPHS=0 commits layer by layer. Checked here, at start-up.
         self._ddtree_commit_graphs_on = commit_graphs_enabled()
@@ -473,9 +474,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # there.
         self._ddtree_counts = self._ddtree_path_ring()
         self._ddtree_walk_graphs = WalkGraphs(self._ddtree_capture("walk"), self._ddtree_counts) if on_gpu else None
-        # The plan's device side, and the KV moves after a graphed walk.
+        # The plan's device side (the KV moves after a graphed walk: ``_ddtree_forget_kv_cache``).
         self._ddtree_plan_graphs = ShapeGraphs(self._ddtree_capture("plan")) if on_gpu else None
-        self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_capture("kv moves")) if on_gpu else None
         self._ddtree_walk_replayed = False  # this step's device walk replayed its graph
         # The trees walked on the device (DDTREE_DEVICE_ACCEPT; the benches toggle it in-process for an A/B) and
         # the accepted counts of such steps, read once their copies to the host have landed.
@@ -499,7 +499,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_gate = self._ddtree_make_gate()
         self._ddtree_gate_landed_steps = launch_ahead_mode() == "always"  # gate also when the drafter has landed
         self._ddtree_early: Optional[EarlyLaunch] = None
-        self._ddtree_commit_graphs: Optional[CommitGraphs] = None
         # Late trees (DDTREE_LATE_TREES; the benches toggle it in-process for an A/B): the proposer defers the
         # tree build to the next verification; and, with the device walk, the step's chain rows travel to the host
         # ahead of the drafter (``ddtree_output_to_host``), so vLLM's bookkeeping does not wait for the drafter.
@@ -1173,11 +1172,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_forget_kv_cache()
 
     def _ddtree_forget_kv_cache(self) -> None:
-        self._ddtree_kv_layers = None
-        self._ddtree_commit_graphs = None
+        """ddtree's state made on a KV cache, empty: at start-up, and whenever vLLM allocates another cache."""
+        self._ddtree_kv_layers: Optional[List[tuple]] = None
         self._ddtree_captured = CapturedCommits()
-        if self._ddtree_kv_move_graphs is not None:
-            self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_capture("kv moves"))
+        self._ddtree_commit_graphs: Optional[CommitGraphs] = None
+        on_gpu = self.device.type == "cuda"
+        self._ddtree_kv_move_graphs = ShapeGraphs(self._ddtree_capture("kv moves")) if on_gpu else None
 
     def profile_cudagraph_memory(self) -> int:
         """vLLM's estimate of its CUDA graphs' memory (run before the KV cache exists, unless ``kv_cache_memory_bytes``
