@@ -36,6 +36,11 @@ the gate's stream wait a stand-in.
 of the walk's path rows sent into the ring, the landed steps counted), compared by the mean step (the ring is read
 every few steps).
 
+``--path device`` (an A/B only; ``--baseline`` this checkout, or one before ``DDTREE_DEVICE_PLAN``): the plan path of
+this checkout with ``DDTREE_DEVICE_PLAN``'s steps (:func:`prepare_device_plan`: its graph's replay, which on a GPU
+runs the tree build, layout and placement, a no-op) against the baseline's host plan with its placement a replayed
+graph (a no-op too): the host work each leaves on a steady step.
+
 ``--path sampler`` (an A/B only): the rejection sampler's call for the planned step instead (ddtree's sampler in
 place of vLLM's: per-row settings, the chain rows; all greedy, the device walk stubbed with fixed rows, logits of a
 64-token vocabulary, so its argmax is small beside the host work).
@@ -104,8 +109,9 @@ def vllm_parts_stubbed():
         GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward = saved
 
 
-def build_runner(batch: int, budget: int, depth: int, top_k: int):
-    """A runner with the one-GPU defaults (device walk, late trees, asynchronous scheduling), no engine."""
+def build_runner(batch: int, budget: int, depth: int, top_k: int, conv_window: int = 3):
+    """A runner with the one-GPU defaults (device walk, late trees, asynchronous scheduling), no engine; a hybrid
+    GDN target's conv window ``conv_window`` (0: attention only)."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import TreeStepBuffers
     from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
@@ -122,8 +128,10 @@ def build_runner(batch: int, budget: int, depth: int, top_k: int):
         req_ids=runner.req_ids, num_computed_tokens_cpu=np.arange(batch) * 100 + 500, num_reqs=batch
     )
     runner.num_decode_draft_tokens = SimpleNamespace(np=np.full(batch, budget))
-    runner._ddtree_conv_window = 3
-    runner._ddtree_buffers = TreeStepBuffers(cpu, max(batch, 4), tokens + 8, budget + 1, 4)
+    runner._ddtree_conv_window = conv_window
+    runner._ddtree_buffers = TreeStepBuffers(
+        cpu, max(batch, 4), tokens + 8, budget + 1, conv_window + 1 if conv_window else 0
+    )
     runner._ddtree_trees_by_tensors = {}
     runner._ddtree_plan_staging, runner._ddtree_count_staging = StepStaging(cpu), StepStaging(cpu)
     runner._ddtree_gdn_step, runner._ddtree_device_accept = None, True
@@ -133,6 +141,7 @@ def build_runner(batch: int, budget: int, depth: int, top_k: int):
     runner.ddtree_stats = DDTreeStats(depth)
     runner.positions = torch.arange(tokens)
     runner.max_num_reqs = max(batch, 4)
+    runner.max_model_len = 1 << 30
     # The statistics' ring (``_ddtree_landing_counts`` in checkouts before the walk wrote it on the device).
     make_ring = getattr(runner, "_ddtree_path_ring", None) or runner._ddtree_landing_counts
     runner._ddtree_counts = make_ring()
@@ -200,6 +209,41 @@ def prepare_early(runner, graphs_module, gate_module) -> None:
     runner._ddtree_step_graphs_on = True
     runner._ddtree_gate_landed_steps = True  # a CPU proposal has always landed: gate it anyway (as "always")
     runner._ddtree_early = None
+
+
+def prepare_device_plan(runner, run_kernels: bool) -> None:
+    """The runner for ``DDTREE_DEVICE_PLAN``'s steps: a device planner on CPU tensors, and the plan's graphs as
+    stand-ins: with ``run_kernels`` every replay runs the step's work (the Triton kernels: under Triton's CPU
+    interpreter only), otherwise a replay is a no-op (the host's side of a replayed graph, as :func:`prepare_early`'s
+    placement) and so is the kernels' work. Imports lazily: in an A/B, the side's own ``ddtree``."""
+    from ddtree.vllm.device_plan import DevicePlanner
+    from ddtree.vllm.graphs import ShapeGraphs
+
+    cfg = runner.ddtree_cfg
+    planner = DevicePlanner(
+        torch.device("cpu"),
+        runner.max_num_reqs,
+        cfg.draft_len,
+        cfg.top_k,
+        runner._ddtree_conv_window,
+        runner._ddtree_buffers.words,
+    )
+    if not run_kernels:
+        planner.build_and_lay_out = lambda *args: None
+    runner._ddtree_device_planner = planner
+    runner._ddtree_plan_graphs = ShapeGraphs(placement_stand_in(run_kernels))
+    runner._ddtree_step_graphs_on = True
+
+
+def placement_stand_in(replays_run: bool):
+    """A capture stand-in for the plan's graphs: the work runs at the capture (its outputs stay where that left
+    them, as a capture's do); a replay runs it again (``replays_run``) or does nothing."""
+
+    def capture(work):
+        work()
+        return work if replays_run else (lambda: None)
+
+    return capture
 
 
 def sampler_call(runner, vocab: int = 64):
@@ -405,6 +449,7 @@ TIMED_PATHS = {
     "walk": _timed_walk,
     "sampler": _timed_sampler_call,
     "stats": _timed_stats,
+    "device": _timed_plan_step,
 }
 
 #: Paths whose work differs from step to step by design (``stats`` reads its ring every few steps): compared by
@@ -412,9 +457,14 @@ TIMED_PATHS = {
 AMORTIZED_PATHS = {"stats"}
 
 
-def _prepare_side(path: str, bench, runner, rng, modules) -> None:
+def _prepare_side(path: str, bench, runner, rng, modules, this: bool) -> None:
     graphs_module = modules["ddtree.vllm.graphs"]
-    if path == "early":
+    if path == "device" and this:
+        bench.prepare_device_plan(runner, run_kernels=False)
+    elif path == "device":  # the host plan, its placement a replayed graph as on a GPU
+        runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(lambda work: work() or (lambda: None))
+        runner._ddtree_step_graphs_on = True
+    elif path == "early":
         bench.prepare_early(runner, graphs_module, modules["ddtree.vllm.launch_gate"])
     elif path == "walk":
         # The placement as a graph whose outputs stay where its capture left them (as on a GPU, where the walk's
@@ -447,11 +497,11 @@ def compare(
     modules = {first: load_package(first)}
     modules[second] = load_package(second, modules[first]["ddtree._core"])
     sides = []
-    for checkout in (baseline, here):
+    for side, checkout in enumerate((baseline, here)):
         sys.modules.update(modules[checkout])
         bench = modules[checkout]["bench_plan_path"]
         runner, rng = bench.build_runner(batch, budget, depth, top_k), np.random.default_rng(0)
-        _prepare_side(path, bench, runner, rng, modules[checkout])
+        _prepare_side(path, bench, runner, rng, modules[checkout], this=side == 1)
         sides.append((bench, runner, rng, checkout))
     timed = TIMED_PATHS[path]
     times: List[List[float]] = [[], []]

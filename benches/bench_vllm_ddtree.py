@@ -333,6 +333,7 @@ def main():
         "ddtree-B-lazy: DDTREE_PRECAPTURE=0, the step graphs captured at each size's first step, not at start-up; "
         "ddtree-B-topk-graphs: DDTREE_TOPK_GRAPHS=1, the drafter's top-K as CUDA graphs; "
         "ddtree-B-precapture-all: DDTREE_PRECAPTURE=all, the commit's graphs at start-up too; "
+        "ddtree-B-device-plan: DDTREE_DEVICE_PLAN=1, steady steps' trees built and laid out on the GPU; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -383,6 +384,8 @@ def main():
         engines.append((f"ddtree-{b}-precapture-all", dict(tree, env={"DDTREE_PRECAPTURE": "all"})))
         # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
         engines.append((f"ddtree-{b}-topk-graphs", dict(tree, env={"DDTREE_TOPK_GRAPHS": "1"})))
+        # ... with steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental).
+        engines.append((f"ddtree-{b}-device-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "1"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}

@@ -25,6 +25,7 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
                     lands before the host reaches the step, where the default does not gate)
   ddtree64-async-topk-graphs  ddtree64-async with DDTREE_TOPK_GRAPHS=1 (the drafter's top-K as CUDA graphs)
+  ddtree64-async-device-plan  ddtree64-async with DDTREE_DEVICE_PLAN=1 (steady steps' trees built on the GPU)
   ddtree64-async-precapture-all  ddtree64-async with DDTREE_PRECAPTURE=all (the commit's graphs at start-up too)
   ddtree64-async-lazy  ddtree64-async with DDTREE_PRECAPTURE=0 (placement and walk graphs captured at each size's
                     first step, not at start-up)
@@ -197,6 +198,8 @@ ENGINES = {
     "ddtree64-async": async_ddtree(DDTREE_LAUNCH_AHEAD="always", DDTREE_COMMIT_IN_PLACE="1", DDTREE_PRECAPTURE="1"),
     # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
     "ddtree64-async-topk-graphs": async_ddtree(DDTREE_TOPK_GRAPHS="1"),
+    # ... with steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental).
+    "ddtree64-async-device-plan": async_ddtree(DDTREE_DEVICE_PLAN="1"),
     # ... with the commit's graphs (GDN commit with the K/V moves) captured at start-up too (DDTREE_PRECAPTURE=all).
     "ddtree64-async-precapture-all": async_ddtree(DDTREE_PRECAPTURE="all"),
     # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
@@ -590,6 +593,7 @@ SWITCH_COUNTERS = {
     "DDTREE_COMMIT_IN_PLACE": ("commit_in_place_steps",),
     "DDTREE_PRECAPTURE": ("precaptured_sizes",),
     "DDTREE_TOPK_GRAPHS": ("topk_graph_steps",),
+    "DDTREE_DEVICE_PLAN": ("device_plan_steps",),
 }
 
 

@@ -124,3 +124,24 @@ def test_bad_input_is_refused_as_the_torch_build_refuses_it():
         build_trees_triton(-torch.rand(1, 2, 3), torch.zeros((1, 2, 3), dtype=torch.int32), 13)
     with pytest.raises(ValueError, match=r"must both be \[R, L, K\]"):
         build_trees_triton(-torch.rand(2, 3), torch.zeros((2, 3), dtype=torch.int32), 2)
+
+
+@pytest.mark.parametrize(
+    "name, bad, message",
+    [
+        ("parents", torch.empty(2, 6, dtype=torch.int64), r"out.parents must be a contiguous \[2, 5\]"),
+        ("scores", torch.empty(2, 5, dtype=torch.float32), r"out.scores must be a contiguous \[2, 5\] torch.float64"),
+        ("ranks", torch.empty(5, 2, dtype=torch.int64).t(), r"out.ranks must be a contiguous"),
+    ],
+)
+def test_an_out_of_the_wrong_shape_or_dtype_is_refused(name, bad, message):
+    pytest.importorskip("triton")
+    from ddtree.kernels.device_tree import DeviceTrees
+    from ddtree.kernels.tree_build_triton import build_trees_triton
+
+    out = DeviceTrees(*(torch.empty(2, 5, dtype=torch.int64) for _ in range(3)), torch.empty(2, 5, dtype=torch.float64),
+                      torch.empty(2, 5, dtype=torch.int64))  # fmt: skip
+    setattr(out, name, bad)
+    log_probs = torch.full((2, 3, 4), -1.0)
+    with pytest.raises(ValueError, match=message):
+        build_trees_triton(log_probs, torch.zeros(2, 3, 4, dtype=torch.int32), 4, out=out)

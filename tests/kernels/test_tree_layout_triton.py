@@ -122,3 +122,14 @@ def test_bad_input_names_the_problem(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         whole_tree_layout(**args)
+
+
+def test_the_in_place_layout_names_missing_outputs():
+    pytest.importorskip("triton")
+    from ddtree.kernels.tree_layout_triton import whole_tree_layout_into
+
+    tree = torch.zeros(2, 5, dtype=torch.int64)
+    placement = torch.zeros(2, dtype=torch.int64)
+    out = {"token_index": torch.empty(10, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"out lacks \['logit_rows', 'positions', 'ancestor_bits', 'conv_index'"):
+        whole_tree_layout_into(tree, tree, tree, placement, placement, placement, 1, 3, 4, out=out)

@@ -22,6 +22,8 @@ only when the best score is tied.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ddtree.kernels.device_tree import DeviceTrees, check_top_k
@@ -132,10 +134,13 @@ if triton is not None:
             candidate = tl.where(is_node, child_score, candidate)
 
 
-def build_trees_triton(log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DeviceTrees:
+def build_trees_triton(
+    log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int, out: Optional[DeviceTrees] = None
+) -> DeviceTrees:
     """:func:`ddtree.kernels.device_tree.build_trees` in one Triton launch, one program per request: the same
     arguments and checks, the same :class:`DeviceTrees` (the Rust core's trees, positive log-probabilities within
-    the core's tolerance included)."""
+    the core's tolerance included). ``out``: the caller's tensors to write (``[R, budget + 1]`` each, contiguous;
+    scores float64, the rest int64), returned: no allocation, so a CUDA graph can hold the launch."""
     if triton is None:
         raise RuntimeError("build_trees_triton needs triton; use ddtree.kernels.device_tree.build_trees")
     check_top_k(log_probs, token_ids, budget)
@@ -146,9 +151,16 @@ def build_trees_triton(log_probs: torch.Tensor, token_ids: torch.Tensor, budget:
     log_probs = log_probs if log_probs.stride(-1) == 1 else log_probs.contiguous()
     token_ids = token_ids if token_ids.stride(-1) == 1 else token_ids.contiguous()
     size = budget + 1
-    device = log_probs.device
-    parents, depths, tokens, ranks = (torch.empty((num_reqs, size), dtype=torch.int64, device=device) for _ in range(4))
-    scores = torch.empty((num_reqs, size), dtype=torch.float64, device=device)
+    if out is None:
+        device = log_probs.device
+        out = DeviceTrees(
+            *(torch.empty((num_reqs, size), dtype=torch.int64, device=device) for _ in range(3)),
+            scores=torch.empty((num_reqs, size), dtype=torch.float64, device=device),
+            ranks=torch.empty((num_reqs, size), dtype=torch.int64, device=device),
+        )
+    else:
+        _check_out(out, num_reqs, size)
+    parents, depths, tokens, scores, ranks = out.parents, out.depths, out.tokens, out.scores, out.ranks
     if num_reqs:
         _best_first_kernel[(num_reqs,)](
             log_probs,
@@ -171,4 +183,15 @@ def build_trees_triton(log_probs: torch.Tensor, token_ids: torch.Tensor, budget:
             KEY_BITS=bits,
             RANKS_PER_WORD=per_word,
         )
-    return DeviceTrees(parents, depths, tokens, scores, ranks)
+    return out
+
+
+def _check_out(out: DeviceTrees, num_reqs: int, size: int) -> None:
+    for name in ("parents", "depths", "tokens", "scores", "ranks"):
+        tensor = getattr(out, name)
+        dtype = torch.float64 if name == "scores" else torch.int64
+        if tensor.shape != (num_reqs, size) or tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(
+                f"build_trees_triton: out.{name} must be a contiguous [{num_reqs}, {size}] {dtype} tensor, got "
+                f"{list(tensor.shape)} {tensor.dtype}"
+            )

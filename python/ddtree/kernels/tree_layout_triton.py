@@ -8,7 +8,8 @@ window, the device walk's node arrays and the drafts' step indices and tokens. W
 the host at all. One program per tree; per node, the ancestor bits and the conv window come from a walk up the
 parent pointers (at most the drafter's depth steps), the rest is arithmetic on the node's index and depth.
 
-Not used by the runner yet: the oracle is the Rust layout (``tests/kernels/test_tree_layout_triton.py``).
+The runner's device plan (``ddtree.vllm.device_plan``, ``DDTREE_DEVICE_PLAN``) calls :func:`whole_tree_layout_into`;
+the oracle is the Rust layout (``tests/kernels/test_tree_layout_triton.py``).
 """
 
 from __future__ import annotations
@@ -188,29 +189,81 @@ def whole_tree_layout(
         draft_tokens=new(total - num_trees, torch.int32),
     )
     layout.row_start[rows] = layout.node_offsets[:-1]
-    if num_trees:
-        int64 = [t.to(torch.int64).contiguous() for t in (parents, depths, tokens, starts, query_starts, logit_starts)]
-        _tree_layout_kernel[(num_trees,)](
-            *int64,
-            layout.token_index,
-            layout.logit_rows,
-            layout.positions,
-            layout.ancestor_bits,
-            layout.conv_index if window else layout.token_index,  # not written without a window
-            layout.depths,
-            layout.root_index,
-            layout.node_parents,
-            layout.node_tree,
-            layout.node_local,
-            layout.node_tokens,
-            layout.draft_step_index,
-            layout.draft_tokens,
-            num_trees,
-            size,
-            words,
-            max_depth,
-            BLOCK_N=triton.next_power_of_2(size),
-            WORDS=triton.next_power_of_2(words),
-            WINDOW=window,
-        )
+    int64 = [t.to(torch.int64).contiguous() for t in (parents, depths, tokens, starts, query_starts, logit_starts)]
+    out = {name: getattr(layout, name) for name in KERNEL_OUTPUTS if getattr(layout, name) is not None}
+    whole_tree_layout_into(*int64, words=words, window=window, max_depth=max_depth, out=out)
     return layout
+
+
+#: What :func:`whole_tree_layout_into` writes (``conv_index`` only with a conv window): every array of the layout
+#: but the two that depend on the step's shape alone, ``row_start`` and ``node_offsets``.
+KERNEL_OUTPUTS = (
+    "token_index",
+    "logit_rows",
+    "positions",
+    "ancestor_bits",
+    "conv_index",
+    "depths",
+    "root_index",
+    "node_parents",
+    "node_tree",
+    "node_local",
+    "node_tokens",
+    "draft_step_index",
+    "draft_tokens",
+)
+
+
+def whole_tree_layout_into(
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    tokens: torch.Tensor,
+    starts: torch.Tensor,
+    query_starts: torch.Tensor,
+    logit_starts: torch.Tensor,
+    words: int,
+    window: int,
+    max_depth: int,
+    out,
+) -> None:
+    """:func:`whole_tree_layout`'s kernel alone, writing into the caller's tensors (``out``: ``KERNEL_OUTPUTS`` by
+    name, with the shapes and dtypes of :class:`TreeLayout`'s fields; ``conv_index`` with a window only): one
+    launch, no allocation, so a CUDA graph can hold it (the runner's device plan writes the plan's upload in place).
+    The inputs are int64 and contiguous (``parents``, ``depths``, ``tokens`` ``[R, N]``; the rest ``[R]``);
+    ``row_start`` and ``node_offsets``, which depend on the step's shape alone, are the caller's."""
+    if triton is None:
+        raise RuntimeError("whole_tree_layout_into needs triton")
+    num_trees, size = parents.shape
+    if not num_trees:
+        return
+    missing = [name for name in KERNEL_OUTPUTS if name not in out and (name != "conv_index" or window)]
+    if missing:
+        raise ValueError(f"whole_tree_layout_into: out lacks {missing}")
+    _tree_layout_kernel[(num_trees,)](
+        parents,
+        depths,
+        tokens,
+        starts,
+        query_starts,
+        logit_starts,
+        out["token_index"],
+        out["logit_rows"],
+        out["positions"],
+        out["ancestor_bits"],
+        out["conv_index"] if window else out["token_index"],  # not written without a window
+        out["depths"],
+        out["root_index"],
+        out["node_parents"],
+        out["node_tree"],
+        out["node_local"],
+        out["node_tokens"],
+        out["draft_step_index"],
+        out["draft_tokens"],
+        num_trees,
+        size,
+        words,
+        max_depth,
+        BLOCK_N=triton.next_power_of_2(size),
+        WORDS=triton.next_power_of_2(words),
+        WINDOW=window,
+    )

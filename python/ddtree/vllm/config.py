@@ -63,6 +63,8 @@ PRECAPTURE_MODES = ("1", "0", "all")
 LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 #: "1" replays the drafter's top-K (logits, top-K, packing) as one CUDA graph per batch size (experimental, off).
 TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
+#: "1" builds and lays out a steady whole-tree step's trees on the device (experimental, off).
+DEVICE_PLAN_ENV = "DDTREE_DEVICE_PLAN"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -550,6 +552,41 @@ def topk_graphs_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel
             "logits are gathered across ranks; unset it"
         )
     return on
+
+
+def device_plan_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a steady step (every request verifies its last proposal's tree, whole, far from ``max_model_len``)
+    has its trees built and laid out on the device inside one CUDA graph with the placement, so that the host
+    neither waits for the drafter's top-K nor builds trees (``ddtree.vllm.device_plan``; ``DDTREE_DEVICE_PLAN=1``).
+    Experimental, off by default: exact against the host plan on CPU (Triton's interpreter), not yet measured on a
+    GPU. Needs what :func:`device_plan_lacks` lists."""
+    meanings = {"0": "trees built on the host", "1": "steady steps' trees built on the device"}
+    return env_switch(environ, DEVICE_PLAN_ENV, "0", meanings)
+
+
+def device_plan_lacks(
+    async_scheduling: bool, late_trees: bool, device_walk: bool, step_graphs: bool, on_gpu: bool
+) -> List[str]:
+    """What ``DDTREE_DEVICE_PLAN=1`` needs and the engine lacks (empty: nothing)."""
+    lacking = []
+    if not on_gpu:
+        lacking.append("a CUDA device (its plan is CUDA graphs)")
+    if not async_scheduling:
+        lacking.append("asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1: its steps are the ones planned so)")
+    if not late_trees:
+        lacking.append("late trees (DDTREE_LATE_TREES=1)")
+    if not device_walk:
+        lacking.append("the device walk (DDTREE_DEVICE_ACCEPT=1: the host never sees the trees to walk them)")
+    if not step_graphs:
+        lacking.append(
+            "step graphs (DDTREE_STEP_GRAPHS=1: launched one by one, its Triton kernels cost the host more "
+            "than the plan they replace)"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        lacking.append("triton (its kernels)")
+    return lacking
 
 
 def launch_ahead_enabled(environ: Mapping[str, str] = os.environ) -> bool:

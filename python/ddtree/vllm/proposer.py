@@ -217,7 +217,10 @@ class DDTreeProposer(DFlashProposer):
         views[0].copy_(self._capture, non_blocking=True)
         if self._late_landed is not None:
             self._late_landed.record()
-        self._capture = None
+        packed, self._capture = self._capture, None
         proposal = DeferredProposal(views[1], self.top_k, self._late_landed)
         self.last_drafts = self.store.defer(req_ids, proposal, budget=self.runner.ddtree_budget_for(batch_size))
+        planner = getattr(self.runner, "_ddtree_device_planner", None)  # (stand-in runners of tests lack it)
+        if planner is not None:  # DDTREE_DEVICE_PLAN: the next step may build these trees on the device
+            planner.keep_top_k(packed, proposal.req_ids)
         return views[2]

@@ -35,6 +35,7 @@ queues a gate, the plan's upload and its placement without waiting, vLLM launche
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import time
@@ -55,6 +56,7 @@ from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata
 from ddtree.vllm.counts import PathRing
+from ddtree.vllm.device_plan import DevicePlanner, fits_far_from_the_end, shape_constants
 from ddtree.vllm.min_tokens import MinTokensRequests, Pending
 from ddtree.vllm.proposer import tensor_parallel_rank
 from ddtree.vllm.config import (
@@ -66,6 +68,8 @@ from ddtree.vllm.config import (
     commit_graphs_enabled,
     commit_in_place_enabled,
     device_accept_enabled,
+    device_plan_enabled,
+    device_plan_lacks,
     late_trees_enabled,
     launch_ahead_enabled,
     launch_ahead_mode,
@@ -95,13 +99,16 @@ from ddtree.vllm.step import (
     NODE_OUTPUTS,
     PLACEHOLDER,
     AcceptPlan,
+    DeferredTrees,
     TreeStore,
     VerifyPlan,
     accept,
     cut_trees,
+    numpy_arrays,
     plan_specs,
     plan_verify,
     same_values,
+    take_device_plannable,
     tree_token_layout,
     whole_tree_counts,
 )
@@ -178,6 +185,8 @@ class DDTreeStats:
         self.early_launch_steps = 0  # of those, steps whose forward was queued before the trees (DDTREE_LAUNCH_AHEAD)
         self.landed_before_launch_steps = 0  # ... and steps that could have been, but the drafter had finished
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
+        self.device_plan_steps = 0  # late tree steps whose trees were built and laid out on the device
+        self.precaptured_device_plans = 0  # sizes whose device-plan graph DDTREE_PRECAPTURE captured at start-up
         # The tree counters (read through the properties below: ``trees``, ``partial_trees`` (verified with fewer
         # nodes than proposed: max_model_len, token budget), ``filler_trees`` (placeholders without a proposal,
         # asynchronous scheduling), ``nodes``, ``accepted``, ``accepted_per_depth``, ``steps_by_budget``), folded
@@ -327,6 +336,8 @@ class DDTreeStats:
             "early_launch_steps": self.early_launch_steps,
             "landed_before_launch_steps": self.landed_before_launch_steps,
             "early_output_steps": self.early_output_steps,
+            "device_plan_steps": self.device_plan_steps,
+            "precaptured_device_plans": self.precaptured_device_plans,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
             "filler_trees": self.filler_trees,
@@ -427,6 +438,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_gate: Optional[StreamGate] = None
     _ddtree_gate_landed_steps = False
     _ddtree_early: Optional[EarlyLaunch] = None
+    # DDTREE_DEVICE_PLAN (experimental): steady steps' trees built on the device; off until __init__ makes it.
+    _ddtree_device_planner: Optional[DevicePlanner] = None
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -533,6 +546,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             serve_builtin_logitsprocs(self.input_batch, vllm_config, self.device, PIN_MEMORY)
             if self.use_async_scheduling:
                 self._ddtree_check_async(self.drafter.top_k)
+            self._ddtree_device_planner = self._ddtree_make_device_planner()
         logger.info(
             "DDTree: budget %s, drafter depth %s, top-K %s; tree walk on the %s (DDTREE_DEVICE_ACCEPT), trees built "
             "at %s (DDTREE_LATE_TREES), %s scheduling (DDTREE_ASYNC_SCHEDULING)",
@@ -550,6 +564,31 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         advice = lone_row_advice(self.ddtree_cfg)
         if advice:
             logger.info("DDTree: %s", advice)
+
+    def _ddtree_make_device_planner(self) -> Optional[DevicePlanner]:
+        """DDTREE_DEVICE_PLAN=1: the device side of device-planned steps (None: off); refused at start-up, with what
+        is missing, where its prerequisites are off."""
+        if not device_plan_enabled():
+            return None
+        lacking = device_plan_lacks(
+            bool(self.use_async_scheduling),
+            self._ddtree_late_trees,
+            self._ddtree_device_accept,
+            self._ddtree_step_graphs_on,
+            self.device.type == "cuda",
+        )
+        if lacking:
+            raise RuntimeError("DDTree: DDTREE_DEVICE_PLAN=1 needs " + "; ".join(lacking))
+        drafter = self.drafter
+        logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=1, experimental)")
+        return DevicePlanner(
+            self.device,
+            self.max_num_reqs,
+            drafter.draft_len,
+            drafter.top_k,
+            self._ddtree_conv_window,
+            self._ddtree_buffers.words,
+        )
 
     def _ddtree_make_gate(self) -> Optional[StreamGate]:
         """The launch gate, under asynchronous scheduling with DDTREE_LAUNCH_AHEAD on and a driver that has stream
@@ -623,7 +662,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         stale, self._ddtree_early = self._ddtree_early, None
         if stale is not None:  # queued by a step that never reached its forward: let the GPU go
             stale.release()
-        if late is not None:
+        if late is not None and not self._ddtree_plan_on_device(late):
             # Timed with the plan: queueing the early launch is the step's host work too.
             with self.ddtree_stats.timed("plan"):
                 queued = self._ddtree_queue_early(late)
@@ -643,6 +682,129 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         finally:
             if early is not None:
                 early.release()  # a no-op when _ddtree_prepare released it (the usual case)
+
+    def _ddtree_plan_on_device(self, late: tuple) -> bool:
+        """DDTREE_DEVICE_PLAN: a steady step (every request verifies its last proposal's tree, whole, in the
+        proposal's order, far from ``max_model_len``, of at most ``device_plan.MAX_TREE_SIZE`` nodes) whose
+        placement graph exists is planned on the device (``device_plan``): the host neither waits for the drafter's
+        top-K nor builds trees. False: the step is planned on the host, as without it."""
+        planner = self._ddtree_device_planner
+        if planner is None:
+            return False
+        size = self._ddtree_whole_tree_tokens
+        if not size or not self._ddtree_step_graphs_on or self._ddtree_plan_graphs is None:
+            return False
+        scheduler_output, _, _, _, num_reqs = late
+        if not planner.serves(num_reqs, size):
+            return False
+        limit = min(self.max_model_len, getattr(self, "effective_drafter_max_model_len", self.max_model_len))
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        if not fits_far_from_the_end(computed, size, planner.draft_len, limit):
+            return False
+        whole = take_device_plannable(
+            self.drafter.store,
+            self.input_batch.req_ids[:num_reqs],
+            scheduler_output.scheduled_spec_decode_tokens,
+            top_k_kept=planner.holds,
+        )
+        if whole is None:
+            return False
+        with self.ddtree_stats.timed("plan"):
+            self._ddtree_device_prepare(whole, num_reqs, size, scheduler_output.total_num_scheduled_tokens)
+        return True
+
+    def _ddtree_device_prepare(self, whole, num_reqs: int, size: int, total: int) -> None:
+        """The device-planned step: the shape's constants and the step's serial uploaded, then one graph (per step
+        shape) of the tree build, the layout into the upload's device views and the placement; the plan object is
+        the shape's, with this step's serial and its trees deferred to the host's first read."""
+        planner = self._ddtree_device_planner
+        template = self._ddtree_device_template(num_reqs, size, total)[0]
+        published, self._ddtree_early_token_index = self._ddtree_early_token_index, None
+        if published is not None and not same_values(template.token_index, published):
+            raise RuntimeError("DDTree: a device-planned step's tokens differ from the counts it was published with")
+        if self._ddtree_conv_window > 0:
+            self._ddtree_check_spec_rows(template, num_reqs)
+        serial = self._ddtree_step_serial
+        self._ddtree_step_serial = serial + 1
+        gpu, placed = self._ddtree_device_upload_and_place(num_reqs, size, total, serial)
+        plan = copy.copy(template)
+        plan.step_serial = serial
+        plan.deferred_trees = DeferredTrees(self.drafter.store, whole, planner.draft_len)
+        plan.logit_rows_gpu = gpu["logit_rows"]
+        plan.batch_index_gpu = gpu["batch_index"]
+        plan.device_trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
+        self._ddtree_flat_positions = placed["flat_positions"]
+        self._ddtree_plan = plan
+        planner.steps += 1
+        self.ddtree_stats.late_tree_steps += 1
+        self.ddtree_stats.device_plan_steps += 1
+
+    def _ddtree_device_upload_and_place(self, num_reqs: int, size: int, total: int, serial: int):
+        """A device-planned step's upload (the shape's constants, written into the staging when its buffer may
+        hold another layout's bytes, and ``serial``) and its graph; returns the upload's device views and the
+        placement's outputs."""
+        planner = self._ddtree_device_planner
+        constants = self._ddtree_device_template(num_reqs, size, total)[1]
+        specs = plan_specs(num_reqs, num_reqs, total, self._ddtree_buffers.words, self._ddtree_conv_window, True)
+        staging = self._ddtree_plan_staging
+        views = staging.host_arrays(self._ddtree_staged_plan_specs(specs, total, self._ddtree_conv_window > 0)[0])
+        if planner.constants_stale(staging):
+            for name, view in views.items():
+                view[...] = constants[name]
+            planner.wrote_constants(staging)
+        views["step_serial"][0] = serial
+        gpu = staging.upload_host()
+        key = (staging.layout_key(), total, "device plan")
+        work = functools.partial(self._ddtree_device_place, gpu, total, num_reqs, size)
+        return gpu, self._ddtree_plan_graphs.run(key, work)
+
+    def _ddtree_device_place(self, gpu: Dict[str, torch.Tensor], total: int, num_reqs: int, size: int):
+        """The device-planned step's device side (captured as one graph): the trees built and laid out into the
+        upload's views, then :meth:`_ddtree_place_plan` as for a host plan."""
+        self._ddtree_device_planner.build_and_lay_out(gpu, num_reqs, size)
+        return self._ddtree_place_plan(gpu, total, True)
+
+    def _ddtree_device_template(self, num_reqs: int, size: int, total: int) -> Tuple[VerifyPlan, Dict[str, np.ndarray]]:
+        """A step shape's plan and staged arrays, made once from filler trees of that shape through the host plan's
+        own path (so every array a device-planned step uploads is laid out as the host plan lays it out): what does
+        not depend on the trees is every such step's; what does is written over on the device."""
+        templates = self._ddtree_device_planner.templates
+        known = templates.get((num_reqs, size))
+        if known is not None:
+            return known
+        hybrid = self._ddtree_conv_window > 0
+        staged: Dict[str, np.ndarray] = {}
+        extras: Dict[str, np.ndarray] = {}
+
+        def allocate(specs):
+            full_specs, runner_names = self._ddtree_staged_plan_specs(specs, total, hybrid)
+            staged.update(numpy_arrays(full_specs))
+            views = dict(staged)
+            for name in runner_names:
+                extras[name] = views.pop(name)
+            return views
+
+        req_ids = [f"ddtree-device-plan-{i}" for i in range(num_reqs)]
+        plan = plan_verify(
+            TreeStore(size - 1),  # no proposals: filler trees of the shape
+            req_ids,
+            np.zeros(num_reqs, dtype=np.int64),
+            np.full(num_reqs, size, dtype=np.int64),
+            {req_id: [PLACEHOLDER] * (size - 1) for req_id in req_ids},
+            conv_window=self._ddtree_conv_window,
+            words=self._ddtree_buffers.words,
+            arrays=allocate,
+            unproposed=(self.drafter.draft_len, self.drafter.top_k),
+        )
+        plan.step_serial = -1
+        fill_plan_extras(extras, plan, total)
+        # Not a filler step's: a device-planned step's trees are its proposal's, on the device.
+        plan.trees = plan.top1_tokens = plan.filler_mask = None
+        for array in vars(plan).values():  # shared by every step of the shape
+            if isinstance(array, np.ndarray):
+                array.setflags(write=False)
+        entry = (plan, shape_constants(staged))
+        return keep(templates, (num_reqs, size), entry, MAX_KEPT_SHAPES)
 
     def _ddtree_queue_early(self, late: tuple) -> bool:
         """DDTREE_LAUNCH_AHEAD: for a step of whole trees that replays a FULL graph whose placement graph exists,
@@ -1251,14 +1413,29 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         gpu = self._ddtree_plan_staging.upload_host()
         self._ddtree_place(gpu, total, True, tree_tokens)  # run, then captured
         placed = self._ddtree_place(gpu, total, True, tree_tokens)  # the graph's outputs, as serving gets them
-        if self._ddtree_device_accept and self._ddtree_walk_graphs is not None and "node_parents" in gpu:
-            trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
-            target = torch.zeros(total, dtype=torch.int64, device=self.device)  # (the sampler's tokens)
-            walk_args = (tree_tokens, int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
-            self._ddtree_walk_graphs.walk(trees, target, *walk_args)  # run, then captured
-            if self._ddtree_precapture_commits:
-                walked = self._ddtree_walk_graphs.walk(trees, target, *walk_args)  # the graph's outputs
-                self._ddtree_precapture_commit(walked, num_trees, total)
+        self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
+        planner = self._ddtree_device_planner
+        if planner is not None and planner.serves(num_trees, tree_tokens):
+            # DDTREE_DEVICE_PLAN: the device plan's graph of the size (its first run compiles the Triton kernels),
+            # and the walk's graphs of its outputs; the kernels build trees from whatever the top-K buffer holds.
+            self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)  # run, then captured
+            gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)
+            self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
+            self.ddtree_stats.precaptured_device_plans += 1
+
+    def _ddtree_precapture_walk(self, gpu, placed, plan: VerifyPlan, num_trees: int, tree_tokens: int) -> None:
+        """The walk's graph of a precaptured placement's trees (then, with ``DDTREE_PRECAPTURE=all``, the
+        commit's)."""
+        if not (self._ddtree_device_accept and self._ddtree_walk_graphs is not None and "node_parents" in gpu):
+            return
+        total = num_trees * tree_tokens
+        trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
+        target = torch.zeros(total, dtype=torch.int64, device=self.device)  # (the sampler's tokens)
+        walk_args = (tree_tokens, plan.draft_depth + 1, plan.num_tokens, plan.conv_window)
+        self._ddtree_walk_graphs.walk(trees, target, *walk_args)  # run, then captured
+        if self._ddtree_precapture_commits:
+            walked = self._ddtree_walk_graphs.walk(trees, target, *walk_args)  # the graph's outputs
+            self._ddtree_precapture_commit(walked, num_trees, total)
 
     def _ddtree_precapture_commit(self, walked: Dict[str, torch.Tensor], num_trees: int, total: int) -> None:
         """DDTREE_PRECAPTURE=all: the commit of a step of ``num_trees`` whole trees (``total`` tokens) as ``_sample``
@@ -1405,7 +1582,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     ) -> Dict[str, torch.Tensor]:
         """:meth:`ddtree_accept` without the host: the walk and its layout as device tensors
         (:func:`ddtree.vllm.device_accept.accept_on_device`). Called by the rejection sampler."""
-        walk_args = (width, int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
+        walk_args = (width, plan.draft_depth + 1, plan.num_tokens, plan.conv_window)
         with self.ddtree_stats.timed("accept"):
             graphs = self._ddtree_walk_graphs_for_step()
             self._ddtree_walk_replayed = False

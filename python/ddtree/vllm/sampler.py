@@ -192,7 +192,7 @@ class DDTreeRejectionSampler(nn.Module):
             min_p=min_p,
             # Seeded requests' noise by position (``seeded_noise``), each tree's vectors bounded by the drafter's depth.
             row_positions=_sampled_positions(runner, metadata) if sampling_metadata.generators else None,
-            max_depth=int(plan.trees.draft_depth) if plan is not None and sampling_metadata.generators else None,
+            max_depth=plan.draft_depth if plan is not None and sampling_metadata.generators else None,
         )
         result = walked = None
         if plan is not None and runner.ddtree_device_accepts(plan):

@@ -55,6 +55,7 @@ class StepStaging:
         self._event: Optional[torch.cuda.Event] = None
         self._copy_pending = False
         self.uploads = 0
+        self.layouts = 0  # layouts made (views of the buffers laid out anew: what the host buffer holds may differ)
         self._key: Optional[tuple] = None  # the current layout's (name, dtype, shape)s
         self._host_views: Dict[str, np.ndarray] = {}
         self._device_views: Dict[str, torch.Tensor] = {}
@@ -137,6 +138,7 @@ class StepStaging:
             name: device[o : o + n].view(_torch_dtype(dtype)).view(shape) for name, dtype, shape, o, n in layout
         }
         self._key, self._total = key, total
+        self.layouts += 1
 
     def layout_key(self) -> tuple:
         """What fixes the device views' addresses: the current layout and the device buffer. Two uploads with one

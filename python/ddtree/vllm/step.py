@@ -87,6 +87,9 @@ class TreeStore:
         self._records: Dict[str, DraftRecord] = {}
         # The last deferred proposal while none of its requests has a record (see WholeProposal).
         self._whole: Optional[WholeProposal] = None
+        # A whole proposal a device-planned step took before its top-K reached the host (:meth:`take_unsettled`):
+        # :meth:`settle` gives it its arrays, for the host's copy of its trees (``DeferredTrees``).
+        self._taken_whole: Optional[WholeProposal] = None
         # The last proposal's trees and their requests, in order: a verification of exactly those trees
         # (every request scheduled whole, none added) reuses them instead of building them again.
         self.last_batch: Optional[Tuple[Tuple[str, ...], "ddtree.TreeBatch"]] = None
@@ -123,10 +126,11 @@ class TreeStore:
         if whole.log_probs is not None:  # settled already (else settle() fills them)
             self._fill_records(whole.req_ids, whole.log_probs, whole.token_ids)
 
-    def whole_proposal_of(self, req_ids: Sequence[str]) -> Optional[WholeProposal]:
-        """The settled whole proposal when its requests are exactly ``req_ids``, in order (None: not so)."""
+    def whole_proposal_of(self, req_ids: Sequence[str], settled: bool = True) -> Optional[WholeProposal]:
+        """The whole proposal when its requests are exactly ``req_ids``, in order, and (``settled``) its top-K has
+        reached the host (None: not so)."""
         whole = self._whole
-        if whole is None or whole.log_probs is None:
+        if whole is None or (settled and whole.log_probs is None):
             return None
         if whole.req_ids is not req_ids and whole.req_ids != tuple(req_ids):
             return None
@@ -135,6 +139,16 @@ class TreeStore:
     def take_whole(self) -> None:
         """Takes every request of the whole proposal (their records, had they been made, taken one by one)."""
         self._whole = None
+
+    def take_unsettled(self) -> WholeProposal:
+        """:meth:`take_whole` for a step whose trees are built on the device (``ddtree.vllm.device_plan``): the
+        proposal is returned, and gets its top-K arrays at :meth:`settle` if it has not yet."""
+        whole, self._whole = self._whole, None
+        if whole is None:
+            raise RuntimeError("DDTree: no whole proposal to take (a bug)")
+        if whole.log_probs is None:
+            self._taken_whole = whole
+        return whole
 
     def defer(
         self, req_ids: Sequence[str], proposal: "DeferredProposal", budget: Optional[int] = None
@@ -177,6 +191,11 @@ class TreeStore:
         # One copy of each (the host buffer is reused by the next proposal); the records hold rows of them.
         log_probs = np.array(proposal.host[..., :k])
         token_ids = np.array(proposal.host[..., k:].view(np.int32))
+        taken, self._taken_whole = self._taken_whole, None
+        if taken is not None and taken.req_ids is proposal.req_ids:  # taken by a device-planned step
+            taken.log_probs, taken.token_ids = log_probs, token_ids
+            self.settled = self.settled_in_order = None
+            return
         whole = self._whole
         if whole is not None and whole.req_ids is proposal.req_ids:  # no request recorded: the arrays, whole
             whole.log_probs, whole.token_ids = log_probs, token_ids
@@ -319,6 +338,24 @@ class VerifyPlan:
     # The runner's number for the step, uploaded with the plan: the slot of its accepted paths in the statistics'
     # ring (``ddtree.vllm.counts.PathRing``; -1: none).
     step_serial: int = -1
+    # A step whose trees were built on the device (``ddtree.vllm.device_plan``): ``trees`` and ``top1_tokens`` are
+    # None until :meth:`host_trees` builds the host's copy, and the arrays that depend on the trees (positions,
+    # ancestor bits, conv index, draft tokens) are not this step's (they live on the device only).
+    deferred_trees: Optional["DeferredTrees"] = None
+
+    @property
+    def draft_depth(self) -> int:
+        """The drafter's depth L the trees were built from (the walk's path width is ``L + 1``)."""
+        if self.trees is None:
+            return self.deferred_trees.draft_depth
+        return int(self.trees.draft_depth)
+
+    def host_trees(self) -> "ddtree.TreeBatch":
+        """The step's trees on the host: :attr:`trees`, built first for a device-planned step (from its top-K once
+        that has reached the host; :attr:`top1_tokens` with them). Off the step's path: the statistics read them."""
+        if self.trees is None:
+            self.trees, self.top1_tokens = self.deferred_trees.build()
+        return self.trees
 
     @property
     def num_filler_trees(self) -> int:
@@ -331,7 +368,11 @@ class VerifyPlan:
 
     @functools.cached_property
     def deepest(self) -> np.ndarray:
-        """``[R_t]``: each tree's deepest node's depth (read by the drafter's fit test and the statistics)."""
+        """``[R_t]``: each tree's deepest node's depth (read by the drafter's fit test and the statistics). A
+        device-planned step's trees are not on the host: the drafter's depth bounds them (such a step is far enough
+        from ``max_model_len`` that the fit test's answer is the same, ``device_plan.fits_far_from_the_end``)."""
+        if self.trees is None:
+            return np.full(self.num_nodes.shape[0], self.deferred_trees.draft_depth, dtype=np.int64)
         return np.maximum.reduceat(self.trees.depths, self.trees.node_offsets[:-1].astype(np.int64))
 
     @property
@@ -345,6 +386,47 @@ class VerifyPlan:
     @property
     def num_tree_tokens(self) -> int:
         return int(self.token_index.shape[0])
+
+
+@dataclasses.dataclass
+class DeferredTrees:
+    """A device-planned step's trees, for the host to build when it reads them (the statistics, a few steps later):
+    the Rust core's build of the same top-K and budget, which the device's build equals (``tree_build_triton``)."""
+
+    store: TreeStore
+    whole: WholeProposal
+    draft_depth: int
+
+    def build(self) -> Tuple["ddtree.TreeBatch", np.ndarray]:
+        """The trees and the drafter's top-1 token per depth (``[R, L]``)."""
+        whole = self.whole
+        if whole.log_probs is None:
+            self.store.settle()  # its copy is still the store's deferred one: wait for it
+        if whole.log_probs is None:
+            raise RuntimeError("DDTree: a device-planned step's top-K never reached the host (a bug)")
+        budgets = _uniform_step(len(whole.req_ids), whole.budget).budgets
+        trees = ddtree.build_trees(whole.log_probs, whole.token_ids, budgets, self.store.executor)
+        return trees, whole.token_ids[:, :, 0]
+
+
+def take_device_plannable(
+    store: TreeStore,
+    req_ids: Sequence[str],
+    scheduled_spec_tokens: Mapping[str, Sequence[int]],
+    top_k_kept: Callable[[tuple], bool],
+) -> Optional[WholeProposal]:
+    """The store's whole proposal, taken (:meth:`TreeStore.take_unsettled`), when this step verifies exactly its
+    trees, each whole, in its order, with placeholders of its budget (trees of ``budget + 1`` nodes: what the device
+    build makes), and ``top_k_kept(its request ids)`` says the device holds its top-K, whether or not that has
+    reached the host; None otherwise, and nothing is taken. The same test as :func:`plan_verify`'s usual late step,
+    without the settled top-K."""
+    whole = store.whole_proposal_of(req_ids, settled=False)
+    if whole is None or whole.size != whole.budget or not top_k_kept(whole.req_ids):
+        return None
+    scheduled = list(map(scheduled_spec_tokens.get, req_ids))
+    if not all(scheduled) or _late_uniform_budget(scheduled, (), True) != whole.size:
+        return None
+    return store.take_unsettled()
 
 
 def plan_verify(

@@ -71,7 +71,7 @@ class WhatIfAcceptance:
         ``proposed_budgets``, ``filler_mask``, ``top1_tokens``). Copied (they may be views of a reused buffer)."""
         self._kept.append(
             _ObservedStep(
-                plan.trees,
+                plan.host_trees(),  # (a device-planned step's are built now, on the host)
                 plan.num_nodes,
                 plan.proposed_budgets,
                 plan.filler_mask,

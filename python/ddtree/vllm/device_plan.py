@@ -1,0 +1,161 @@
+"""A steady step's plan built on the device (``DDTREE_DEVICE_PLAN=1``, experimental).
+
+The usual step under asynchronous scheduling verifies the last proposal's trees, whole, for every request in the
+proposal's order. Its host plan waits for the drafter's top-K to reach the host, builds the trees in the Rust core,
+lays them out into the pinned staging buffer, uploads it and replays the placement graph: on the H200 host 0.23 ms
+of a batch-1 step and 0.58 ms at batch 32 (``gpu-h200-pair-c0abd2f``), the largest part of ddtree's host work, and
+the GPU idles from the drafter's end until the upload. Here the same step's trees are built and laid out by two
+Triton kernels (``ddtree.kernels.tree_build_triton``, ``tree_layout_triton``: the Rust core's trees and layout,
+exactly) from a device copy of the drafter's top-K, inside one CUDA graph per step shape with the placement:
+
+* the host uploads the plan staging's arrays as before, but what depends on the step's shape alone (the rows, node
+  offsets, step indices, the walk's tree and local indices: written once per layout, ``DevicePlanner.constants``)
+  and the step's serial; the arrays that depend on the trees are left as they are, and the layout kernel writes
+  them over on the device, after the copy (stream order);
+* the graph reads the top-K from one persistent device buffer (``DevicePlanner.keep_top_k``, one copy after each
+  drafter pass) and the trees' scratch at fixed addresses, so one replay per step is all the host launches;
+* the host's plan object is the shape's (counts, rows, budgets: constants) with the step's serial; its trees are
+  built on the host only when the statistics read them, from the same top-K once it has landed
+  (``ddtree.vllm.step.DeferredTrees``).
+
+The host neither waits for the top-K nor builds trees on such a step. What it still reads of the trees: the
+drafter's fit test below ``max_model_len`` takes the drafter's depth as every tree's deepest node, so only steps
+far from that limit are planned here (:func:`fits_far_from_the_end`); everything else (mixed steps, cut trees, filler
+trees, a schedule's trees above :data:`MAX_TREE_SIZE` nodes) keeps the host plan.
+
+Torch only (no vLLM import): CI runs the planner's kernels under Triton's CPU interpreter against the host plan.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ddtree.kernels.device_tree import DeviceTrees
+
+#: Largest tree (budget + 1 nodes) planned on the device: the build kernel ran budgets 63 and 127 in 0.13-0.27 ms on
+#: an H200 and fell off a cliff at 255 (14 ms, ``gpu-h200-device-tree-e9e09b0``, not investigated).
+MAX_TREE_SIZE = 128
+
+
+class DevicePlanner:
+    """The device side of device-planned steps: the drafter's top-K kept at a fixed address, the trees' scratch and
+    the placement constants by step shape, and the launches of one step (:meth:`build_and_lay_out`)."""
+
+    def __init__(self, device, max_requests: int, draft_len: int, top_k: int, conv_window: int, words: int):
+        self.device = torch.device(device)
+        self.max_requests, self.draft_len, self.top_k = max_requests, draft_len, top_k
+        self.conv_window, self.words = conv_window, words
+        # [rows, 2K] float32: the log-probabilities, then the ids' int32 bits (the proposer's packed layout).
+        self.top_k_buffer = torch.zeros((max_requests * draft_len, 2 * top_k), dtype=torch.float32, device=self.device)
+        self._kept_for: Optional[tuple] = None  # the request ids of the proposal whose top-K the buffer holds
+        self._scratch: Dict[Tuple[int, int], DeviceTrees] = {}
+        self._placement: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        # The staging layout the shape constants were last written into (``(layout key, layouts made)``).
+        self._constants_written: Optional[tuple] = None
+        # By step shape, (requests, tree size): the runner's plan of that shape and its staged arrays.
+        self.templates: Dict[Tuple[int, int], tuple] = {}
+        self.steps = 0  # steps planned here
+
+    def keep_top_k(self, packed: torch.Tensor, req_ids: tuple) -> None:
+        """After a drafter pass: its packed top-K ``[R * L, 2K]`` (float32) into the fixed buffer, for the proposal
+        of ``req_ids`` (the tuple the store's proposal holds: recognised by identity)."""
+        rows = packed.shape[0]
+        if rows > self.top_k_buffer.shape[0] or packed.shape[1] != self.top_k_buffer.shape[1]:
+            raise ValueError(
+                f"DDTree: a top-K of {list(packed.shape)} does not fit the device plan's {list(self.top_k_buffer.shape)}"
+            )
+        self.top_k_buffer[:rows].copy_(packed)
+        self._kept_for = req_ids
+
+    def holds(self, req_ids: tuple) -> bool:
+        """Whether the buffer holds the top-K of the proposal of ``req_ids`` (that very tuple)."""
+        return self._kept_for is req_ids
+
+    def forget(self) -> None:
+        """The buffer's top-K is no longer any pending proposal's (e.g. a drafter pass that did not keep its own)."""
+        self._kept_for = None
+
+    def serves(self, num_requests: int, tree_size: int) -> bool:
+        """Whether a step of ``num_requests`` whole trees of ``tree_size`` nodes can be planned here."""
+        return 2 <= tree_size <= MAX_TREE_SIZE and 0 < num_requests <= self.max_requests
+
+    def constants_stale(self, staging) -> bool:
+        """Whether the staging's host buffer may hold another layout's bytes where this step's shape constants go
+        (a layout made since they were written): then :meth:`wrote_constants` after writing them."""
+        return self._constants_written != (staging.layout_key(), staging.layouts)
+
+    def wrote_constants(self, staging) -> None:
+        self._constants_written = (staging.layout_key(), staging.layouts)
+
+    def build_and_lay_out(self, out: Mapping[str, torch.Tensor], num_requests: int, tree_size: int) -> None:
+        """The step's trees from the kept top-K, laid out into ``out`` (the plan upload's device views, every
+        ``tree_layout_triton.KERNEL_OUTPUTS`` array): two launches, no allocation, no host synchronisation."""
+        from ddtree.kernels.tree_build_triton import build_trees_triton
+        from ddtree.kernels.tree_layout_triton import whole_tree_layout_into
+
+        depth, k = self.draft_len, self.top_k
+        packed = self.top_k_buffer[: num_requests * depth].view(num_requests, depth, 2 * k)
+        log_probs, token_ids = packed[..., :k], packed[..., k:].view(torch.int32)
+        scratch = self._scratch_for(num_requests, tree_size)
+        trees = build_trees_triton(log_probs, token_ids, tree_size - 1, out=scratch)
+        starts, query_starts = self._placement_for(num_requests, tree_size)
+        # (Positions from zero: under asynchronous scheduling the placement takes each root's position from vLLM's
+        # corrected ones on the device, plus the depths, and never reads these.)
+        whole_tree_layout_into(
+            trees.parents,
+            trees.depths,
+            trees.tokens,
+            starts,
+            query_starts,
+            query_starts,  # every token of a whole-tree step has its logits row, in order
+            words=self.words,
+            window=self.conv_window,
+            max_depth=depth,
+            out=out,
+        )
+
+    def _scratch_for(self, num_requests: int, tree_size: int) -> DeviceTrees:
+        key = (num_requests, tree_size)
+        scratch = self._scratch.get(key)
+        if scratch is None:
+
+            def new(dtype=torch.int64):
+                return torch.empty((num_requests, tree_size), dtype=dtype, device=self.device)
+
+            scratch = self._scratch[key] = DeviceTrees(new(), new(), new(), new(torch.float64), new())
+        return scratch
+
+    def _placement_for(self, num_requests: int, tree_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (num_requests, tree_size)
+        placement = self._placement.get(key)
+        if placement is None:
+            starts = torch.zeros(num_requests, dtype=torch.int64, device=self.device)
+            query_starts = torch.arange(num_requests, dtype=torch.int64, device=self.device) * tree_size
+            placement = self._placement[key] = (starts, query_starts)
+        return placement
+
+
+def fits_far_from_the_end(num_computed_tokens: np.ndarray, tree_size: int, draft_len: int, max_model_len: int) -> bool:
+    """Whether every request stays far enough below ``max_model_len`` that a device-planned step changes no
+    decision the host makes from its trees' depths: the drafter's fit test after the step (the host plan takes each
+    tree's deepest node, the device plan the drafter's depth, an upper bound) and the next step's room. The margin
+    covers a whole tree twice (the host's counts run up to a tree ahead of the GPU's under asynchronous scheduling)
+    and the drafter's queries."""
+    if num_computed_tokens.shape[0] == 0:
+        return False
+    margin = 2 * tree_size + 2 * (draft_len + 1)
+    return int(num_computed_tokens.max()) + margin <= max_model_len
+
+
+def shape_constants(arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Read-only copies of a filler plan's staged arrays: what a device-planned step of that shape uploads, its
+    tree-dependent arrays then written over on the device."""
+    constants = {}
+    for name, array in arrays.items():
+        copy = np.array(array)
+        copy.setflags(write=False)
+        constants[name] = copy
+    return constants

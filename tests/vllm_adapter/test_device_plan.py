@@ -1,0 +1,325 @@
+"""DDTREE_DEVICE_PLAN: a steady step's trees built and laid out on the device (``ddtree.vllm.device_plan``).
+
+The oracle is the host plan on the same proposals: two runners without an engine (``bench_plan_path``'s), one
+planning on the host, one on the "device" (CPU tensors; the Triton kernels under Triton's CPU interpreter, in a
+child process), every array the step leaves for the forward, the walk and the statistics compared. The rest runs
+here without kernels: which steps are planned on the device, what the store and the plan object hold.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS.parent / "benches"))
+import bench_plan_path as bench  # noqa: E402
+
+from ddtree.vllm import device_plan  # noqa: E402
+from ddtree.vllm.graphs import ShapeGraphs  # noqa: E402
+from ddtree.vllm.step import PLACEHOLDER, TreeStore, take_device_plannable  # noqa: E402
+
+
+# ---- the oracle: host plan against device plan (kernels under the interpreter) ----
+
+
+def _step_state(runner, batch: int, size: int) -> dict:
+    """What a planned step leaves for the forward (fixed tree buffers, tree tokens in the input ids, positions),
+    the device walk (its trees) and the host (the plan's counts and, built on demand, its trees)."""
+    total = batch * size
+    buffers = runner._ddtree_buffers
+    plan = runner._ddtree_plan
+    state = {
+        "row_start": buffers.row_start[:batch],
+        "ancestor_bits": buffers.ancestor_bits[:total],
+        "node_offsets": buffers.node_offsets[: batch + 1],
+        "input_ids": runner.input_ids.gpu[:total],
+        "positions": runner.positions[:total],
+        "flat_positions": runner._ddtree_flat_positions,
+        "logit_rows_gpu": plan.logit_rows_gpu,
+        "batch_index_gpu": plan.batch_index_gpu,
+    }
+    if buffers.conv_index is not None:
+        state["conv_index"] = buffers.conv_index[:total]
+    for name, tensor in vars(plan.device_trees).items():
+        if isinstance(tensor, torch.Tensor):
+            state[f"device_trees.{name}"] = tensor
+    for name in ("batch_index", "num_nodes", "token_index", "logit_rows", "query_starts", "proposed_budgets"):
+        state[f"plan.{name}"] = getattr(plan, name)
+    trees = plan.host_trees()
+    for name in ("parents", "depths", "tokens", "node_offsets"):
+        state[f"trees.{name}"] = getattr(trees, name)
+    state["top1_tokens"] = plan.top1_tokens
+    state["num_tokens"] = plan.num_tokens
+    state["step_serial"] = plan.step_serial
+    state["draft_depth"] = plan.draft_depth
+    return {
+        name: value.clone() if isinstance(value, torch.Tensor) else np.array(value) for name, value in state.items()
+    }
+
+
+def check_device_plan_equals_host_plan(device: str = "cpu") -> None:
+    """Run in a child under TRITON_INTERPRET=1: for each shape, three steps planned both ways from the same
+    proposals; every array equal, and the device side really planned (and never waited for the top-K)."""
+    cases = [(1, 15, 4, 8, 3), (3, 31, 6, 16, 0), (2, 63, 15, 63, 3), (4, 127, 15, 64, 3)]
+    for batch, budget, depth, top_k, window in cases:
+        host = bench.build_runner(batch, budget, depth, top_k, conv_window=window)
+        host._ddtree_plan_graphs = ShapeGraphs(bench.placement_stand_in(True))
+        host._ddtree_step_graphs_on = True
+        on_device = bench.build_runner(batch, budget, depth, top_k, conv_window=window)
+        bench.prepare_device_plan(on_device, run_kernels=True)
+        rngs = np.random.default_rng(batch), np.random.default_rng(batch)
+        with bench.vllm_parts_stubbed():
+            for step in range(3):
+                for runner, rng in zip((host, on_device), rngs):
+                    bench.plan_step(runner, bench.defer_proposal(runner, rng))
+                assert on_device.ddtree_stats.device_plan_steps == step + 1
+                assert host.ddtree_stats.device_plan_steps == 0
+                assert on_device.drafter.store.deferred is not None, "the device plan waited for the top-K"
+                expected, got = _step_state(host, batch, budget + 1), _step_state(on_device, batch, budget + 1)
+                assert set(expected) == set(got)
+                for name in expected:
+                    np.testing.assert_array_equal(
+                        got[name], expected[name], err_msg=f"{name}: batch {batch} budget {budget} step {step}"
+                    )
+    print("device plan equals host plan")
+
+
+def test_the_device_plan_is_the_host_plan_under_the_interpreter():
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(TESTS / "kernels"))
+    from _triton_interpreter import child_env
+
+    script = (
+        "import _triton_interpreter; _triton_interpreter.patch_triton_interpreter_for_numpy2(); "
+        "import torch; torch.set_num_threads(1); "
+        "import test_device_plan as t; t.check_device_plan_equals_host_plan('cpu')"
+    )
+    env = child_env(TESTS / "kernels", TESTS / "vllm_adapter", TESTS.parent / "benches", interpret=True)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "device plan equals host plan" in result.stdout
+
+
+# ---- which steps are planned on the device (no kernels: the device work is a no-op here) ----
+
+
+def _device_runner(batch: int = 2, budget: int = 15, depth: int = 4, top_k: int = 8):
+    runner = bench.build_runner(batch, budget, depth, top_k)
+    bench.prepare_device_plan(runner, run_kernels=False)
+    return runner, np.random.default_rng(0)
+
+
+def _plan(runner, output, num_scheduled=None) -> None:
+    from ddtree.vllm import context
+
+    batch = len(runner.req_ids)
+    if num_scheduled is None:
+        num_scheduled = np.full(batch, runner.ddtree_cfg.budget + 1)
+    with bench.vllm_parts_stubbed():
+        runner._prepare_inputs(output, num_scheduled)
+        runner._preprocess(output, output.total_num_scheduled_tokens)
+    context.withdraw()
+
+
+def _defer(runner, rng):
+    with bench.vllm_parts_stubbed():
+        return bench.defer_proposal(runner, rng)
+
+
+def test_a_steady_step_is_planned_on_the_device_without_waiting_for_the_top_k():
+    runner, rng = _device_runner()
+    for step in range(3):
+        _plan(runner, _defer(runner, rng))
+        plan = runner._ddtree_plan
+        assert runner.ddtree_stats.device_plan_steps == step + 1 and runner.ddtree_stats.late_tree_steps == step + 1
+        assert plan.trees is None and plan.deferred_trees is not None  # built on the host only when read
+        assert runner.drafter.store.deferred is not None  # the host never waited for the top-K
+        assert plan.step_serial == step and plan.draft_depth == 4
+        np.testing.assert_array_equal(plan.deepest, [4, 4])  # the drafter's depth bounds every tree
+        np.testing.assert_array_equal(plan.num_nodes, [16, 16])
+        assert plan.filler_mask is None and plan.num_cut_trees == 0
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["near max_model_len", "trees over 128 nodes", "a cut tree", "top-K not kept", "another request order"],
+)
+def test_other_steps_keep_the_host_plan(why):
+    budget = 127 + 128 * (why == "trees over 128 nodes")
+    runner, rng = _device_runner(budget=budget, depth=8, top_k=8)
+    output = _defer(runner, rng)
+    num_scheduled = None
+    if why == "near max_model_len":
+        runner.max_model_len = int(runner.input_batch.num_computed_tokens_cpu.max()) + 2 * (budget + 1) + 9
+    elif why == "a cut tree":
+        output.scheduled_spec_decode_tokens["r0"] = [PLACEHOLDER] * (budget - 5)
+        output.total_num_scheduled_tokens -= 5
+        num_scheduled = np.array([budget + 1 - 5, budget + 1])
+    elif why == "top-K not kept":
+        runner._ddtree_device_planner.forget()
+    elif why == "another request order":
+        runner.req_ids.reverse()
+    _plan(runner, output, num_scheduled)
+    assert runner.ddtree_stats.device_plan_steps == 0
+    assert runner._ddtree_plan.trees is not None and runner.drafter.store.deferred is None
+
+
+def test_just_far_enough_from_max_model_len_is_planned_on_the_device():
+    runner, rng = _device_runner()
+    far = int(runner.input_batch.num_computed_tokens_cpu.max()) + 2 * 16 + 2 * (4 + 1)
+    runner.max_model_len = far
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_steps == 1
+    runner.max_model_len = far - 1
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_steps == 1
+
+
+def test_the_shape_constants_are_written_again_after_another_layout():
+    """The upload carries the shape's constants from the staging's host buffer: a host-planned step of another
+    shape in between lays that buffer out anew, so the next device-planned step writes them again (the kernels
+    are no-ops here: what the upload holds is what the host wrote)."""
+    runner, rng = _device_runner(batch=2)
+    staging = runner._ddtree_plan_staging
+    _plan(runner, _defer(runner, rng))
+    np.testing.assert_array_equal(runner._ddtree_plan.batch_index_gpu.numpy(), [0, 1])
+    # A step of one request (another shape) on the host: its layout overwrites the buffer.
+    runner.req_ids.pop()
+    runner.input_batch.num_reqs = 1
+    output = _defer(runner, rng)
+    runner._ddtree_device_planner.forget()
+    _plan(runner, output, np.array([16]))
+    assert runner.ddtree_stats.device_plan_steps == 1
+    layouts = staging.layouts
+    runner.req_ids.append("r1")
+    runner.input_batch.num_reqs = 2
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_steps == 2 and staging.layouts == layouts + 1
+    gpu = runner._ddtree_plan.batch_index_gpu
+    np.testing.assert_array_equal(gpu.numpy(), [0, 1])
+    np.testing.assert_array_equal(runner._ddtree_plan.logit_rows_gpu.numpy(), np.arange(32))
+
+
+# ---- the store and the plan's host trees ----
+
+
+def _store_with_a_deferred_proposal(num_reqs=2, budget=15, depth=4, top_k=8):
+    from ddtree.vllm.step import DeferredProposal
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(num_reqs, depth, 4 * top_k)).astype(np.float32)
+    ids = np.argsort(-logits, axis=-1)[..., :top_k].astype(np.int32)
+    values = np.take_along_axis(logits, ids, axis=-1)
+    log_probs = values - np.log(np.exp(logits).sum(-1, keepdims=True))
+    host = np.concatenate([log_probs, ids.view(np.float32)], axis=-1)
+    store = TreeStore(budget)
+    req_ids = [f"r{i}" for i in range(num_reqs)]
+    drafts = store.defer(req_ids, DeferredProposal(host.copy(), top_k), budget)
+    return store, req_ids, {r: d for r, d in zip(req_ids, drafts)}, (log_probs, ids)
+
+
+def test_take_device_plannable_takes_only_the_whole_proposal_of_exactly_these_requests():
+    store, req_ids, spec, _ = _store_with_a_deferred_proposal()
+    kept = lambda req_ids: True  # noqa: E731
+    assert take_device_plannable(store, req_ids[::-1], spec, kept) is None
+    assert take_device_plannable(store, req_ids, spec, lambda ids: False) is None
+    assert take_device_plannable(store, req_ids, {**spec, "r0": [PLACEHOLDER] * 10}, kept) is None
+    assert take_device_plannable(store, req_ids, {**spec, "r0": [5] * 15}, kept) is None
+    assert store.whole_proposal_of(req_ids, settled=False) is not None  # nothing taken so far
+    whole = take_device_plannable(store, req_ids, spec, kept)
+    assert whole is not None and whole.log_probs is None
+    assert store.whole_proposal_of(req_ids, settled=False) is None
+
+
+def test_a_proposal_whose_top_k_cannot_fill_the_budget_is_not_device_plannable():
+    # K^L = 2 + 4 = 6 prefixes for a budget of 15: the tree has 6 nodes, the device build makes budget + 1.
+    store, req_ids, spec, _ = _store_with_a_deferred_proposal(budget=15, depth=2, top_k=2)
+    assert len(spec["r0"]) == 6
+    assert take_device_plannable(store, req_ids, spec, lambda ids: True) is None
+
+
+@pytest.mark.parametrize("settled_first", [False, True])
+def test_a_device_planned_steps_host_trees_are_the_host_builds(settled_first):
+    import ddtree
+    from ddtree.vllm.step import DeferredTrees
+
+    store, req_ids, spec, (log_probs, ids) = _store_with_a_deferred_proposal()
+    whole = take_device_plannable(store, req_ids, spec, lambda ids: True)
+    if settled_first:
+        store.settle()  # (the next proposal's deferral settles it)
+        assert whole.log_probs is not None
+    trees, top1 = DeferredTrees(store, whole, draft_depth=4).build()  # settles now if it has not
+    assert store.deferred is None
+    expected = ddtree.build_trees(log_probs, ids, 15)
+    for name in ("parents", "depths", "tokens", "node_offsets"):
+        np.testing.assert_array_equal(getattr(trees, name), getattr(expected, name))
+    np.testing.assert_array_equal(top1, ids[:, :, 0])
+
+
+def test_fits_far_from_the_end():
+    computed = np.array([100, 200])
+    assert device_plan.fits_far_from_the_end(computed, 16, 4, 200 + 2 * 16 + 2 * 5)
+    assert not device_plan.fits_far_from_the_end(computed, 16, 4, 200 + 2 * 16 + 2 * 5 - 1)
+    assert not device_plan.fits_far_from_the_end(np.array([], dtype=np.int64), 16, 4, 10**6)
+
+
+def test_the_switch_and_what_it_needs():
+    from ddtree.vllm.config import DDTreeConfigError, device_plan_enabled, device_plan_lacks
+
+    assert device_plan_enabled({}) is False
+    assert device_plan_enabled({"DDTREE_DEVICE_PLAN": "1"}) is True
+    with pytest.raises(DDTreeConfigError, match="DDTREE_DEVICE_PLAN"):
+        device_plan_enabled({"DDTREE_DEVICE_PLAN": "yes"})
+    assert device_plan_lacks(True, True, True, True, True) == []
+    lacking = device_plan_lacks(False, False, False, False, False)
+    for needed in ("CUDA device", "asynchronous scheduling", "late trees", "device walk", "step graphs"):
+        assert any(needed in line for line in lacking), (needed, lacking)
+
+
+def test_a_top_k_that_does_not_fit_the_buffer_is_refused():
+    planner = device_plan.DevicePlanner("cpu", max_requests=2, draft_len=4, top_k=8, conv_window=0, words=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        planner.keep_top_k(torch.zeros(3 * 4, 16), ("a", "b", "c"))
+    with pytest.raises(ValueError, match="does not fit"):
+        planner.keep_top_k(torch.zeros(4, 10), ("a",))
+
+
+@pytest.mark.parametrize("precapture", [True, False])
+def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monkeypatch, precapture):
+    """DDTREE_PRECAPTURE with DDTREE_DEVICE_PLAN: the device plan's graph of each FULL size (whose first run would
+    compile the Triton kernels while serving) and the walk's graph of its outputs are captured at start-up; a
+    steady step of that size then runs no graph for the first time."""
+    from ddtree.vllm.graphs import WalkGraphs
+
+    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
+    batch, budget = 3, 8
+    runner = bench.build_runner(batch, budget, 3, 4)
+    bench.prepare_device_plan(runner, run_kernels=False)
+    runner._ddtree_walk_graphs = WalkGraphs(bench.placement_stand_in(False))
+    runner._ddtree_late_trees = True
+    if precapture:
+        runner._ddtree_precapture_step_graphs(batch, budget + 1)
+        # The host plan's placement and walk, the device plan's graph and the walk of its outputs.
+        assert ShapeGraphs.first_runs == 4 and runner.ddtree_stats.precaptured_device_plans == 1
+    before = ShapeGraphs.first_runs
+    _plan(runner, _defer(runner, np.random.default_rng(0)))
+    plan = runner._ddtree_plan
+    assert runner.ddtree_stats.device_plan_steps == 1
+    target = torch.zeros(plan.num_tokens, dtype=torch.int64)
+    runner._ddtree_walk_graphs.walk(plan.device_trees, target, budget + 1, 4, plan.num_tokens, plan.conv_window)
+    assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
+
+
+def test_the_runner_refuses_the_switch_without_what_it_needs(monkeypatch):
+    runner = bench.build_runner(1, 8, 3, 4)
+    runner._ddtree_late_trees, runner._ddtree_step_graphs_on = True, True
+    assert runner._ddtree_make_device_planner() is None  # off by default
+    monkeypatch.setenv("DDTREE_DEVICE_PLAN", "1")
+    with pytest.raises(RuntimeError, match=r"DDTREE_DEVICE_PLAN=1 needs a CUDA device"):
+        runner._ddtree_make_device_planner()
