@@ -784,19 +784,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 extras[name] = views.pop(name)
             return views
 
-        req_ids = [f"ddtree-device-plan-{i}" for i in range(num_reqs)]
-        plan = plan_verify(
-            TreeStore(size - 1),  # no proposals: filler trees of the shape
-            req_ids,
-            np.zeros(num_reqs, dtype=np.int64),
-            np.full(num_reqs, size, dtype=np.int64),
-            {req_id: [PLACEHOLDER] * (size - 1) for req_id in req_ids},
-            conv_window=self._ddtree_conv_window,
-            words=self._ddtree_buffers.words,
-            arrays=allocate,
-            unproposed=(self.drafter.draft_len, self.drafter.top_k),
-        )
-        plan.step_serial = -1
+        plan = self._ddtree_filler_plan(num_reqs, size, allocate)
         fill_plan_extras(extras, plan, total)
         # Not a filler step's: a device-planned step's trees are its proposal's, on the device.
         plan.trees = plan.top1_tokens = plan.filler_mask = None
@@ -1395,20 +1383,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self.ddtree_stats.precaptured_sizes += 1
         total = num_trees * tree_tokens
         hybrid = self._ddtree_conv_window > 0
-        req_ids = [f"ddtree-precapture-{i}" for i in range(num_trees)]
         extras: Dict[str, np.ndarray] = {}
-        plan = plan_verify(
-            TreeStore(tree_tokens - 1),  # no proposals: every request verifies a filler tree of its placeholders
-            req_ids,
-            np.zeros(num_trees, dtype=np.int64),
-            np.full(num_trees, tree_tokens, dtype=np.int64),
-            {req_id: [PLACEHOLDER] * (tree_tokens - 1) for req_id in req_ids},
-            conv_window=self._ddtree_conv_window,
-            words=self._ddtree_buffers.words,
-            arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid, extras),
-            unproposed=(self.drafter.draft_len, self.drafter.top_k),
+        plan = self._ddtree_filler_plan(
+            num_trees, tree_tokens, lambda specs: self._ddtree_plan_arrays(specs, total, hybrid, extras)
         )
-        plan.step_serial = -1  # (no serial of a real step: its walk's rows are never read)
         fill_plan_extras(extras, plan, total)
         gpu = self._ddtree_plan_staging.upload_host()
         self._ddtree_place(gpu, total, True, tree_tokens)  # run, then captured
@@ -1422,6 +1400,26 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)
             self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
             self.ddtree_stats.precaptured_device_plans += 1
+
+    def _ddtree_filler_plan(self, num_trees: int, tree_tokens: int, arrays) -> VerifyPlan:
+        """The host plan of ``num_trees`` filler trees of ``tree_tokens`` tokens (no proposals: each request
+        verifies a filler tree of its placeholders), laid out into what ``arrays`` allocates: a whole-tree step of
+        that shape, for captures and shape constants. Its serial is -1 (no real step's: its walk's rows are never
+        read)."""
+        req_ids = [f"ddtree-filler-{i}" for i in range(num_trees)]
+        plan = plan_verify(
+            TreeStore(tree_tokens - 1),
+            req_ids,
+            np.zeros(num_trees, dtype=np.int64),
+            np.full(num_trees, tree_tokens, dtype=np.int64),
+            {req_id: [PLACEHOLDER] * (tree_tokens - 1) for req_id in req_ids},
+            conv_window=self._ddtree_conv_window,
+            words=self._ddtree_buffers.words,
+            arrays=arrays,
+            unproposed=(self.drafter.draft_len, self.drafter.top_k),
+        )
+        plan.step_serial = -1
+        return plan
 
     def _ddtree_precapture_walk(self, gpu, placed, plan: VerifyPlan, num_trees: int, tree_tokens: int) -> None:
         """The walk's graph of a precaptured placement's trees (then, with ``DDTREE_PRECAPTURE=all``, the
