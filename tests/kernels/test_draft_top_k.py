@@ -44,6 +44,12 @@ def run_checks(device: str) -> None:
         assert torch.equal(got[:, k:].view(torch.int32).long(), ids.long())
     empty = pack_top_k_triton(*_inputs(0, 10, 2, torch.float32, device, 9))
     assert empty.shape == (0, 4)
+    # Into the leading rows of a larger buffer (the device plan's): the same values, the rest untouched.
+    logits, values, ids = _inputs(5, 300, 7, torch.bfloat16, device, 11)
+    buffer = torch.full((9, 14), 7.0, device=device)
+    packed = pack_top_k_triton(logits, values, ids, out=buffer[:5])
+    assert packed.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:5], pack_top_k_triton(logits, values, ids)) and bool((buffer[5:] == 7.0).all())
     print("draft top-K checks passed on", device)
 
 
@@ -87,3 +93,15 @@ def test_bad_shapes_are_refused_with_what_is_wrong(shapes, message):
 def test_ids_of_a_float_dtype_are_refused():
     with pytest.raises(ValueError, match="ids must be int32 or int64, got torch.float32"):
         pack_top_k(torch.zeros(1, 4), torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_the_reference_packs_into_the_callers_buffer_and_refuses_a_wrong_one():
+    logits, values, ids = _inputs(3, 50, 5, torch.float32, "cpu", 2)
+    buffer = torch.zeros(4, 10)
+    packed = pack_top_k_reference(logits, values, ids, out=buffer[:3])
+    assert packed.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:3], pack_top_k_reference(logits, values, ids)) and bool((buffer[3] == 0).all())
+    with pytest.raises(ValueError, match=r"out must be a float32 \[3, 10\] tensor"):
+        pack_top_k_reference(logits, values, ids, out=torch.zeros(3, 10, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"out must be a float32 \[3, 10\] tensor"):
+        pack_top_k_reference(logits, values, ids, out=torch.zeros(4, 10))

@@ -323,3 +323,29 @@ def test_the_runner_refuses_the_switch_without_what_it_needs(monkeypatch):
     monkeypatch.setenv("DDTREE_DEVICE_PLAN", "1")
     with pytest.raises(RuntimeError, match=r"DDTREE_DEVICE_PLAN=1 needs a CUDA device"):
         runner._ddtree_make_device_planner()
+
+
+def test_the_proposer_packs_the_top_k_where_the_device_plan_reads_it():
+    """With the device plan (and the top-K graphs off) the drafter's packed top-K is written straight into the
+    planner's buffer, which the deferral then keeps without a copy; with the top-K graphs on it is copied there."""
+    from types import SimpleNamespace
+
+    from ddtree.kernels.draft_top_k import pack_top_k
+    from ddtree.vllm.proposer import DDTreeProposer
+
+    planner = device_plan.DevicePlanner("cpu", max_requests=4, draft_len=3, top_k=4, conv_window=0, words=1)
+    weight = torch.randn(32, 8)
+    drafter = object.__new__(DDTreeProposer)
+    drafter.model = SimpleNamespace(compute_logits=lambda hidden: hidden @ weight.T)
+    drafter.top_k, drafter._capturing, drafter._topk_graphs_on = 4, True, False
+    drafter.runner = SimpleNamespace(_ddtree_device_planner=planner)
+    hidden = torch.randn(6, 8)
+    drafter._sample_draft_tokens(hidden, None)
+    logits = hidden @ weight.T
+    assert drafter._capture.data_ptr() == planner.top_k_buffer.data_ptr()
+    assert torch.equal(planner.top_k_buffer[:6], pack_top_k(logits, *logits.topk(4, dim=-1)))
+    req_ids = tuple(["a", "b"])
+    planner.keep_top_k(drafter._capture, req_ids)
+    assert planner.holds(req_ids) and not planner.holds(tuple(["a", "b"]))  # (by identity, not value)
+    drafter._topk_graphs_on = True  # graphs pack into their own memory: the deferral copies
+    assert drafter._top_k_of(hidden)["packed"].data_ptr() != planner.top_k_buffer.data_ptr()

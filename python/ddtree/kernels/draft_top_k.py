@@ -18,6 +18,8 @@ relative, so near-ties between branches can order differently; verification is e
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 try:  # Triton is optional: CPU installs run the reference
@@ -31,7 +33,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 BLOCK_V = 2048
 
 
-def _check(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> None:
+def _check(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {list(logits.shape)}")
     rows = logits.shape[0]
@@ -43,13 +45,26 @@ def _check(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> Non
         raise ValueError(f"K = {values.shape[1]} exceeds the vocabulary ({logits.shape[1]})")
     if ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
+    if out is not None:
+        wanted = (rows, 2 * values.shape[1])
+        if out.shape != wanted or out.dtype != torch.float32 or out.stride(-1) != 1:
+            raise ValueError(
+                f"out must be a float32 {list(wanted)} tensor with unit stride along its rows, got "
+                f"{list(out.shape)} {out.dtype}"
+            )
 
 
-def pack_top_k_reference(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``[rows, 2K]`` float32: ``values - logsumexp(logits)`` then the ids' int32 bits, in torch."""
-    _check(logits, values, ids)
+def pack_top_k_reference(
+    logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``[rows, 2K]`` float32: ``values - logsumexp(logits)`` then the ids' int32 bits, in torch (into ``out``
+    when given, and returned)."""
+    _check(logits, values, ids, out)
     log_probs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-    return torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+    packed = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+    if out is None:
+        return packed
+    return out.copy_(packed)
 
 
 if triton is not None:
@@ -92,15 +107,18 @@ if triton is not None:
         tl.store(out_ids_ptr + row * out_stride + k + candidates, token, mask=kept)
 
 
-def pack_top_k_triton(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def pack_top_k_triton(
+    logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """:func:`pack_top_k_reference` in one Triton kernel (one program per row)."""
     if triton is None:
         raise RuntimeError("pack_top_k_triton needs triton; use pack_top_k_reference")
-    _check(logits, values, ids)
+    _check(logits, values, ids, out)
     rows, vocab = logits.shape
     k = values.shape[1]
     logits, values, ids = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, values, ids))
-    out = torch.empty((rows, 2 * k), dtype=torch.float32, device=logits.device)
+    if out is None:
+        out = torch.empty((rows, 2 * k), dtype=torch.float32, device=logits.device)
     if rows:
         _pack_top_k_kernel[(rows,)](
             logits,
@@ -120,8 +138,11 @@ def pack_top_k_triton(logits: torch.Tensor, values: torch.Tensor, ids: torch.Ten
     return out
 
 
-def pack_top_k(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The packed top-K: the Triton kernel on a CUDA device where Triton is installed, else torch."""
+def pack_top_k(
+    logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The packed top-K (into ``out`` when given): the Triton kernel on a CUDA device where Triton is installed,
+    else torch."""
     if logits.is_cuda and triton is not None:
-        return pack_top_k_triton(logits, values, ids)
-    return pack_top_k_reference(logits, values, ids)
+        return pack_top_k_triton(logits, values, ids, out)
+    return pack_top_k_reference(logits, values, ids, out)

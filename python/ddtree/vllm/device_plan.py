@@ -59,15 +59,22 @@ class DevicePlanner:
         self.templates: Dict[Tuple[int, int], tuple] = {}
         self.steps = 0  # steps planned here
 
+    def pack_target(self, rows: int) -> Optional[torch.Tensor]:
+        """Where the proposer packs a drafter pass's ``rows`` top-K rows (the buffer's leading rows: no copy at
+        :meth:`keep_top_k`), None if they do not fit."""
+        return self.top_k_buffer[:rows] if rows <= self.top_k_buffer.shape[0] else None
+
     def keep_top_k(self, packed: torch.Tensor, req_ids: tuple) -> None:
-        """After a drafter pass: its packed top-K ``[R * L, 2K]`` (float32) into the fixed buffer, for the proposal
-        of ``req_ids`` (the tuple the store's proposal holds: recognised by identity)."""
+        """After a drafter pass: its packed top-K ``[R * L, 2K]`` (float32) in the fixed buffer (copied there
+        unless it was packed there, :meth:`pack_target`), for the proposal of ``req_ids`` (the tuple the store's
+        proposal holds: recognised by identity)."""
         rows = packed.shape[0]
         if rows > self.top_k_buffer.shape[0] or packed.shape[1] != self.top_k_buffer.shape[1]:
             raise ValueError(
                 f"DDTree: a top-K of {list(packed.shape)} does not fit the device plan's {list(self.top_k_buffer.shape)}"
             )
-        self.top_k_buffer[:rows].copy_(packed)
+        if packed.data_ptr() != self.top_k_buffer.data_ptr():
+            self.top_k_buffer[:rows].copy_(packed)
         self._kept_for = req_ids
 
     def holds(self, req_ids: tuple) -> bool:

@@ -95,7 +95,14 @@ class DDTreeProposer(DFlashProposer):
         (``top1``, what vLLM's chain would have drafted)."""
         logits = self.model.compute_logits(hidden_states)
         values, ids = logits.topk(self.top_k, dim=-1)
-        return {"packed": pack_top_k(logits, values, ids), "top1": ids[:, 0]}
+        # DDTREE_DEVICE_PLAN (launch by launch): packed straight into the buffer the device plan's graph reads.
+        planner = None if self._topk_graphs_on else self._device_planner()
+        out = planner.pack_target(logits.shape[0]) if planner is not None else None
+        return {"packed": pack_top_k(logits, values, ids, out), "top1": ids[:, 0]}
+
+    def _device_planner(self):
+        """The runner's ``DevicePlanner`` (None: DDTREE_DEVICE_PLAN off; also for the tests' stand-in runners)."""
+        return getattr(getattr(self, "runner", None), "_ddtree_device_planner", None)
 
     def _draft_top_k_graphs(self) -> Optional[DraftTopKGraphs]:
         """The top-K graphs under ``DDTREE_TOPK_GRAPHS`` (None: launch by launch), sharing one memory pool."""
@@ -220,7 +227,7 @@ class DDTreeProposer(DFlashProposer):
         packed, self._capture = self._capture, None
         proposal = DeferredProposal(views[1], self.top_k, self._late_landed)
         self.last_drafts = self.store.defer(req_ids, proposal, budget=self.runner.ddtree_budget_for(batch_size))
-        planner = getattr(self.runner, "_ddtree_device_planner", None)  # (stand-in runners of tests lack it)
+        planner = self._device_planner()
         if planner is not None:  # DDTREE_DEVICE_PLAN: the next step may build these trees on the device
             planner.keep_top_k(packed, proposal.req_ids)
         return views[2]
