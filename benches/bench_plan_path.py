@@ -109,16 +109,17 @@ def vllm_parts_stubbed():
         GPUModelRunner._prepare_inputs, GPUModelRunner._preprocess, GPUModelRunner._model_forward = saved
 
 
-def build_runner(batch: int, budget: int, depth: int, top_k: int, conv_window: int = 3):
+def build_runner(batch: int, budget: int, depth: int, top_k: int, conv_window: int = 3, device: str = "cpu"):
     """A runner with the one-GPU defaults (device walk, late trees, asynchronous scheduling), no engine; a hybrid
-    GDN target's conv window ``conv_window`` (0: attention only)."""
+    GDN target's conv window ``conv_window`` (0: attention only); its tensors on ``device`` (the benches' CPU, or a
+    GPU for the tests that run the device plan's kernels compiled)."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import TreeStepBuffers
     from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
     from ddtree.vllm.staging import StepStaging
     from ddtree.vllm.step import TreeStore
 
-    cpu = torch.device("cpu")
+    cpu = torch.device(device)  # (named for the bench's usual device)
     tokens = batch * (budget + 1)
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.ddtree_cfg = DDTreeConfig(budget=budget, draft_len=depth, top_k=top_k)
@@ -139,13 +140,13 @@ def build_runner(batch: int, budget: int, depth: int, top_k: int, conv_window: i
     runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, False, None
     runner._ddtree_plan_graphs, runner.device, runner.uses_mrope = None, cpu, False
     runner.ddtree_stats = DDTreeStats(depth)
-    runner.positions = torch.arange(tokens)
+    runner.positions = torch.arange(tokens, device=cpu)
     runner.max_num_reqs = max(batch, 4)
     runner.max_model_len = 1 << 30
     # The statistics' ring (``_ddtree_landing_counts`` in checkouts before the walk wrote it on the device).
     make_ring = getattr(runner, "_ddtree_path_ring", None) or runner._ddtree_landing_counts
     runner._ddtree_counts = make_ring()
-    runner.input_ids = SimpleNamespace(gpu=torch.zeros(tokens, dtype=torch.int32))
+    runner.input_ids = SimpleNamespace(gpu=torch.zeros(tokens, dtype=torch.int32, device=cpu))
     return runner
 
 
@@ -156,13 +157,13 @@ def defer_proposal(runner, rng) -> SimpleNamespace:
 
     cfg, batch = runner.ddtree_cfg, len(runner.req_ids)
     proposer = object.__new__(DDTreeProposer)
-    proposer.store, proposer.runner, proposer.device = runner.drafter.store, runner, torch.device("cpu")
+    proposer.store, proposer.runner, proposer.device = runner.drafter.store, runner, runner.device
     proposer.draft_len, proposer.top_k, proposer.budget, proposer.cfg = cfg.draft_len, cfg.top_k, cfg.budget, cfg
     proposer._late_host = None
     logits = torch.from_numpy(rng.normal(size=(batch * cfg.draft_len, 4 * cfg.top_k)).astype(np.float32) * 2.0)
     values, ids = logits.topk(cfg.top_k, dim=-1)
     log_probs = values - torch.logsumexp(logits, dim=-1, keepdim=True)
-    proposer._capture = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+    proposer._capture = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1).to(runner.device)
     runner.ddtree_budget_for = lambda num_requests: cfg.budget
     proposer._defer(runner.req_ids, batch)
     placeholders = {req_id: [-1] * cfg.budget for req_id in runner.req_ids}
@@ -211,17 +212,18 @@ def prepare_early(runner, graphs_module, gate_module) -> None:
     runner._ddtree_early = None
 
 
-def prepare_device_plan(runner, run_kernels: bool) -> None:
-    """The runner for ``DDTREE_DEVICE_PLAN``'s steps: a device planner on CPU tensors, and the plan's graphs as
-    stand-ins: with ``run_kernels`` every replay runs the step's work (the Triton kernels: under Triton's CPU
-    interpreter only), otherwise a replay is a no-op (the host's side of a replayed graph, as :func:`prepare_early`'s
-    placement) and so is the kernels' work. Imports lazily: in an A/B, the side's own ``ddtree``."""
+def prepare_device_plan(runner, run_kernels: bool, capture=None) -> None:
+    """The runner for ``DDTREE_DEVICE_PLAN``'s steps: a device planner on the runner's device, and the plan's
+    graphs as stand-ins: with ``run_kernels`` every replay runs the step's work (the Triton kernels: under Triton's
+    CPU interpreter, or compiled on a GPU), otherwise a replay is a no-op (the host's side of a replayed graph, as
+    :func:`prepare_early`'s placement) and so is the kernels' work; ``capture``: a real one instead (a GPU's
+    ``graphs.cuda_graph_capture``). Imports lazily: in an A/B, the side's own ``ddtree``."""
     from ddtree.vllm.device_plan import DevicePlanner
     from ddtree.vllm.graphs import ShapeGraphs
 
     cfg = runner.ddtree_cfg
     planner = DevicePlanner(
-        torch.device("cpu"),
+        runner.device,
         runner.max_num_reqs,
         cfg.draft_len,
         cfg.top_k,
@@ -231,7 +233,7 @@ def prepare_device_plan(runner, run_kernels: bool) -> None:
     if not run_kernels:
         planner.build_and_lay_out = lambda *args: None
     runner._ddtree_device_planner = planner
-    runner._ddtree_plan_graphs = ShapeGraphs(placement_stand_in(run_kernels))
+    runner._ddtree_plan_graphs = ShapeGraphs(capture or placement_stand_in(run_kernels))
     runner._ddtree_step_graphs_on = True
 
 

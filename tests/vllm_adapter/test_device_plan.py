@@ -59,20 +59,25 @@ def _step_state(runner, batch: int, size: int) -> dict:
     state["step_serial"] = plan.step_serial
     state["draft_depth"] = plan.draft_depth
     return {
-        name: value.clone() if isinstance(value, torch.Tensor) else np.array(value) for name, value in state.items()
+        name: value.cpu().numpy().copy() if isinstance(value, torch.Tensor) else np.array(value)
+        for name, value in state.items()
     }
 
 
 def check_device_plan_equals_host_plan(device: str = "cpu") -> None:
-    """Run in a child under TRITON_INTERPRET=1: for each shape, three steps planned both ways from the same
-    proposals; every array equal, and the device side really planned (and never waited for the top-K)."""
+    """For each shape, three steps planned both ways from the same proposals; every array equal, and the device side
+    really planned (and never waited for the top-K). On ``cpu`` in a child under TRITON_INTERPRET=1 (graph
+    stand-ins that run their work at every replay); on ``cuda`` compiled, each side's work in real CUDA graphs."""
+    from ddtree.vllm.graphs import cuda_graph_capture
+
+    capture = cuda_graph_capture(torch.device(device)) if device == "cuda" else bench.placement_stand_in(True)
     cases = [(1, 15, 4, 8, 3), (3, 31, 6, 16, 0), (2, 63, 15, 63, 3), (4, 127, 15, 64, 3)]
     for batch, budget, depth, top_k, window in cases:
-        host = bench.build_runner(batch, budget, depth, top_k, conv_window=window)
-        host._ddtree_plan_graphs = ShapeGraphs(bench.placement_stand_in(True))
+        host = bench.build_runner(batch, budget, depth, top_k, conv_window=window, device=device)
+        host._ddtree_plan_graphs = ShapeGraphs(capture)
         host._ddtree_step_graphs_on = True
-        on_device = bench.build_runner(batch, budget, depth, top_k, conv_window=window)
-        bench.prepare_device_plan(on_device, run_kernels=True)
+        on_device = bench.build_runner(batch, budget, depth, top_k, conv_window=window, device=device)
+        bench.prepare_device_plan(on_device, run_kernels=True, capture=capture if device == "cuda" else None)
         rngs = np.random.default_rng(batch), np.random.default_rng(batch)
         with bench.vllm_parts_stubbed():
             for step in range(3):
@@ -104,6 +109,15 @@ def test_the_device_plan_is_the_host_plan_under_the_interpreter():
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "device plan equals host plan" in result.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_compiled_device_plan_in_cuda_graphs_is_the_host_plan():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter mode is covered by the CPU test")
+    check_device_plan_equals_host_plan("cuda")
 
 
 # ---- which steps are planned on the device (no kernels: the device work is a no-op here) ----
