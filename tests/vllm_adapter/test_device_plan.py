@@ -363,3 +363,23 @@ def test_the_proposer_packs_the_top_k_where_the_device_plan_reads_it():
     assert planner.holds(req_ids) and not planner.holds(tuple(["a", "b"]))  # (by identity, not value)
     drafter._topk_graphs_on = True  # graphs pack into their own memory: the deferral copies
     assert drafter._top_k_of(hidden)["packed"].data_ptr() != planner.top_k_buffer.data_ptr()
+
+
+@pytest.mark.parametrize("budget, host_planned", [(127, None), (255, "[255]")])
+def test_start_up_says_which_budgets_stay_on_the_host(monkeypatch, budget, host_planned):
+    from types import SimpleNamespace
+
+    from ddtree.vllm import runner as runner_module
+
+    lines = []
+    monkeypatch.setattr(runner_module, "logger", SimpleNamespace(info=lambda fmt, *args: lines.append(fmt % args)))
+    monkeypatch.setattr(runner_module, "device_plan_lacks", lambda *args: [])
+    monkeypatch.setenv("DDTREE_DEVICE_PLAN", "1")
+    runner = bench.build_runner(1, budget, 8, 8)
+    runner._ddtree_late_trees = True
+    assert isinstance(runner._ddtree_make_device_planner(), device_plan.DevicePlanner)
+    said = [line for line in lines if "planned on the host" in line]
+    if host_planned is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and host_planned in said[0] and "128 nodes" in said[0]

@@ -56,6 +56,7 @@ from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata
 from ddtree.vllm.counts import PathRing
+from ddtree.vllm.device_plan import MAX_TREE_SIZE as MAX_DEVICE_TREE_SIZE
 from ddtree.vllm.device_plan import DevicePlanner, fits_far_from_the_end, shape_constants
 from ddtree.vllm.min_tokens import MinTokensRequests, Pending
 from ddtree.vllm.proposer import tensor_parallel_rank
@@ -581,6 +582,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             raise RuntimeError("DDTree: DDTREE_DEVICE_PLAN=1 needs " + "; ".join(lacking))
         drafter = self.drafter
         logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=1, experimental)")
+        too_big = [b for b in self.ddtree_cfg.budgets if b + 1 > MAX_DEVICE_TREE_SIZE]
+        if too_big:
+            logger.info(
+                "DDTree: budgets %s exceed the device plan's %d nodes a tree: their steps are planned on the host",
+                too_big,
+                MAX_DEVICE_TREE_SIZE,
+            )
         return DevicePlanner(
             self.device,
             self.max_num_reqs,
