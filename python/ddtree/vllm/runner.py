@@ -705,19 +705,19 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         scheduler_output, _, _, _, num_reqs = late
         if not planner.serves(num_reqs, size):
             return False
-        limit = min(self.max_model_len, getattr(self, "effective_drafter_max_model_len", self.max_model_len))
-        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
-        if not fits_far_from_the_end(computed, size, planner.draft_len, limit):
-            return False
-        whole = take_device_plannable(
-            self.drafter.store,
-            self.input_batch.req_ids[:num_reqs],
-            scheduler_output.scheduled_spec_decode_tokens,
-            top_k_kept=planner.holds,
-        )
-        if whole is None:
-            return False
-        with self.ddtree_stats.timed("plan"):
+        with self.ddtree_stats.timed("plan"):  # (the tests too: a declined step's are its plan's host work)
+            limit = min(self.max_model_len, getattr(self, "effective_drafter_max_model_len", self.max_model_len))
+            computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+            if not fits_far_from_the_end(computed, size, planner.draft_len, limit):
+                return False
+            whole = take_device_plannable(
+                self.drafter.store,
+                self.input_batch.req_ids[:num_reqs],
+                scheduler_output.scheduled_spec_decode_tokens,
+                top_k_kept=planner.holds,
+            )
+            if whole is None:
+                return False
             self._ddtree_device_prepare(whole, num_reqs, size, scheduler_output.total_num_scheduled_tokens)
         return True
 
