@@ -383,3 +383,18 @@ def test_start_up_says_which_budgets_stay_on_the_host(monkeypatch, budget, host_
         assert said == []
     else:
         assert len(said) == 1 and host_planned in said[0] and "128 nodes" in said[0]
+
+
+def test_steady_steps_of_two_shapes_in_turn_each_upload_their_own_constants():
+    """A budget schedule or ``auto`` alternates step shapes: each device-planned step's upload holds its own
+    shape's rows and logits rows (the staging laid out anew at each change; the kernels are no-ops here)."""
+    runner, rng = _device_runner(batch=3)
+    for step, batch in enumerate([3, 2, 3, 2, 3]):
+        del runner.req_ids[batch:]
+        runner.req_ids.extend(f"r{i}" for i in range(len(runner.req_ids), batch))
+        runner.input_batch.num_reqs = batch
+        _plan(runner, _defer(runner, rng), np.full(batch, 16))
+        assert runner.ddtree_stats.device_plan_steps == step + 1
+        np.testing.assert_array_equal(runner._ddtree_plan.batch_index_gpu.numpy(), np.arange(batch))
+        np.testing.assert_array_equal(runner._ddtree_plan.logit_rows_gpu.numpy(), np.arange(16 * batch))
+        assert runner._ddtree_plan.step_serial == step
