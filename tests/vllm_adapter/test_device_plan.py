@@ -72,6 +72,14 @@ def check_device_plan_equals_host_plan(device: str = "cpu") -> None:
 
     capture = cuda_graph_capture(torch.device(device)) if device == "cuda" else bench.placement_stand_in(True)
     cases = [(1, 15, 4, 8, 3), (3, 31, 6, 16, 0), (2, 63, 15, 63, 3), (4, 127, 15, 64, 3)]
+    # Small random shapes too: a budget of 1, a depth of 1 under a wider conv window, top-K rows barely enough.
+    rng = np.random.default_rng(7)
+    for _ in range(6):
+        depth, top_k = int(rng.integers(1, 6)), int(rng.integers(2, 9))
+        reachable = sum(top_k**d for d in range(1, depth + 1))
+        budget = int(rng.integers(1, min(40, reachable) + 1))
+        cases.append((int(rng.integers(1, 5)), budget, depth, top_k, int(rng.integers(0, 5))))
+    cases.append((2, 1, 1, 2, 4))
     for batch, budget, depth, top_k, window in cases:
         host = bench.build_runner(batch, budget, depth, top_k, conv_window=window, device=device)
         host._ddtree_plan_graphs = ShapeGraphs(capture)
