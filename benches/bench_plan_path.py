@@ -283,8 +283,15 @@ def walk_call(runner):
         graphs = runner._bench_walk_graphs = WalkGraphs(lambda work: lambda: None)
     plan = runner._ddtree_plan
     target = torch.zeros(plan.num_tree_tokens, dtype=torch.int64)
-    args = (int(plan.num_nodes.max()), int(plan.trees.draft_depth) + 1, plan.num_tokens, plan.conv_window)
+    args = (int(plan.num_nodes.max()), _draft_depth(plan) + 1, plan.num_tokens, plan.conv_window)
     return graphs.walk, (plan.device_trees, target, *args)
+
+
+def _draft_depth(plan) -> int:
+    """The plan's drafter depth (``trees.draft_depth`` in checkouts before device-planned steps, whose plans have no
+    host trees until read)."""
+    depth = getattr(plan, "draft_depth", None)
+    return int(plan.trees.draft_depth) if depth is None else int(depth)
 
 
 def tensor_ops(runner, output) -> int:
@@ -426,7 +433,7 @@ def _timed_stats(bench, runner, rng, first: bool) -> float:
     with bench.vllm_parts_stubbed():
         bench.plan_step(runner, bench.defer_proposal(runner, rng))
     plan = runner._ddtree_plan
-    rows = torch.ones((len(plan.trees), int(plan.trees.draft_depth) + 2), dtype=torch.int32)
+    rows = torch.ones((int(plan.num_nodes.shape[0]), _draft_depth(plan) + 2), dtype=torch.int32)
     serial = getattr(plan, "step_serial", None)
     if serial is not None:
         runner._ddtree_counts.write(rows, torch.tensor([serial], dtype=torch.int64))
