@@ -77,6 +77,9 @@ ENGINES = {
     "ddtree-auto": _tree("auto"),  # candidates 15, 31, 63 (the default maximum)
     # The forward queued after the trees are built (DDTREE_LAUNCH_AHEAD=0): the A/B of the early launch.
     "ddtree63to15-behind": _tree({"1": 63, "8": 15}, DDTREE_LAUNCH_AHEAD="0"),
+    # Steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental): no host wait for the
+    # drafter's top-K, the build kernels on the GPU between the drafter and the forward instead.
+    "ddtree63to15-device-plan": _tree({"1": 63, "8": 15}, DDTREE_DEVICE_PLAN="1"),
 }
 
 
