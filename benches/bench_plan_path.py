@@ -238,12 +238,15 @@ def prepare_device_plan(runner, run_kernels: bool, capture=None) -> None:
 
 
 def placement_stand_in(replays_run: bool):
-    """A capture stand-in for the plan's graphs: the work runs at the capture (its outputs stay where that left
-    them, as a capture's do); a replay runs it again (``replays_run``) or does nothing."""
+    """A capture stand-in for the plan's graphs: a replay runs the work (``replays_run``; the capture itself runs
+    nothing, as a CUDA capture's does not), or the work runs once at the capture and a replay does nothing (its
+    outputs stay where that run left them, as a graph's do)."""
 
     def capture(work):
+        if replays_run:
+            return work
         work()
-        return work if replays_run else (lambda: None)
+        return lambda: None
 
     return capture
 

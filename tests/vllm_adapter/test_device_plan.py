@@ -94,6 +94,7 @@ def check_device_plan_equals_host_plan(device: str = "cpu") -> None:
                 for runner, rng in zip((host, on_device), rngs):
                     bench.plan_step(runner, bench.defer_proposal(runner, rng))
                 assert on_device.ddtree_stats.device_plan_steps == step + 1
+                assert on_device.ddtree_stats.device_plan_resumed_steps == step  # (the first step uploads)
                 assert host.ddtree_stats.device_plan_steps == 0
                 assert on_device.drafter.store.deferred is not None, "the device plan waited for the top-K"
                 expected, got = _step_state(host, batch, budget + 1), _step_state(on_device, batch, budget + 1)
@@ -461,3 +462,34 @@ def test_every_proposal_reaches_its_trees_whatever_the_traffic(rounds, seed):
         np.testing.assert_array_equal(trees.tokens, expected.tokens)
         np.testing.assert_array_equal(trees.parents, expected.parents)
         np.testing.assert_array_equal(top1, ids[:, :, 0])
+
+
+def _kernels_stubbed(monkeypatch):
+    """The device plan's two kernels as no-ops (no Triton here); the rest of its graph's work (the serial) runs."""
+    from ddtree.kernels import tree_build_triton, tree_layout_triton
+
+    monkeypatch.setattr(tree_build_triton, "build_trees_triton", lambda *args, out, **kwargs: out)
+    monkeypatch.setattr(tree_layout_triton, "whole_tree_layout_into", lambda *args, **kwargs: None)
+
+
+def test_a_steady_step_after_another_of_its_shape_uploads_nothing(monkeypatch):
+    """The device holds the shape's constants and the next serial after a device-planned step: the next one of the
+    same shape uploads nothing, its serial written on the device; a host-planned step in between (an upload, a
+    serial the device did not see) sends the next device-planned step back to uploading, once."""
+    _kernels_stubbed(monkeypatch)
+    runner, rng = bench.build_runner(2, 15, 4, 8), np.random.default_rng(0)
+    bench.prepare_device_plan(runner, run_kernels=True)  # (every replay runs the graph's work)
+    planner, staging = runner._ddtree_device_planner, runner._ddtree_plan_staging
+    uploads = []
+    for step, host_planned in enumerate([False, False, False, True, False, False]):
+        output = _defer(runner, rng)
+        if host_planned:
+            planner.forget()
+        _plan(runner, output)
+        uploads.append(staging.uploads)
+        plan = runner._ddtree_plan
+        assert plan.step_serial == step
+        assert int(plan.device_trees.step_serial[0]) == step  # what the walk writes its paths under
+        np.testing.assert_array_equal(plan.batch_index_gpu.numpy(), [0, 1])
+    assert np.diff(uploads).tolist() == [0, 0, 1, 1, 0]
+    assert runner.ddtree_stats.device_plan_resumed_steps == 3 and runner.ddtree_stats.device_plan_steps == 5

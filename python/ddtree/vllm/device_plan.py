@@ -57,6 +57,11 @@ class DevicePlanner:
         self._constants_written: Optional[tuple] = None
         # By step shape, (requests, tree size): the runner's plan of that shape and its staged arrays.
         self.templates: Dict[Tuple[int, int], tuple] = {}
+        # The next step's serial on the device: the graph writes it into the upload's view and adds one, so a
+        # device-planned step right after another of its shape uploads nothing (``resumes``).
+        self.serial = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        # After a device-planned step: (its shape, the staging's layout key and uploads, the next serial).
+        self._resume: Optional[tuple] = None
         self.steps = 0  # steps planned here
 
     def pack_target(self, rows: int) -> Optional[torch.Tensor]:
@@ -97,11 +102,26 @@ class DevicePlanner:
     def wrote_constants(self, staging) -> None:
         self._constants_written = (staging.layout_key(), staging.layouts)
 
+    def resumes(self, num_requests: int, tree_size: int, staging, serial: int) -> bool:
+        """Whether this step can run on what the last device-planned step left: the same shape, nothing uploaded
+        through ``staging`` since (so the device buffer holds this layout's constants) and ``serial`` the one the
+        device holds next (no step planned on the host since)."""
+        return self._resume == (num_requests, tree_size, staging.layout_key(), staging.uploads, serial)
+
+    def planned(self, num_requests: int, tree_size: int, staging, serial: int) -> None:
+        """A device-planned step of ``serial`` ran (its graph replayed: the device's serial is ``serial + 1``)."""
+        self._resume = (num_requests, tree_size, staging.layout_key(), staging.uploads, serial + 1)
+
     def build_and_lay_out(self, out: Mapping[str, torch.Tensor], num_requests: int, tree_size: int) -> None:
         """The step's trees from the kept top-K, laid out into ``out`` (the plan upload's device views, every
-        ``tree_layout_triton.KERNEL_OUTPUTS`` array): two launches, no allocation, no host synchronisation."""
+        ``tree_layout_triton.KERNEL_OUTPUTS`` array), and the step's serial from the device's into ``out``'s
+        ``step_serial``: a few launches, no allocation, no host synchronisation."""
         from ddtree.kernels.tree_build_triton import build_trees_triton
         from ddtree.kernels.tree_layout_triton import whole_tree_layout_into
+
+        if "step_serial" in out:
+            out["step_serial"].copy_(self.serial)
+            self.serial.add_(1)
 
         depth, k = self.draft_len, self.top_k
         packed = self.top_k_buffer[: num_requests * depth].view(num_requests, depth, 2 * k)

@@ -187,6 +187,7 @@ class DDTreeStats:
         self.landed_before_launch_steps = 0  # ... and steps that could have been, but the drafter had finished
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
         self.device_plan_steps = 0  # late tree steps whose trees were built and laid out on the device
+        self.device_plan_resumed_steps = 0  # ... of them, steps that uploaded nothing (the device held all they read)
         self.precaptured_device_plans = 0  # sizes whose device-plan graph DDTREE_PRECAPTURE captured at start-up
         # The tree counters (read through the properties below: ``trees``, ``partial_trees`` (verified with fewer
         # nodes than proposed: max_model_len, token budget), ``filler_trees`` (placeholders without a proposal,
@@ -338,6 +339,7 @@ class DDTreeStats:
             "landed_before_launch_steps": self.landed_before_launch_steps,
             "early_output_steps": self.early_output_steps,
             "device_plan_steps": self.device_plan_steps,
+            "device_plan_resumed_steps": self.device_plan_resumed_steps,
             "precaptured_device_plans": self.precaptured_device_plans,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
@@ -749,22 +751,31 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _ddtree_device_upload_and_place(self, num_reqs: int, size: int, total: int, serial: int):
         """A device-planned step's upload (the shape's constants, written into the staging when its buffer may
-        hold another layout's bytes, and ``serial``) and its graph; returns the upload's device views and the
-        placement's outputs."""
+        hold another layout's bytes, and ``serial``, which the device's serial then takes) and its graph; returns
+        the upload's device views and the placement's outputs. Right after a device-planned step of its shape,
+        with nothing uploaded and no host-planned step since, nothing is uploaded: the device holds the constants
+        and the serial already (``DevicePlanner.resumes``)."""
         planner = self._ddtree_device_planner
-        constants = self._ddtree_device_template(num_reqs, size, total)[1]
-        specs = plan_specs(num_reqs, num_reqs, total, self._ddtree_buffers.words, self._ddtree_conv_window, True)
         staging = self._ddtree_plan_staging
-        views = staging.host_arrays(self._ddtree_staged_plan_specs(specs, total, self._ddtree_conv_window > 0)[0])
-        if planner.constants_stale(staging):
-            for name, view in views.items():
-                view[...] = constants[name]
-            planner.wrote_constants(staging)
-        views["step_serial"][0] = serial
-        gpu = staging.upload_host()
+        if planner.resumes(num_reqs, size, staging, serial):
+            gpu = staging.device_views()
+            self.ddtree_stats.device_plan_resumed_steps += 1
+        else:
+            constants = self._ddtree_device_template(num_reqs, size, total)[1]
+            specs = plan_specs(num_reqs, num_reqs, total, self._ddtree_buffers.words, self._ddtree_conv_window, True)
+            views = staging.host_arrays(self._ddtree_staged_plan_specs(specs, total, self._ddtree_conv_window > 0)[0])
+            if planner.constants_stale(staging):
+                for name, view in views.items():
+                    view[...] = constants[name]
+                planner.wrote_constants(staging)
+            views["step_serial"][0] = serial
+            gpu = staging.upload_host()
+            planner.serial.copy_(gpu["step_serial"])  # (the graph takes the step's serial from the device's)
         key = (staging.layout_key(), total, "device plan")
         work = functools.partial(self._ddtree_device_place, gpu, total, num_reqs, size)
-        return gpu, self._ddtree_plan_graphs.run(key, work)
+        placed = self._ddtree_plan_graphs.run(key, work)
+        planner.planned(num_reqs, size, staging, serial)
+        return gpu, placed
 
     def _ddtree_device_place(self, gpu: Dict[str, torch.Tensor], total: int, num_reqs: int, size: int):
         """The device-planned step's device side (captured as one graph): the trees built and laid out into the

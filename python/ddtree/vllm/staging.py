@@ -140,6 +140,11 @@ class StepStaging:
         self._key, self._total = key, total
         self.layouts += 1
 
+    def device_views(self) -> Dict[str, torch.Tensor]:
+        """The current layout's device views, as the last :meth:`upload_host` returned them, without a copy: what
+        that upload left there (the caller knows nothing was uploaded since: :attr:`uploads`)."""
+        return dict(self._device_views)
+
     def layout_key(self) -> tuple:
         """What fixes the device views' addresses: the current layout and the device buffer. Two uploads with one
         key hand out views at the same addresses (a CUDA graph captured on one reads the other's arrays)."""
