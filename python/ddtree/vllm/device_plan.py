@@ -9,9 +9,11 @@ Triton kernels (``ddtree.kernels.tree_build_triton``, ``tree_layout_triton``: th
 exactly) from a device copy of the drafter's top-K, inside one CUDA graph per step shape with the placement:
 
 * the host uploads the plan staging's arrays as before, but what depends on the step's shape alone (the rows, node
-  offsets, step indices, the walk's tree and local indices: written once per layout, ``DevicePlanner.constants``)
-  and the step's serial; the arrays that depend on the trees are left as they are, and the layout kernel writes
-  them over on the device, after the copy (stream order);
+  offsets, step indices, the walk's tree and local indices: written once per layout, ``constants_stale``) and the
+  step's serial; the arrays that depend on the trees are left as they are, and the layout kernel writes them over
+  on the device, after the copy (stream order). A step right after another device-planned step of its shape
+  uploads nothing at all (``resumes``): the device buffer still holds the constants, and the graph writes the serial
+  from a device counter it advances;
 * the graph reads the top-K from one persistent device buffer (``DevicePlanner.keep_top_k``, one copy after each
   drafter pass) and the trees' scratch at fixed addresses, so one replay per step is all the host launches;
 * the host's plan object is the shape's (counts, rows, budgets: constants) with the step's serial; its trees are
