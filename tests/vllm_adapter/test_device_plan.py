@@ -15,8 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS.parent / "benches"))
@@ -409,59 +407,6 @@ def test_steady_steps_of_two_shapes_in_turn_each_upload_their_own_constants():
         np.testing.assert_array_equal(runner._ddtree_plan.batch_index_gpu.numpy(), np.arange(batch))
         np.testing.assert_array_equal(runner._ddtree_plan.logit_rows_gpu.numpy(), np.arange(16 * batch))
         assert runner._ddtree_plan.step_serial == step
-
-
-# ---- the store through mixed traffic: device-planned, host-planned and discarded proposals in any order ----
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    rounds=st.lists(st.sampled_from(["device", "host", "discard", "reorder"]), min_size=1, max_size=8),
-    seed=st.integers(0, 10_000),
-)
-def test_every_proposal_reaches_its_trees_whatever_the_traffic(rounds, seed):
-    """Rounds of one proposal each (the proposer settles the last one first, as ``_defer`` does), then: its step
-    planned on the device (taken unsettled; its host trees built later, from its own top-K, however many proposals
-    came after), on the host (``plan_verify``: the Rust trees of its top-K), some of its requests finished, or its
-    requests scheduled in another order (not device-plannable: planned on the host). Every built tree is the Rust
-    build of the proposal it came from."""
-    import ddtree
-    from ddtree.vllm.step import DeferredProposal, DeferredTrees, plan_verify
-
-    rng = np.random.default_rng(seed)
-    budget, depth, top_k = 7, 3, 4
-    store, taken = TreeStore(budget), []
-    for round_ in rounds:
-        req_ids = [f"r{i}" for i in rng.permutation(5)[: int(rng.integers(1, 5))]]
-        logits = rng.normal(size=(len(req_ids), depth, 12)).astype(np.float32)
-        ids = np.argsort(-logits, axis=-1)[..., :top_k].astype(np.int32)
-        log_probs = np.take_along_axis(logits, ids, axis=-1) - 10.0  # (below 0: log-probabilities)
-        host = np.concatenate([log_probs, ids.view(np.float32)], axis=-1)
-        store.settle()  # (the proposer's _defer)
-        drafts = store.defer(req_ids, DeferredProposal(host.copy(), top_k), budget)
-        spec = dict(zip(req_ids, drafts))
-        expected = ddtree.build_trees(log_probs, ids, budget)
-        if round_ == "device":
-            whole = take_device_plannable(store, req_ids, spec, lambda ids: True)
-            assert whole is not None
-            taken.append((DeferredTrees(store, whole, depth), expected, ids))
-        elif round_ in ("host", "reorder"):
-            order = req_ids[::-1] if round_ == "reorder" and len(req_ids) > 1 else req_ids
-            if round_ == "reorder" and len(req_ids) > 1:
-                assert take_device_plannable(store, order, spec, lambda ids: True) is None
-            n = len(order)
-            plan = plan_verify(store, order, np.zeros(n, np.int64), np.full(n, budget + 1), spec)
-            rows = [req_ids.index(r) for r in order]
-            want = ddtree.build_trees(log_probs[rows], ids[rows], budget)
-            np.testing.assert_array_equal(plan.trees.tokens, want.tokens)
-            np.testing.assert_array_equal(plan.trees.parents, want.parents)
-        else:
-            store.discard(req_ids[: int(rng.integers(1, len(req_ids) + 1))])
-    for deferred, expected, ids in taken:
-        trees, top1 = deferred.build()
-        np.testing.assert_array_equal(trees.tokens, expected.tokens)
-        np.testing.assert_array_equal(trees.parents, expected.parents)
-        np.testing.assert_array_equal(top1, ids[:, :, 0])
 
 
 def _kernels_stubbed(monkeypatch):

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ddtree
@@ -18,6 +18,7 @@ from ddtree.vllm.step import (
     chain_as_tree_check,
     plan_verify,
     stop_token_rows,
+    take_device_plannable,
     tree_size,
 )
 
@@ -676,3 +677,55 @@ def test_same_values_is_array_equal(a, b, dtypes, strided):
         if strided:
             x, y = np.repeat(x, 2)[::2], np.repeat(y, 2)[::2]
         assert same_values(x, y) == np.array_equal(x, y)
+
+
+# ---- the store through mixed traffic: device-planned (DDTREE_DEVICE_PLAN), host-planned, discarded proposals ----
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rounds=st.lists(st.sampled_from(["device", "host", "discard", "reorder"]), min_size=1, max_size=8),
+    seed=st.integers(0, 10_000),
+)
+def test_every_proposal_reaches_its_trees_whatever_the_traffic(rounds, seed):
+    """Rounds of one proposal each (the proposer settles the last one first, as ``_defer`` does), then: its step
+    planned on the device (taken unsettled; its host trees built later, from its own top-K, however many proposals
+    came after), on the host (``plan_verify``: the Rust trees of its top-K), some of its requests finished, or its
+    requests scheduled in another order (not device-plannable: planned on the host). Every built tree is the Rust
+    build of the proposal it came from."""
+    from ddtree.vllm.step import DeferredTrees
+
+    rng = np.random.default_rng(seed)
+    budget, depth, top_k = 7, 3, 4
+    store, taken = TreeStore(budget), []
+    for round_ in rounds:
+        req_ids = [f"r{i}" for i in rng.permutation(5)[: int(rng.integers(1, 5))]]
+        logits = rng.normal(size=(len(req_ids), depth, 12)).astype(np.float32)
+        ids = np.argsort(-logits, axis=-1)[..., :top_k].astype(np.int32)
+        log_probs = np.take_along_axis(logits, ids, axis=-1) - 10.0  # (below 0: log-probabilities)
+        host = np.concatenate([log_probs, ids.view(np.float32)], axis=-1)
+        store.settle()  # (the proposer's _defer)
+        drafts = store.defer(req_ids, DeferredProposal(host.copy(), top_k), budget)
+        spec = dict(zip(req_ids, drafts))
+        expected = ddtree.build_trees(log_probs, ids, budget)
+        if round_ == "device":
+            whole = take_device_plannable(store, req_ids, spec, lambda ids: True)
+            assert whole is not None
+            taken.append((DeferredTrees(store, whole, depth), expected, ids))
+        elif round_ in ("host", "reorder"):
+            order = req_ids[::-1] if round_ == "reorder" and len(req_ids) > 1 else req_ids
+            if round_ == "reorder" and len(req_ids) > 1:
+                assert take_device_plannable(store, order, spec, lambda ids: True) is None
+            n = len(order)
+            plan = plan_verify(store, order, np.zeros(n, np.int64), np.full(n, budget + 1), spec)
+            rows = [req_ids.index(r) for r in order]
+            want = ddtree.build_trees(log_probs[rows], ids[rows], budget)
+            np.testing.assert_array_equal(plan.trees.tokens, want.tokens)
+            np.testing.assert_array_equal(plan.trees.parents, want.parents)
+        else:
+            store.discard(req_ids[: int(rng.integers(1, len(req_ids) + 1))])
+    for deferred, expected, ids in taken:
+        trees, top1 = deferred.build()
+        np.testing.assert_array_equal(trees.tokens, expected.tokens)
+        np.testing.assert_array_equal(trees.parents, expected.parents)
+        np.testing.assert_array_equal(top1, ids[:, :, 0])
