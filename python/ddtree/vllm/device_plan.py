@@ -14,8 +14,9 @@ exactly) from a device copy of the drafter's top-K, inside one CUDA graph per st
   on the device, after the copy (stream order). A step right after another device-planned step of its shape
   uploads nothing at all (``resumes``): the device buffer still holds the constants, and the graph writes the serial
   from a device counter it advances;
-* the graph reads the top-K from one persistent device buffer (``DevicePlanner.keep_top_k``, one copy after each
-  drafter pass) and the trees' scratch at fixed addresses, so one replay per step is all the host launches;
+* the graph reads the top-K from one persistent device buffer (the drafter packs it there, ``pack_target``; with
+  ``DDTREE_TOPK_GRAPHS`` it is copied there, ``keep_top_k``) and the trees' scratch at fixed addresses, so one
+  replay per step is all the host launches;
 * the host's plan object is the shape's (counts, rows, budgets: constants) with the step's serial; its trees are
   built on the host only when the statistics read them, from the same top-K once it has landed
   (``ddtree.vllm.step.DeferredTrees``).
