@@ -65,7 +65,6 @@ class DevicePlanner:
         self.serial = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         # After a device-planned step: (its shape, the staging's layout key and uploads, the next serial).
         self._resume: Optional[tuple] = None
-        self.steps = 0  # steps planned here
 
     def pack_target(self, rows: int) -> Optional[torch.Tensor]:
         """Where the proposer packs a drafter pass's ``rows`` top-K rows (the buffer's leading rows: no copy at

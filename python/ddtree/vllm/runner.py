@@ -745,7 +745,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         plan.device_trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
         self._ddtree_flat_positions = placed["flat_positions"]
         self._ddtree_plan = plan
-        planner.steps += 1
         self.ddtree_stats.late_tree_steps += 1
         self.ddtree_stats.device_plan_steps += 1
 
