@@ -18,6 +18,12 @@ rank-tuple keys). Ties are broken on the keys: a node's rank tuple packed into 6
 in ``KEY_BITS`` bits, earlier depths in higher bits and a shorter tuple padded with zeros, so integer order word by
 word is lexicographic order. Work per program: ``budget`` pops of a few vector reductions each; the keys are read
 only when the best score is tied.
+
+The keys are held word-major, ``[KEY_WORDS, BLOCK_N]``. Node-major (``[BLOCK_N, KEY_WORDS]``), Triton 3.6 laid a
+256-node block out with all 256 rows in every thread: ptxas spilled ~6.5 KB a thread, and budget 255 took 14 ms on an
+H200 against 0.25 at 127 (``gpu-h200-device-tree-e9e09b0``). Word-major, ptxas reports no spill at 64, 128, 256 and
+512 nodes (56-88 registers; ``test_the_kernel_keeps_its_state_in_registers`` compiles for sm_90a without a GPU);
+not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ if triton is not None:
         score = tl.zeros([BLOCK_N], dtype=tl.float64)
         depth = tl.zeros([BLOCK_N], dtype=tl.int32)
         head = tl.zeros([BLOCK_N], dtype=tl.int32)
-        keys = tl.zeros([BLOCK_N, KEY_WORDS], dtype=tl.int64)
+        keys = tl.zeros([KEY_WORDS, BLOCK_N], dtype=tl.int64)  # word-major (see the module's note on layouts)
         # The root's 0.0 plus the first log-prob, as the core sums every score.
         root_child = tl.zeros([BLOCK_N], dtype=tl.float64) + tl.load(log_probs).to(tl.float64)
         candidate = tl.where(nodes == 0, root_child, no_score)
@@ -97,7 +103,7 @@ if triton is not None:
             next_code = (head + 1).to(tl.int64) << slot_shift
             if tl.sum(tied.to(tl.int32), axis=0) > 1:
                 for w in tl.static_range(KEY_WORDS):
-                    word = tl.sum(tl.where(words[None, :] == w, keys, 0), axis=1)
+                    word = tl.sum(tl.where(words[:, None] == w, keys, 0), axis=0)
                     word = word + tl.where(slot_word == w, next_code, 0)
                     smallest = tl.min(tl.where(tied, word, 0x7FFFFFFFFFFFFFFF), axis=0)
                     tied = tied & (word == smallest)
@@ -106,7 +112,7 @@ if triton is not None:
             parent_score = tl.sum(tl.where(is_parent, score, 0.0), axis=0)
             parent_depth = tl.sum(tl.where(is_parent, depth, 0), axis=0)
             rank = tl.sum(tl.where(is_parent, head, 0), axis=0)
-            parent_keys = tl.sum(tl.where(is_parent[:, None], keys, 0), axis=0)
+            parent_keys = tl.sum(tl.where(is_parent[None, :], keys, 0), axis=1)
             code = tl.sum(tl.where(is_parent, next_code, 0), axis=0)
             node_keys = parent_keys + tl.where(words == parent_depth // RANKS_PER_WORD, code, 0)
             node_depth = parent_depth + 1
@@ -130,7 +136,7 @@ if triton is not None:
             is_node = nodes == n
             score = tl.where(is_node, best, score)
             depth = tl.where(is_node, node_depth, depth)
-            keys = tl.where(is_node[:, None], node_keys[None, :], keys)
+            keys = tl.where(is_node[None, :], node_keys[:, None], keys)
             candidate = tl.where(is_node, child_score, candidate)
 
 

@@ -39,7 +39,8 @@ import torch
 from ddtree.kernels.device_tree import DeviceTrees
 
 #: Largest tree (budget + 1 nodes) planned on the device: the build kernel ran budgets 63 and 127 in 0.13-0.27 ms on
-#: an H200 and fell off a cliff at 255 (14 ms, ``gpu-h200-device-tree-e9e09b0``, not investigated).
+#: an H200 and fell off a cliff at 255 (14 ms, ``gpu-h200-device-tree-e9e09b0``): register spills, gone since the
+#: keys are word-major (ptxas, offline), but 255's build is not timed on a GPU yet.
 MAX_TREE_SIZE = 128
 
 
