@@ -16,8 +16,11 @@ build clamps).
 The program's state is a few register vectors of ``budget + 1`` entries (scores, depths, heads, candidate scores,
 rank-tuple keys). Ties are broken on the keys: a node's rank tuple packed into 64-bit words, ``rank + 1`` per depth
 in ``KEY_BITS`` bits, earlier depths in higher bits and a shorter tuple padded with zeros, so integer order word by
-word is lexicographic order. Work per program: ``budget`` pops of a few vector reductions each; the keys are read
-only when the best score is tied.
+word is lexicographic order. Work per program: ``budget`` pops, each a serial chain of block reductions (the best
+score; the tie count with the node; the node's score; its depth with its next child's rank; its key words), five
+where there were eight before two pairs were packed into one 64-bit reduction each and the new node's key code was
+computed from its parent's depth and rank (ptx: 30 barriers in the kernel at 64 nodes where there were 36, 24 at
+128 where there were 30; not timed on a GPU); the keys are read only when the best score is tied.
 
 The keys are held word-major, ``[KEY_WORDS, BLOCK_N]``. Node-major (``[BLOCK_N, KEY_WORDS]``), Triton 3.6 laid a
 256-node block out with all 256 rows in every thread: ptxas spilled ~6.5 KB a thread, and budget 255 took 14 ms on an
@@ -98,22 +101,32 @@ if triton is not None:
             best = tl.max(candidate, axis=0)
             tied = candidate == best
             # A candidate's rank tuple is its parent's with ``head + 1`` at the parent's depth.
-            slot_word = depth // RANKS_PER_WORD
-            slot_shift = ((RANKS_PER_WORD - 1 - depth % RANKS_PER_WORD) * KEY_BITS).to(tl.int64)
-            next_code = (head + 1).to(tl.int64) << slot_shift
-            if tl.sum(tied.to(tl.int32), axis=0) > 1:
+            # One reduction for the tie count (high half) and, without a tie, the node (low half: BLOCK_N - node;
+            # at most 512 tied terms of < 2^10 each, so the halves never mix).
+            tally = tl.sum(tl.where(tied, (1 << 32) + (BLOCK_N - nodes).to(tl.int64), 0), axis=0)
+            parent = (BLOCK_N - (tally & 0xFFFFFFFF)).to(tl.int32)
+            if (tally >> 32) > 1:
+                # Equal scores: the smaller rank tuple. A candidate's is its parent's with ``head + 1`` at the
+                # parent's depth.
+                slot_word = depth // RANKS_PER_WORD
+                slot_shift = ((RANKS_PER_WORD - 1 - depth % RANKS_PER_WORD) * KEY_BITS).to(tl.int64)
+                next_code = (head + 1).to(tl.int64) << slot_shift
                 for w in tl.static_range(KEY_WORDS):
                     word = tl.sum(tl.where(words[:, None] == w, keys, 0), axis=0)
                     word = word + tl.where(slot_word == w, next_code, 0)
                     smallest = tl.min(tl.where(tied, word, 0x7FFFFFFFFFFFFFFF), axis=0)
                     tied = tied & (word == smallest)
-            parent = tl.min(tl.where(tied, nodes, BLOCK_N), axis=0)
+                parent = tl.min(tl.where(tied, nodes, BLOCK_N), axis=0)
             is_parent = nodes == parent
             parent_score = tl.sum(tl.where(is_parent, score, 0.0), axis=0)
-            parent_depth = tl.sum(tl.where(is_parent, depth, 0), axis=0)
-            rank = tl.sum(tl.where(is_parent, head, 0), axis=0)
+            # The parent's depth (high half) and next child's rank (low half) in one reduction.
+            packed = tl.sum(tl.where(is_parent, (depth.to(tl.int64) << 32) + head.to(tl.int64), 0), axis=0)
+            parent_depth = (packed >> 32).to(tl.int32)
+            rank = (packed & 0xFFFFFFFF).to(tl.int32)
             parent_keys = tl.sum(tl.where(is_parent[None, :], keys, 0), axis=1)
-            code = tl.sum(tl.where(is_parent, next_code, 0), axis=0)
+            code = (rank + 1).to(tl.int64) << ((RANKS_PER_WORD - 1 - parent_depth % RANKS_PER_WORD) * KEY_BITS).to(
+                tl.int64
+            )
             node_keys = parent_keys + tl.where(words == parent_depth // RANKS_PER_WORD, code, 0)
             node_depth = parent_depth + 1
             token = tl.load(token_ids + parent_depth * token_depth_stride + rank).to(tl.int64)
