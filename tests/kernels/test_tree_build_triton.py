@@ -189,3 +189,34 @@ def test_the_kernel_keeps_its_state_in_registers(block_n, key_words):
         ptx.unlink()
     assert report.returncode == 0, report.stderr[-2000:]
     assert "0 bytes spill stores, 0 bytes spill loads" in report.stderr, report.stderr
+
+
+def check_the_benchs_plan_work(device: str) -> None:
+    """``bench_device_tree.plan_work`` (the device plan's launches the bench graphs) with one and four warps a
+    build program: the core's trees."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+    import bench_device_tree
+
+    log_probs, token_ids = bench_device_tree.drafter_top_k(3, 4, 8, torch.device(device))
+    for warps in (1, 4):
+        work, scratch = bench_device_tree.plan_work(log_probs, token_ids, 20, warps)
+        work()
+        bench_device_tree.check(scratch, log_probs, token_ids, 20)
+    print("plan work checks passed on", device)
+
+
+def test_the_benchs_plan_work_under_the_interpreter():
+    pytest.importorskip("triton")
+    from _triton_interpreter import check_in_interpreter
+
+    check_in_interpreter(TESTS_DIR, "test_tree_build_triton", "check_the_benchs_plan_work", timeout=600)
+
+
+def test_a_build_of_an_unsupported_warp_count_is_refused():
+    pytest.importorskip("triton")
+    from ddtree.kernels.tree_build_triton import build_trees_triton
+
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4 or 8, got 3"):
+        build_trees_triton(torch.full((1, 2, 2), -1.0), torch.zeros(1, 2, 2, dtype=torch.int32), 2, num_warps=3)

@@ -153,13 +153,27 @@ if triton is not None:
             candidate = tl.where(is_node, child_score, candidate)
 
 
+#: Warps per program. The search is a serial chain of block reductions: with one warp they are shuffles alone, with
+#: more each also crosses warps through shared memory and a barrier (ptx at 128 nodes: 0 barriers with 1 warp, 24
+#: with 2 or 4). Which is faster on a GPU is not measured yet (``benches/bench_device_tree.py --build-warps 4 1``);
+#: 4 is what every earlier GPU run used.
+BUILD_NUM_WARPS = 4
+
+
 def build_trees_triton(
-    log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int, out: Optional[DeviceTrees] = None
+    log_probs: torch.Tensor,
+    token_ids: torch.Tensor,
+    budget: int,
+    out: Optional[DeviceTrees] = None,
+    num_warps: int = BUILD_NUM_WARPS,
 ) -> DeviceTrees:
     """:func:`ddtree.kernels.device_tree.build_trees` in one Triton launch, one program per request: the same
     arguments and checks, the same :class:`DeviceTrees` (the Rust core's trees, positive log-probabilities within
     the core's tolerance included). ``out``: the caller's tensors to write (``[R, budget + 1]`` each, contiguous;
-    scores float64, the rest int64), returned: no allocation, so a CUDA graph can hold the launch."""
+    scores float64, the rest int64), returned: no allocation, so a CUDA graph can hold the launch. ``num_warps``:
+    a program's warps (a power of two, 1 to 8)."""
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
     if triton is None:
         raise RuntimeError("build_trees_triton needs triton; use ddtree.kernels.device_tree.build_trees")
     check_top_k(log_probs, token_ids, budget)
@@ -201,6 +215,7 @@ def build_trees_triton(
             KEY_WORDS=max(2, triton.next_power_of_2(words)),
             KEY_BITS=bits,
             RANKS_PER_WORD=per_word,
+            num_warps=num_warps,
         )
     return out
 
