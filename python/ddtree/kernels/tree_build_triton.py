@@ -100,7 +100,6 @@ if triton is not None:
         for n in range(1, budget + 1):
             best = tl.max(candidate, axis=0)
             tied = candidate == best
-            # A candidate's rank tuple is its parent's with ``head + 1`` at the parent's depth.
             # One reduction for the tie count (high half) and, without a tie, the node (low half: BLOCK_N - node;
             # at most 512 tied terms of < 2^10 each, so the halves never mix).
             tally = tl.sum(tl.where(tied, (1 << 32) + (BLOCK_N - nodes).to(tl.int64), 0), axis=0)
