@@ -593,7 +593,7 @@ SWITCH_COUNTERS = {
     "DDTREE_COMMIT_IN_PLACE": ("commit_in_place_steps",),
     "DDTREE_PRECAPTURE": ("precaptured_sizes",),
     "DDTREE_TOPK_GRAPHS": ("topk_graph_steps",),
-    "DDTREE_DEVICE_PLAN": ("device_plan_steps",),
+    "DDTREE_DEVICE_PLAN": ("device_plan_steps", "device_plan_resumed_steps"),
 }
 
 
