@@ -655,6 +655,9 @@ def switched_paths_exercised(env, summary):
     ]
     if env.get("DDTREE_PRECAPTURE") == "all":  # the commit's graphs at start-up too
         checks.append(("precaptured_commits", summary.get("precaptured_commits", 0) > 0))
+    if env.get("DDTREE_DEVICE_PLAN") == "1" and env.get("DDTREE_PRECAPTURE", "1") != "0":
+        # The device plan's graphs are captured at start-up with the placement's (the default precapture).
+        checks.append(("precaptured_device_plans", summary.get("precaptured_device_plans", 0) > 0))
     return checks
 
 

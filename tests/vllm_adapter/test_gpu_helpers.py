@@ -298,6 +298,17 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     checks = dict(switched_paths_exercised(everything, dict(ran, precaptured_sizes=32, precaptured_commits=0)))
     assert checks["precaptured_sizes"] is True and checks["precaptured_commits"] is False
     assert ("precaptured_commits", True) in switched_paths_exercised(everything, dict(ran, precaptured_commits=32))
+    # DDTREE_DEVICE_PLAN: device-planned steps, steps that uploaded nothing, and its graphs captured at start-up.
+    device_plan = ENGINES["ddtree64-async-device-plan"]["env"]
+    shown = dict(ran, device_plan_steps=40, device_plan_resumed_steps=35, precaptured_device_plans=32)
+    checks = dict(switched_paths_exercised(device_plan, shown))
+    assert [checks[k] for k in ("device_plan_steps", "device_plan_resumed_steps", "precaptured_device_plans")] == [
+        True, True, True,
+    ]  # fmt: skip
+    checks = dict(switched_paths_exercised(device_plan, dict(shown, device_plan_resumed_steps=0)))
+    assert checks["device_plan_resumed_steps"] is False
+    lazy = dict(device_plan, DDTREE_PRECAPTURE="0")
+    assert "precaptured_device_plans" not in dict(switched_paths_exercised(lazy, shown))
 
 
 def test_harness_fails_an_engine_whose_statistics_lost_device_walked_steps():
