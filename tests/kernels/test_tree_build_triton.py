@@ -149,46 +149,25 @@ def test_an_out_of_the_wrong_shape_or_dtype_is_refused(name, bad, message):
 
 @pytest.mark.parametrize("block_n, key_words", [(64, 2), (128, 2), (256, 2), (256, 4)])
 def test_the_kernel_keeps_its_state_in_registers(block_n, key_words):
-    """The build kernel compiled for an H200 (sm_90a) without a GPU: ptxas spills nothing at any block size the
-    budgets use. Budget 255 once took 14 ms (``gpu-h200-device-tree-e9e09b0``): with node-major keys ``[BLOCK_N,
-    KEY_WORDS]`` Triton laid a 256-row block out with every row in every thread, and ptxas spilled ~6.5 KB a
-    thread; the keys are word-major now."""
+    """The build kernel compiled for an H200 (sm_90a) without a GPU (``benches/ptxas_report.py``): ptxas spills
+    nothing at any block size the budgets use. Budget 255 once took 14 ms (``gpu-h200-device-tree-e9e09b0``): with
+    node-major keys ``[BLOCK_N, KEY_WORDS]`` Triton laid a 256-row block out with every row in every thread, and
+    ptxas spilled ~6.5 KB a thread; the keys are word-major now."""
     triton = pytest.importorskip("triton")
-    import subprocess
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton's ptxas is not installed")
+    import sys
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+    try:
+        import ptxas_report
+    except ImportError as exc:  # pragma: no cover - a triton that cannot name a compile target
+        pytest.skip(f"cannot compile for sm_90a here: {exc}")
     from ddtree.kernels import tree_build_triton
 
-    try:
-        from triton.backends.compiler import GPUTarget
-    except ImportError:  # pragma: no cover - older triton
-        pytest.skip("this triton cannot name a compile target")
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("triton's ptxas is not installed")
-    ints = ["budget", "num_depths", "top_k", "lp_request_stride", "lp_depth_stride", "token_request_stride",
-            "token_depth_stride", "out_stride"]  # fmt: skip
-    signature = {"log_probs_ptr": "*fp32", "token_ids_ptr": "*i32", "parents_ptr": "*i64", "depths_ptr": "*i64",
-                 "tokens_ptr": "*i64", "scores_ptr": "*fp64", "ranks_ptr": "*i64", **{name: "i32" for name in ints},
-                 "BLOCK_N": "constexpr", "KEY_WORDS": "constexpr", "KEY_BITS": "constexpr",
-                 "RANKS_PER_WORD": "constexpr"}  # fmt: skip
     constants = {"BLOCK_N": block_n, "KEY_WORDS": key_words, "KEY_BITS": 7, "RANKS_PER_WORD": 9}
-    source = triton.compiler.ASTSource(
-        fn=tree_build_triton._best_first_kernel, signature=signature, constexprs=constants
-    )
-    try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except Exception as exc:  # pragma: no cover - a triton without the CUDA backend's compiler here
-        pytest.skip(f"cannot compile for sm_90a here: {exc}")
-    ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddtree_build_{block_n}_{key_words}_{os.getpid()}.ptx"
-    ptx.write_text(compiled.asm["ptx"])
-    try:
-        report = subprocess.run(
-            [str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True, timeout=120
-        )
-    finally:
-        ptx.unlink()
-    assert report.returncode == 0, report.stderr[-2000:]
-    assert "0 bytes spill stores, 0 bytes spill loads" in report.stderr, report.stderr
+    report = ptxas_report.ptxas_report(tree_build_triton._best_first_kernel, ptxas_report.BUILD, constants, {})
+    assert report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0, report
 
 
 def check_the_benchs_plan_work(device: str) -> None:
