@@ -474,14 +474,14 @@ def _prepare_side(path: str, bench, runner, rng, modules, this: bool) -> None:
     if path == "device" and this:
         bench.prepare_device_plan(runner, run_kernels=False)
     elif path == "device":  # the host plan, its placement a replayed graph as on a GPU
-        runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(lambda work: work() or (lambda: None))
+        runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(placement_stand_in(False))
         runner._ddtree_step_graphs_on = True
     elif path == "early":
         bench.prepare_early(runner, graphs_module, modules["ddtree.vllm.launch_gate"])
     elif path == "walk":
         # The placement as a graph whose outputs stay where its capture left them (as on a GPU, where the walk's
         # trees are the upload's views and those outputs); its replay a no-op here.
-        runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(lambda work: work() or (lambda: None))
+        runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(placement_stand_in(False))
         runner._ddtree_step_graphs_on = True
     elif path == "sampler":
         with bench.vllm_parts_stubbed():

@@ -55,8 +55,8 @@ class DevicePlanner:
         # [rows, 2K] float32: the log-probabilities, then the ids' int32 bits (the proposer's packed layout).
         self.top_k_buffer = torch.zeros((max_requests * draft_len, 2 * top_k), dtype=torch.float32, device=self.device)
         self._kept_for: Optional[tuple] = None  # the request ids of the proposal whose top-K the buffer holds
-        self._scratch: Dict[Tuple[int, int], DeviceTrees] = {}
-        self._placement: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        # By step shape, (requests, tree size): the trees' scratch and the placement's starts and query starts.
+        self._shapes: Dict[Tuple[int, int], Tuple[DeviceTrees, torch.Tensor, torch.Tensor]] = {}
         # The staging layout the shape constants were last written into (``(layout key, layouts made)``).
         self._constants_written: Optional[tuple] = None
         # By step shape, (requests, tree size): the runner's plan of that shape and its staged arrays.
@@ -129,9 +129,8 @@ class DevicePlanner:
         depth, k = self.draft_len, self.top_k
         packed = self.top_k_buffer[: num_requests * depth].view(num_requests, depth, 2 * k)
         log_probs, token_ids = packed[..., :k], packed[..., k:].view(torch.int32)
-        scratch = self._scratch_for(num_requests, tree_size)
+        scratch, starts, query_starts = self._shape(num_requests, tree_size)
         trees = build_trees_triton(log_probs, token_ids, tree_size - 1, out=scratch)
-        starts, query_starts = self._placement_for(num_requests, tree_size)
         # (Positions from zero: under asynchronous scheduling the placement takes each root's position from vLLM's
         # corrected ones on the device, plus the depths, and never reads these.)
         whole_tree_layout_into(
@@ -147,25 +146,21 @@ class DevicePlanner:
             out=out,
         )
 
-    def _scratch_for(self, num_requests: int, tree_size: int) -> DeviceTrees:
+    def _shape(self, num_requests: int, tree_size: int) -> Tuple[DeviceTrees, torch.Tensor, torch.Tensor]:
+        """A step shape's device state, made at its first step: the trees' scratch, the roots' (unread) starts and
+        the trees' query starts."""
         key = (num_requests, tree_size)
-        scratch = self._scratch.get(key)
-        if scratch is None:
+        state = self._shapes.get(key)
+        if state is None:
 
             def new(dtype=torch.int64):
                 return torch.empty((num_requests, tree_size), dtype=dtype, device=self.device)
 
-            scratch = self._scratch[key] = DeviceTrees(new(), new(), new(), new(torch.float64), new())
-        return scratch
-
-    def _placement_for(self, num_requests: int, tree_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (num_requests, tree_size)
-        placement = self._placement.get(key)
-        if placement is None:
+            scratch = DeviceTrees(new(), new(), new(), new(torch.float64), new())
             starts = torch.zeros(num_requests, dtype=torch.int64, device=self.device)
             query_starts = torch.arange(num_requests, dtype=torch.int64, device=self.device) * tree_size
-            placement = self._placement[key] = (starts, query_starts)
-        return placement
+            state = self._shapes[key] = (scratch, starts, query_starts)
+        return state
 
 
 def fits_far_from_the_end(num_computed_tokens: np.ndarray, tree_size: int, draft_len: int, max_model_len: int) -> bool:
@@ -179,14 +174,3 @@ def fits_far_from_the_end(num_computed_tokens: np.ndarray, tree_size: int, draft
     margin = 2 * tree_size + 2 * (draft_len + 1)
     # (A list's max: numpy's reduction costs ~5 us on a cold CPU path here, the list ~1.)
     return max(num_computed_tokens.tolist()) + margin <= max_model_len
-
-
-def shape_constants(arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """Read-only copies of a filler plan's staged arrays: what a device-planned step of that shape uploads, its
-    tree-dependent arrays then written over on the device."""
-    constants = {}
-    for name, array in arrays.items():
-        copy = np.array(array)
-        copy.setflags(write=False)
-        constants[name] = copy
-    return constants

@@ -57,7 +57,7 @@ from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata
 from ddtree.vllm.counts import PathRing
 from ddtree.vllm.device_plan import MAX_TREE_SIZE as MAX_DEVICE_TREE_SIZE
-from ddtree.vllm.device_plan import DevicePlanner, fits_far_from_the_end, shape_constants
+from ddtree.vllm.device_plan import DevicePlanner, fits_far_from_the_end
 from ddtree.vllm.min_tokens import MinTokensRequests, Pending
 from ddtree.vllm.proposer import tensor_parallel_rank
 from ddtree.vllm.config import (
@@ -806,10 +806,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         fill_plan_extras(extras, plan, total)
         # Not a filler step's: a device-planned step's trees are its proposal's, on the device.
         plan.trees = plan.top1_tokens = plan.filler_mask = None
-        for array in vars(plan).values():  # shared by every step of the shape
+        for array in (*vars(plan).values(), *staged.values()):  # shared by every step of the shape
             if isinstance(array, np.ndarray):
                 array.setflags(write=False)
-        entry = (plan, shape_constants(staged))
+        entry = (plan, staged)
         return keep(templates, (num_reqs, size), entry, MAX_KEPT_SHAPES)
 
     def _ddtree_queue_early(self, late: tuple) -> bool:

@@ -420,11 +420,8 @@ def take_device_plannable(
     build makes), and ``top_k_kept(its request ids)`` says the device holds its top-K, whether or not that has
     reached the host; None otherwise, and nothing is taken. The same test as :func:`plan_verify`'s usual late step,
     without the settled top-K."""
-    whole = store.whole_proposal_of(req_ids, settled=False)
+    whole, _ = _whole_late_step(store, req_ids, scheduled_spec_tokens, settled=False)
     if whole is None or whole.size != whole.budget or not top_k_kept(whole.req_ids):
-        return None
-    scheduled = list(map(scheduled_spec_tokens.get, req_ids))
-    if not all(scheduled) or _late_uniform_budget(scheduled, (), True) != whole.size:
         return None
     return store.take_unsettled()
 
@@ -578,11 +575,15 @@ def plan_verify(
 
 
 def _whole_late_step(
-    store: TreeStore, req_ids: Sequence[str], scheduled_spec_tokens: Mapping[str, Sequence[int]]
+    store: TreeStore,
+    req_ids: Sequence[str],
+    scheduled_spec_tokens: Mapping[str, Sequence[int]],
+    settled: bool = True,
 ) -> Tuple[Optional[WholeProposal], Optional[List[Sequence[int]]]]:
     """The store's whole proposal and the scheduled drafts when this step verifies exactly its trees, every one
-    whole (each request scheduled its placeholders, all of them) and in its order; ``(None, None)`` otherwise."""
-    whole = store.whole_proposal_of(req_ids)
+    whole (each request scheduled its placeholders, all of them) and in its order, and (``settled``) the proposal's
+    top-K has reached the host; ``(None, None)`` otherwise."""
+    whole = store.whole_proposal_of(req_ids, settled)
     if whole is None:
         return None, None
     scheduled = list(map(scheduled_spec_tokens.get, req_ids))
