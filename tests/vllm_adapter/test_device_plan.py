@@ -229,6 +229,31 @@ def test_the_shape_constants_are_written_again_after_another_layout():
     np.testing.assert_array_equal(runner._ddtree_plan.logit_rows_gpu.numpy(), np.arange(32))
 
 
+
+def test_a_device_planned_steps_min_tokens_and_penalty_rows_are_the_host_plans():
+    """The sampler's per-node constraints read each node's depth (min_tokens) and root path (penalties, bad words):
+    on a device-planned step they come from the host's build of the same top-K, as a host plan's would (c4ff208's
+    H200 e2e run crashed here: a device-planned step has no host trees until something reads them)."""
+    from ddtree.vllm.step import row_output_tokens, stop_token_rows
+
+    host, host_rng = _device_runner(batch=3, budget=15, depth=4)
+    host._ddtree_device_planner = None  # the same runner, planning on the host
+    on_device, device_rng = _device_runner(batch=3, budget=15, depth=4)
+    for step in range(2):
+        for runner, rng in ((host, host_rng), (on_device, device_rng)):
+            _plan(runner, _defer(runner, rng))
+        assert on_device.ddtree_stats.device_plan_steps == step + 1 and host.ddtree_stats.device_plan_steps == 0
+        expected, got = host._ddtree_plan, on_device._ddtree_plan
+        assert got.trees is None  # nothing has read them yet
+        counts = np.full(3, 16)
+        starts = np.arange(3) * 16
+        pending = [(0, 2, [5, 6]), (2, 30, [7])]  # two depths masked in request 0, every node in request 2
+        for want, have in zip(stop_token_rows(expected, starts, pending), stop_token_rows(got, starts, pending)):
+            np.testing.assert_array_equal(have, want)
+        history = [[1, 2], [3], []]
+        assert row_output_tokens(got, history, counts) == row_output_tokens(expected, history, counts)
+        assert len(row_output_tokens(got, history, counts)) == 48
+
 # ---- the store and the plan's host trees ----
 
 

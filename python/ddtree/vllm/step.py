@@ -352,7 +352,8 @@ class VerifyPlan:
 
     def host_trees(self) -> "ddtree.TreeBatch":
         """The step's trees on the host: :attr:`trees`, built first for a device-planned step (from its top-K once
-        that has reached the host; :attr:`top1_tokens` with them). Off the step's path: the statistics read them."""
+        that has reached the host; :attr:`top1_tokens` with them). Off the usual step's path: the statistics read
+        them, and a step whose sampling reads each node's depth or root path (min_tokens, penalties, bad words)."""
         if self.trees is None:
             self.trees, self.top1_tokens = self.deferred_trees.build()
         return self.trees
@@ -937,9 +938,10 @@ def accept(
     drafts + 1); accepted paths never exceed it because a request with ``b``
     drafts has no node deeper than ``b`` (a longer one is a ValueError).
     """
-    result = ddtree.accept_trees(plan.trees, np.ascontiguousarray(node_target_tokens, dtype=np.int64))
+    trees = plan.host_trees()
+    result = ddtree.accept_trees(trees, np.ascontiguousarray(node_target_tokens, dtype=np.int64))
     out = arrays(acceptance_specs(result, width, plan.num_tokens, plan.conv_window))
-    ddtree.acceptance_layout_into(plan.trees, result, plan.query_starts, **out)
+    ddtree.acceptance_layout_into(trees, result, plan.query_starts, **out)
     return AcceptPlan(accepted=result, **out)
 
 
@@ -974,7 +976,7 @@ def emitted_logit_rows(
     if plan is None or accepted is None:
         return rows
     paths = accepted.paths
-    offsets = plan.trees.node_offsets
+    offsets = plan.host_trees().node_offsets
     for j, r in enumerate(plan.batch_index):
         path = paths[j][paths[j] >= 0].astype(np.int64)[:width]
         rows[r, : path.shape[0]] = plan.logit_rows[offsets[j] + path]
@@ -1007,8 +1009,9 @@ def stop_token_rows(
         if j is None:
             masked = np.array([row_starts[r]], dtype=np.int64)
         else:
-            lo, hi = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
-            masked = plan.logit_rows[lo:hi][plan.trees.depths[lo:hi] < remaining]
+            trees = plan.host_trees()  # (a device-planned step's: built from its top-K on this first read)
+            lo, hi = trees.node_offsets[j], trees.node_offsets[j + 1]
+            masked = plan.logit_rows[lo:hi][trees.depths[lo:hi] < remaining]
         rows.append(np.repeat(masked, len(stops)))
         tokens.append(np.tile(np.asarray(list(stops), dtype=np.int64), masked.shape[0]))
     if not rows:
@@ -1033,9 +1036,10 @@ def row_output_tokens(
         if j is None:
             rows.extend([committed] * int(count))
             continue
-        first, last = plan.trees.node_offsets[j], plan.trees.node_offsets[j + 1]
-        parents = plan.trees.parents[first:last]
-        tokens = plan.trees.tokens[plan.trees.token_offsets[j] : plan.trees.token_offsets[j + 1]]
+        trees = plan.host_trees()  # (a device-planned step's: built from its top-K on this first read)
+        first, last = trees.node_offsets[j], trees.node_offsets[j + 1]
+        parents = trees.parents[first:last]
+        tokens = trees.tokens[trees.token_offsets[j] : trees.token_offsets[j + 1]]
         paths: List[List[int]] = [[]]
         for node in range(1, last - first):  # parents come first (pop order)
             paths.append(paths[parents[node]] + [int(tokens[node - 1])])
