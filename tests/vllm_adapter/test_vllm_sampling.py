@@ -525,3 +525,72 @@ def test_step_rows_are_kept_by_their_counts_read_only(monkeypatch):
     for n in range(4):
         sampler.step_rows([n], cpu)
     assert len(sampler._STEP_ROWS) <= 2
+
+
+def test_a_seeded_requests_token_is_the_same_in_a_step_without_drafts_and_beside_a_tree():
+    """A seeded request's first token is sampled either in a step without drafts (vLLM's ``_sample`` would call
+    vLLM's sampler, which draws from the request's generator) or beside other requests' trees (ddtree's sampler,
+    noise by seed and position), as arrival times fall. The runner samples a step without drafts with ddtree's
+    sampler whenever a request is seeded, so both give the same token; a greedy step stays vLLM's."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(3)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 5.0
+    ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    logits = torch.from_numpy(rng.normal(size=(13, 20)).astype(np.float32) * 0.3)  # flat: the noise decides
+
+    def sampling(seed):
+        return SimpleNamespace(
+            temperature=torch.ones(3),
+            all_greedy=False,
+            top_k=None,
+            top_p=None,
+            generators={0: torch.Generator().manual_seed(seed)},  # request "p", its first token at position 4
+            no_penalties=True,
+            bad_words_token_ids={},
+            allowed_token_ids_mask=None,
+            max_num_logprobs=None,
+        )
+
+    def beside_trees(seed):
+        store = TreeStore(budget=6)
+        lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+        drafts = [[], lists[0], lists[1][:4]]
+        plan = plan_verify(
+            store, ["p", "a", "b"], np.array([3, 10, 20]), np.array([1, 7, 5]), {"a": drafts[1], "b": drafts[2]}
+        )
+        plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+        plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+        runner = _fake_runner(plan, False)
+        positions = torch.zeros(16, dtype=torch.int64)
+        positions[0] = 3
+        runner.uses_mrope, runner.positions = False, positions
+        md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+        md.bonus_logits_indices = torch.tensor([0, 7, 12])
+        return DDTreeRejectionSampler(runner)(md, None, logits, sampling(seed)).sampled_token_ids[0, 0].item()
+
+    def without_drafts(seed, metadata=None):
+        runner = _fake_runner(SimpleNamespace(), False)
+        runner._ddtree_plan = None
+        for name in ("_ddtree_samples_draftless_step", "_ddtree_sample_draftless_step"):
+            setattr(runner, name, getattr(DDTreeGPUModelRunner, name).__get__(runner))
+        runner.uses_mrope = False
+        runner.positions = torch.tensor([0, 1, 2, 3, 40, 41, 7, 8])  # "p"'s prompt ends at index 3, position 3
+        runner._ddtree_draftless_logits_indices = torch.tensor([3, 5, 7])
+        metadata = metadata or sampling(seed)
+        runner.input_batch = SimpleNamespace(sampling_metadata=metadata, update_async_output_token_ids=lambda: None)
+        runner.rejection_sampler = DDTreeRejectionSampler(runner)
+        rows = logits[[0, 1, 2]]
+        if not runner._ddtree_samples_draftless_step(rows):
+            return None
+        return runner._ddtree_sample_draftless_step(rows).sampled_token_ids[0, 0].item()
+
+    firsts = [beside_trees(seed) for seed in range(8)]
+    assert [without_drafts(seed) for seed in range(8)] == firsts
+    assert len(set(firsts)) > 1  # the seed decides (a test that cannot fail would not)
+    greedy = SimpleNamespace(generators={}, all_greedy=True)
+    assert without_drafts(0, greedy) is None  # no seeded request: vLLM's own sampler

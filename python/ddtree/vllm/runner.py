@@ -443,6 +443,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_early: Optional[EarlyLaunch] = None
     # DDTREE_DEVICE_PLAN (experimental): steady steps' trees built on the device; off until __init__ makes it.
     _ddtree_device_planner: Optional[DevicePlanner] = None
+    _ddtree_draftless_logits_indices: Optional[torch.Tensor] = None  # a step without drafts: its logits rows' tokens
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
@@ -897,6 +898,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_late_step = self._ddtree_early_token_index = None
         context.withdraw()
         self._ddtree_gdn_step = None
+        # A step without drafts keeps its logits rows' token indices: ddtree samples it when a request is seeded.
+        self._ddtree_draftless_logits_indices = logits_indices if spec_decode_metadata is None else None
         if spec_decode_metadata is None:
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
@@ -1506,7 +1509,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     # ---- acceptance ----------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
-        out = super()._sample(logits, spec_decode_metadata)
+        if spec_decode_metadata is None and self._ddtree_samples_draftless_step(logits):
+            out = self._ddtree_sample_draftless_step(logits)
+        else:
+            out = super()._sample(logits, spec_decode_metadata)
         plan, accept, gpu = self._ddtree_plan, self._ddtree_accept, self._ddtree_accept_gpu
         self._ddtree_accept_gpu = None
         if plan is not None and gpu is not None:
@@ -1592,6 +1598,29 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             sampler_output = dataclasses.replace(sampler_output, sampled_token_ids=early[1])
             self.ddtree_stats.early_output_steps += 1
         return super()._bookkeeping_sync(scheduler_output, sampler_output, *args, **kwargs)
+
+    def _ddtree_samples_draftless_step(self, logits) -> bool:
+        """Whether ddtree's sampler, not vLLM's, samples this step without drafts: when a request in it is seeded.
+        vLLM's sampler draws a seeded request's noise from its generator; ddtree's takes it from the request's seed
+        and the position sampled (``seeded_noise``). A seeded request's first token is sampled in a step without
+        drafts or beside other requests' trees, as arrival times fall: with two rules, one request sent twice
+        could start differently (the served n=2 seeded check did, ``gpu-h200-device-plan-c4ff208``)."""
+        from ddtree.vllm.sampler import DDTreeRejectionSampler
+
+        return (
+            logits is not None
+            and self._ddtree_draftless_logits_indices is not None
+            and isinstance(getattr(self, "rejection_sampler", None), DDTreeRejectionSampler)
+            and bool(self.input_batch.sampling_metadata.generators)
+        )
+
+    def _ddtree_sample_draftless_step(self, logits):
+        """vLLM's ``_sample`` of a step without drafts, by ddtree's sampler (one row per request, no tree)."""
+        from ddtree.vllm.sampler import DraftlessStep
+
+        self.input_batch.update_async_output_token_ids()  # (as vLLM's own does first: penalties read them)
+        step = DraftlessStep.of(self._ddtree_draftless_logits_indices)
+        return self.rejection_sampler(step, None, logits, self.input_batch.sampling_metadata)
 
     def ddtree_accept_on_device(
         self, plan: VerifyPlan, node_tokens: torch.Tensor, width: int

@@ -114,6 +114,22 @@ def _rows_of_requests_without_trees(tokens, metadata, num_reqs: int, width: int)
     return out
 
 
+class DraftlessStep(NamedTuple):
+    """What :class:`DDTreeRejectionSampler` reads of vLLM's ``SpecDecodeMetadata``, for a step in which no request
+    verifies drafts: one logits row per request, from the hidden state at ``logits_indices``."""
+
+    num_draft_tokens: list
+    max_spec_len: int
+    bonus_logits_indices: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @classmethod
+    def of(cls, logits_indices: torch.Tensor) -> "DraftlessStep":
+        num_reqs = int(logits_indices.shape[0])
+        rows = torch.arange(num_reqs, device=logits_indices.device)
+        return cls([0] * num_reqs, 0, rows, logits_indices)
+
+
 class StepRows(NamedTuple):
     """A step's logits rows by request (read-only): ``counts[r]`` rows from ``starts[r]``, and the per-row repeat of
     per-request settings."""

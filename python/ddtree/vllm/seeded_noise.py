@@ -5,7 +5,9 @@ Every verified node samples the token one position past it with an exponential r
 request's samples to the sizes of its trees: under ``ddtree_budget: "auto"``, whose budgets follow measured step
 times, two runs of one seeded request came out different (``gpu-h200-e2e-94baa94``). Here ``E`` for vocabulary
 entry ``v`` at absolute position ``p`` is a hash of ``(seed, p, v)``: the same whatever the tree, the budget or the
-batch, so a seeded request repeats exactly.
+batch, so a seeded request repeats exactly. Its every token: a step in which no request verifies drafts is sampled
+by ddtree's sampler too when a request in it is seeded (``runner._ddtree_samples_draftless_step``), not by vLLM's,
+which draws from the generator.
 
 Still exact: nodes of one depth share their position, hence their noise, but only one of them can be on the
 accepted path, which the samples of the positions before it choose; a position's noise decides nothing that is
