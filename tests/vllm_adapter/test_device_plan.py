@@ -229,7 +229,6 @@ def test_the_shape_constants_are_written_again_after_another_layout():
     np.testing.assert_array_equal(runner._ddtree_plan.logit_rows_gpu.numpy(), np.arange(32))
 
 
-
 def test_a_device_planned_steps_min_tokens_and_penalty_rows_are_the_host_plans():
     """The sampler's per-node constraints read each node's depth (min_tokens) and root path (penalties, bad words):
     on a device-planned step they come from the host's build of the same top-K, as a host plan's would (c4ff208's
@@ -253,6 +252,7 @@ def test_a_device_planned_steps_min_tokens_and_penalty_rows_are_the_host_plans()
         history = [[1, 2], [3], []]
         assert row_output_tokens(got, history, counts) == row_output_tokens(expected, history, counts)
         assert len(row_output_tokens(got, history, counts)) == 48
+
 
 # ---- the store and the plan's host trees ----
 
