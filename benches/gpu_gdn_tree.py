@@ -312,7 +312,7 @@ def run_timings(main_rows: list, sweep_rows: list, budgets=(16, 64, 256), batche
                 trees = [draft_like_parents(budget + 1, gen) for _ in range(batch)]
                 problem = Problem(trees, seed=batch)
                 block_v = gdn_tree_triton._default_block_v(batch * HV, DV)
-                row["default"] = f"BV={block_v}"
+                row["default"] = f"BC={gdn_tree_triton.DEFAULT_BLOCK_C} BV={block_v}"
                 row["verify"] = bench_us(lambda: problem.verify())
                 _, deltas, cum = problem.verify()
                 paths = [tree_topology.root_path(torch.tensor(t), len(t) - 1) for t in trees]

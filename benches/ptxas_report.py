@@ -103,10 +103,12 @@ CASES = [
     ],
     ("draft top-K pack, K 64", draft_top_k._pack_top_k_kernel, PACK, dict(BLOCK_V=2048, BLOCK_K=64), dict(num_warps=4)),
     *[
-        (f"tree GDN verify, 27B, block_v {bv}, {w} warps, {s} stages", gdn_triton._tree_gdn_fwd_kernel, GDN_FWD,
-         dict(GDN_27B, BT=16, BC=64, BK=128, BKC=32, BV=bv, PRECISION="tf32x3", RAW_GATING=True, L2NORM=True),
+        (f"tree GDN verify, 27B, block_c {bc}, block_v {bv}, {w} warps, {s} stages", gdn_triton._tree_gdn_fwd_kernel,
+         GDN_FWD,
+         dict(GDN_27B, BT=16, BC=bc, BK=128, BKC=32, BV=bv, PRECISION="tf32x3", RAW_GATING=True, L2NORM=True),
          dict(num_warps=w, num_stages=s))
-        for bv, w, s in ((64, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 3))
+        for bc, bv, w, s in ((32, 64, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 3),
+                             (64, 128, 8, 3))
     ],
     ("tree GDN commit, 27B, block_v 32", gdn_triton._tree_gdn_commit_kernel, GDN_COMMIT,
      dict(GDN_27B, BP=16, BK=128, BV=32, PRECISION="tf32x3", L2NORM=True), dict(num_warps=4)),

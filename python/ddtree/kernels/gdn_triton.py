@@ -531,18 +531,22 @@ def ancestor_bits_from_parents(
 
 
 def _default_block_v(num_programs_without_split: int, head_v_dim: int) -> int:
-    """Value columns per program, chosen from the block sweep at Qwen3.6-27B's GDN shape on an H200 (CUDA-graph
-    times per layer call, ``benches/results/gpu-gdn-tree-b78fcae``): 64 beat 32 at batch 1 (65 nodes: 68.5 vs
-    75.6 us; 257 nodes: 355 vs 401 us) and beat 128 at batch 1 and 8; 128 beat 64 at batch 32 (65 nodes: 912 vs
-    1014 us; 257 nodes: 5079 vs 5606 us), where the grid fills the GPU anyway and a split repeats the N x N key
-    products. The switch sits at 768 request-heads (16 requests of 48 value heads), between the measured 8 and 32.
-    """
+    """Value columns per program, chosen from the block sweeps at Qwen3.6-27B's GDN shape on an H200 (CUDA-graph
+    times per layer call, 65 nodes a tree). With 64-node column tiles (``gpu-gdn-tree-b78fcae``) 64 beat 32 and
+    128 at batches 1 and 8, and 128 beat 64 at 32; with 32-node column tiles (the default since
+    ``gpu-h200-device-plan-c4ff208``) 64 beat 128 at batch 1 (51.9 vs 65.5 us) and 128 beat 64 at batch 8 (168.9
+    vs 188.6 us) and 32 (520 vs 753 us): the switch sits at the measured 8 requests of 48 value heads."""
     block_v = 128 if num_programs_without_split >= WIDE_BLOCK_V_FROM else 64
     return min(block_v, _next_power_of_two(head_v_dim))
 
 
 #: Request-heads (requests x value heads) from which one program takes 128 value columns instead of 64.
-WIDE_BLOCK_V_FROM = 768
+WIDE_BLOCK_V_FROM = 384
+
+#: Earlier nodes a column tile of the verify covers. 32 against 64 on the H200 sweep of
+#: ``gpu-h200-device-plan-c4ff208`` (65-node trees, each batch size's default value block): 51.9 vs 54.4 us at
+#: batch 1, 168.9 vs 199.7 at 8 (block_v 128 vs 64), 520 vs 718 at 32; 2-3.5% in ``gpu-gdn-tree-b78fcae``.
+DEFAULT_BLOCK_C = 32
 
 
 def tree_gdn_verify(
@@ -564,7 +568,7 @@ def tree_gdn_verify(
     out_dtype: Optional[torch.dtype] = None,
     out: Optional[torch.Tensor] = None,
     block_t: int = 16,
-    block_c: int = 64,
+    block_c: int = DEFAULT_BLOCK_C,
     block_v: Optional[int] = None,
     block_kc: int = 32,
     num_warps: int = 4,

@@ -154,9 +154,10 @@ if triton is not None:
 
 #: Warps per program. The search is a serial chain of block reductions: with one warp they are shuffles alone, with
 #: more each also crosses warps through shared memory and a barrier (ptx at 128 nodes: 0 barriers with 1 warp, 24
-#: with 2 or 4). Which is faster on a GPU is not measured yet (``benches/bench_device_tree.py --build-warps 4 1``);
-#: 4 is what every earlier GPU run used.
-BUILD_NUM_WARPS = 4
+#: with 2 or 4). On the H200 the build and layout as one CUDA graph took 0.047-0.048 ms with 1 warp against
+#: 0.075-0.078 with 4 at budget 63 (batches 1-32), 0.100-0.109 against 0.164-0.176 at 127 and 0.33-0.36 against
+#: 0.35-0.39 at 255, the trees the core's each time (``gpu-h200-device-plan-c4ff208``).
+BUILD_NUM_WARPS = 1
 
 
 def build_trees_triton(
