@@ -18,6 +18,7 @@ seconds, and the last lines of its log.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shlex
 import signal
@@ -54,6 +55,57 @@ def parse_job(text: str) -> Job:
     return Job(gpus, int(parts[1]), parts[2], parts[3])
 
 
+#: ``prctl`` option: orphaned descendants are re-parented to this process instead of init.
+PR_SET_CHILD_SUBREAPER = 36
+#: The pids of the jobs' own shells while they run (what is not one of them, among this process's children, was
+#: left behind by a job).
+_running: set = set()
+_running_lock = threading.Lock()
+
+
+def become_subreaper() -> bool:
+    """Makes this process the reaper of its jobs' orphans (Linux), so that what a job started in a session of its
+    own (a ``vllm serve`` server started with ``start_new_session``), out of reach of the job's process-group kill,
+    is found when the job ends. False where ``prctl`` is not there."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def left_behind() -> List[int]:
+    """This process's children that are not a running job's shell: orphans a job left, re-parented here."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:  # (the field after the state: the parent's pid)
+            found.append(int(entry))
+    with _running_lock:
+        return [pid for pid in found if pid not in _running]
+
+
+def kill_left_behind(log) -> None:
+    """Kills (with their process groups) and reaps what jobs left behind: a server still holding a GPU made the next
+    job's engine fail at start-up ("Free memory on device ... is less than desired")."""
+    for pid in left_behind():
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        log.write(f"[gpu_jobs] killed pid {pid}, left behind by a job in a session of its own\n")
+
+
 def run_job(job: Job, work: str, stop_at: float) -> None:
     folder = os.path.join(work, job.name)
     os.makedirs(folder, exist_ok=True)
@@ -68,9 +120,11 @@ def run_job(job: Job, work: str, stop_at: float) -> None:
     with open(os.path.join(work, f"{job.name}.log"), "w") as log:
         log.write(f"$ CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {command}\n")
         log.flush()
-        proc = subprocess.Popen(
-            command, shell=True, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with _running_lock:
+            proc = subprocess.Popen(
+                command, shell=True, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            _running.add(proc.pid)
         try:
             job.returncode = proc.wait(timeout=limit)
             job.status = "finished"
@@ -79,6 +133,10 @@ def run_job(job: Job, work: str, stop_at: float) -> None:
             proc.wait()
             job.returncode = proc.returncode
             job.status = f"KILLED after {limit:.0f} s"
+        finally:
+            with _running_lock:
+                _running.discard(proc.pid)
+        kill_left_behind(log)
     job.elapsed = time.time() - start
 
 
@@ -145,6 +203,7 @@ def main() -> None:
         handle.write(commit_lines(args.commit))
         handle.write(time.strftime("run at %Y-%m-%d %H:%M:%S %Z\n"))
     try:
+        become_subreaper()
         run_all(args.job, work, args.deadline)
     finally:
         os.makedirs(os.path.dirname(os.path.abspath(args.archive)), exist_ok=True)

@@ -83,3 +83,43 @@ def test_commit_txt_records_the_stated_commit_and_warns_when_git_disagrees(tmp_p
     with tarfile.open(archive) as tar:
         text = tar.extractfile("./commit.txt").read().decode()
     assert f"git HEAD here: {head.strip()}" in text and "WARNING" not in text
+
+
+def _processes_with(argument: str) -> list:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if argument in (entry / "cmdline").read_bytes().split(b"\0"):
+                found.append(entry.name)
+        except OSError:
+            pass
+    return found
+
+
+def test_what_a_job_leaves_in_a_session_of_its_own_is_killed_when_it_ends(tmp_path):
+    """A server started with ``start_new_session`` (vllm_serve_e2e's) escapes the job's process-group kill and kept
+    a GPU's memory: the next job's engine could not start. The runner reaps such orphans when their job ends."""
+    marker = "313.25"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--archive",
+            str(tmp_path / "run.tgz"),
+            "--deadline",
+            "30",
+            "--job",
+            f"0|2|server|setsid sleep {marker} & sleep 60",  # killed at 2 s; its server would live on
+            "--job",
+            f"0|10|next|setsid sleep {marker} & echo spawned",  # ends at once, leaving its server
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "== server (GPUs 0): KILLED after 2 s" in result.stdout
+    assert _processes_with(marker.encode()) == []
+    with tarfile.open(tmp_path / "run.tgz") as tar:
+        for name in ("./server.log", "./next.log"):
+            assert "left behind by a job" in tar.extractfile(name).read().decode()
