@@ -399,6 +399,7 @@ def run_child(
         before = spec_metrics(llm)
         trees_before = tree_counts(llm) if is_ddtree else None
         t = time.time()
+        earlier_error = next(iter(res["errors"]), None)
         try:
             rows, ntok = fn()
             dt = time.time() - t
@@ -409,6 +410,8 @@ def run_child(
                 "tokens_per_s": round(ntok / dt, 1) if dt else None,
                 "spec": diff_metrics(spec_metrics(llm), before),
             }
+            if earlier_error is not None:  # the engine ran on from a step that raised: see engine_error_checks
+                res["scenarios"][sname]["after_error_in"] = earlier_error
             if is_ddtree:  # what the scenario verified: trees, cut trees, steps that replayed FULL graphs
                 after = tree_counts(llm)
                 res["scenarios"][sname]["trees"] = {k: after[k] - trees_before[k] for k in after}
@@ -566,6 +569,23 @@ def load_partial_results(out, name, fh):
     res.setdefault("errors", {})["child"] = "the child process died or timed out; these are its finished scenarios"
     log(f"{name}: kept {len(res.get('scenarios', {}))} finished scenarios from {path}", fh)
     return res
+
+
+#: Entries of an engine's ``errors`` that are not scenarios.
+NON_SCENARIO_ERRORS = ("ddtree_summary", "child")
+
+
+def engine_error_checks(name: str, res: dict) -> dict:
+    """Verdict entries for an engine's scenarios that raised (``NAME/SCENARIO/ran``) and for those that ran after
+    one had (``NAME/SCENARIO/clean_engine``): both False. A scenario that raised has no rows to compare, so without
+    the first it would be missing from the verdict rather than failed; and the engine goes on from a step that
+    raised half-way, so what it emits after is not evidence of anything (on the H200 a device-planned engine whose
+    min_tokens step raised then emitted banned tokens under logit_bias, ``gpu-h200-device-plan-c4ff208``)."""
+    checks = {f"{name}/{sname}/ran": False for sname in res.get("errors", {}) if sname not in NON_SCENARIO_ERRORS}
+    for sname, scenario in res.get("scenarios", {}).items():
+        if scenario.get("after_error_in"):
+            checks[f"{name}/{sname}/clean_engine"] = False
+    return checks
 
 
 def scenario_exercised(sname, trees):
@@ -927,11 +947,12 @@ def main():
     log("=" * 100, fh)
     log(f"{'engine':<18}{'scenario':<10}{'tok/s':>10}{'mean acc len':>14}{'same':>6}{'tie':>5}{'real':>6}  notes", fh)
     for name, res in results.items():
+        verdict.update(engine_error_checks(name, res))
         for sname, sc in res["scenarios"].items():
             spec_m = sc.get("spec") or {}
             mal = spec_m.get("mean_acceptance_length")
             same = tie = real = "-"
-            notes = ""
+            notes = f"after {sc['after_error_in']} raised; " if sc.get("after_error_in") else ""
             if plain and name != "plain" and sname in plain["scenarios"] and sname not in SAMPLED_SCENARIOS:
                 same, tie, real, details = compare(plain["scenarios"][sname]["rows"], sc["rows"], args.gap_tol)
                 verdict[f"{name}/{sname}"] = real == 0

@@ -545,3 +545,20 @@ def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hi
     assert "env" not in ENGINES["ddtree64-apc"]  # prefix caching as a user who sets nothing gets it
     assert prefix_caching_arg(ENGINES["ddtree64-apc"]) is None and prefix_caching_arg(ENGINES["plain-apc"]) is True
     assert prefix_caching_arg(ENGINES["ddtree64"]) is False  # the other engines turn it off
+
+
+def test_harness_fails_scenarios_that_raised_and_those_that_ran_after():
+    """A scenario that raised has no rows: it must fail the verdict, not be missing from it; and what the engine
+    emitted after a step raised half-way is not evidence either way."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import engine_error_checks
+
+    res = {
+        "errors": {"min_tokens": "Traceback ...", "ddtree_summary": "Traceback ..."},
+        "scenarios": {"stop": {"rows": []}, "logit_bias": {"rows": [], "after_error_in": "min_tokens"}},
+    }
+    assert engine_error_checks("dd", res) == {"dd/min_tokens/ran": False, "dd/logit_bias/clean_engine": False}
+    assert engine_error_checks("dd", {"errors": {}, "scenarios": {"stop": {"rows": []}}}) == {}
