@@ -281,6 +281,11 @@ def main():
     ap.add_argument("--model", help="a pair's directory (target/, drafter/, prompts.json), e.g. tests/fixtures/models")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument(
+        "--random-models",
+        action="store_true",
+        help="tiny random models in place of a pair: step costs only (their trees are never accepted)",
+    )
     ap.add_argument("--prompts", default=None, help="JSON file with a 'batch32' list of token-id prompts")
     ap.add_argument("--budgets", default="15,31,63,127,255")
     ap.add_argument("--batches", default="1,8,32")
@@ -349,6 +354,12 @@ def main():
 
     if args.model:
         pair_models(ap, args)
+    if not args.target and not args.random_models:
+        # (A run without models once timed random ones where the pair was meant: gpu-h200-device-plan-c4ff208.)
+        ap.error(
+            "name the models: --model tests/fixtures/models (the trained pair), --target and --drafter, or "
+            "--random-models (step costs only: a random drafter's trees are never accepted)"
+        )
     if not args.target:
         from ddtree.vllm.tiny_models import write_drafter, write_target
 

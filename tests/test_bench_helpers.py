@@ -890,6 +890,7 @@ def test_the_pair_bench_takes_a_pairs_directory_and_refuses_half_of_one(monkeypa
         return capsys.readouterr().err
 
     pair = Path(__file__).parent / "fixtures" / "models"
+    assert "name the models: --model tests/fixtures/models" in parse()  # random models only when asked for
     assert "drop --target" in parse("--model", str(pair), "--target", "x")
     assert "not a pair's directory, missing" in parse("--model", str(tmp_path))
     assert str(tmp_path / "prompts.json") in parse("--model", str(tmp_path))
