@@ -708,6 +708,44 @@ def test_propose_defers_or_builds_by_the_runners_setting(monkeypatch, late):
         assert proposer.last_drafts == want and out.tolist() == want and store.deferred is None
 
 
+def test_the_wait_for_the_last_top_k_copy_is_not_counted_as_host_work(monkeypatch):
+    """After a device-planned step the next proposal's deferral first waits for the GPU to land the last top-K's
+    copy; like every GPU wait of the step, that wait stays out of ddtree's timed host parts ("defer" here)."""
+    import time
+
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.step import DeferredProposal, TreeStore
+
+    class SlowCopy:  # a CUDA event whose copy lands 50 ms after it is waited for
+        def synchronize(self):
+            time.sleep(0.05)
+
+        def query(self):
+            return False
+
+    runner = SimpleNamespace(
+        ddtree_late_trees=True,
+        ddtree_stats=DDTreeStats(3),
+        max_num_reqs=4,
+        ddtree_cfg=DDTreeConfig(budget=6, draft_len=3, top_k=None),
+        ddtree_budget_for=lambda num_requests: 6,
+        input_batch=SimpleNamespace(req_ids=["a", "b"]),
+    )
+    store = TreeStore(6)
+    proposer, _, _ = _late_proposer(runner, store, 2)
+    capture = proposer._capture
+    host = np.array(capture.view(2, 3, 8).numpy())
+    store.defer(["a", "b"], DeferredProposal(host, 4, landed=SlowCopy()), 6)
+    proposer.builds_drafts, proposer.context_order, proposer.flat_positions = True, None, None
+    monkeypatch.setattr(DFlashProposer, "propose", lambda self, *a, **k: setattr(self, "_capture", capture))
+    proposer.propose(6, None, None, None, None, None, SimpleNamespace(batch_size=lambda: 2), None)
+    assert store.deferred is not None and store.deferred.landed is None  # the new proposal (CPU: no event)
+    assert runner.ddtree_stats.host_seconds["defer"] < 0.025
+
+
 def test_asynchronous_scheduling_takes_schedules_whose_trees_fill_every_budget():
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.runner import DDTreeGPUModelRunner

@@ -173,6 +173,11 @@ class DDTreeProposer(DFlashProposer):
         assert self._capture is not None, "DDTree: the drafter's logits were not captured"
         self.last_req_ids = req_ids
         if self.runner.ddtree_late_trees:
+            # The last deferred proposal leaves the pinned buffer before this copy overwrites it. Usually settled
+            # by the plan already; after a device-planned step (which never waits for the top-K) this waits for
+            # the GPU to land that copy: outside the timed part, as every GPU wait of the step is.
+            with record_function_or_nullcontext("ddtree: wait for the last top-K's copy"):
+                self.store.settle()
             with self.runner.ddtree_stats.timed("defer"):
                 return self._defer(req_ids, batch_size)
         # The step's second wait for the GPU (the drafter's tail): its own profiler range.
@@ -201,7 +206,7 @@ class DDTreeProposer(DFlashProposer):
         the drafts: vLLM keeps them, and under asynchronous scheduling writes them into the next step's input ids,
         where the runner writes the tree tokens over them."""
         # Every rank: each builds its trees at verification from the same gathered top-K.
-        self.store.settle()  # the last deferred proposal leaves the pinned buffer before this copy overwrites it
+        self.store.settle()  # (the caller settled the last deferred proposal: a no-op then)
         rows, width = batch_size * self.draft_len, 2 * self.top_k
         if self._late_host is None or self._late_host.shape[0] < rows:
             on_gpu = self.device.type == "cuda"
