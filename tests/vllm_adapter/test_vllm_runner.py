@@ -516,6 +516,21 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert summary["device_accept_steps"] == 2 and summary["verify_steps"] == 2 and not summary["async_scheduling"]
 
 
+def _proposers_runner(late: bool, req_ids):
+    """What ``DDTreeProposer.propose`` reads of the runner: budget 6, depth 3, the batch's ``req_ids``."""
+    from ddtree.vllm.config import DDTreeConfig
+    from ddtree.vllm.runner import DDTreeStats
+
+    return SimpleNamespace(
+        ddtree_late_trees=late,
+        ddtree_stats=DDTreeStats(3),
+        max_num_reqs=4,
+        ddtree_cfg=DDTreeConfig(budget=6, draft_len=3, top_k=None),
+        ddtree_budget_for=lambda num_requests: 6,
+        input_batch=SimpleNamespace(req_ids=list(req_ids)),
+    )
+
+
 def _late_proposer(runner, store, batch_size, draft_len=3, top_k=4, seed=0):
     """The proposer's late path (``_defer``) on a captured top-K, without a drafter model."""
     from ddtree.vllm.proposer import DDTreeProposer
@@ -676,18 +691,9 @@ def test_propose_defers_or_builds_by_the_runners_setting(monkeypatch, late):
     building; otherwise it waits for the top-K and hands vLLM the trees' tokens. Both give the same trees."""
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
-    from ddtree.vllm.config import DDTreeConfig
-    from ddtree.vllm.runner import DDTreeStats
     from ddtree.vllm.step import PLACEHOLDER, TreeStore
 
-    runner = SimpleNamespace(
-        ddtree_late_trees=late,
-        ddtree_stats=DDTreeStats(3),
-        max_num_reqs=4,
-        ddtree_cfg=DDTreeConfig(budget=6, draft_len=3, top_k=None),
-        ddtree_budget_for=lambda num_requests: 6,
-        input_batch=SimpleNamespace(req_ids=["a", "b", "x"]),
-    )
+    runner = _proposers_runner(late, ["a", "b", "x"])
     store = TreeStore(6)
     proposer, log_probs, ids = _late_proposer(runner, store, 2)
     capture = proposer._capture
@@ -715,8 +721,6 @@ def test_the_wait_for_the_last_top_k_copy_is_not_counted_as_host_work(monkeypatc
 
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
-    from ddtree.vllm.config import DDTreeConfig
-    from ddtree.vllm.runner import DDTreeStats
     from ddtree.vllm.step import DeferredProposal, TreeStore
 
     class SlowCopy:  # a CUDA event whose copy lands 50 ms after it is waited for
@@ -726,14 +730,7 @@ def test_the_wait_for_the_last_top_k_copy_is_not_counted_as_host_work(monkeypatc
         def query(self):
             return False
 
-    runner = SimpleNamespace(
-        ddtree_late_trees=True,
-        ddtree_stats=DDTreeStats(3),
-        max_num_reqs=4,
-        ddtree_cfg=DDTreeConfig(budget=6, draft_len=3, top_k=None),
-        ddtree_budget_for=lambda num_requests: 6,
-        input_batch=SimpleNamespace(req_ids=["a", "b"]),
-    )
+    runner = _proposers_runner(True, ["a", "b"])
     store = TreeStore(6)
     proposer, _, _ = _late_proposer(runner, store, 2)
     capture = proposer._capture
