@@ -256,6 +256,22 @@ def set_launch_ahead(worker, on: bool) -> bool:
     return previous
 
 
+def set_device_plan(worker, on: bool) -> bool:
+    """(collective_rpc) Plans steady steps on the device (DDTREE_DEVICE_PLAN) or every step on the host; returns the
+    previous setting. Off keeps the planner aside for the restore (the engine must start with the switch on: its
+    planner and graphs are made at start-up)."""
+    runner = worker.model_runner
+    previous = runner._ddtree_device_planner is not None
+    if on and not previous:
+        runner._ddtree_device_planner = getattr(runner, "_ddtree_device_planner_aside", None)
+        runner._ddtree_device_planner_aside = None
+        if runner._ddtree_device_planner is None:
+            raise RuntimeError("the device plan cannot be turned on: the engine started without DDTREE_DEVICE_PLAN=1")
+    elif not on and previous:
+        runner._ddtree_device_planner_aside, runner._ddtree_device_planner = runner._ddtree_device_planner, None
+    return previous
+
+
 def set_commit_in_place(worker, on: bool) -> bool:
     """(collective_rpc) Commits a replayed walk's step with one graph reading the walk's outputs in place, the K/V
     moves in it (DDTREE_COMMIT_IN_PLACE), or from copies with the moves apart; returns the previous setting."""
@@ -275,6 +291,8 @@ AB_SWITCHES = {
     "no-step-graphs": (set_step_graphs, False),
     "no-launch-ahead": (set_launch_ahead, False),
     "commit-in-place": (set_commit_in_place, True),
+    "device-plan": (set_device_plan, True),
+    "no-device-plan": (set_device_plan, False),
     "no-commit-in-place": (set_commit_in_place, False),
 }
 
@@ -306,7 +324,13 @@ def _switched_row(llm, prompts, prefill_seconds: float, switches: list) -> dict:
     ms = round(1e3 * (switched - prefill_seconds) / (OUT_TOKENS - 1), 2)
     row = {"switches": switches, "ms_per_decode_step": ms}
     # What the run did (a switch that did not take would show here, not only in a timing).
-    counters = ("verify_steps", "early_launch_steps", "landed_before_launch_steps", "full_graph_steps")
+    counters = (
+        "verify_steps",
+        "early_launch_steps",
+        "landed_before_launch_steps",
+        "full_graph_steps",
+        "device_plan_steps",
+    )
     for counter in (*counters, "commit_in_place_steps"):
         row[counter] = after.get(counter, 0) - before.get(counter, 0)
     row.update(host_ms_fields(before, after, vllm_parts=False))  # (the A/B rows leave out vLLM's launch)

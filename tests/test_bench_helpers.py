@@ -714,6 +714,19 @@ def test_the_launch_ahead_switch_sets_the_gate_aside_and_restores_it():
         bench.set_launch_ahead(started_without, True)
 
 
+def test_the_device_plan_switch_sets_the_planner_aside_and_restores_it():
+    planner = object()
+    runner = types.SimpleNamespace(_ddtree_device_planner=planner)
+    worker = types.SimpleNamespace(model_runner=runner)
+    setter, setting = bench.AB_SWITCHES["no-device-plan"]
+    assert setter(worker, setting) is True and runner._ddtree_device_planner is None
+    assert bench.set_device_plan(worker, False) is False and runner._ddtree_device_planner is None
+    assert bench.AB_SWITCHES["device-plan"][0](worker, True) is False and runner._ddtree_device_planner is planner
+    started_without = types.SimpleNamespace(model_runner=types.SimpleNamespace(_ddtree_device_planner=None))
+    with pytest.raises(RuntimeError, match="DDTREE_DEVICE_PLAN=1"):
+        bench.set_device_plan(started_without, True)
+
+
 def test_round_ratios_pair_each_run_with_the_chains_run_of_its_round():
     """Run r of an engine against run r of the chain, the median over rounds: a chain that was lucky in round 1 and
     an engine lucky in round 2 do not make a ratio of two different rounds."""
