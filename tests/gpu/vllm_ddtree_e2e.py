@@ -43,7 +43,8 @@ prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tok
 max_model_len decoded to its end (whole trees, then trees cut to what still fits), stop tokens that end
 requests mid-tree, the same stop tokens held back by min_tokens, greedy under a logit_bias and under penalties, requests aborted
 mid-tree (survivors and a later batch must be
-unaffected), temperature 1 with per-request seeds (run twice: must repeat), and shared_prefix: 8 prompts that share
+unaffected), temperature 1 with per-request seeds (run twice, then once more with the first request alone for a few
+steps and the rest arriving beside its trees: all three must agree), and shared_prefix: 8 prompts that share
 their first SHARED_PREFIX tokens, sent together, then again, then as a second turn that appends each one's first
 answer and a few new tokens (with prefix caching: hits on blocks whose K/V trees wrote and moved).
 
@@ -482,8 +483,34 @@ def run_child(
         reqs = [TokensPrompt(prompt_token_ids=p) for p in P["t1"]]
         a = collect(llm.generate(reqs, params, use_tqdm=False))
         b = collect(llm.generate(reqs, params, use_tqdm=False))
-        rows = [{"tokens": x["tokens"], "repeat_equal": x["tokens"] == y["tokens"]} for x, y in zip(a, b)]
-        return rows, 2 * sum(len(r["tokens"]) for r in rows)
+        c = staggered(reqs, params)
+        rows = [
+            {
+                "tokens": x["tokens"],
+                "repeat_equal": x["tokens"] == y["tokens"],
+                "staggered_equal": x["tokens"] == z["tokens"],
+            }
+            for x, y, z in zip(a, b, c)
+        ]
+        return rows, 3 * sum(len(r["tokens"]) for r in rows)
+
+    def staggered(reqs, params):
+        # The same seeded requests, the first alone for a few steps (its trees verified) and then the rest: their
+        # first tokens are sampled beside a tree, where together they were sampled in a step without drafts.
+        engine = llm.llm_engine
+        ids = [f"staggered-{i}-{time.monotonic_ns()}" for i in range(len(reqs))]
+        engine.add_request(ids[0], reqs[0], params[0])
+        finished = {}
+        for step in range(100_000):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if step == 3:
+                for rid, req, param in zip(ids[1:], reqs[1:], params[1:]):
+                    engine.add_request(rid, req, param)
+            if step > 3 and not engine.has_unfinished_requests():
+                break
+        return [{"tokens": collect([finished[rid]])[0]["tokens"]} for rid in ids]
 
     at_abort = {}
 
@@ -986,9 +1013,13 @@ def main():
                 verdict[f"{name}/min_p"] = ok
             if sname == "t1":
                 ok = all(r.get("repeat_equal") for r in sc["rows"])
-                notes += f"seeded repeat equal: {ok}"
+                staggered_ok = all(r.get("staggered_equal") for r in sc["rows"])
+                notes += f"seeded repeat equal: {ok}; staggered arrivals equal: {staggered_ok}"
                 if name.startswith("ddtree"):
                     verdict[f"{name}/t1-repeat"] = ok
+                    # A seeded request's tokens whatever steps they fall in (gpu-h200-device-plan-c4ff208's serve
+                    # run: a first token beside trees differed from one in a step without drafts).
+                    verdict[f"{name}/t1-staggered"] = staggered_ok
             if name.endswith("-preempt"):
                 preempted = (spec_m.get("preemptions") or 0) > 0
                 verdict[f"{name}/{sname}/preempted"] = preempted
