@@ -1605,14 +1605,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         and the position sampled (``seeded_noise``). A seeded request's first token is sampled in a step without
         drafts or beside other requests' trees, as arrival times fall: with two rules, one request sent twice
         could start differently (the served n=2 seeded check did, ``gpu-h200-device-plan-c4ff208``)."""
+        if logits is None or self._ddtree_draftless_logits_indices is None:
+            return False
+        if not self.input_batch.sampling_metadata.generators:  # (the usual step: nothing more to look at)
+            return False
         from ddtree.vllm.sampler import DDTreeRejectionSampler
 
-        return (
-            logits is not None
-            and self._ddtree_draftless_logits_indices is not None
-            and isinstance(getattr(self, "rejection_sampler", None), DDTreeRejectionSampler)
-            and bool(self.input_batch.sampling_metadata.generators)
-        )
+        return isinstance(getattr(self, "rejection_sampler", None), DDTreeRejectionSampler)
 
     def _ddtree_sample_draftless_step(self, logits):
         """vLLM's ``_sample`` of a step without drafts, by ddtree's sampler (one row per request, no tree)."""
