@@ -594,3 +594,41 @@ def test_a_seeded_requests_token_is_the_same_in_a_step_without_drafts_and_beside
     assert len(set(firsts)) > 1  # the seed decides (a test that cannot fail would not)
     greedy = SimpleNamespace(generators={}, all_greedy=True)
     assert without_drafts(0, greedy) is None  # no seeded request: vLLM's own sampler
+
+
+def test_a_draftless_steps_logprobs_are_its_rows_and_found_without_reading_the_device():
+    """ddtree's sampler on a step without drafts (a seeded request in it) returns vLLM's raw logprobs of each
+    request's row, finding the rows on the host (``DraftlessStep.bonus_rows_host``): no device read, which on a GPU
+    would wait for the forward."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler, DraftlessStep
+
+    class DeviceOnly(torch.Tensor):  # a "device" tensor: reading it on the host fails the test
+        def cpu(self, *args, **kwargs):
+            raise AssertionError("the sampler read the rows from the device")
+
+    runner = _fake_runner(SimpleNamespace(), False)
+    runner._ddtree_plan = None
+    runner.uses_mrope, runner.positions = False, torch.tensor([3, 9, 17])
+    runner.sampler = Sampler(logprobs_mode="raw_logprobs")
+    logits = torch.from_numpy(np.random.default_rng(5).normal(size=(3, 20)).astype(np.float32))
+    step = DraftlessStep.of(torch.tensor([0, 1, 2]))
+    step = step._replace(bonus_logits_indices=step.bonus_logits_indices.as_subclass(DeviceOnly))
+    sampling = SimpleNamespace(
+        temperature=torch.tensor([1.0, 0.0, 1.0]),
+        all_greedy=False,
+        top_k=None,
+        top_p=None,
+        generators={0: torch.Generator().manual_seed(3)},
+        no_penalties=True,
+        bad_words_token_ids={},
+        allowed_token_ids_mask=None,
+        max_num_logprobs=2,
+    )
+    out = DDTreeRejectionSampler(runner)(step, None, logits, sampling)
+    tokens = out.sampled_token_ids[:, 0].long()
+    assert tokens[1].item() == int(logits[1].argmax())  # the greedy request
+    expected = logits.log_softmax(dim=-1)
+    chosen = out.logprobs_tensors.logprobs[:, 0]  # (the sampled token's logprob first, as vLLM's)
+    assert torch.allclose(chosen, expected[torch.arange(3), tokens])

@@ -116,18 +116,20 @@ def _rows_of_requests_without_trees(tokens, metadata, num_reqs: int, width: int)
 
 class DraftlessStep(NamedTuple):
     """What :class:`DDTreeRejectionSampler` reads of vLLM's ``SpecDecodeMetadata``, for a step in which no request
-    verifies drafts: one logits row per request, from the hidden state at ``logits_indices``."""
+    verifies drafts: one logits row per request, from the hidden state at ``logits_indices``; the rows known on the
+    host too (``bonus_rows_host``: logprobs find their rows without reading the device's)."""
 
     num_draft_tokens: list
     max_spec_len: int
     bonus_logits_indices: torch.Tensor
     logits_indices: torch.Tensor
+    bonus_rows_host: np.ndarray
 
     @classmethod
     def of(cls, logits_indices: torch.Tensor) -> "DraftlessStep":
         num_reqs = int(logits_indices.shape[0])
         rows = torch.arange(num_reqs, device=logits_indices.device)
-        return cls([0] * num_reqs, 0, rows, logits_indices)
+        return cls([0] * num_reqs, 0, rows, logits_indices, np.arange(num_reqs, dtype=np.int64))
 
 
 class StepRows(NamedTuple):
@@ -294,7 +296,9 @@ class DDTreeRejectionSampler(nn.Module):
                 trees.node_offsets, plan.logit_rows_gpu, plan.batch_index_gpu, walked, last_rows, width
             ).reshape(-1)
         else:
-            last_rows = metadata.bonus_logits_indices.cpu().numpy()[:num_reqs]
+            last_rows = getattr(metadata, "bonus_rows_host", None)  # (a step without drafts: no device read)
+            if last_rows is None:
+                last_rows = metadata.bonus_logits_indices.cpu().numpy()[:num_reqs]
             rows = emitted_logit_rows(plan, result.accepted if result is not None else None, last_rows, width)
             rows = _to_device(rows.reshape(-1), logits.device)
         chosen = logits[rows].to(torch.float32)
