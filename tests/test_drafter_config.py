@@ -20,6 +20,20 @@ def test_which_layers_slide():
     check_drafter_layers("x", ["full_attention"] * 5, True)  # nothing to refuse
 
 
+@pytest.mark.parametrize("switch", [True, False, None])
+def test_the_vllm_adapter_refuses_sliding_layers_whatever_the_switch_says(switch):
+    """vLLM's DFlash drafter reads layer_types alone (it refuses a mixed drafter after the target has loaded):
+    transformers turns the switch off for a config without ``use_sliding_window: true``, which must not let the
+    drafter through to that late refusal."""
+    from ddtree.drafter_config import UnsupportedDrafterError
+
+    with pytest.raises(
+        UnsupportedDrafterError, match=r"sliding-window attention layers \(\[0, 1, 2, 3\] of 5"
+    ) as error:
+        check_drafter_layers("the drafter", RELEASED_27B, switch)
+    assert ("use_sliding_window is off" in str(error.value)) == (switch is False)
+
+
 def test_the_reference_engine_loads_a_sliding_window_drafter_with_its_layers_as_trained(tmp_path):
     pytest.importorskip("torch")
     from ddtree.engine import DFlashDraftModel

@@ -5,7 +5,7 @@ layers (window 2048, causal among the block's tokens in z-lab's reference code) 
 vLLM 0.25's DFlash drafter refuses mixed sliding/full drafters when it builds them (after the target has loaded),
 and its V1 proposer assumes one KV-cache group and one causality for every draft layer, so the adapter refuses such
 a drafter up front, with the reason. The reference engine runs these layers as trained
-(:func:`ddtree.engine.drafter.layer_attention`).
+(:func:`ddtree.engine.drafter.layer_attention`). What running them in vLLM would take: docs/sliding-window-drafter.md.
 """
 
 from __future__ import annotations
@@ -28,12 +28,23 @@ def sliding_window_layers(layer_types: Optional[Sequence[Any]], use_sliding_wind
 
 
 def check_drafter_layers(where: str, layer_types: Optional[Sequence[Any]], use_sliding_window: Optional[bool]) -> None:
-    """Refuses a drafter with sliding-window layers (``where`` names it in the message)."""
-    sliding = sliding_window_layers(layer_types, use_sliding_window)
+    """Refuses a drafter with sliding-window layers (``where`` names it in the message).
+
+    vLLM 0.25's DFlash drafter reads ``layer_types`` alone: it refuses a mixed drafter while building it (after the
+    target has loaded) and windows every ``sliding_attention`` layer, whatever ``use_sliding_window`` says. So the
+    layer kinds decide here too; transformers loads a config without ``use_sliding_window: true`` with the switch
+    off, and checking the switch let such a drafter through to vLLM's late refusal."""
+    sliding = sliding_window_layers(layer_types)
     if sliding:
+        switch = (
+            " (use_sliding_window is off in its config, but vLLM's DFlash drafter reads layer_types alone)"
+            if use_sliding_window is False
+            else ""
+        )
         raise UnsupportedDrafterError(
             f"{where}: the drafter has sliding-window attention layers ({sliding} of {len(layer_types)} are "
-            "'sliding_attention' in layer_types), which vLLM 0.25's DFlash drafter cannot build and ddtree's vLLM "
-            "adapter does not run yet (run as full attention they would draft unlike the trained drafter). Use a "
-            "drafter whose layers are all full attention; ddtree's reference engine (ddtree generate) runs this one."
+            f"'sliding_attention' in layer_types){switch}, which vLLM 0.25's DFlash drafter cannot build and ddtree's "
+            "vLLM adapter does not run yet (run as full attention they would draft unlike the trained drafter). Use "
+            "a drafter whose layers are all full attention; ddtree's reference engine (ddtree generate) runs this "
+            "one (docs/sliding-window-drafter.md: what running it in vLLM takes)."
         )

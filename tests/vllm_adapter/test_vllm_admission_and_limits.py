@@ -184,8 +184,11 @@ def test_a_budget_schedule_passes_vllms_own_config_validation(h200_platform):
     assert [tuple(e) for e in config.additional_config["ddtree"]["budget_schedule"]] == [(1, 64), (8, 16)]
 
 
-def test_a_drafter_with_sliding_window_layers_is_refused_before_loading(h200_platform, tmp_path):
-    """The released Qwen3.6-27B drafter's layer_types: four sliding-window layers and one full one."""
+@pytest.mark.parametrize("switch", [True, None])
+def test_a_drafter_with_sliding_window_layers_is_refused_before_loading(h200_platform, tmp_path, switch):
+    """The released Qwen3.6-27B drafter's layer_types: four sliding-window layers and one full one; refused with
+    ``use_sliding_window: true`` and without it (transformers then loads the switch off, and vLLM's drafter, which
+    reads layer_types alone, would refuse it only after the target had loaded)."""
     import json
     import shutil
 
@@ -195,11 +198,9 @@ def test_a_drafter_with_sliding_window_layers_is_refused_before_loading(h200_pla
     shutil.copytree(f"{PAIR}/drafter", drafter)
     config = json.loads((drafter / "config.json").read_text())
     layers = config["num_hidden_layers"]
-    config.update(
-        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
-        use_sliding_window=True,
-        sliding_window=2048,
-    )
+    config.update(layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"], sliding_window=2048)
+    if switch is not None:
+        config["use_sliding_window"] = switch
     (drafter / "config.json").write_text(json.dumps(config))
     patches.apply()
     args = _pair_args(64)
