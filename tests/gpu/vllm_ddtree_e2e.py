@@ -26,6 +26,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     lands before the host reaches the step, where the default does not gate)
   ddtree64-async-topk-graphs  ddtree64-async with DDTREE_TOPK_GRAPHS=1 (the drafter's top-K as CUDA graphs)
   ddtree64-async-device-plan  ddtree64-async with DDTREE_DEVICE_PLAN=1 (steady steps' trees built on the GPU)
+  ddtree64-async-sliding-drafter  ddtree64-async with the drafter's layers made sliding-window (64) but the last,
+                    under DDTREE_SLIDING_DRAFTER=1 (the released Qwen3.6-27B drafter's layer kinds)
   ddtree64-async-precapture-all  ddtree64-async with DDTREE_PRECAPTURE=all (the commit's graphs at start-up too)
   ddtree64-async-lazy  ddtree64-async with DDTREE_PRECAPTURE=0 (placement and walk graphs captured at each size's
                     first step, not at start-up)
@@ -201,6 +203,9 @@ ENGINES = {
     "ddtree64-async-topk-graphs": async_ddtree(DDTREE_TOPK_GRAPHS="1"),
     # ... with steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental).
     "ddtree64-async-device-plan": async_ddtree(DDTREE_DEVICE_PLAN="1"),
+    # ... with the pair's drafter made to mix sliding-window (64 positions) and full-attention layers, as the released
+    # Qwen3.6-27B drafter does (DDTREE_SLIDING_DRAFTER=1, experimental): exact outputs, lower acceptance.
+    "ddtree64-async-sliding-drafter": dict(async_ddtree(DDTREE_SLIDING_DRAFTER="1"), sliding_window=64),
     # ... with the commit's graphs (GDN commit with the K/V moves) captured at start-up too (DDTREE_PRECAPTURE=all).
     "ddtree64-async-precapture-all": async_ddtree(DDTREE_PRECAPTURE="all"),
     # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
@@ -291,6 +296,27 @@ def diff_metrics(after, before):
     return d
 
 
+def sliding_drafter_copy(drafter: str, window: int, out: str) -> str:
+    """``drafter`` with every layer but the last a sliding-window one of ``window`` positions (the released
+    Qwen3.6-27B drafter's layer kinds), written to ``out``. Its weights were not trained so: acceptance falls, the
+    outputs must not change."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(drafter, out)
+    path = os.path.join(out, "config.json")
+    with open(path) as handle:
+        config = json.load(handle)
+    layers = int(config["num_hidden_layers"])
+    if layers < 2:
+        raise ValueError(f"{drafter}: a drafter of {layers} layer cannot mix sliding-window and full attention")
+    kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    config.update(layer_types=kinds, sliding_window=window, use_sliding_window=True)
+    with open(path, "w") as handle:
+        json.dump(config, handle)
+    return out
+
+
 def run_child(
     name, target, drafter, only_scenarios=(), eager=False, partial_path=None, gate="", concurrent=1, kv_cache_gib=0.0
 ):
@@ -302,6 +328,8 @@ def run_child(
     from ddtree.vllm.tiny_models import spec_metrics
 
     conf = ENGINES[name]
+    if conf.get("sliding_window"):
+        drafter = sliding_drafter_copy(drafter, conf["sliding_window"], os.path.join(WORK, f"drafter-{name}"))
     spec = dict(conf["spec"], model=drafter) if conf["spec"] else None
     kw = dict(
         model=target,
@@ -641,6 +669,7 @@ SWITCH_COUNTERS = {
     "DDTREE_PRECAPTURE": ("precaptured_sizes",),
     "DDTREE_TOPK_GRAPHS": ("topk_graph_steps",),
     "DDTREE_DEVICE_PLAN": ("device_plan_steps", "device_plan_resumed_steps"),
+    "DDTREE_SLIDING_DRAFTER": ("sliding_drafter_steps",),
 }
 
 

@@ -309,6 +309,25 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert checks["device_plan_resumed_steps"] is False
     lazy = dict(device_plan, DDTREE_PRECAPTURE="0")
     assert "precaptured_device_plans" not in dict(switched_paths_exercised(lazy, shown))
+    # DDTREE_SLIDING_DRAFTER: drafter passes whose sliding-window layers got their own metadata.
+    sliding = ENGINES["ddtree64-async-sliding-drafter"]["env"]
+    assert ("sliding_drafter_steps", False) in switched_paths_exercised(sliding, ran)
+    assert ("sliding_drafter_steps", True) in switched_paths_exercised(sliding, dict(ran, sliding_drafter_steps=9))
+
+
+def test_the_sliding_drafter_engine_runs_a_copy_of_the_drafter_with_the_released_layer_kinds(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import sliding_drafter_copy
+
+    pair = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "drafter"
+    out = sliding_drafter_copy(str(pair), 64, str(tmp_path / "sliding"))
+    config = json.loads((Path(out) / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 64
+    assert config["use_sliding_window"] is True
+    assert json.loads((pair / "config.json").read_text()).get("layer_types") == ["full_attention"] * 2  # untouched
 
 
 def test_harness_fails_an_engine_whose_statistics_lost_device_walked_steps():

@@ -65,6 +65,8 @@ LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
 #: "1" builds and lays out a steady whole-tree step's trees on the device (experimental, off).
 DEVICE_PLAN_ENV = "DDTREE_DEVICE_PLAN"
+#: "1" runs a drafter that mixes sliding-window and full-attention layers (experimental, off: refused).
+SLIDING_DRAFTER_ENV = "DDTREE_SLIDING_DRAFTER"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone

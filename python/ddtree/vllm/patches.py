@@ -154,6 +154,14 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     vLLM. Upstream fix: a GDN builder that supports
     ``update_block_table`` (the groups differ only in their state indices).
 
+11. ``vllm.model_executor.models.qwen3_dflash._resolve_layer_attention`` (wrapped, in the worker process, only
+    under ``DDTREE_SLIDING_DRAFTER=1``, experimental): a drafter with sliding-window and full-attention layers (the
+    released Qwen3.6-27B drafter) is built with no per-layer window, so every draft layer keeps a full-attention
+    KV spec and the drafter one KV-cache group (vLLM's V1 proposer asserts one); the sliding layers get their
+    causality and window through their attention metadata (``DDTreeProposer``, ``ddtree.vllm.sliding_drafter``).
+    vLLM 0.25.1 refuses such a drafter there. Upstream fix: per-layer causal metadata in the V1 proposer (vLLM
+    0.33 has it on its V2 runner only, with one KV group per layer kind).
+
 Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
 backends are used through subclasses (``runner.py``, ``proposer.py``,
 ``sampler.py``, ``attention.py``).
@@ -169,6 +177,13 @@ import os
 from typing import Any, Optional
 
 from ddtree.drafter_config import UnsupportedDrafterError, check_drafter_layers
+from ddtree.vllm.sliding_drafter import (
+    SlidingDrafterError,
+    check_drafter_config,
+    is_mixed,
+    resolve_in_one_kv_group,
+    sliding_drafter_enabled,
+)
 from ddtree.errors import DDTreeError
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -297,14 +312,15 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
     if spec is None or spec.method != "dflash":
         raise DDTreeConfigError("method 'ddtree' needs a DFlash drafter (vLLM did not detect one)")
     draft_hf = spec.draft_model_config.hf_config
+    where = f"speculative_config model {spec.draft_model_config.model!r}"
+    layer_types = getattr(draft_hf, "layer_types", None)
     try:
-        check_drafter_layers(
-            f"speculative_config model {spec.draft_model_config.model!r}",
-            getattr(draft_hf, "layer_types", None),
-            getattr(draft_hf, "use_sliding_window", None),
-        )
-    except UnsupportedDrafterError as error:  # one error type for every refused configuration
-        raise DDTreeConfigError(str(error)) from None
+        if sliding_drafter_enabled() and is_mixed(layer_types):
+            check_drafter_config(draft_hf)  # (patch 11: run as trained)
+        else:
+            check_drafter_layers(where, layer_types, getattr(draft_hf, "use_sliding_window", None))
+    except (UnsupportedDrafterError, SlidingDrafterError) as error:  # one error type for every refused configuration
+        raise DDTreeConfigError(f"{where}: {error}" if isinstance(error, SlidingDrafterError) else str(error)) from None
     cfg = resolve_draft_len(cfg, _drafter_block_size(draft_hf))
     model = vllm_config.model_config
     text = getattr(model, "hf_text_config", None)
@@ -640,7 +656,12 @@ def _zeros_rows(like, rows: int):
 
 
 def apply_worker_patches(vllm_config: Any) -> None:
-    """Patches 5d and 10, in a ddtree worker whose target is a hybrid GDN model."""
+    """Patch 11 under ``DDTREE_SLIDING_DRAFTER=1``; patches 5d and 10 in a worker whose target is a hybrid GDN
+    model."""
+    if sliding_drafter_enabled():
+        from vllm.model_executor.models import qwen3_dflash
+
+        _wrap_once(qwen3_dflash, "_resolve_layer_attention", resolve_in_one_kv_group)
     if not getattr(vllm_config.model_config, "is_hybrid", False):
         return
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention

@@ -27,6 +27,14 @@ from vllm.v1.utils import record_function_or_nullcontext
 from ddtree.kernels.draft_top_k import pack_top_k
 from ddtree.vllm.config import DDTreeConfig, topk_graphs_enabled
 from ddtree.vllm.graphs import DraftTopKGraphs
+from ddtree.vllm.sliding_drafter import (
+    LayerMask,
+    check_backends,
+    draft_decoder_layers,
+    layer_masks,
+    masked_metadata,
+    sliding_drafter_enabled,
+)
 from ddtree.vllm.step import DeferredProposal, TreeStore
 
 
@@ -80,6 +88,31 @@ class DDTreeProposer(DFlashProposer):
             and torch.device(device).type == "cuda"
         )
         self._topk_graphs: Optional[DraftTopKGraphs] = None
+
+    # DDTREE_SLIDING_DRAFTER: the masks of the draft layers whose attention differs from the metadata vLLM builds for
+    # all of them, by layer name (empty: none; ``ddtree.vllm.sliding_drafter``).
+    _ddtree_layer_masks: Dict[str, LayerMask] = {}
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        if sliding_drafter_enabled():
+            hf_config = self.draft_model_config.hf_config
+            layers = draft_decoder_layers(self.model)
+            self._ddtree_layer_masks = layer_masks(layers, hf_config, bool(self.dflash_causal))
+
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        if self._ddtree_layer_masks:  # (at start-up: a backend that would drop the windows is refused here)
+            check_backends(self.draft_attn_groups, self._ddtree_layer_masks)
+
+    def build_per_group_and_layer_attn_metadata(self, cad, draft_index: int = 0):
+        per_group, per_layer = super().build_per_group_and_layer_attn_metadata(cad, draft_index)
+        if self._ddtree_layer_masks:
+            per_layer = masked_metadata(per_layer, self._ddtree_layer_masks)
+            stats = getattr(getattr(self, "runner", None), "ddtree_stats", None)
+            if stats is not None:
+                stats.sliding_drafter_steps += 1
+        return per_group, per_layer
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if not self._capturing:

@@ -189,6 +189,7 @@ class DDTreeStats:
         self.device_plan_steps = 0  # late tree steps whose trees were built and laid out on the device
         self.device_plan_resumed_steps = 0  # ... of them, steps that uploaded nothing (the device held all they read)
         self.precaptured_device_plans = 0  # sizes whose device-plan graph DDTREE_PRECAPTURE captured at start-up
+        self.sliding_drafter_steps = 0  # drafter passes whose sliding-window layers got their own metadata
         # The tree counters (read through the properties below: ``trees``, ``partial_trees`` (verified with fewer
         # nodes than proposed: max_model_len, token budget), ``filler_trees`` (placeholders without a proposal,
         # asynchronous scheduling), ``nodes``, ``accepted``, ``accepted_per_depth``, ``steps_by_budget``), folded
@@ -341,6 +342,7 @@ class DDTreeStats:
             "device_plan_steps": self.device_plan_steps,
             "device_plan_resumed_steps": self.device_plan_resumed_steps,
             "precaptured_device_plans": self.precaptured_device_plans,
+            "sliding_drafter_steps": self.sliding_drafter_steps,
             "trees": self.trees,
             "partial_trees": self.partial_trees,
             "filler_trees": self.filler_trees,
