@@ -323,9 +323,9 @@ def test_the_sliding_drafter_engine_runs_a_copy_of_the_drafter_with_the_released
     from vllm_ddtree_e2e import sliding_drafter_copy
 
     pair = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "drafter"
-    out = sliding_drafter_copy(str(pair), 64, str(tmp_path / "sliding"))
+    out = sliding_drafter_copy(str(pair), 8, str(tmp_path / "sliding"))
     config = json.loads((Path(out) / "config.json").read_text())
-    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 64
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 8
     assert config["use_sliding_window"] is True
     assert json.loads((pair / "config.json").read_text()).get("layer_types") == ["full_attention"] * 2  # untouched
 
