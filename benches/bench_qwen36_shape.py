@@ -38,6 +38,11 @@ PROMPT_LEN = 512
 OUT_TOKENS = 64
 
 
+#: The drafter directory with the released drafter's ``layer_types`` (beside ``drafter``, the all-full-attention one).
+SLIDING_DRAFTER_DIR = "drafter-sliding"
+RELEASED_LAYER_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
+
+
 def _tree(budget, **env):
     """A ddtree engine of the released drafter's depth, with environment switches."""
     spec = {"method": "ddtree", "num_speculative_tokens": 15, "ddtree_budget": budget}
@@ -80,6 +85,11 @@ ENGINES = {
     # Steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental): no host wait for the
     # drafter's top-K, the build kernels on the GPU between the drafter and the forward instead.
     "ddtree63to15-device-plan": _tree({"1": 63, "8": 15}, DDTREE_DEVICE_PLAN="1"),
+    # The released drafter's layer kinds too (four sliding-window layers of 2048 positions, one full;
+    # DDTREE_SLIDING_DRAFTER=1, experimental): its windowed FlashAttention metadata under the engine's graphs.
+    "ddtree63to15-sliding-drafter": dict(
+        _tree({"1": 63, "8": 15}, DDTREE_SLIDING_DRAFTER="1"), drafter=SLIDING_DRAFTER_DIR
+    ),
 }
 
 
@@ -154,6 +164,13 @@ def write_models(root: str) -> None:
             f,
             indent=1,
         )
+    sliding = os.path.join(root, SLIDING_DRAFTER_DIR)
+    os.makedirs(sliding, exist_ok=True)
+    with open(os.path.join(drafter, "config.json")) as f:
+        config = json.load(f)
+    config.update(layer_types=RELEASED_LAYER_TYPES, sliding_window=2048, use_sliding_window=True)
+    with open(os.path.join(sliding, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def state_memory(worker) -> dict:
@@ -359,6 +376,7 @@ def run_engine(
 
     spec = dict(ENGINES[name]) if ENGINES[name] else None
     os.environ.update(spec.pop("env", {}) if spec else {})  # the engine runs in this process
+    drafter_dir = spec.pop("drafter", "drafter") if spec else "drafter"
     kw = dict(
         model=os.path.join(ROOT, "target"),
         load_format="dummy",
@@ -373,7 +391,7 @@ def run_engine(
         tensor_parallel_size=tp,
     )
     if spec is not None:
-        kw["speculative_config"] = dict(spec, model=os.path.join(ROOT, "drafter"))
+        kw["speculative_config"] = dict(spec, model=os.path.join(ROOT, drafter_dir))
     t0 = time.time()
     llm = LLM(**kw)
     res = {

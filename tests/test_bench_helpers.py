@@ -930,3 +930,18 @@ def test_rows_say_whether_vllms_profiling_ranges_were_on(monkeypatch):
     assert gpu_profile.scopes_on() is True
     monkeypatch.setenv("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "0")
     assert gpu_profile.scopes_on() is False
+
+
+def test_the_27b_shape_writes_the_released_drafters_layer_kinds_beside_the_all_full_one(tmp_path):
+    """``ddtree63to15-sliding-drafter`` runs the released drafter's layer kinds (DDTREE_SLIDING_DRAFTER): its config
+    loads with them and a window, so the switch's admission takes it."""
+    from transformers import AutoConfig
+
+    from ddtree.vllm.sliding_drafter import layer_mask
+
+    bench.write_models(str(tmp_path))
+    full = AutoConfig.from_pretrained(str(tmp_path / "drafter"))
+    sliding = AutoConfig.from_pretrained(str(tmp_path / bench.SLIDING_DRAFTER_DIR))
+    assert sliding.layer_types == bench.RELEASED_LAYER_TYPES and full.num_hidden_layers == sliding.num_hidden_layers
+    assert [layer_mask(sliding, i) for i in range(5)] == [(True, 2048)] * 4 + [(False, None)]
+    assert bench.ENGINES["ddtree63to15-sliding-drafter"]["drafter"] == bench.SLIDING_DRAFTER_DIR
