@@ -38,9 +38,11 @@ import torch
 
 from ddtree.kernels.device_tree import DeviceTrees
 
-#: Largest tree (budget + 1 nodes) planned on the device: the build kernel ran budgets 63 and 127 in 0.13-0.27 ms on
-#: an H200 and fell off a cliff at 255 (14 ms, ``gpu-h200-device-tree-e9e09b0``): register spills, gone since the
-#: keys are word-major (ptxas, offline), but 255's build is not timed on a GPU yet.
+#: Largest tree (budget + 1 nodes) planned on the device. The build and layout graph (one warp a program) took
+#: 0.047 ms at budget 63, 0.10-0.11 at 127 and 0.33-0.36 at 255 on an H200 (``gpu-h200-device-plan-c4ff208``; 255's
+#: 14 ms cliff of ``gpu-h200-device-tree-e9e09b0`` is gone with the word-major keys), against the host's build and
+#: layout of 0.09 ms at budget 255 and batch 1 and 1.65 ms at batch 32: at 255 the device plan would add GPU time
+#: to a host-bound batch-1 step and save host time at 32. Kept at 128 until a GPU run of budget 255 says which.
 MAX_TREE_SIZE = 128
 
 
