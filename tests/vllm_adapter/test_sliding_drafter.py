@@ -218,3 +218,66 @@ def test_admission_under_the_switch_needs_a_known_window(h200_platform, tmp_path
     else:
         with pytest.raises(DDTreeConfigError, match="gives no window"):
             args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def check_flash_attention_applies_the_window(device: str = "cuda") -> None:
+    """vLLM's FlashAttention 3 call as its backend makes it for the drafter (paged K/V, queries aligned to the end
+    of each request's keys, ``causal`` and ``window_size`` per call) with :func:`flash_window`'s window: the
+    reference engine's attention (``visible_keys``) for a sliding layer and for a full one, over contexts that
+    straddle the window; the unwindowed attention differs (the window is in force at these shapes)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from ddtree.engine.drafter import visible_keys
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    heads, kv_heads, dim, block, page, window = 4, 2, 128, 16, 16, 24
+    contexts = [5, 30, 71]
+    keys = [c + block for c in contexts]
+    pages = [-(-n // page) for n in keys]
+    k_cache = torch.randn((sum(pages) + 1, page, kv_heads, dim), generator=gen).to(device, torch.bfloat16)
+    v_cache = torch.randn((sum(pages) + 1, page, kv_heads, dim), generator=gen).to(device, torch.bfloat16)
+    table = torch.zeros((len(keys), max(pages)), dtype=torch.int32)
+    first = 1  # (block 0 left unused, as vLLM's null block)
+    for r, n in enumerate(pages):
+        table[r, :n] = torch.arange(first, first + n)
+        first += n
+    q = torch.randn((block * len(keys), heads, dim), generator=gen).to(device, torch.bfloat16)
+    cu_q = torch.arange(0, block * (len(keys) + 1), block, dtype=torch.int32)
+    scale = dim**-0.5
+    for causal, mask_window in ((True, window), (False, None)):
+        out = flash_attn_varlen_func(
+            q=q,
+            k=k_cache,
+            v=v_cache,
+            max_seqlen_q=block,
+            cu_seqlens_q=cu_q.to(device),
+            max_seqlen_k=max(keys),
+            seqused_k=torch.tensor(keys, dtype=torch.int32, device=device),
+            softmax_scale=scale,
+            causal=causal,
+            window_size=list(flash_window(causal, mask_window)),
+            block_table=table.to(device),
+            fa_version=3,
+        )
+        for r, n in enumerate(keys):
+            rows = table[r].long()
+            k = k_cache[rows].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+            v = v_cache[rows].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
+            qr = q[r * block : (r + 1) * block].float()
+            scores = torch.einsum("qhd,khd->hqk", qr, k) * scale
+
+            def attend(visible):
+                return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+            expected = attend(visible_keys(block, n, causal, mask_window, device))
+            got = out[r * block : (r + 1) * block].float()
+            assert (got - expected).abs().max().item() < 3e-2, (causal, r)
+            if mask_window is not None and contexts[r] + block > mask_window:
+                unwindowed = attend(visible_keys(block, n, causal, None, device))
+                assert (got - unwindowed).abs().max().item() > 0.1, (causal, r)  # the window mattered here
+    print("flash attention applies the window as the reference does")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlashAttention 3)")
+def test_flash_attention_applies_the_window_as_the_reference_engine_does():
+    check_flash_attention_applies_the_window("cuda")
