@@ -452,7 +452,7 @@ def run_child(
             if sname in SCENARIO_VERSIONS:
                 res["scenarios"][sname]["version"] = SCENARIO_VERSIONS[sname]
         except Exception:
-            res["errors"][sname] = traceback.format_exc()[-4000:]
+            res["errors"][sname] = traceback.format_exc()[-4000:] + abort_left_over(llm)
         if partial_path:  # what finished so far, for the parent when this child dies
             with open(partial_path, "w") as f:
                 json.dump(res, f)
@@ -627,6 +627,20 @@ def load_partial_results(out, name, fh):
     res.setdefault("errors", {})["child"] = "the child process died or timed out; these are its finished scenarios"
     log(f"{name}: kept {len(res.get('scenarios', {}))} finished scenarios from {path}", fh)
     return res
+
+
+def abort_left_over(llm) -> str:
+    """Aborts the requests a scenario that raised left in the engine (``generate`` returns nothing of them, and a
+    later scenario's call would finish them among its own rows), and says how many (later scenarios still do not
+    count: ``engine_error_checks``)."""
+    try:
+        engine = llm.llm_engine
+        left = list(engine.output_processor.request_states)
+        if left:
+            engine.abort_request(left)
+        return f"\n(aborted {len(left)} requests the scenario left in the engine)"
+    except Exception as error:  # noqa: BLE001 (the scenario's own error is the one reported)
+        return f"\n(could not abort the requests left in the engine: {error!r})"
 
 
 #: Entries of an engine's ``errors`` that are not scenarios.

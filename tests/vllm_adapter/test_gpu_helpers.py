@@ -581,3 +581,21 @@ def test_harness_fails_scenarios_that_raised_and_those_that_ran_after():
     }
     assert engine_error_checks("dd", res) == {"dd/min_tokens/ran": False, "dd/logit_bias/clean_engine": False}
     assert engine_error_checks("dd", {"errors": {}, "scenarios": {"stop": {"rows": []}}}) == {}
+
+
+def test_a_scenario_that_raised_leaves_no_request_in_the_engine():
+    """The next scenario's ``generate`` would otherwise finish them among its own rows (c4ff208's logit_bias
+    scenario returned 16 rows for its 8 requests)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import abort_left_over
+
+    aborted = []
+    engine = SimpleNamespace(
+        output_processor=SimpleNamespace(request_states={"7": None, "8": None}), abort_request=aborted.extend
+    )
+    assert "aborted 2 requests" in abort_left_over(SimpleNamespace(llm_engine=engine))
+    assert aborted == ["7", "8"]
+    assert "could not abort" in abort_left_over(SimpleNamespace())
