@@ -632,3 +632,34 @@ def test_a_draftless_steps_logprobs_are_its_rows_and_found_without_reading_the_d
     expected = logits.log_softmax(dim=-1)
     chosen = out.logprobs_tensors.logprobs[:, 0]  # (the sampled token's logprob first, as vLLM's)
     assert torch.allclose(chosen, expected[torch.arange(3), tokens])
+
+
+def test_the_runner_routes_only_seeded_steps_without_drafts_to_ddtrees_sampler(monkeypatch):
+    """``_sample``: a step without drafts goes to ddtree's sampler when a request is seeded, to vLLM's otherwise; a
+    step with drafts always to vLLM's ``_sample`` (which calls ddtree's rejection sampler)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+
+    calls = []
+    monkeypatch.setattr(GPUModelRunner, "_sample", lambda self, logits, md: calls.append(("vllm", md)) or "vllm")
+    monkeypatch.setattr(
+        DDTreeGPUModelRunner, "_ddtree_sample_draftless_step", lambda self, logits: calls.append(("ddtree",)) or "dd"
+    )
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner._ddtree_plan = runner._ddtree_accept = runner._ddtree_accept_gpu = None
+    runner.drafter = SimpleNamespace()
+    runner.rejection_sampler = object.__new__(DDTreeRejectionSampler)
+    runner._ddtree_draftless_logits_indices = torch.tensor([0, 1])
+    logits = torch.zeros(2, 8)
+    seeded = SimpleNamespace(generators={1: torch.Generator()})
+    unseeded = SimpleNamespace(generators={})
+    runner.input_batch = SimpleNamespace(sampling_metadata=seeded)
+    assert runner._sample(logits, None) == "dd"
+    runner.input_batch = SimpleNamespace(sampling_metadata=unseeded)
+    assert runner._sample(logits, None) == "vllm"
+    runner.input_batch = SimpleNamespace(sampling_metadata=seeded)
+    drafts = SimpleNamespace(num_draft_tokens=[3, 3])
+    assert runner._sample(logits, drafts) == "vllm"
+    assert calls == [("ddtree",), ("vllm", None), ("vllm", drafts)]
