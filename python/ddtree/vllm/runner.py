@@ -35,7 +35,6 @@ queues a gate, the plan's upload and its placement without waiting, vLLM launche
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import time
@@ -372,6 +371,14 @@ class DDTreeStats:
     @staticmethod
     def _per_verify_step_ms(seconds_by_part: Dict[str, float], steps: int) -> Dict[str, float]:
         return {part: 1e3 * seconds / max(steps, 1) for part, seconds in sorted(seconds_by_part.items())}
+
+
+def shallow_copy(obj):
+    """``copy.copy`` of a plain object (a ``VerifyPlan`` template) without its pickle protocol: 0.6 us against 2.0
+    on the development CPU, once per device-planned step."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
 
 
 def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool) -> None:
@@ -740,7 +747,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         serial = self._ddtree_step_serial
         self._ddtree_step_serial = serial + 1
         gpu, placed = self._ddtree_device_upload_and_place(num_reqs, size, total, serial)
-        plan = copy.copy(template)
+        plan = shallow_copy(template)
         plan.step_serial = serial
         plan.deferred_trees = DeferredTrees(self.drafter.store, whole, planner.draft_len)
         plan.logit_rows_gpu = gpu["logit_rows"]
