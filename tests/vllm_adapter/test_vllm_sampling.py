@@ -598,7 +598,7 @@ def test_a_seeded_requests_token_is_the_same_in_a_step_without_drafts_and_beside
 
 def test_a_draftless_steps_logprobs_are_its_rows_and_found_without_reading_the_device():
     """ddtree's sampler on a step without drafts (a seeded request in it) returns vLLM's raw logprobs of each
-    request's row, finding the rows on the host (``DraftlessStep.bonus_rows_host``): no device read, which on a GPU
+    request's row, finding the rows on the host (from each request's row counts): no device read, which on a GPU
     would wait for the forward."""
     from vllm.v1.sample.sampler import Sampler
 

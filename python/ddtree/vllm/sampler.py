@@ -116,20 +116,18 @@ def _rows_of_requests_without_trees(tokens, metadata, num_reqs: int, width: int)
 
 class DraftlessStep(NamedTuple):
     """What :class:`DDTreeRejectionSampler` reads of vLLM's ``SpecDecodeMetadata``, for a step in which no request
-    verifies drafts: one logits row per request, from the hidden state at ``logits_indices``; the rows known on the
-    host too (``bonus_rows_host``: logprobs find their rows without reading the device's)."""
+    verifies drafts: one logits row per request, from the hidden state at ``logits_indices``."""
 
     num_draft_tokens: list
     max_spec_len: int
     bonus_logits_indices: torch.Tensor
     logits_indices: torch.Tensor
-    bonus_rows_host: np.ndarray
 
     @classmethod
     def of(cls, logits_indices: torch.Tensor) -> "DraftlessStep":
         num_reqs = int(logits_indices.shape[0])
         rows = torch.arange(num_reqs, device=logits_indices.device)
-        return cls([0] * num_reqs, 0, rows, logits_indices, np.arange(num_reqs, dtype=np.int64))
+        return cls([0] * num_reqs, 0, rows, logits_indices)
 
 
 class StepRows(NamedTuple):
@@ -240,8 +238,10 @@ class DDTreeRejectionSampler(nn.Module):
             out = _rows_of_requests_without_trees(tokens, metadata, num_reqs, width)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
+            # Each request's last row (vLLM's ``bonus_logits_indices``), known on the host: no device read.
+            last_rows = starts + counts - 1
             logprobs = self._logprobs(
-                runner, plan, result, walked, metadata, logits, out, sampling_metadata.max_num_logprobs
+                runner, plan, result, walked, metadata, logits, out, last_rows, sampling_metadata.max_num_logprobs
             )
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
 
@@ -284,10 +284,10 @@ class DDTreeRejectionSampler(nn.Module):
         return constrained
 
     @staticmethod
-    def _logprobs(runner, plan, result, walked, metadata, logits, out, max_num_logprobs):
+    def _logprobs(runner, plan, result, walked, metadata, logits, out, last_rows_host, max_num_logprobs):
         """vLLM's ``LogprobsTensors`` for ``out`` (``[num_reqs * width]`` entries, rejected ones discarded by
         vLLM's ``parse_output``), from the raw logits row each token was sampled from (found on the device when
-        the trees were walked there: ``walked``)."""
+        the trees were walked there: ``walked``); ``last_rows_host``: each request's last logits row."""
         num_reqs, width = out.shape
         if walked is not None:
             last_rows = metadata.bonus_logits_indices[:num_reqs].to(logits.device)
@@ -296,10 +296,8 @@ class DDTreeRejectionSampler(nn.Module):
                 trees.node_offsets, plan.logit_rows_gpu, plan.batch_index_gpu, walked, last_rows, width
             ).reshape(-1)
         else:
-            last_rows = getattr(metadata, "bonus_rows_host", None)  # (a step without drafts: no device read)
-            if last_rows is None:
-                last_rows = metadata.bonus_logits_indices.cpu().numpy()[:num_reqs]
-            rows = emitted_logit_rows(plan, result.accepted if result is not None else None, last_rows, width)
+            accepted = result.accepted if result is not None else None
+            rows = emitted_logit_rows(plan, accepted, last_rows_host[:num_reqs], width)
             rows = _to_device(rows.reshape(-1), logits.device)
         chosen = logits[rows].to(torch.float32)
         sampler = runner.sampler
