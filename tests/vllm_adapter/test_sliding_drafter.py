@@ -3,13 +3,11 @@ built in one full-attention KV group, its sliding layers' causality and window c
 (``ddtree.vllm.sliding_drafter``). The masks against the reference engine's; vLLM's resolver and FlashAttention
 metadata as vLLM 0.25.1 defines them (CPU: no attention runs here)."""
 
-import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_vllm_admission_and_limits import PAIR, _pair_args
+from test_vllm_admission_and_limits import _pair_args, sliding_pair_drafter
 
 from ddtree.vllm import sliding_drafter
 from ddtree.vllm.sliding_drafter import (
@@ -185,18 +183,6 @@ def test_a_backend_that_takes_no_window_from_the_metadata_is_refused():
         check_backends([group("TRITON_ATTN", NAMES)], masks)
 
 
-def _sliding_drafter(tmp_path, with_switch: bool):
-    drafter = tmp_path / "drafter"
-    shutil.copytree(f"{PAIR}/drafter", drafter)
-    config = json.loads((drafter / "config.json").read_text())
-    layers = config["num_hidden_layers"]
-    config.update(layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"], sliding_window=2048)
-    if with_switch:
-        config["use_sliding_window"] = True
-    (drafter / "config.json").write_text(json.dumps(config))
-    return drafter
-
-
 @pytest.mark.parametrize("use_sliding_window", [True, False])
 def test_admission_under_the_switch_needs_a_known_window(h200_platform, tmp_path, monkeypatch, use_sliding_window):
     """With the switch a mixed drafter is admitted when its window is known; transformers drops the window of a
@@ -210,7 +196,7 @@ def test_admission_under_the_switch_needs_a_known_window(h200_platform, tmp_path
     patches.apply()
     args = _pair_args(64)
     args.speculative_config = dict(
-        args.speculative_config, model=str(_sliding_drafter(tmp_path, with_switch=use_sliding_window))
+        args.speculative_config, model=str(sliding_pair_drafter(tmp_path, True if use_sliding_window else None))
     )
     if use_sliding_window:
         config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)

@@ -171,24 +171,31 @@ def test_a_budget_schedule_passes_vllms_own_config_validation(h200_platform):
     assert [tuple(e) for e in config.additional_config["ddtree"]["budget_schedule"]] == [(1, 64), (8, 16)]
 
 
-@pytest.mark.parametrize("switch", [True, None])
-def test_a_drafter_with_sliding_window_layers_is_refused_before_loading(h200_platform, tmp_path, switch):
-    """The released Qwen3.6-27B drafter's layer_types: four sliding-window layers and one full one; refused with
-    ``use_sliding_window: true`` and without it (transformers then loads the switch off, and vLLM's drafter, which
-    reads layer_types alone, would refuse it only after the target had loaded)."""
+def sliding_pair_drafter(tmp_path, use_sliding_window):
+    """The pair's drafter with the released Qwen3.6-27B drafter's layer kinds (every layer but the last
+    ``sliding_attention``, window 2048), ``use_sliding_window`` set as given (None: left out), under ``tmp_path``."""
     import json
     import shutil
-
-    from vllm.usage.usage_lib import UsageContext
 
     drafter = tmp_path / "drafter"
     shutil.copytree(f"{PAIR}/drafter", drafter)
     config = json.loads((drafter / "config.json").read_text())
     layers = config["num_hidden_layers"]
     config.update(layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"], sliding_window=2048)
-    if switch is not None:
-        config["use_sliding_window"] = switch
+    if use_sliding_window is not None:
+        config["use_sliding_window"] = use_sliding_window
     (drafter / "config.json").write_text(json.dumps(config))
+    return drafter
+
+
+@pytest.mark.parametrize("switch", [True, None])
+def test_a_drafter_with_sliding_window_layers_is_refused_before_loading(h200_platform, tmp_path, switch):
+    """The released Qwen3.6-27B drafter's layer_types: four sliding-window layers and one full one; refused with
+    ``use_sliding_window: true`` and without it (transformers then loads the switch off, and vLLM's drafter, which
+    reads layer_types alone, would refuse it only after the target had loaded)."""
+    from vllm.usage.usage_lib import UsageContext
+
+    drafter = sliding_pair_drafter(tmp_path, switch)
     patches.apply()
     args = _pair_args(64)
     args.speculative_config = dict(args.speculative_config, model=str(drafter))
