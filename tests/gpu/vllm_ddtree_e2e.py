@@ -206,7 +206,7 @@ ENGINES = {
     # ... with the pair's drafter made to mix sliding-window (8 positions) and full-attention layers, as the released
     # Qwen3.6-27B drafter does (DDTREE_SLIDING_DRAFTER=1, experimental): exact outputs, and an acceptance that shows
     # the window applied: ddtree's reference engine (fp32, CPU) accepts 2.78 tokens a step with this drafter on
-    # batch16's prompts and 3.48 with the pair's own, 0.80 of it (docs/sliding-window-drafter.md): run it beside
+    # batch16's prompts and 3.48 with the pair's own, 0.80 of it (cpu-sliding-reference-5eb816c): run it beside
     # ddtree64-async and compare the ratio.
     "ddtree64-async-sliding-drafter": dict(async_ddtree(DDTREE_SLIDING_DRAFTER="1"), sliding_window=8),
     # ... with the commit's graphs (GDN commit with the K/V moves) captured at start-up too (DDTREE_PRECAPTURE=all).
