@@ -428,8 +428,9 @@ def report(check_rows: list, main_rows: list, sweep_rows: list) -> str:
         "## (b) one tree verification (B + 1 nodes per request) vs vLLM's chain verification (16 tokens)",
         "",
         "Times in microseconds per GDN layer call (eager = CUDA events around Python launches, "
-        "graph = CUDA-graph replay). Tree kernel at default settings (tf32x3, BT=16, BC=64, BKC=32, 4 warps, "
-        "BV by heuristic: 64, 128 from 16 requests of 48 heads on).",
+        "graph = CUDA-graph replay). Tree kernel at default settings (tf32x3, BT=16, "
+        f"BC={gdn_tree_triton.DEFAULT_BLOCK_C}, BKC=32, 4 warps, BV by heuristic: 64, 128 from "
+        f"{gdn_tree_triton.WIDE_BLOCK_V_FROM} request-heads on).",
         "",
         "| budget | batch | tree verify eager | tree verify graph | tree commit graph | ancestor bits eager "
         "| vLLM chain-16 eager | vLLM chain-16 graph | tree/vLLM (graph) |",
