@@ -82,9 +82,11 @@ ENGINES = {
     "ddtree-auto": _tree("auto"),  # candidates 15, 31, 63 (the default maximum)
     # The forward queued after the trees are built (DDTREE_LAUNCH_AHEAD=0): the A/B of the early launch.
     "ddtree63to15-behind": _tree({"1": 63, "8": 15}, DDTREE_LAUNCH_AHEAD="0"),
-    # Steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental): no host wait for the
-    # drafter's top-K, the build kernels on the GPU between the drafter and the forward instead.
+    # Steady steps' trees built and laid out on the GPU, set explicitly (DDTREE_DEVICE_PLAN=1; the default does it
+    # where the engine allows it): no host wait for the drafter's top-K, the build kernels on the GPU between the
+    # drafter and the forward instead; and every step's trees built on the host (DDTREE_DEVICE_PLAN=0).
     "ddtree63to15-device-plan": _tree({"1": 63, "8": 15}, DDTREE_DEVICE_PLAN="1"),
+    "ddtree63to15-host-plan": _tree({"1": 63, "8": 15}, DDTREE_DEVICE_PLAN="0"),
     # The released drafter's layer kinds too (four sliding-window layers of 2048 positions, one full;
     # DDTREE_SLIDING_DRAFTER=1, experimental): its windowed FlashAttention metadata under the engine's graphs.
     "ddtree63to15-sliding-drafter": dict(
@@ -283,7 +285,9 @@ def set_device_plan(worker, on: bool) -> bool:
         runner._ddtree_device_planner = getattr(runner, "_ddtree_device_planner_aside", None)
         runner._ddtree_device_planner_aside = None
         if runner._ddtree_device_planner is None:
-            raise RuntimeError("the device plan cannot be turned on: the engine started without DDTREE_DEVICE_PLAN=1")
+            raise RuntimeError(
+                "the device plan cannot be turned on: the engine started without it (DDTREE_DEVICE_PLAN)"
+            )
     elif not on and previous:
         runner._ddtree_device_planner_aside, runner._ddtree_device_planner = runner._ddtree_device_planner, None
     return previous

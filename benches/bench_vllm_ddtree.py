@@ -338,7 +338,9 @@ def main():
         "ddtree-B-lazy: DDTREE_PRECAPTURE=0, the step graphs captured at each size's first step, not at start-up; "
         "ddtree-B-topk-graphs: DDTREE_TOPK_GRAPHS=1, the drafter's top-K as CUDA graphs; "
         "ddtree-B-precapture-all: DDTREE_PRECAPTURE=all, the commit's graphs at start-up too; "
-        "ddtree-B-device-plan: DDTREE_DEVICE_PLAN=1, steady steps' trees built and laid out on the GPU; "
+        "ddtree-B-device-plan: DDTREE_DEVICE_PLAN=1, steady steps' trees built and laid out on the GPU (the "
+        "default where the engine allows it), set explicitly; ddtree-B-host-plan: DDTREE_DEVICE_PLAN=0, every "
+        "step's trees built on the host; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -395,8 +397,10 @@ def main():
         engines.append((f"ddtree-{b}-precapture-all", dict(tree, env={"DDTREE_PRECAPTURE": "all"})))
         # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
         engines.append((f"ddtree-{b}-topk-graphs", dict(tree, env={"DDTREE_TOPK_GRAPHS": "1"})))
-        # ... with steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental).
+        # ... with steady steps' trees built and laid out on the GPU, set explicitly (the default does it where the
+        # engine allows it), and with every step's trees built on the host (DDTREE_DEVICE_PLAN=0).
         engines.append((f"ddtree-{b}-device-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "1"})))
+        engines.append((f"ddtree-{b}-host-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "0"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}

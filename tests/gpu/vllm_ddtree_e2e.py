@@ -25,7 +25,9 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
                     lands before the host reaches the step, where the default does not gate)
   ddtree64-async-topk-graphs  ddtree64-async with DDTREE_TOPK_GRAPHS=1 (the drafter's top-K as CUDA graphs)
-  ddtree64-async-device-plan  ddtree64-async with DDTREE_DEVICE_PLAN=1 (steady steps' trees built on the GPU)
+  ddtree64-async-device-plan  ddtree64-async with DDTREE_DEVICE_PLAN=1 (steady steps' trees built on the GPU, as
+                    the default does where it can, set so the run must show it)
+  ddtree64-async-host-plan  ddtree64-async with DDTREE_DEVICE_PLAN=0 (every step's trees built on the host)
   ddtree64-async-sliding-drafter  ddtree64-async with the drafter's layers made sliding-window (8) but the last,
                     under DDTREE_SLIDING_DRAFTER=1 (the released Qwen3.6-27B drafter's layer kinds)
   ddtree64-async-precapture-all  ddtree64-async with DDTREE_PRECAPTURE=all (the commit's graphs at start-up too)
@@ -201,8 +203,11 @@ ENGINES = {
     "ddtree64-async": async_ddtree(DDTREE_LAUNCH_AHEAD="always", DDTREE_COMMIT_IN_PLACE="1", DDTREE_PRECAPTURE="1"),
     # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
     "ddtree64-async-topk-graphs": async_ddtree(DDTREE_TOPK_GRAPHS="1"),
-    # ... with steady steps' trees built and laid out on the GPU (DDTREE_DEVICE_PLAN=1, experimental).
+    # ... with steady steps' trees built and laid out on the GPU, set explicitly (DDTREE_DEVICE_PLAN=1: what the
+    # default, auto, does where the engine allows it; the run must show device-planned steps).
     "ddtree64-async-device-plan": async_ddtree(DDTREE_DEVICE_PLAN="1"),
+    # ... with every step's trees built on the host (DDTREE_DEVICE_PLAN=0, the default before 9e8b443's record).
+    "ddtree64-async-host-plan": async_ddtree(DDTREE_DEVICE_PLAN="0"),
     # ... with the pair's drafter made to mix sliding-window (8 positions) and full-attention layers, as the released
     # Qwen3.6-27B drafter does (DDTREE_SLIDING_DRAFTER=1, experimental): exact outputs, and an acceptance that shows
     # the window applied: ddtree's reference engine (fp32, CPU) accepts 2.78 tokens a step with this drafter on

@@ -318,12 +318,14 @@ def test_fits_far_from_the_end():
 
 
 def test_the_switch_and_what_it_needs():
-    from ddtree.vllm.config import DDTreeConfigError, device_plan_enabled, device_plan_lacks
+    from ddtree.vllm.config import DDTreeConfigError, device_plan_lacks, device_plan_mode
 
-    assert device_plan_enabled({}) is False
-    assert device_plan_enabled({"DDTREE_DEVICE_PLAN": "1"}) is True
-    with pytest.raises(DDTreeConfigError, match="DDTREE_DEVICE_PLAN"):
-        device_plan_enabled({"DDTREE_DEVICE_PLAN": "yes"})
+    assert device_plan_mode({}) == "auto"
+    assert device_plan_mode({"DDTREE_DEVICE_PLAN": " Auto "}) == "auto"
+    assert device_plan_mode({"DDTREE_DEVICE_PLAN": "1"}) == "1"
+    assert device_plan_mode({"DDTREE_DEVICE_PLAN": "0"}) == "0"
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_DEVICE_PLAN must be one of auto .*got 'yes'"):
+        device_plan_mode({"DDTREE_DEVICE_PLAN": "yes"})
     assert device_plan_lacks(True, True, True, True, True) == []
     lacking = device_plan_lacks(False, False, False, False, False)
     for needed in ("CUDA device", "asynchronous scheduling", "late trees", "device walk", "step graphs"):
@@ -364,13 +366,50 @@ def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monke
     assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
 
 
+def _log_lines(monkeypatch) -> list:
+    from types import SimpleNamespace
+
+    from ddtree.vllm import runner as runner_module
+
+    lines = []
+    monkeypatch.setattr(runner_module, "logger", SimpleNamespace(info=lambda fmt, *args: lines.append(fmt % args)))
+    return lines
+
+
 def test_the_runner_refuses_the_switch_without_what_it_needs(monkeypatch):
+    """Without a prerequisite (here a CUDA device) the default plans on the host and says why; ``1`` refuses."""
+    lines = _log_lines(monkeypatch)
     runner = bench.build_runner(1, 8, 3, 4)
     runner._ddtree_late_trees, runner._ddtree_step_graphs_on = True, True
-    assert runner._ddtree_make_device_planner() is None  # off by default
+    monkeypatch.delenv("DDTREE_DEVICE_PLAN", raising=False)
+    assert runner._ddtree_make_device_planner() is None
+    assert any("built on the host (the device plan needs a CUDA device" in line for line in lines), lines
     monkeypatch.setenv("DDTREE_DEVICE_PLAN", "1")
     with pytest.raises(RuntimeError, match=r"DDTREE_DEVICE_PLAN=1 needs a CUDA device"):
         runner._ddtree_make_device_planner()
+
+
+@pytest.mark.parametrize(
+    "setting, budget, planned",
+    [(None, 63, True), ("auto", 127, True), (None, 255, False), ("1", 255, True), ("0", 63, False)],
+)
+def test_the_default_plans_on_the_device_where_the_engine_allows_it(monkeypatch, setting, budget, planned):
+    """With every prerequisite met the default (``auto``) makes the planner, unless no budget's trees fit the
+    device's (then the host plans every step and the log says so); ``0`` never makes it."""
+    from ddtree.vllm import runner as runner_module
+
+    lines = _log_lines(monkeypatch)
+    monkeypatch.setattr(runner_module, "device_plan_lacks", lambda *args: [])
+    if setting is None:
+        monkeypatch.delenv("DDTREE_DEVICE_PLAN", raising=False)
+    else:
+        monkeypatch.setenv("DDTREE_DEVICE_PLAN", setting)
+    runner = bench.build_runner(1, budget, 8, 8)
+    runner._ddtree_late_trees = True
+    made = runner._ddtree_make_device_planner()
+    assert isinstance(made, device_plan.DevicePlanner) if planned else made is None
+    if not planned and setting != "0":
+        assert any("exceed the device plan's 128 nodes" in line for line in lines), lines
 
 
 def test_the_proposer_packs_the_top_k_where_the_device_plan_reads_it():
@@ -401,12 +440,9 @@ def test_the_proposer_packs_the_top_k_where_the_device_plan_reads_it():
 
 @pytest.mark.parametrize("budget, host_planned", [(127, None), (255, "[255]")])
 def test_start_up_says_which_budgets_stay_on_the_host(monkeypatch, budget, host_planned):
-    from types import SimpleNamespace
-
     from ddtree.vllm import runner as runner_module
 
-    lines = []
-    monkeypatch.setattr(runner_module, "logger", SimpleNamespace(info=lambda fmt, *args: lines.append(fmt % args)))
+    lines = _log_lines(monkeypatch)
     monkeypatch.setattr(runner_module, "device_plan_lacks", lambda *args: [])
     monkeypatch.setenv("DDTREE_DEVICE_PLAN", "1")
     runner = bench.build_runner(1, budget, 8, 8)

@@ -556,20 +556,31 @@ def topk_graphs_enabled(environ: Mapping[str, str] = os.environ, tensor_parallel
     return on
 
 
-def device_plan_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether a steady step (every request verifies its last proposal's tree, whole, far from ``max_model_len``)
-    has its trees built and laid out on the device inside one CUDA graph with the placement, so that the host
-    neither waits for the drafter's top-K nor builds trees (``ddtree.vllm.device_plan``; ``DDTREE_DEVICE_PLAN=1``).
-    Experimental, off by default: exact against the host plan on CPU (Triton's interpreter), not yet measured on a
-    GPU. Needs what :func:`device_plan_lacks` lists."""
-    meanings = {"0": "trees built on the host", "1": "steady steps' trees built on the device"}
-    return env_switch(environ, DEVICE_PLAN_ENV, "0", meanings)
+def device_plan_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """DDTREE_DEVICE_PLAN: whether a steady step (every request verifies its last proposal's tree, whole, far from
+    ``max_model_len``) has its trees built and laid out on the device inside one CUDA graph with the placement, so
+    that the host neither waits for the drafter's top-K nor builds trees (``ddtree.vllm.device_plan``).
+    ``"auto"`` (default): on where the engine has what :func:`device_plan_lacks` lists, the host plan otherwise;
+    ``"1"``: on, and refused at start-up where the engine lacks any of it; ``"0"``: every step planned on the host.
+    The default since ``gpu-h200-device-plan-9e8b443``: exact in every e2e scenario, less host work a step."""
+    value = environ.get(DEVICE_PLAN_ENV, "auto").strip().lower()
+    if value not in DEVICE_PLAN_MODES:
+        choices = ", ".join(f"{k} ({v})" for k, v in DEVICE_PLAN_MODES.items())
+        raise DDTreeConfigError(f"{DEVICE_PLAN_ENV} must be one of {choices}; got {value!r}")
+    return value
+
+
+DEVICE_PLAN_MODES = {
+    "auto": "steady steps' trees built on the device where the engine allows it, the default",
+    "1": "the same, refused at start-up where the engine does not allow it",
+    "0": "every step's trees built on the host",
+}
 
 
 def device_plan_lacks(
     async_scheduling: bool, late_trees: bool, device_walk: bool, step_graphs: bool, on_gpu: bool
 ) -> List[str]:
-    """What ``DDTREE_DEVICE_PLAN=1`` needs and the engine lacks (empty: nothing)."""
+    """What the device plan (``DDTREE_DEVICE_PLAN``) needs and the engine lacks (empty: nothing)."""
     lacking = []
     if not on_gpu:
         lacking.append("a CUDA device (its plan is CUDA graphs)")

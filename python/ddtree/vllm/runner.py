@@ -68,7 +68,7 @@ from ddtree.vllm.config import (
     commit_graphs_enabled,
     commit_in_place_enabled,
     device_accept_enabled,
-    device_plan_enabled,
+    device_plan_mode,
     device_plan_lacks,
     late_trees_enabled,
     launch_ahead_enabled,
@@ -579,9 +579,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             logger.info("DDTree: %s", advice)
 
     def _ddtree_make_device_planner(self) -> Optional[DevicePlanner]:
-        """DDTREE_DEVICE_PLAN=1: the device side of device-planned steps (None: off); refused at start-up, with what
-        is missing, where its prerequisites are off."""
-        if not device_plan_enabled():
+        """DDTREE_DEVICE_PLAN: the device side of device-planned steps, or None (``0``; or ``auto`` where the engine
+        lacks a prerequisite or no budget fits the device's trees, said in the log); ``1`` is refused at start-up,
+        with what is missing, where a prerequisite is off."""
+        mode = device_plan_mode()
+        if mode == "0":
             return None
         lacking = device_plan_lacks(
             bool(self.use_async_scheduling),
@@ -590,10 +592,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_step_graphs_on,
             self.device.type == "cuda",
         )
-        if lacking:
+        if lacking and mode == "1":
             raise RuntimeError("DDTree: DDTREE_DEVICE_PLAN=1 needs " + "; ".join(lacking))
+        if lacking:
+            logger.info("DDTree: every step's trees built on the host (the device plan needs %s)", "; ".join(lacking))
+            return None
+        if mode == "auto" and all(b + 1 > MAX_DEVICE_TREE_SIZE for b in self.ddtree_cfg.budgets):
+            logger.info(
+                "DDTree: every step's trees built on the host (budgets %s exceed the device plan's %d nodes a tree)",
+                list(self.ddtree_cfg.budgets),
+                MAX_DEVICE_TREE_SIZE,
+            )
+            return None
         drafter = self.drafter
-        logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=1, experimental)")
+        logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=%s)", mode)
         too_big = [b for b in self.ddtree_cfg.budgets if b + 1 > MAX_DEVICE_TREE_SIZE]
         if too_big:
             logger.info(
