@@ -209,6 +209,10 @@ def child(args):
             # Engine life so far: steps whose forward was queued before their trees (DDTREE_LAUNCH_AHEAD).
             row["early_launch_steps"] = summary.get("early_launch_steps", 0)
             row["landed_before_launch_steps"] = summary.get("landed_before_launch_steps", 0)
+            # Engine life so far: steps planned on the device (DDTREE_DEVICE_PLAN), and of those the ones that
+            # uploaded nothing (gpu-h200-device-plan-9e8b443's rows could not say how many there were).
+            row["device_plan_steps"] = summary.get("device_plan_steps", 0)
+            row["device_plan_resumed_steps"] = summary.get("device_plan_resumed_steps", 0)
             # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (engine life so
             # far, warm-ups included): the chain's figure beside the dflash engine's own measured one.
             row["acceptance_length_if_budget"] = summary.get("acceptance_length_if_budget", {})
