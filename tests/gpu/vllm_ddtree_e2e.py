@@ -21,13 +21,14 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   ddtree64-host     budget 64 with the tree walk on the host and trees built at proposal (both switches 0)
   ddtree64-device   budget 64 with the tree walk on the device only (DDTREE_LATE_TREES=0)
   ddtree64-late     the device walk plus trees built at the next verification, synchronous scheduling
-  ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling, FULL steps' forwards queued before their
-                    trees (DDTREE_ASYNC_SCHEDULING=1, and DDTREE_LAUNCH_AHEAD=always: the pair's drafter
-                    lands before the host reaches the step, where the default does not gate)
+  ddtree64-async    the TP-1 default: vLLM's asynchronous scheduling (DDTREE_ASYNC_SCHEDULING=1), steady steps'
+                    trees built on the GPU (the device plan, on by default: the run must show it)
   ddtree64-async-topk-graphs  ddtree64-async with DDTREE_TOPK_GRAPHS=1 (the drafter's top-K as CUDA graphs)
   ddtree64-async-device-plan  ddtree64-async with DDTREE_DEVICE_PLAN=1 (steady steps' trees built on the GPU, as
                     the default does where it can, set so the run must show it)
-  ddtree64-async-host-plan  ddtree64-async with DDTREE_DEVICE_PLAN=0 (every step's trees built on the host)
+  ddtree64-async-host-plan  ddtree64-async with DDTREE_DEVICE_PLAN=0 (every step's trees built on the host), FULL
+                    steps' forwards queued before their trees (DDTREE_LAUNCH_AHEAD=always: the pair's drafter
+                    lands before the host reaches the step, where the default does not gate)
   ddtree64-async-sliding-drafter  ddtree64-async with the drafter's layers made sliding-window (8) but the last,
                     under DDTREE_SLIDING_DRAFTER=1 (the released Qwen3.6-27B drafter's layer kinds)
   ddtree64-async-precapture-all  ddtree64-async with DDTREE_PRECAPTURE=all (the commit's graphs at start-up too)
@@ -197,17 +198,22 @@ ENGINES = {
     ),
     # 160 blocks held 16,384 tokens of the pair's cache (attention blocks of 144 tokens sized to the GDN state's
     # page) and batch 32 never preempted (2026-12-02); 40 blocks hold ~4,096, under batch 32's ~7,500.
-    # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds.
-    # The commit reading a replayed walk's paths in place and the start-up captures of the placement and walk graphs
+    # vLLM's asynchronous scheduling (the TP-1 default, set explicitly): the trees arrive after vLLM's metadata builds,
+    # steady steps' built on the device (the device plan's default, auto: the harness checks that it ran). The
+    # commit reading a replayed walk's paths in place and the start-up captures of the placement and walk graphs
     # are defaults; set here so the run must show them.
-    "ddtree64-async": async_ddtree(DDTREE_LAUNCH_AHEAD="always", DDTREE_COMMIT_IN_PLACE="1", DDTREE_PRECAPTURE="1"),
+    "ddtree64-async": async_ddtree(DDTREE_COMMIT_IN_PLACE="1", DDTREE_PRECAPTURE="1"),
     # ... with the drafter's top-K replayed as CUDA graphs (DDTREE_TOPK_GRAPHS=1, experimental).
     "ddtree64-async-topk-graphs": async_ddtree(DDTREE_TOPK_GRAPHS="1"),
     # ... with steady steps' trees built and laid out on the GPU, set explicitly (DDTREE_DEVICE_PLAN=1: what the
     # default, auto, does where the engine allows it; the run must show device-planned steps).
     "ddtree64-async-device-plan": async_ddtree(DDTREE_DEVICE_PLAN="1"),
-    # ... with every step's trees built on the host (DDTREE_DEVICE_PLAN=0, the default before 9e8b443's record).
-    "ddtree64-async-host-plan": async_ddtree(DDTREE_DEVICE_PLAN="0"),
+    # ... with every step's trees built on the host (DDTREE_DEVICE_PLAN=0, the default before 9e8b443's record),
+    # and FULL steps' forwards queued before their trees on every such step (DDTREE_LAUNCH_AHEAD=always: the pair's
+    # drafter lands before the host reaches the step, where the default does not gate).
+    "ddtree64-async-host-plan": async_ddtree(
+        DDTREE_DEVICE_PLAN="0", DDTREE_LAUNCH_AHEAD="always", DDTREE_COMMIT_IN_PLACE="1", DDTREE_PRECAPTURE="1"
+    ),
     # ... with the pair's drafter made to mix sliding-window (8 positions) and full-attention layers, as the released
     # Qwen3.6-27B drafter does (DDTREE_SLIDING_DRAFTER=1, experimental): exact outputs, and an acceptance that shows
     # the window applied: ddtree's reference engine (fp32, CPU) accepts 2.78 tokens a step with this drafter on
@@ -219,7 +225,7 @@ ENGINES = {
     # ... with the placement and walk graphs captured at each size's first step instead (DDTREE_PRECAPTURE=0).
     "ddtree64-async-lazy": async_ddtree(DDTREE_PRECAPTURE="0"),
     # ... with the commit graphs copying the walk's paths, the K/V moved apart (DDTREE_COMMIT_IN_PLACE=0).
-    "ddtree64-async-copies": async_ddtree(DDTREE_LAUNCH_AHEAD="always", DDTREE_COMMIT_IN_PLACE="0"),
+    "ddtree64-async-copies": async_ddtree(DDTREE_COMMIT_IN_PLACE="0"),
     # ... with a budget schedule (vLLM's asynchronous scheduler places each step's budget in drafts).
     "ddtree64to16-async": async_ddtree({"1": 64, "8": 16}),
     # vLLM's prefix caching (on by vLLM's default for attention-only targets, ddtree's too; the other engines turn
@@ -232,9 +238,10 @@ ENGINES = {
         num_gpu_blocks_override=40,
         only=("batch32",),
     ),
-    # Preemption under asynchronous scheduling (it takes effect a step late there).
+    # Preemption under asynchronous scheduling (it takes effect a step late there), with the default device plan
+    # (a resumed request's first step is planned on the host, the steps after it on the device).
     "ddtree64-async-preempt": dict(
-        async_ddtree(DDTREE_LAUNCH_AHEAD="always"),
+        async_ddtree(),
         num_gpu_blocks_override=40,
         only=("batch32",),
     ),
@@ -756,6 +763,11 @@ def switched_paths_exercised(env, summary):
     if env.get("DDTREE_DEVICE_PLAN") == "1" and env.get("DDTREE_PRECAPTURE", "1") != "0":
         # The device plan's graphs are captured at start-up with the placement's (the default precapture).
         checks.append(("precaptured_device_plans", summary.get("precaptured_device_plans", 0) > 0))
+    if env.get("DDTREE_ASYNC_SCHEDULING") == "1" and "DDTREE_DEVICE_PLAN" not in env:
+        # The default (auto) turns the device plan on for every such engine of the harness (one GPU, budgets of at
+        # most 127): start-up must have said "on", and steps must have run it, not fallen back to the host plan.
+        checks.append(("device_plan_on", summary.get("device_plan") == "on"))
+        checks.append(("device_plan_steps", summary.get("device_plan_steps", 0) > 0))
     return checks
 
 

@@ -384,6 +384,7 @@ def test_the_runner_refuses_the_switch_without_what_it_needs(monkeypatch):
     monkeypatch.delenv("DDTREE_DEVICE_PLAN", raising=False)
     assert runner._ddtree_make_device_planner() is None
     assert any("built on the host (the device plan needs a CUDA device" in line for line in lines), lines
+    assert runner._ddtree_device_plan_state.startswith("off: needs a CUDA device")  # (the summary's device_plan)
     monkeypatch.setenv("DDTREE_DEVICE_PLAN", "1")
     with pytest.raises(RuntimeError, match=r"DDTREE_DEVICE_PLAN=1 needs a CUDA device"):
         runner._ddtree_make_device_planner()
@@ -408,6 +409,7 @@ def test_the_default_plans_on_the_device_where_the_engine_allows_it(monkeypatch,
     runner._ddtree_late_trees = True
     made = runner._ddtree_make_device_planner()
     assert isinstance(made, device_plan.DevicePlanner) if planned else made is None
+    assert (runner._ddtree_device_plan_state == "on") is planned, runner._ddtree_device_plan_state
     if not planned and setting != "0":
         assert any("exceed the device plan's 128 nodes" in line for line in lines), lines
 

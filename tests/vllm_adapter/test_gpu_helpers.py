@@ -288,7 +288,14 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     synchronous = dict(ran, async_scheduling=False)  # the switch was set but the engine ran synchronously
     assert ("async_scheduling", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], synchronous)
     # Launch ahead set to `always` (gated although the drafter has landed) must show gated steps.
-    assert ("early_launch_steps", False) in switched_paths_exercised(ENGINES["ddtree64-async"]["env"], ran)
+    assert ("early_launch_steps", False) in switched_paths_exercised(ENGINES["ddtree64-async-host-plan"]["env"], ran)
+    # The default engine must have turned the device plan on at start-up and run it.
+    default = ENGINES["ddtree64-async"]["env"]
+    checks = dict(switched_paths_exercised(default, dict(ran, device_plan="on", device_plan_steps=30)))
+    assert checks["device_plan_on"] is True and checks["device_plan_steps"] is True
+    checks = dict(switched_paths_exercised(default, dict(ran, device_plan="off: needs late trees")))
+    assert checks["device_plan_on"] is False and checks["device_plan_steps"] is False
+    assert "device_plan_on" not in dict(switched_paths_exercised(ENGINES["ddtree64-async-host-plan"]["env"], ran))
     # Commits reading the walk's paths in place must have run (counted) in the engine that sets them on.
     inplace = ENGINES["ddtree64-async"]["env"]
     assert ("commit_in_place_steps", False) in switched_paths_exercised(inplace, ran)

@@ -450,8 +450,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_gate: Optional[StreamGate] = None
     _ddtree_gate_landed_steps = False
     _ddtree_early: Optional[EarlyLaunch] = None
-    # DDTREE_DEVICE_PLAN (experimental): steady steps' trees built on the device; off until __init__ makes it.
+    # DDTREE_DEVICE_PLAN: steady steps' trees built on the device; off until __init__ makes it. What start-up
+    # decided, for the summary: "on", or "off: " and why (an engine that cannot run it is not an error under auto).
     _ddtree_device_planner: Optional[DevicePlanner] = None
+    _ddtree_device_plan_state = "off: not decided"
     _ddtree_draftless_logits_indices: Optional[torch.Tensor] = None  # a step without drafts: its logits rows' tokens
 
     def __init__(self, vllm_config, device):
@@ -584,6 +586,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         with what is missing, where a prerequisite is off."""
         mode = device_plan_mode()
         if mode == "0":
+            self._ddtree_device_plan_state = "off: DDTREE_DEVICE_PLAN=0"
             return None
         lacking = device_plan_lacks(
             bool(self.use_async_scheduling),
@@ -595,15 +598,18 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if lacking and mode == "1":
             raise RuntimeError("DDTree: DDTREE_DEVICE_PLAN=1 needs " + "; ".join(lacking))
         if lacking:
+            self._ddtree_device_plan_state = "off: needs " + "; ".join(lacking)
             logger.info("DDTree: every step's trees built on the host (the device plan needs %s)", "; ".join(lacking))
             return None
         if mode == "auto" and all(b + 1 > MAX_DEVICE_TREE_SIZE for b in self.ddtree_cfg.budgets):
+            self._ddtree_device_plan_state = f"off: every budget exceeds {MAX_DEVICE_TREE_SIZE} nodes a tree"
             logger.info(
                 "DDTree: every step's trees built on the host (budgets %s exceed the device plan's %d nodes a tree)",
                 list(self.ddtree_cfg.budgets),
                 MAX_DEVICE_TREE_SIZE,
             )
             return None
+        self._ddtree_device_plan_state = "on"
         drafter = self.drafter
         logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=%s)", mode)
         too_big = [b for b in self.ddtree_cfg.budgets if b + 1 > MAX_DEVICE_TREE_SIZE]
@@ -1874,4 +1880,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # Proposals whose top-K replayed a graph (DDTREE_TOPK_GRAPHS).
             topk_graph_steps=getattr(getattr(self, "drafter", None), "topk_graph_steps", 0),
             async_scheduling=bool(self.use_async_scheduling),
+            # DDTREE_DEVICE_PLAN as start-up decided it ("on", or "off: " and why).
+            device_plan=self._ddtree_device_plan_state,
         )
