@@ -366,6 +366,48 @@ def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monke
     assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
 
 
+@pytest.mark.parametrize("setting", [None, "1"])
+def test_kernels_that_fail_at_start_up_leave_the_host_plan_under_the_default(monkeypatch, setting):
+    """A GPU whose Triton cannot compile or fit the device plan's kernels (their first run, at start-up's
+    precapture): the default plans every step on the host from then on and says why (log, summary); ``1`` fails
+    start-up naming the error."""
+    from types import SimpleNamespace
+
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.graphs import WalkGraphs
+
+    warnings = []
+    monkeypatch.setattr(
+        runner_module,
+        "logger",
+        SimpleNamespace(info=lambda *a: None, warning=lambda fmt, *args: warnings.append(fmt % args)),
+    )
+    if setting is None:
+        monkeypatch.delenv("DDTREE_DEVICE_PLAN", raising=False)
+    else:
+        monkeypatch.setenv("DDTREE_DEVICE_PLAN", setting)
+    batch, budget = 3, 8
+    runner = bench.build_runner(batch, budget, 3, 4)
+    bench.prepare_device_plan(runner, run_kernels=False)
+    runner._ddtree_walk_graphs = WalkGraphs(bench.placement_stand_in(False))
+    runner._ddtree_late_trees = True
+
+    def out_of_resources(*args):
+        raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 101376")
+
+    runner._ddtree_device_planner.build_and_lay_out = out_of_resources
+    if setting == "1":
+        with pytest.raises(RuntimeError, match=r"DDTREE_DEVICE_PLAN=1, but its kernels failed .*shared memory"):
+            runner._ddtree_precapture_step_graphs(batch, budget + 1)
+        return
+    runner._ddtree_precapture_step_graphs(batch, budget + 1)
+    assert runner._ddtree_device_planner is None and runner.ddtree_stats.precaptured_device_plans == 0
+    assert runner._ddtree_device_plan_state.startswith("off: its kernels failed at start-up on 3 trees of 9 tokens")
+    assert len(warnings) == 1 and "shared memory" in warnings[0]
+    _plan(runner, _defer(runner, np.random.default_rng(0)))  # the next steady step: the host plan's, whole
+    assert runner.ddtree_stats.device_plan_steps == 0 and runner._ddtree_plan.trees is not None
+
+
 def _log_lines(monkeypatch) -> list:
     from types import SimpleNamespace
 

@@ -1444,10 +1444,27 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if planner is not None and planner.serves(num_trees, tree_tokens):
             # DDTREE_DEVICE_PLAN: the device plan's graph of the size (its first run compiles the Triton kernels),
             # and the walk's graphs of its outputs; the kernels build trees from whatever the top-K buffer holds.
-            self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)  # run, then captured
-            gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)
+            try:
+                self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)  # run, then captured
+                gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)
+            except Exception as error:  # (a GPU whose Triton cannot compile or fit the kernels, say)
+                self._ddtree_device_plan_failed(error, (num_trees, tree_tokens))
+                return
             self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
             self.ddtree_stats.precaptured_device_plans += 1
+
+    def _ddtree_device_plan_failed(self, error: Exception, shape: Tuple[int, int]) -> None:
+        """The device plan's kernels failed at start-up (their first run, which compiles them): under the default
+        (``auto``) every step is planned on the host from here on, said in the log and the summary; with
+        ``DDTREE_DEVICE_PLAN=1`` start-up fails, naming the error."""
+        reason = (
+            f"its kernels failed at start-up on {shape[0]} trees of {shape[1]} tokens: {type(error).__name__}: {error}"
+        )
+        if device_plan_mode() == "1":
+            raise RuntimeError(f"DDTree: DDTREE_DEVICE_PLAN=1, but {reason}") from error
+        logger.warning("DDTree: every step's trees built on the host (the device plan's %s)", reason)
+        self._ddtree_device_planner = None
+        self._ddtree_device_plan_state = "off: " + reason
 
     def _ddtree_filler_plan(self, num_trees: int, tree_tokens: int, arrays) -> VerifyPlan:
         """The host plan of ``num_trees`` filler trees of ``tree_tokens`` tokens (no proposals: each request
