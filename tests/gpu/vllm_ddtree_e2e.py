@@ -763,9 +763,14 @@ def switched_paths_exercised(env, summary):
     if env.get("DDTREE_DEVICE_PLAN") == "1" and env.get("DDTREE_PRECAPTURE", "1") != "0":
         # The device plan's graphs are captured at start-up with the placement's (the default precapture).
         checks.append(("precaptured_device_plans", summary.get("precaptured_device_plans", 0) > 0))
-    if env.get("DDTREE_ASYNC_SCHEDULING") == "1" and "DDTREE_DEVICE_PLAN" not in env:
+    if (
+        env.get("DDTREE_ASYNC_SCHEDULING") == "1"
+        and "DDTREE_DEVICE_PLAN" not in env
+        and env.get("DDTREE_PRECAPTURE") != "0"
+    ):
         # The default (auto) turns the device plan on for every such engine of the harness (one GPU, budgets of at
-        # most 127): start-up must have said "on", and steps must have run it, not fallen back to the host plan.
+        # most 127, the start-up precapture that checks its kernels): start-up must have said "on", and steps must
+        # have run it, not fallen back to the host plan.
         checks.append(("device_plan_on", summary.get("device_plan") == "on"))
         checks.append(("device_plan_steps", summary.get("device_plan_steps", 0) > 0))
     return checks

@@ -448,10 +448,12 @@ def test_the_default_plans_on_the_device_where_the_engine_allows_it(monkeypatch,
     else:
         monkeypatch.setenv("DDTREE_DEVICE_PLAN", setting)
     runner = bench.build_runner(1, budget, 8, 8)
-    runner._ddtree_late_trees = True
+    runner._ddtree_late_trees, runner._ddtree_precapture = True, True
     made = runner._ddtree_make_device_planner()
     assert isinstance(made, device_plan.DevicePlanner) if planned else made is None
     assert (runner._ddtree_device_plan_state == "on") is planned, runner._ddtree_device_plan_state
+    runner._ddtree_precapture = False  # (its kernels would first run while serving: auto declines, 1 does not)
+    assert (runner._ddtree_make_device_planner() is not None) is (planned and setting == "1")
     if not planned and setting != "0":
         assert any("exceed the device plan's 128 nodes" in line for line in lines), lines
 

@@ -601,6 +601,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_device_plan_state = "off: needs " + "; ".join(lacking)
             logger.info("DDTree: every step's trees built on the host (the device plan needs %s)", "; ".join(lacking))
             return None
+        if mode == "auto" and not self._ddtree_precapture:
+            # Start-up's precapture is where its kernels first run (and a failure there falls back to the host
+            # plan); without it they would first run while serving, where a failure fails the step.
+            self._ddtree_device_plan_state = "off: DDTREE_PRECAPTURE=0 (its kernels are checked at start-up's)"
+            logger.info("DDTree: every step's trees built on the host (the device plan needs DDTREE_PRECAPTURE)")
+            return None
         if mode == "auto" and all(b + 1 > MAX_DEVICE_TREE_SIZE for b in self.ddtree_cfg.budgets):
             self._ddtree_device_plan_state = f"off: every budget exceeds {MAX_DEVICE_TREE_SIZE} nodes a tree"
             logger.info(
