@@ -449,6 +449,16 @@ def env_switch(environ: Mapping[str, str], name: str, default: str, meanings: Ma
     return value == "1"
 
 
+def env_choice(environ: Mapping[str, str], name: str, default: str, modes: Mapping[str, str]) -> str:
+    """An environment setting of several values (``default`` when unset; case and spaces ignored); any other value
+    is refused with every value's meaning."""
+    value = environ.get(name, default).strip().lower()
+    if value not in modes:
+        choices = ", ".join(f"{k} ({v})" for k, v in modes.items())
+        raise DDTreeConfigError(f"{name} must be one of {choices}; got {value!r}")
+    return value
+
+
 def commit_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the GDN commit after a FULL tree step replays a CUDA graph (on unless DDTREE_COMMIT_GRAPHS=0).
 
@@ -563,11 +573,7 @@ def device_plan_mode(environ: Mapping[str, str] = os.environ) -> str:
     ``"auto"`` (default): on where the engine has what :func:`device_plan_lacks` lists, the host plan otherwise;
     ``"1"``: on, and refused at start-up where the engine lacks any of it; ``"0"``: every step planned on the host.
     The default since ``gpu-h200-device-plan-9e8b443``: exact in every e2e scenario, less host work a step."""
-    value = environ.get(DEVICE_PLAN_ENV, "auto").strip().lower()
-    if value not in DEVICE_PLAN_MODES:
-        choices = ", ".join(f"{k} ({v})" for k, v in DEVICE_PLAN_MODES.items())
-        raise DDTreeConfigError(f"{DEVICE_PLAN_ENV} must be one of {choices}; got {value!r}")
-    return value
+    return env_choice(environ, DEVICE_PLAN_ENV, "auto", DEVICE_PLAN_MODES)
 
 
 DEVICE_PLAN_MODES = {
@@ -615,11 +621,7 @@ def launch_ahead_mode(environ: Mapping[str, str] = os.environ) -> str:
     it has landed there is nothing to overlap, and gating cost ~1 ms per step on the test pair,
     ``gpu-h200-pair-launch-ahead-632c917``); ``"0"`` never; ``"always"`` gates every eligible step, landed or not:
     slower, for tests that must run the gate on a pair whose drafter always lands first (the e2e harness)."""
-    value = environ.get(LAUNCH_AHEAD_ENV, "1").strip().lower()
-    if value not in LAUNCH_AHEAD_MODES:
-        choices = ", ".join(f"{k} ({v})" for k, v in LAUNCH_AHEAD_MODES.items())
-        raise DDTreeConfigError(f"{LAUNCH_AHEAD_ENV} must be one of {choices}; got {value!r}")
-    return value
+    return env_choice(environ, LAUNCH_AHEAD_ENV, "1", LAUNCH_AHEAD_MODES)
 
 
 LAUNCH_AHEAD_MODES = {
