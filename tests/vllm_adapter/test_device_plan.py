@@ -408,6 +408,31 @@ def test_kernels_that_fail_at_start_up_leave_the_host_plan_under_the_default(mon
     assert runner.ddtree_stats.device_plan_steps == 0 and runner._ddtree_plan.trees is not None
 
 
+@pytest.mark.parametrize("setting, precaptured, kept", [(None, 0, False), (None, 2, True), ("1", 0, True)])
+def test_a_device_plan_that_never_ran_at_start_up_is_dropped_under_the_default(monkeypatch, setting, precaptured, kept):
+    """No FULL graph captured (enforce_eager, PIECEWISE only): the device plan's kernels never ran at start-up, so
+    the default drops it at the warm-up rather than compile them while serving; ``1`` keeps it."""
+    if setting is None:
+        monkeypatch.delenv("DDTREE_DEVICE_PLAN", raising=False)
+    else:
+        monkeypatch.setenv("DDTREE_DEVICE_PLAN", setting)
+    lines = _log_lines(monkeypatch)
+    runner = bench.build_runner(2, 8, 3, 4)
+    bench.prepare_device_plan(runner, run_kernels=False)
+    runner._ddtree_device_plan_state = "on"
+    runner.ddtree_stats.precaptured_device_plans = precaptured
+    warmed = []
+    runner.drafter.warm_up = lambda: warmed.append(True)
+    runner.ddtree_warm_up()
+    assert (runner._ddtree_device_planner is not None) is kept and warmed == [True]
+    assert (
+        runner._ddtree_device_plan_state == "on"
+        if kept
+        else "never ran at start-up" in runner._ddtree_device_plan_state
+    )
+    assert any("never ran at start-up" in line for line in lines) is not kept
+
+
 def _log_lines(monkeypatch) -> list:
     from types import SimpleNamespace
 

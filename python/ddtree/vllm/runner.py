@@ -1881,8 +1881,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             logger.info("DDTree auto: %s", auto.describe())
 
     def ddtree_warm_up(self) -> None:
-        """After vLLM's warm-up (the worker calls it): ddtree's kernels outside vLLM's warm-up compiled (the
-        drafter's packed top-K)."""
+        """After vLLM's warm-up and CUDA-graph capture (the worker calls it): under the default (``auto``) a device
+        plan whose kernels never ran at start-up (no FULL graph was captured: ``enforce_eager``, PIECEWISE only) is
+        dropped, so that nothing compiles them while serving; then ddtree's kernels outside vLLM's warm-up compiled
+        (the drafter's packed top-K)."""
+        unchecked = self._ddtree_device_planner is not None and not self.ddtree_stats.precaptured_device_plans
+        if unchecked and device_plan_mode() == "auto":
+            self._ddtree_device_planner = None
+            self._ddtree_device_plan_state = "off: its kernels never ran at start-up (no FULL CUDA graph captured)"
+            logger.info(
+                "DDTree: every step's trees built on the host (the device plan's kernels never ran at start-up)"
+            )
         if hasattr(self, "drafter"):
             self.drafter.warm_up()
 
