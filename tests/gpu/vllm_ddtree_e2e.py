@@ -750,8 +750,9 @@ def statistics_complete(summary):
     return [("stats_lost_steps", summary.get("stats_lost_steps", 0) == 0)]
 
 
-def switched_paths_exercised(env, summary):
-    """``[(counter, passed)]``: an engine run with a switch on must show that the switch's path ran."""
+def switched_paths_exercised(env, summary, full_graphs: bool = True):
+    """``[(counter, passed)]``: an engine run with a switch on must show that the switch's path ran; the default
+    device plan too where the engine ran FULL CUDA graphs (``full_graphs``; without them it stays off)."""
     checks = [
         (counter, summary.get(counter, 0) > 0)
         for switch, counters in SWITCH_COUNTERS.items()
@@ -763,11 +764,8 @@ def switched_paths_exercised(env, summary):
     if env.get("DDTREE_DEVICE_PLAN") == "1" and env.get("DDTREE_PRECAPTURE", "1") != "0":
         # The device plan's graphs are captured at start-up with the placement's (the default precapture).
         checks.append(("precaptured_device_plans", summary.get("precaptured_device_plans", 0) > 0))
-    if (
-        env.get("DDTREE_ASYNC_SCHEDULING") == "1"
-        and "DDTREE_DEVICE_PLAN" not in env
-        and env.get("DDTREE_PRECAPTURE") != "0"
-    ):
+    default_plan = "DDTREE_DEVICE_PLAN" not in env and env.get("DDTREE_PRECAPTURE") != "0"
+    if env.get("DDTREE_ASYNC_SCHEDULING") == "1" and default_plan and full_graphs:
         # The default (auto) turns the device plan on for every such engine of the harness (one GPU, budgets of at
         # most 127, the start-up precapture that checks its kernels): start-up must have said "on", and steps must
         # have run it, not fallen back to the host plan.
@@ -1115,8 +1113,9 @@ def main():
             )
         if res.get("ddtree_summary"):
             log(f"{name} ddtree summary: {res['ddtree_summary']}", fh)
+            full_graphs = "FULL" in str(res.get("cudagraph_mode", ""))  # (not under --eager or PIECEWISE only)
             for counter, passed in switched_paths_exercised(
-                ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"]
+                ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"], full_graphs
             ):
                 verdict[f"{name}/{counter}"] = passed
             for counter, passed in step_graphs_exercised(ENGINES.get(name, {}).get("env", {}), res["ddtree_summary"]):

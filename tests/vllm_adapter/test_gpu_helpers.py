@@ -297,6 +297,7 @@ def test_harness_fails_an_engine_whose_switched_path_did_not_run():
     assert checks["device_plan_on"] is False and checks["device_plan_steps"] is False
     assert "device_plan_on" not in dict(switched_paths_exercised(ENGINES["ddtree64-async-host-plan"]["env"], ran))
     assert "device_plan_on" not in dict(switched_paths_exercised(ENGINES["ddtree64-async-lazy"]["env"], ran))
+    assert "device_plan_on" not in dict(switched_paths_exercised(default, ran, full_graphs=False))  # (--eager)
     # Commits reading the walk's paths in place must have run (counted) in the engine that sets them on.
     inplace = ENGINES["ddtree64-async"]["env"]
     assert ("commit_in_place_steps", False) in switched_paths_exercised(inplace, ran)
