@@ -28,7 +28,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     the default does where it can, set so the run must show it)
   ddtree64-async-host-plan  ddtree64-async with DDTREE_DEVICE_PLAN=0 (every step's trees built on the host), FULL
                     steps' forwards queued before their trees (DDTREE_LAUNCH_AHEAD=always: the pair's drafter
-                    lands before the host reaches the step, where the default does not gate)
+                    lands before the host reaches the step, where the default does not gate); run beside
+                    ddtree64-async, its outputs must equal that engine's token for token (abort's apart)
   ddtree64-async-sliding-drafter  ddtree64-async with the drafter's layers made sliding-window (8) but the last,
                     under DDTREE_SLIDING_DRAFTER=1 (the released Qwen3.6-27B drafter's layer kinds)
   ddtree64-async-precapture-all  ddtree64-async with DDTREE_PRECAPTURE=all (the commit's graphs at start-up too)
@@ -774,6 +775,11 @@ def switched_paths_exercised(env, summary, full_graphs: bool = True):
     return checks
 
 
+def identical_outputs(rows, other_rows) -> bool:
+    """Whether two engines' rows of one scenario hold the same requests' same tokens."""
+    return len(rows) == len(other_rows) and all(a["tokens"] == b["tokens"] for a, b in zip(rows, other_rows))
+
+
 def compare(ref_rows, rows, gap_tol):
     """(identical, tie_divergences, real_divergences, details)"""
     same = tie = real = 0
@@ -1073,6 +1079,14 @@ def main():
                 for d in t_details:
                     log(f"    {name}/{sname} vs plain-tp2: {d}", fh)
                 verdict[f"{name}/{sname}=plain-tp2"] = t_real == 0
+            twin = results.get(name[: -len("-host-plan")]) if name.endswith("-host-plan") else None
+            if twin and sname in twin["scenarios"] and sname != "abort":
+                # The same trees planned on the device and on the host verify the same tokens with the same kernels
+                # in the same batches: the outputs must be identical, token for token, seeded sampling included (no
+                # tolerance). Not abort's: when its aborts land depends on the engine's speed, and so its batches.
+                same_outputs = identical_outputs(twin["scenarios"][sname]["rows"], sc["rows"])
+                notes += f"identical to {name[: -len('-host-plan')]}: {same_outputs}; "
+                verdict[f"{name}/{sname}=device-plan"] = same_outputs
             if sname == "min_p":
                 ok = min_p_respected(sc["rows"])
                 notes += f"every token within min_p of its row's top: {ok}; "

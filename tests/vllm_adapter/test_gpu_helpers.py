@@ -608,3 +608,18 @@ def test_a_scenario_that_raised_leaves_no_request_in_the_engine():
     assert "aborted 2 requests" in abort_left_over(SimpleNamespace(llm_engine=engine))
     assert aborted == ["7", "8"]
     assert "could not abort" in abort_left_over(SimpleNamespace())
+
+
+def test_harness_holds_the_host_plan_to_the_device_plans_tokens():
+    """``X-host-plan`` against ``X`` (the default, device-planned): token for token, no tolerance."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import ENGINES, identical_outputs
+
+    assert "ddtree64-async" in ENGINES and ENGINES["ddtree64-async-host-plan"]["env"]["DDTREE_DEVICE_PLAN"] == "0"
+    rows = [{"tokens": [1, 2, 3], "gaps": [0.5] * 3}, {"tokens": [4, 5]}]
+    assert identical_outputs(rows, [{"tokens": [1, 2, 3]}, {"tokens": [4, 5]}])
+    assert not identical_outputs(rows, [{"tokens": [1, 2, 3]}, {"tokens": [4, 6]}])
+    assert not identical_outputs(rows, rows[:1])
