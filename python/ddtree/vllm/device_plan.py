@@ -1,4 +1,4 @@
-"""A steady step's plan built on the device (``DDTREE_DEVICE_PLAN=1``, experimental).
+"""A steady step's plan built on the device (``DDTREE_DEVICE_PLAN``: ``auto``, the default, where the engine allows it).
 
 The usual step under asynchronous scheduling verifies the last proposal's trees, whole, for every request in the
 proposal's order. Its host plan waits for the drafter's top-K to reach the host, builds the trees in the Rust core,
