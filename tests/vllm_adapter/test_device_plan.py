@@ -570,3 +570,20 @@ def test_a_steady_step_after_another_of_its_shape_uploads_nothing(monkeypatch):
         np.testing.assert_array_equal(plan.batch_index_gpu.numpy(), [0, 1])
     assert np.diff(uploads).tolist() == [0, 0, 1, 1, 0]
     assert runner.ddtree_stats.device_plan_resumed_steps == 3 and runner.ddtree_stats.device_plan_steps == 5
+
+
+def test_every_ddtree_setting_refuses_a_value_it_does_not_take():
+    """``check_environment`` reads each DDTREE_* setting: each refuses a value it does not take, naming itself
+    (the sliding-drafter switch read anything but "1" as off before); defaults and known values pass."""
+    from ddtree.vllm import config
+
+    names = [getattr(config, n) for n in dir(config) if n.endswith("_ENV") and n != "V2_RUNNER_ENV"]
+    assert len(names) == 13 and all(name.startswith("DDTREE_") for name in names)
+    assert config.check_environment({}) == []
+    for name in names:
+        with pytest.raises(config.DDTreeConfigError, match=name):
+            config.check_environment({name: "maybe"})
+        assert config.check_environment({name: "0"}) == []
+    assert config.check_environment({"DDTREE_DEVICE_PLAN": "auto", "DDTREE_PRECAPTURE": "all", "OTHER": "x"}) == []
+    (warning,) = config.check_environment({"DDTREE_DEVICEPLAN": "1"})
+    assert "DDTREE_DEVICEPLAN is not a ddtree setting" in warning and "DDTREE_DEVICE_PLAN?" in warning

@@ -201,3 +201,24 @@ def test_a_drafter_with_sliding_window_layers_is_refused_before_loading(h200_pla
     args.speculative_config = dict(args.speculative_config, model=str(drafter))
     with pytest.raises(DDTreeConfigError, match=r"sliding-window attention layers \(\[0"):
         args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def test_a_ddtree_setting_with_a_value_it_does_not_take_is_refused_before_loading(h200_platform, monkeypatch):
+    """Every DDTREE_* setting is read where `vllm serve` configures the engine: a bad value stops it there, naming
+    the setting and what it takes, not in the engine's worker after the model loaded; a misspelt name is warned."""
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply()
+    monkeypatch.setenv("DDTREE_DEVICE_PLAN", "yes")
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE_DEVICE_PLAN must be one of auto .*got 'yes'"):
+        _pair_args(64).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    monkeypatch.delenv("DDTREE_DEVICE_PLAN")
+    warned = []
+    monkeypatch.setattr(
+        patches, "_log", lambda: SimpleNamespace(warning=lambda f, *a: warned.append(f % a), info=print)
+    )
+    monkeypatch.setenv("DDTREE_WALK_GRAPHS", "0")  # (the step graphs' old name)
+    _pair_args(64).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert warned == [
+        "DDTree: DDTREE_WALK_GRAPHS is not a ddtree setting and changes nothing (did you mean DDTREE_STEP_GRAPHS?)"
+    ]

@@ -476,9 +476,7 @@ def prefix_caching_choice(user: Optional[bool], environ: Mapping[str, str], kv_c
     every e2e scenario, hits in every later request of ``shared_prefix``). ``DDTREE_PREFIX_CACHING=0`` turns it off
     and refuses an explicit ``True``. Unset beside a KV connector it is turned off rather than refused.
     """
-    allowed = env_switch(
-        environ, PREFIX_CACHING_ENV, "1", {"1": "prefix caching as vLLM decides", "0": "prefix caching off"}
-    )
+    allowed = prefix_caching_allowed(environ)
     if not allowed and user:
         raise DDTreeConfigError(
             f"method 'ddtree' has prefix caching turned off by {PREFIX_CACHING_ENV}=0, got enable_prefix_caching=True;"
@@ -487,6 +485,53 @@ def prefix_caching_choice(user: Optional[bool], environ: Mapping[str, str], kv_c
     if user is None and (not allowed or kv_connector):
         return False
     return None
+
+
+def prefix_caching_allowed(environ: Mapping[str, str] = os.environ) -> bool:
+    """``DDTREE_PREFIX_CACHING``: 1 (default) leaves prefix caching to vLLM's default, 0 turns it off."""
+    meanings = {"1": "prefix caching as vLLM decides", "0": "prefix caching off"}
+    return env_switch(environ, PREFIX_CACHING_ENV, "1", meanings)
+
+
+#: Settings renamed before any release, by their former names.
+FORMER_SETTINGS = {"DDTREE_WALK_GRAPHS": STEP_GRAPHS_ENV}
+
+
+def check_environment(environ: Mapping[str, str] = os.environ) -> List[str]:
+    """Reads every ``DDTREE_*`` setting once, where the engine is configured, so that a value none of them takes is
+    refused there (``DDTreeConfigError``, naming the setting and the values it takes) rather than in the engine's
+    worker after the model has loaded. Returns a warning for each ``DDTREE_*`` name that is no setting (a misspelt
+    switch changes nothing), with the nearest setting's name."""
+    import difflib
+
+    from ddtree.vllm.sliding_drafter import sliding_drafter_enabled  # (that module imports this one)
+
+    readers = {
+        COMMIT_GRAPHS_ENV: commit_graphs_enabled,
+        COMMIT_IN_PLACE_ENV: commit_in_place_enabled,
+        PREFIX_CACHING_ENV: prefix_caching_allowed,
+        WHOLE_TREE_GDN_METADATA_ENV: whole_tree_gdn_metadata_enabled,
+        DEVICE_ACCEPT_ENV: device_accept_enabled,
+        LATE_TREES_ENV: late_trees_enabled,
+        ASYNC_SCHEDULING_ENV: async_scheduling_enabled,
+        STEP_GRAPHS_ENV: step_graphs_enabled,
+        PRECAPTURE_ENV: precapture_mode,
+        LAUNCH_AHEAD_ENV: launch_ahead_mode,
+        TOPK_GRAPHS_ENV: topk_graphs_enabled,
+        DEVICE_PLAN_ENV: device_plan_mode,
+        SLIDING_DRAFTER_ENV: sliding_drafter_enabled,
+    }
+    for name, read in readers.items():
+        if name in environ:
+            read(environ)
+    warnings = []
+    for name in sorted(n for n in environ if n.startswith("DDTREE_") and n not in readers):
+        near = (
+            [FORMER_SETTINGS[name]] if name in FORMER_SETTINGS else difflib.get_close_matches(name, list(readers), n=1)
+        )
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        warnings.append(f"{name} is not a ddtree setting and changes nothing{hint}")
+    return warnings
 
 
 def _has_kv_connector(args: Any) -> bool:

@@ -191,6 +191,7 @@ from ddtree.vllm.config import (
     V2_RUNNER_ENV,
     DDTreeConfig,
     DDTreeConfigError,
+    check_environment,
     check_target,
     cudagraph_mode_choice,
     dynamic_sd_schedule,
@@ -363,6 +364,9 @@ def _create_engine_config_wrapper(original):
                     "speculative_config={'method': 'ddtree', ...} instead"
                 )
             return original(self, *args, **kwargs)
+        # Every DDTREE_* setting read once here: a value none takes is refused before anything loads.
+        for warning in check_environment():
+            _log().warning("DDTree: %s", warning)
         # Which batch limits the user set (vLLM fills the others with its defaults inside original):
         # patch 6 fits only those, so the defaults serve whole trees instead of failing vLLM's check.
         token = _USER_BATCH_LIMITS.set(

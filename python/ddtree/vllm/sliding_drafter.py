@@ -27,7 +27,7 @@ import dataclasses
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-from ddtree.vllm.config import SLIDING_DRAFTER_ENV
+from ddtree.vllm.config import SLIDING_DRAFTER_ENV, env_switch
 
 SLIDING = "sliding_attention"
 
@@ -43,7 +43,10 @@ class SlidingDrafterError(ValueError):
 
 
 def sliding_drafter_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(SLIDING_DRAFTER_ENV, "0") == "1"
+    """``DDTREE_SLIDING_DRAFTER=1`` (experimental): a drafter that mixes sliding-window and full-attention layers
+    runs; 0 (default) refuses it before loading; any other value is refused with both meanings."""
+    meanings = {"0": "a sliding-window drafter refused", "1": "a sliding-window drafter run (experimental)"}
+    return env_switch(environ, SLIDING_DRAFTER_ENV, "0", meanings)
 
 
 def is_mixed(layer_types: Optional[Sequence[Any]]) -> bool:
