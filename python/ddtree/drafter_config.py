@@ -44,8 +44,8 @@ def check_drafter_layers(where: str, layer_types: Optional[Sequence[Any]], use_s
         raise UnsupportedDrafterError(
             f"{where}: the drafter has sliding-window attention layers ({sliding} of {len(layer_types)} are "
             f"'sliding_attention' in layer_types){switch}, which vLLM 0.25's DFlash drafter cannot build and ddtree's "
-            "vLLM adapter runs only beside full-attention layers, with DDTREE_SLIDING_DRAFTER=1 (experimental, not yet "
-            "run on a GPU; run as full attention they would draft unlike the trained drafter). Otherwise use a "
+            "vLLM adapter runs only beside full-attention layers, with DDTREE_SLIDING_DRAFTER=1 (experimental; run as "
+            "full attention they would draft unlike the trained drafter). Otherwise use a "
             "drafter whose layers are all full attention; ddtree's reference engine (ddtree generate) runs this one "
             "(docs/sliding-window-drafter.md)."
         )

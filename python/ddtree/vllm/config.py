@@ -63,7 +63,7 @@ PRECAPTURE_MODES = ("1", "0", "all")
 LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 #: "1" replays the drafter's top-K (logits, top-K, packing) as one CUDA graph per batch size (experimental, off).
 TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
-#: "1" builds and lays out a steady whole-tree step's trees on the device (experimental, off).
+#: "auto" (default) / "1" build and lay out a steady whole-tree step's trees on the device; "0" on the host.
 DEVICE_PLAN_ENV = "DDTREE_DEVICE_PLAN"
 #: "1" runs a drafter that mixes sliding-window and full-attention layers (experimental, off: refused).
 SLIDING_DRAFTER_ENV = "DDTREE_SLIDING_DRAFTER"

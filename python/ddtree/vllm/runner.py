@@ -598,23 +598,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if lacking and mode == "1":
             raise RuntimeError("DDTree: DDTREE_DEVICE_PLAN=1 needs " + "; ".join(lacking))
         if lacking:
-            self._ddtree_device_plan_state = "off: needs " + "; ".join(lacking)
-            logger.info("DDTree: every step's trees built on the host (the device plan needs %s)", "; ".join(lacking))
-            return None
+            return self._ddtree_device_plan_off(
+                "needs " + "; ".join(lacking), "the device plan needs " + "; ".join(lacking)
+            )
         if mode == "auto" and not self._ddtree_precapture:
             # Start-up's precapture is where its kernels first run (and a failure there falls back to the host
             # plan); without it they would first run while serving, where a failure fails the step.
-            self._ddtree_device_plan_state = "off: DDTREE_PRECAPTURE=0 (its kernels are checked at start-up's)"
-            logger.info("DDTree: every step's trees built on the host (the device plan needs DDTREE_PRECAPTURE)")
-            return None
-        if mode == "auto" and all(b + 1 > MAX_DEVICE_TREE_SIZE for b in self.ddtree_cfg.budgets):
-            self._ddtree_device_plan_state = f"off: every budget exceeds {MAX_DEVICE_TREE_SIZE} nodes a tree"
-            logger.info(
-                "DDTree: every step's trees built on the host (budgets %s exceed the device plan's %d nodes a tree)",
-                list(self.ddtree_cfg.budgets),
-                MAX_DEVICE_TREE_SIZE,
+            return self._ddtree_device_plan_off(
+                "DDTREE_PRECAPTURE=0 (its kernels are checked at start-up's)", "the device plan needs DDTREE_PRECAPTURE"
             )
-            return None
+        if mode == "auto" and all(b + 1 > MAX_DEVICE_TREE_SIZE for b in self.ddtree_cfg.budgets):
+            return self._ddtree_device_plan_off(
+                f"every budget exceeds {MAX_DEVICE_TREE_SIZE} nodes a tree",
+                f"budgets {list(self.ddtree_cfg.budgets)} exceed the device plan's {MAX_DEVICE_TREE_SIZE} nodes a tree",
+            )
         self._ddtree_device_plan_state = "on"
         drafter = self.drafter
         logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=%s)", mode)
@@ -1463,14 +1460,19 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """The device plan's kernels failed at start-up (their first run, which compiles them): under the default
         (``auto``) every step is planned on the host from here on, said in the log and the summary; with
         ``DDTREE_DEVICE_PLAN=1`` start-up fails, naming the error."""
-        reason = (
-            f"its kernels failed at start-up on {shape[0]} trees of {shape[1]} tokens: {type(error).__name__}: {error}"
+        failure = (
+            f"kernels failed at start-up on {shape[0]} trees of {shape[1]} tokens: {type(error).__name__}: {error}"
         )
         if device_plan_mode() == "1":
-            raise RuntimeError(f"DDTree: DDTREE_DEVICE_PLAN=1, but {reason}") from error
-        logger.warning("DDTree: every step's trees built on the host (the device plan's %s)", reason)
+            raise RuntimeError(f"DDTree: DDTREE_DEVICE_PLAN=1, but its {failure}") from error
+        self._ddtree_device_plan_off("its " + failure, "the device plan's " + failure, warning=True)
+
+    def _ddtree_device_plan_off(self, reason: str, detail: str, warning: bool = False) -> None:
+        """The host plans every step: no device planner; ``reason`` for the summary (``off: ...``), ``detail`` for
+        the log."""
         self._ddtree_device_planner = None
         self._ddtree_device_plan_state = "off: " + reason
+        (logger.warning if warning else logger.info)("DDTree: every step's trees built on the host (%s)", detail)
 
     def _ddtree_filler_plan(self, num_trees: int, tree_tokens: int, arrays) -> VerifyPlan:
         """The host plan of ``num_trees`` filler trees of ``tree_tokens`` tokens (no proposals: each request
@@ -1887,10 +1889,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         (the drafter's packed top-K)."""
         unchecked = self._ddtree_device_planner is not None and not self.ddtree_stats.precaptured_device_plans
         if unchecked and device_plan_mode() == "auto":
-            self._ddtree_device_planner = None
-            self._ddtree_device_plan_state = "off: its kernels never ran at start-up (no FULL CUDA graph captured)"
-            logger.info(
-                "DDTree: every step's trees built on the host (the device plan's kernels never ran at start-up)"
+            self._ddtree_device_plan_off(
+                "its kernels never ran at start-up (no FULL CUDA graph captured)",
+                "the device plan's kernels never ran at start-up",
             )
         if hasattr(self, "drafter"):
             self.drafter.warm_up()

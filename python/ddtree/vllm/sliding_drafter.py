@@ -16,7 +16,8 @@ V1 proposer takes one KV-cache group and one causality for every draft layer. Wh
 Only FlashAttention applies a window from the metadata: another drafter backend is refused at start-up
 (:func:`check_backends`). The mask is the one ddtree's reference engine runs (``ddtree.engine.drafter.
 layer_attention``): a sliding layer's block query sees the keys at most ``window - 1`` positions before its own and
-none after. Not yet run on a GPU.
+none after. Exact on an H200 with the test pair's drafter made sliding (``gpu-h200-device-plan-9e8b443``); the
+released drafter not yet run.
 
 No vLLM import at module level: the CPU tests import it without vLLM's GPU parts.
 """
