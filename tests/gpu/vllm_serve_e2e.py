@@ -2,7 +2,7 @@
 
     python tests/gpu/vllm_serve_e2e.py --pair tests/fixtures/models --out DIR [--budget 64]
         [--engines ddtree,plain] [--clients 64] [--soak-s 60] [--port 8011] [--start-timeout 480]
-        [--scheduling asynchronous|synchronous]
+        [--scheduling asynchronous|synchronous] [--structured-outputs served|refused]
 
 Not collected by pytest (it needs a GPU): run it directly. Each engine is one `vllm serve` process with vLLM's
 defaults (no --max-num-seqs, no --max-num-batched-tokens, CUDA graphs on), the README's flags for a Qwen3.5 hybrid
@@ -20,12 +20,17 @@ each written to DIR/vllm_serve_e2e.json as soon as it is done (a run cut short k
   disconnect     a client that closes a stream after 3 chunks: the server frees the request and keeps serving
   soak           --clients concurrent clients for --soak-s seconds: no error; afterwards no request running
                  and the KV cache empty
-  refusals       an oversized max_tokens: 400; structured output: 400 from ddtree (200 from plain, which
-                 serves it); no traceback in the server log
+  refusals       an oversized max_tokens: 400; structured output: 200 (400 from ddtree under
+                 --structured-outputs refused, its server started without DDTREE_STRUCTURED_OUTPUTS=1); no
+                 traceback in the server log
+  structured     greedy chat completions under a JSON schema, a regex and a choice (--structured-outputs served):
+                 each ended by its grammar and valid under it; (ddtree) trees verified while they ran, and no
+                 "grammar rejected tokens" in the server log
   metrics        (ddtree) vllm:spec_decode_ddtree_* present and consistent with vLLM's own counters
   what_if        (ddtree) the log's "DDTree what-if" line: what the trees say about vLLM's chain
 
-Then `compare`: ddtree's greedy completions against plain's (equal, or the first differing token index).
+Then `compare`: ddtree's greedy completions against plain's (equal, or the first differing token index), and its
+structured outputs against plain's (equal texts).
 The servers' logs are kept as DIR/serve_<engine>.log.
 """
 
@@ -82,10 +87,49 @@ def first_difference(a: List[int], b: List[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def expected_refusal_statuses(engine: str) -> Dict[str, int]:
-    """What each refusal check must answer: a plain server serves structured outputs (200); a ddtree server
-    refuses them (400); both refuse an oversized max_tokens (400)."""
-    return {"structured_output": 400 if engine == "ddtree" else 200, "max_tokens": 400}
+def expected_refusal_statuses(engine: str, structured_served: bool = True) -> Dict[str, int]:
+    """What each refusal check must answer: a plain server serves structured outputs (200), a ddtree server too
+    when started with DDTREE_STRUCTURED_OUTPUTS=1 and refuses them otherwise (400); both refuse an oversized
+    max_tokens (400)."""
+    refused = engine == "ddtree" and not structured_served
+    return {"structured_output": 400 if refused else 200, "max_tokens": 400}
+
+
+#: Greedy structured-output requests, each bounded so that the grammar ends it: a JSON schema (short string, small
+#: integer, no other key), a regex of a few words and a choice.
+ITEM_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "count": {"type": "integer", "maximum": 999}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+WORDS_REGEX = r"[a-z]{1,8}( [a-z]{1,8}){2,4}\."
+CHOICES = ["recursion", "iteration", "memoization"]
+STRUCTURED_REQUESTS = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": ITEM_SCHEMA}}},
+    "regex": {"extra_body": {"structured_outputs": {"regex": WORDS_REGEX}}},
+    "choice": {"extra_body": {"structured_outputs": {"choice": CHOICES}}},
+}
+
+
+def structured_output_valid(kind: str, text: str) -> bool:
+    """Whether ``text`` is what ``STRUCTURED_REQUESTS[kind]`` allows."""
+    if kind == "regex":
+        return re.fullmatch(WORDS_REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "count"}
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 16
+        and type(value["count"]) is int
+        and value["count"] <= 999
+    )
 
 
 def tracebacks_after(log_text: str, marker: str) -> int:
@@ -114,6 +158,14 @@ def what_if_in_log(log_text: str) -> Optional[Dict[str, float]]:
 
 
 # ---- the server -----------------------------------------------------------------------------------------------
+def serve_environment(engine: str, structured_served: bool) -> Dict[str, str]:
+    """The server's environment: this process's, with ddtree's structured outputs switched on where served."""
+    environ = dict(os.environ)
+    if engine == "ddtree" and structured_served:
+        environ["DDTREE_STRUCTURED_OUTPUTS"] = "1"
+    return environ
+
+
 def serve_command(pair: str, engine: str, budget: int, port: int) -> List[str]:
     """The README's `vllm serve` command for the pair (vLLM's defaults otherwise)."""
     command = [
@@ -128,10 +180,12 @@ def serve_command(pair: str, engine: str, budget: int, port: int) -> List[str]:
 
 
 class Server:
-    def __init__(self, engine: str, command: List[str], port: int, log_path: str):
+    def __init__(self, engine: str, command: List[str], port: int, log_path: str, env: Optional[Dict[str, str]] = None):
         self.engine, self.port, self.log_path = engine, port, log_path
         self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -335,7 +389,7 @@ def check_refusals(client, server, data, args) -> Dict:
     time.sleep(2)  # let the server flush its log
     with open(server.log_path) as handle:
         tracebacks = tracebacks_after(handle.read(), marker)
-    expected = expected_refusal_statuses(server.engine)
+    expected = expected_refusal_statuses(server.engine, args.structured_outputs == "served")
     statuses_ok = all(answers[name]["status"] == status for name, status in expected.items())
     return {
         "ok": statuses_ok and tracebacks == 0,
@@ -343,6 +397,36 @@ def check_refusals(client, server, data, args) -> Dict:
         "expected": expected,
         "tracebacks_in_log": tracebacks,
     }
+
+
+def check_structured(client, server, data, args) -> Dict:
+    """Greedy chat completions under each of ``STRUCTURED_REQUESTS``: each ended by its grammar ("stop") and valid
+    under it; on a ddtree server, trees verified while they ran (its tree counter grew: the requests decoded with
+    trees, not one token a step) and no grammar refusal of an emitted token in its log."""
+    if args.structured_outputs != "served":
+        return {"ok": True, "skipped": "--structured-outputs refused"}
+    marker = f"structured-{time.time()}"
+    server.mark(marker)
+    trees_before = metric_value(server.metrics(), "vllm:spec_decode_ddtree_num_trees") or 0.0
+    outputs = {}
+    for kind, extra in STRUCTURED_REQUESTS.items():
+        messages = [{"role": "user", "content": f"def fibonacci(n):  # answer as {kind}"}]
+        response = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=256, temperature=0, **extra
+        )
+        choice = response.choices[0]
+        text = choice.message.content or ""
+        outputs[kind] = {"text": text, "finish": choice.finish_reason, "valid": structured_output_valid(kind, text)}
+    trees = (metric_value(server.metrics(), "vllm:spec_decode_ddtree_num_trees") or 0.0) - trees_before
+    time.sleep(2)  # let the server flush its log
+    with open(server.log_path) as handle:
+        logged = handle.read()
+    after = logged[logged.find(marker) :]
+    rejected = after.count("grammar rejected tokens")
+    ok = all(o["valid"] and o["finish"] == "stop" for o in outputs.values()) and rejected == 0
+    if server.engine == "ddtree":
+        ok = ok and trees > 0
+    return {"ok": ok, "outputs": outputs, "trees": trees, "grammar_rejections_in_log": rejected}
 
 
 def check_scheduling(client, server, data, args) -> Dict:
@@ -395,6 +479,7 @@ CHECKS: Dict[str, Callable] = {
     "disconnect": check_disconnect,
     "soak": check_soak,
     "refusals": check_refusals,
+    "structured": check_structured,
     "metrics": check_metrics,
     "what_if": check_what_if,
 }
@@ -408,7 +493,8 @@ def run_engine(engine: str, args, data, results: Dict, save: Callable[[], None])
     entry = results["engines"].setdefault(engine, {"checks": {}})
     command = serve_command(args.pair, engine, args.budget, args.port)
     entry["command"] = command
-    server = Server(engine, command, args.port, os.path.join(args.out, f"serve_{engine}.log"))
+    environ = serve_environment(engine, args.structured_outputs == "served")
+    server = Server(engine, command, args.port, os.path.join(args.out, f"serve_{engine}.log"), environ)
 
     try:
         entry["start_seconds"] = round(server.wait_ready(args.start_timeout), 1)
@@ -442,7 +528,14 @@ def compare(results: Dict) -> Optional[Dict]:
     except KeyError:
         return None
     differences = [first_difference(a["tokens"], b["tokens"]) for a, b in zip(mine, theirs)]
-    return {"equal": sum(d is None for d in differences), "of": len(differences), "first_difference": differences}
+    found = {"equal": sum(d is None for d in differences), "of": len(differences), "first_difference": differences}
+    mine_structured = engines["ddtree"]["checks"].get("structured", {}).get("outputs")
+    theirs_structured = engines["plain"]["checks"].get("structured", {}).get("outputs")
+    if mine_structured and theirs_structured:
+        found["structured_equal"] = {
+            kind: mine_structured[kind]["text"] == theirs_structured[kind]["text"] for kind in mine_structured
+        }
+    return found
 
 
 def main() -> int:
@@ -462,6 +555,12 @@ def main() -> int:
         choices=("asynchronous", "synchronous"),
         default="asynchronous",
         help="how the ddtree server must schedule (its default with one GPU: asynchronous)",
+    )
+    parser.add_argument(
+        "--structured-outputs",
+        choices=("served", "refused"),
+        default="served",
+        help="whether the ddtree server serves structured outputs (DDTREE_STRUCTURED_OUTPUTS=1) or refuses them",
     )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -536,6 +536,7 @@ def test_the_docs_list_every_switch_with_its_default():
         "DDTREE_STEP_GRAPHS": (config.step_graphs_enabled({}),) * 2,
         "DDTREE_LAUNCH_AHEAD": (config.launch_ahead_enabled({}),) * 2,
         "DDTREE_WHOLE_TREE_GDN_METADATA": (config.whole_tree_gdn_metadata_enabled({}),) * 2,
+        "DDTREE_STRUCTURED_OUTPUTS": (config.structured_outputs_enabled({}),) * 2,
     }
     for name, (one_gpu, tensor_parallel) in defaults.items():
         doc = table[name].strip()

@@ -72,9 +72,32 @@ def test_the_pairs_tokenizer_has_a_chat_template():
 
 
 def test_refusals_expected_differ_by_engine():
-    # Plain vLLM serves structured outputs; only a ddtree server refuses them. Both refuse an oversized max_tokens.
-    assert serve.expected_refusal_statuses("ddtree") == {"structured_output": 400, "max_tokens": 400}
-    assert serve.expected_refusal_statuses("plain") == {"structured_output": 200, "max_tokens": 400}
+    # Plain vLLM serves structured outputs; a ddtree server only with DDTREE_STRUCTURED_OUTPUTS=1. Both refuse an
+    # oversized max_tokens.
+    assert serve.expected_refusal_statuses("ddtree") == {"structured_output": 200, "max_tokens": 400}
+    assert serve.expected_refusal_statuses("ddtree", False) == {"structured_output": 400, "max_tokens": 400}
+    assert serve.expected_refusal_statuses("plain", False) == {"structured_output": 200, "max_tokens": 400}
+    assert serve.serve_environment("ddtree", True)["DDTREE_STRUCTURED_OUTPUTS"] == "1"
+    assert "DDTREE_STRUCTURED_OUTPUTS" not in serve.serve_environment("plain", True)
+
+
+@pytest.mark.parametrize(
+    "kind, text, valid",
+    [
+        ("json_schema", '{"name": "fib", "count": 3}', True),
+        ("json_schema", '{"name": "fib", "count": 3.5}', False),
+        ("json_schema", '{"name": "fib"}', False),
+        ("json_schema", '{"name": "fib", "count": 3', False),
+        ("json_schema", '{"name": "a name longer than sixteen", "count": 1}', False),
+        ("regex", "return the value.", True),
+        ("regex", "return the value", False),
+        ("regex", "Return the value.", False),
+        ("choice", "memoization", True),
+        ("choice", "memo", False),
+    ],
+)
+def test_structured_outputs_are_checked_against_their_grammars(kind, text, valid):
+    assert serve.structured_output_valid(kind, text) is valid
 
 
 def test_the_scheduling_mode_is_read_from_the_engines_start_up_line():

@@ -16,7 +16,9 @@ def test_admission_refuses_unservable_requests():
     holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: None})
     patches._wrap_validate_params(holder)  # the wrapper vLLM's InputProcessor gets, around a stub
     h = holder()
-    h.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
+    h.vllm_config = SimpleNamespace(
+        additional_config={"ddtree": {"budget": 8}}, parallel_config=SimpleNamespace(world_size=1)
+    )
     h._validate_params(SamplingParams(temperature=0.5, top_p=0.9, seed=1))
     json_only = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
     from vllm.exceptions import VLLMValidationError
@@ -146,7 +148,9 @@ def test_a_refused_request_is_a_400_without_a_server_traceback(caplog):
     holder = type("Holder", (), {"_validate_params": lambda self, p, *a, **k: None})
     patches._wrap_validate_params(holder)
     admission = holder()
-    admission.vllm_config = SimpleNamespace(additional_config={"ddtree": {"budget": 8}})
+    admission.vllm_config = SimpleNamespace(
+        additional_config={"ddtree": {"budget": 8}}, parallel_config=SimpleNamespace(world_size=1)
+    )
     app = FastAPI()
     app.state.args = SimpleNamespace(log_error_stack=False)
     app.exception_handler(VLLMValidationError)(exception_handler)

@@ -67,6 +67,8 @@ TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
 DEVICE_PLAN_ENV = "DDTREE_DEVICE_PLAN"
 #: "1" runs a drafter that mixes sliding-window and full-attention layers (experimental, off: refused).
 SLIDING_DRAFTER_ENV = "DDTREE_SLIDING_DRAFTER"
+#: "1" serves structured outputs (xgrammar) with per-node grammar masks (experimental, off: refused at admission).
+STRUCTURED_OUTPUTS_ENV = "DDTREE_STRUCTURED_OUTPUTS"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -520,6 +522,7 @@ def check_environment(environ: Mapping[str, str] = os.environ) -> List[str]:
         TOPK_GRAPHS_ENV: topk_graphs_enabled,
         DEVICE_PLAN_ENV: device_plan_mode,
         SLIDING_DRAFTER_ENV: sliding_drafter_enabled,
+        STRUCTURED_OUTPUTS_ENV: structured_outputs_enabled,
     }
     for name, read in readers.items():
         if name in environ:
@@ -1064,24 +1067,68 @@ def check_target(
         raise DDTreeConfigError(f"ddtree_top_k={cfg.top_k} exceeds the vocabulary size {vocab_size}")
 
 
-def unsupported_sampling_reasons(params: Any) -> List[Tuple[str, str]]:
+def structured_outputs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """``DDTREE_STRUCTURED_OUTPUTS``: 1 serves structured outputs (JSON schema, regex, grammar, choice) with a grammar
+    mask per tree node (``ddtree.vllm.grammar``, patch 12); 0 (the default until an end-to-end run on a GPU has
+    checked it) refuses them at admission."""
+    meanings = {"0": "structured outputs refused", "1": "structured outputs served with per-node grammar masks"}
+    return env_switch(environ, STRUCTURED_OUTPUTS_ENV, "0", meanings)
+
+
+def structured_outputs_refusal(
+    backend: Optional[str],
+    world_size: int,
+    reasoning_parser: Optional[str],
+    enable_in_reasoning: bool,
+    environ: Mapping[str, str] = os.environ,
+) -> Optional[str]:
+    """Why a structured-output request cannot be served (None: it can). ``backend`` is the one vLLM chose for it.
+
+    The masks follow each tree branch with xgrammar's matcher (one walk of the tree per request); they are computed
+    in the scheduler from the trees the runner built, which share one process only with one GPU. vLLM's masks
+    during and at the end of a reasoning section (a reasoning parser) are decided for a chain of drafts, so those
+    stay refused unless the grammar also holds inside the reasoning (``enable_in_reasoning``)."""
+    if not structured_outputs_enabled(environ):
+        return f"structured outputs (experimental with trees: {STRUCTURED_OUTPUTS_ENV}=1 serves them)"
+    if world_size > 1:
+        return "structured outputs with tensor or pipeline parallelism (served with one GPU only)"
+    if reasoning_parser and not enable_in_reasoning:
+        return (
+            "structured outputs after a reasoning section (a reasoning parser is set; served with "
+            "enable_in_reasoning, which applies the grammar from the first token)"
+        )
+    if backend != "xgrammar":
+        return (
+            f"structured outputs through the {backend!r} backend (trees are masked with xgrammar's: set the "
+            "structured-outputs backend to 'xgrammar', or 'auto' with a grammar xgrammar accepts)"
+        )
+    return None
+
+
+def unsupported_sampling_reasons(
+    params: Any, structured_outputs: Callable[[Optional[str]], Optional[str]] = lambda backend: "structured outputs"
+) -> List[Tuple[str, str]]:
     """Why a request's ``SamplingParams`` cannot be served by the tree: ``(parameter, reason)`` pairs (empty:
     it can).
 
     Per-node verification samples each node from the target's own
     distribution under the request's settings, each node with its own history
-    (committed output plus its root path: penalties, bad words, min_tokens);
-    what the per-node sampler does not model (a grammar that would have to
-    follow every branch, arbitrary per-request logits processors, a thinking
-    budget) is refused rather than served wrongly.
+    (committed output plus its root path: penalties, bad words, min_tokens,
+    a grammar's mask); what the per-node sampler does not model (arbitrary
+    per-request logits processors, a thinking budget) is refused rather than
+    served wrongly. ``structured_outputs(backend)`` says why a request with
+    structured outputs is refused (None: served; by default refused).
     """
     reasons = []
 
     def get(name, default=None):
         return getattr(params, name, default)
 
-    if get("structured_outputs") is not None or get("guided_decoding") is not None:
-        reasons.append(("structured_outputs", "structured outputs (grammars would have to follow every tree branch)"))
+    structured = get("structured_outputs")
+    if structured is not None or get("guided_decoding") is not None:
+        refusal = structured_outputs(getattr(structured, "_backend", None))
+        if refusal is not None:
+            reasons.append(("structured_outputs", refusal))
     if get("logits_processors"):
         reasons.append(("logits_processors", "per-request logits processors"))
     if get("thinking_token_budget") is not None:

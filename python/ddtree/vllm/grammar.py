@@ -1,5 +1,5 @@
-"""Grammar masks for a whole draft tree: one bitmask row per node (structured outputs, change 4 of
-``docs/structured-outputs.md``; not wired into the adapter yet: admission still refuses structured outputs).
+"""Grammar masks for a whole draft tree: one bitmask row per node (structured outputs,
+``docs/structured-outputs.md``), and the channel through which a step's trees reach the scheduler's masks.
 
 Node ``j``'s row (the root ``j = 0``) is the grammar's mask after the committed text and the draft tokens on the
 path root -> ``j`` (the root's own token is committed already). The tree verification samples node ``j``'s children
@@ -12,12 +12,18 @@ accepted; after the grammar's end only a stop token follows, which ends the requ
 logits, where an all-refusing row would turn into NaN: they are made all-allowed here, vLLM's rule for a request
 whose grammar has ended.
 
+The scheduler computes a step's masks after the runner has built that step's trees (in ``execute_model``, which
+returns before vLLM asks for the masks, on the same thread with one GPU): the runner publishes them here
+(:func:`publish_step`) and patch 12 reads them (:func:`trees_for`) to fill each structured request's rows with
+:func:`fill_step_bitmask`.
+
 No vLLM import; xgrammar (a vLLM dependency) only through the matcher passed in.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -74,3 +80,88 @@ def fill_tree_bitmask(matcher, parents: np.ndarray, tokens: np.ndarray, out) -> 
     # Zeroed (refused, or the grammar ended there) and untouched (below a refused node) rows: never on an accepted
     # path, all-allowed so that the logits stay finite.
     rows[(rows == 0).all(dim=1)] = ALL_ALLOWED
+
+
+# ---- a step's trees, from the runner to the scheduler's masks ------------------------------------------------------
+#: One tree: tree-local parents in pop order (``[n + 1]``, -1 for the root) and the draft tokens of nodes 1..n.
+Tree = Tuple[np.ndarray, np.ndarray]
+
+
+@dataclasses.dataclass
+class StepTrees:
+    """The trees one step verifies, as the runner built them."""
+
+    scheduler_output: Any  # the scheduler's output the step was planned from (matched by identity)
+    req_ids: Sequence[str]  # the tree requests, in the trees' order
+    trees: Callable[[], Any]  # the step's ``ddtree.TreeBatch`` (called once, when a mask needs it)
+
+    def by_request(self) -> Dict[str, Tree]:
+        batch = self.trees()
+        if len(batch) != len(self.req_ids):
+            raise RuntimeError(f"DDTree: {len(batch)} trees published for {len(self.req_ids)} requests (a bug)")
+        parents, tokens = batch.parents, batch.tokens
+        nodes, drafts = batch.node_offsets, batch.token_offsets
+        return {
+            req_id: (parents[nodes[r] : nodes[r + 1]], tokens[drafts[r] : drafts[r + 1]])
+            for r, req_id in enumerate(self.req_ids)
+        }
+
+
+_PUBLISHED: Optional[StepTrees] = None
+
+
+def publish_step(step: Optional[StepTrees]) -> None:
+    """The runner's step (None: a step that verifies no tree, or whose masks are vLLM's own)."""
+    global _PUBLISHED
+    _PUBLISHED = step
+
+
+def trees_for(scheduler_output: Any) -> Dict[str, Tree]:
+    """The trees verified in the step planned from ``scheduler_output``, by request id (empty: none published for
+    it: the step verifies no tree)."""
+    step = _PUBLISHED
+    if step is None or step.scheduler_output is not scheduler_output:
+        return {}
+    return step.by_request()
+
+
+def fill_step_bitmask(
+    out,
+    request_ids: Sequence[str],
+    num_drafts: Sequence[int],
+    vllm_rows,
+    matcher_of: Callable[[str], Any],
+    trees: Mapping[str, Tree],
+) -> int:
+    """Writes a step's grammar rows into ``out`` in vLLM's layout: for each structured request (``request_ids``, the
+    order of vLLM's ``GrammarOutput``), ``1 + num_drafts[k]`` rows, one per logits row the runner samples for it.
+
+    A request verifying a tree gets :func:`fill_tree_bitmask`'s rows for its ``n + 1`` nodes (node ``j``'s row is
+    logits row ``start + j``) and all-allowed rows for draft slots its tree left unused (a cut tree's); a request
+    with no draft slot gets ``vllm_rows[k]``, vLLM's own row for it. Returns the rows written.
+
+    Raises:
+        RuntimeError: a request with draft slots but no tree, or a tree larger than its slots (a bug: its rows
+            would not be its nodes').
+    """
+    offset = 0
+    for k, req_id in enumerate(request_ids):
+        drafts = int(num_drafts[k])
+        rows = out[offset : offset + 1 + drafts]
+        tree = trees.get(req_id)
+        if tree is None:
+            if drafts:
+                raise RuntimeError(
+                    f"DDTree: request {req_id!r} has {drafts} draft slots but no tree reached its grammar masks "
+                    "(a bug: its rows would be a chain's)"
+                )
+            rows[0] = torch.as_tensor(vllm_rows[k])
+        else:
+            parents, tokens = tree
+            n = len(parents)
+            if n > drafts + 1:
+                raise RuntimeError(f"DDTree: request {req_id!r}'s tree of {n} nodes has {drafts + 1} rows (a bug)")
+            fill_tree_bitmask(matcher_of(req_id), parents, tokens, rows[:n])
+            rows[n:] = ALL_ALLOWED
+        offset += 1 + drafts
+    return offset

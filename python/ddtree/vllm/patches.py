@@ -42,8 +42,9 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    report its chosen draft length per batch size to the scheduler.
 2. ``vllm.v1.engine.input_processor.InputProcessor._validate_params``
    (wrapped): requests whose sampling the tree cannot serve exactly
-   (structured outputs, per-request logits processors) are
-   rejected at admission with the reason, only for ddtree engines; and
+   (per-request logits processors; structured outputs unless
+   ``DDTREE_STRUCTURED_OUTPUTS=1``, and then those patch 12 does not cover)
+   are rejected at admission with the reason, only for ddtree engines; and
    ``SamplingParams._validate_spec_decode`` (wrapped) no longer refuses
    ``min_p`` and ``logit_bias`` while a ddtree engine admits a request
    (vLLM's chain sampler ignores them at draft positions; DDTree's per-node
@@ -162,15 +163,28 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     vLLM 0.25.1 refuses such a drafter there. Upstream fix: per-layer causal metadata in the V1 proposer (vLLM
     0.33 has it on its V2 runner only, with one KV group per layer kind).
 
-Not patched: vLLM's scheduler, sampler, DFlash proposer and attention
-backends are used through subclasses (``runner.py``, ``proposer.py``,
-``sampler.py``, ``attention.py``).
+12. Structured outputs (admitted under ``DDTREE_STRUCTURED_OUTPUTS=1``, xgrammar, one GPU), three ``Scheduler``
+    methods (wrapped, ddtree engines only): (a) ``get_grammar_bitmask``: vLLM fills a structured request's rows for a
+    chain (row ``i`` after drafts ``< i``); a tree needs node ``j``'s row to be the mask after the tokens on its root
+    path. The runner publishes each step's trees (``grammar.publish_step``, at the end of ``execute_model``, which
+    returns before vLLM asks for the masks on the same thread) and the rows come from one xgrammar walk of each tree
+    (``grammar.fill_step_bitmask``), in vLLM's layout, so vLLM's ``apply_grammar_bitmask`` puts them on the nodes'
+    logits rows. (b) ``update_draft_token_ids`` (synchronous) cuts a structured request's drafts at the grammar's
+    first refusal, which leaves a tree's placeholder slots empty: a ddtree engine's drafts are scheduled as they are.
+    (c) ``update_draft_token_ids_in_output`` (asynchronous, a step whose sampling waits for the last output) would
+    replace the step's placeholders by a checked chain and count the rest invalid: a ddtree step's placeholders are
+    its trees' slots and stay. Upstream fix: a speculator hook that computes its own grammar rows and checks its
+    own drafts.
+
+Not patched: vLLM's sampler, DFlash proposer and attention backends are used through subclasses (``runner.py``,
+``proposer.py``, ``sampler.py``, ``attention.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import functools
 import os
@@ -200,6 +214,7 @@ from ddtree.vllm.config import (
     override_reason,
     parse_spec_config,
     resolve_draft_len,
+    structured_outputs_refusal,
     tree_capture_sizes,
     unsupported_sampling_reasons,
     whole_tree_gdn_metadata_enabled,
@@ -459,7 +474,7 @@ def _validate_params_wrapper(original):
         from vllm.sampling_params import SamplingParams
 
         if isinstance(params, SamplingParams):
-            reasons = unsupported_sampling_reasons(params)
+            reasons = unsupported_sampling_reasons(params, functools.partial(_structured_outputs_refusal, self))
             if reasons:
                 from vllm.exceptions import VLLMValidationError
 
@@ -473,6 +488,18 @@ def _validate_params_wrapper(original):
         return result
 
     return _validate_params
+
+
+def _structured_outputs_refusal(processor, backend: Optional[str]) -> Optional[str]:
+    """Why this engine cannot serve a structured-output request through ``backend`` (None: it can; patch 12)."""
+    config = processor.vllm_config
+    structured = getattr(config, "structured_outputs_config", None)
+    return structured_outputs_refusal(
+        backend,
+        world_size=config.parallel_config.world_size,
+        reasoning_parser=getattr(structured, "reasoning_parser", None),
+        enable_in_reasoning=bool(getattr(structured, "enable_in_reasoning", False)),
+    )
 
 
 def _spec_decode_check_for_chains_only(original):
@@ -861,8 +888,94 @@ def _tree_metrics_log(original):
     return __init__
 
 
+# ---- 12. structured outputs over trees -------------------------------------------------------------------
+def _tree_grammar_bitmask(original):
+    """12a: a ddtree engine's grammar rows follow the trees: for each structured request verifying a tree, node
+    ``j``'s row is the mask after the committed text and the tokens on its root path (``grammar.fill_step_bitmask``),
+    where vLLM's rows read the draft slots as a chain. vLLM's own call, on a copy of the step without its draft
+    slots, gives each request's row as vLLM decides it (terminated grammars, the rows of requests without drafts)
+    and allocates its bitmask buffer, which the tree rows then fill (it holds ``1 + num_speculative_tokens`` rows a
+    request: ``1 + budget``)."""
+
+    def get_grammar_bitmask(self, scheduler_output):
+        if not is_ddtree_config(self.vllm_config):
+            return original(self, scheduler_output)
+        from ddtree.vllm import grammar
+
+        trees = grammar.trees_for(scheduler_output)
+        slots = scheduler_output.scheduled_spec_decode_tokens
+        without_drafts = copy.copy(scheduler_output)
+        without_drafts.scheduled_spec_decode_tokens = {}
+        output = original(self, without_drafts)
+        if output is None:
+            return None
+        request_ids = output.structured_output_request_ids
+        num_drafts = [len(slots.get(req_id, ())) for req_id in request_ids]
+        if not any(num_drafts):
+            return output
+        vllm_rows = output.grammar_bitmask.copy()  # (a view of the buffer the tree rows overwrite)
+        buffer = self.structured_output_manager._grammar_bitmask
+        needed = len(request_ids) + sum(num_drafts)
+        if buffer.shape[0] < needed:
+            raise RuntimeError(f"DDTree: {needed} grammar rows for a bitmask of {buffer.shape[0]} (a bug)")
+
+        def matcher_of(req_id):
+            matcher = getattr(self.requests[req_id].structured_output_request.grammar, "matcher", None)
+            if matcher is None or not hasattr(matcher, "traverse_draft_tree"):
+                raise RuntimeError(f"DDTree: request {req_id!r}'s grammar is not xgrammar's (refused at admission)")
+            return matcher
+
+        rows = grammar.fill_step_bitmask(buffer, request_ids, num_drafts, vllm_rows, matcher_of, trees)
+        return dataclasses.replace(output, grammar_bitmask=buffer[:rows].numpy())
+
+    return get_grammar_bitmask
+
+
+@contextlib.contextmanager
+def _grammar_checks_off(scheduler):
+    """While vLLM's scheduler takes a ddtree engine's drafts, its manager reports no request as advancing its grammar,
+    which is the only thing it asks it there: the draft slots are placeholders for the next trees (late trees) or a
+    tree's nodes in pop order, not a chain to cut at the first token the grammar refuses (that would leave a
+    structured request no tree). The masks check every node instead (12a). Admission refuses reasoning parsers,
+    the only case in which the check has a side effect (it notes the end of the reasoning)."""
+    manager = scheduler.structured_output_manager
+    manager.should_advance = lambda request: False
+    try:
+        yield
+    finally:
+        del manager.should_advance
+
+
+def _tree_drafts_unchecked(original):
+    """12b: synchronous scheduling: a ddtree engine's drafts are scheduled as they are (see ``_grammar_checks_off``)."""
+
+    def update_draft_token_ids(self, draft_token_ids):
+        if not is_ddtree_config(self.vllm_config):
+            return original(self, draft_token_ids)
+        with _grammar_checks_off(self):
+            return original(self, draft_token_ids)
+
+    return update_draft_token_ids
+
+
+def _tree_placeholders_kept(original):
+    """12c: asynchronous scheduling, a step whose sampling waits for the last step's output (a structured request
+    decoding): vLLM replaces the step's placeholder drafts by the drafter's chain, cut where the grammar refuses it
+    and padded with placeholders, before computing the masks. A ddtree step's placeholders are its trees' slots,
+    filled with the trees' nodes on the GPU already: they stay, and nothing is counted invalid (12a masks the
+    nodes)."""
+
+    def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output):
+        if not is_ddtree_config(self.vllm_config):
+            return original(self, draft_token_ids, scheduler_output)
+        return None
+
+    return update_draft_token_ids_in_output
+
+
 def apply() -> None:
-    """Applies patches 1-3 (1c included), 5a-c and 6-9 (4, 5d and 10 are applied by the worker). Raises on unsupported vLLM."""
+    """Applies patches 1-3 (1c included), 5a-c, 6-9 and 12 (4, 5d, 10 and 11 are applied by the worker). Raises on
+    unsupported vLLM."""
     global _APPLIED
     import vllm
 
@@ -891,6 +1004,9 @@ def apply() -> None:
     _wrap_once(VllmConfig, "_set_cudagraph_sizes", _tree_capture_sizes)
     _wrap_once(VllmConfig, "_maybe_override_dynamic_sd_cudagraph_mode", _keep_full_graphs_under_a_schedule)
     _wrap_once(Scheduler, "__init__", _live_auto_lookup)
+    _wrap_once(Scheduler, "get_grammar_bitmask", _tree_grammar_bitmask)
+    _wrap_once(Scheduler, "update_draft_token_ids", _tree_drafts_unchecked)
+    _wrap_once(Scheduler, "update_draft_token_ids_in_output", _tree_placeholders_kept)
     _wrap_once(PrometheusStatLogger, "__init__", _tree_metrics_prom)
     _wrap_once(LoggingStatLogger, "__init__", _tree_metrics_log)
     _APPLIED = True

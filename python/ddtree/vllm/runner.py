@@ -53,7 +53,7 @@ from ddtree.vllm import context
 from ddtree.vllm.attention import DDTreeAttentionBackend
 from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
-from ddtree.vllm import device_accept, gdn_metadata
+from ddtree.vllm import device_accept, gdn_metadata, grammar
 from ddtree.vllm.counts import PathRing
 from ddtree.vllm.device_plan import MAX_TREE_SIZE as MAX_DEVICE_TREE_SIZE
 from ddtree.vllm.device_plan import DevicePlanner, fits_far_from_the_end
@@ -738,6 +738,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         scheduler_output, _, _, _, num_reqs = late
         if not planner.serves(num_reqs, size):
             return False
+        if getattr(scheduler_output, "has_structured_output_requests", False):
+            return False  # the grammar masks read the trees at once: the host builds the ones the GPU verifies
         with self.ddtree_stats.timed("plan"):  # (the tests too: a declined step's are its plan's host work)
             limit = min(self.max_model_len, getattr(self, "effective_drafter_max_model_len", self.max_model_len))
             computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
@@ -1555,9 +1557,21 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_step_timer.start()
             self._ddtree_first_runs_at_start = ShapeGraphs.first_runs
         try:
-            return super().execute_model(scheduler_output, intermediate_tensors)
+            output = super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             context.withdraw()
+        self._ddtree_publish_for_grammars(scheduler_output)
+        return output
+
+    def _ddtree_publish_for_grammars(self, scheduler_output) -> None:
+        """Structured outputs (patch 12): a step with a structured request hands its trees to the scheduler, which
+        computes the step's grammar masks after this call returns (on this thread, with one GPU)."""
+        plan = self._ddtree_plan
+        if plan is None or not getattr(scheduler_output, "has_structured_output_requests", False):
+            grammar.publish_step(None)
+            return
+        req_ids = [self.input_batch.req_ids[i] for i in plan.batch_index]
+        grammar.publish_step(grammar.StepTrees(scheduler_output, req_ids, plan.host_trees))
 
     # ---- acceptance ----------------------------------------------------------------------------
     def _sample(self, logits, spec_decode_metadata):
@@ -1831,8 +1845,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return out
 
     def sample_tokens(self, grammar_output):
-        if grammar_output is not None and self._ddtree_plan is not None:
-            raise RuntimeError("DDTree cannot verify trees under structured outputs (refused at admission; a bug)")
         self._ddtree_proposed = False
         if hasattr(self, "drafter"):
             self.drafter.last_req_ids, self.drafter.last_drafts = [], []

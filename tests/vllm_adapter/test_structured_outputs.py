@@ -1,0 +1,371 @@
+"""Structured outputs over trees (patch 12, ``ddtree.vllm.grammar``): through vLLM's own scheduler, grammar manager
+and bitmask code, every tree node's logits row is masked by the grammar after the committed text and that node's
+root path (the oracle: an xgrammar matcher forked per node); draft slots are never cut or counted invalid; and
+admission serves what the masks cover, naming the rest."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+xgr = pytest.importorskip("xgrammar")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+import bench_plan_path as bench  # noqa: E402
+
+from ddtree.vllm import grammar, patches  # noqa: E402
+from ddtree.vllm.config import STRUCTURED_OUTPUTS_ENV, structured_outputs_refusal  # noqa: E402
+from ddtree.vllm.step import PLACEHOLDER  # noqa: E402
+
+# The bench runner's proposals draw tokens below 4 x top_k: a 32-token vocabulary, a third of it inside the grammar.
+TOP_K = 8
+VOCAB = ["a", "b", "c", "d", "ab", "ba", "cd", "dc", "aa", "bb", "cc", "dd", "x", "{", "}", '"', ":", ",", "0", "1",
+         "2", "3", "e", "f", "g", "h", "i", "j", "k", "l", "m", "<eos>"]  # fmt: skip
+EOS = len(VOCAB) - 1
+LETTERS, END = [0, 4, 8], 12  # "a", "ab", "aa"; "x"
+GRAMMAR = 'root ::= [abcd]+ "x"'
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+    return xgr.GrammarCompiler(info).compile_grammar(GRAMMAR)
+
+
+@pytest.fixture(autouse=True)
+def patched():
+    patches.apply()  # vLLM's Scheduler wrapped as a ddtree engine gets it (other engines: vLLM's own code)
+    grammar.publish_step(None)
+    yield
+    grammar.publish_step(None)
+
+
+def _request(compiled, committed=(), structured=True):
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    state = SimpleNamespace(grammar=XgrammarGrammar(len(VOCAB), xgr.GrammarMatcher(compiled), compiled))
+    assert state.grammar.accept_tokens("committed", list(committed))  # as vLLM advances it
+    return SimpleNamespace(
+        use_structured_output=structured,
+        structured_output_request=state if structured else None,
+        is_prefill_chunk=False,
+        spec_token_ids=[],
+        is_finished=lambda: False,
+    )
+
+
+def _scheduler(requests, budget, ddtree=True):
+    """vLLM's Scheduler and StructuredOutputManager with the attributes their grammar code reads."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = SimpleNamespace(
+        additional_config={"ddtree": {"budget": budget}} if ddtree else {},
+        num_speculative_tokens=budget,
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(is_diffusion=False),
+    )
+    manager = object.__new__(StructuredOutputManager)
+    manager.__dict__.update(
+        vllm_config=config,
+        backend=SimpleNamespace(allocate_token_bitmask=lambda rows: xgr.allocate_token_bitmask(rows, len(VOCAB))),
+        reasoner_cls=None,
+        enable_in_reasoning=False,
+        _grammar_bitmask=None,
+        _full_mask=torch.tensor(-1, dtype=torch.int32),
+        fill_bitmask_parallel_threshold=128,
+    )
+    scheduler = object.__new__(Scheduler)
+    scheduler.__dict__.update(vllm_config=config, requests=requests, structured_output_manager=manager)
+    return scheduler
+
+
+def _allowed(matcher, path) -> np.ndarray:
+    """The oracle: the tokens the grammar allows after ``path`` (every token where the path leaves the grammar or
+    ends it: such a row is never read by an accepted path, vLLM's rule after a grammar's end)."""
+    fork = matcher.fork()
+    if not all(fork.accept_token(int(t)) for t in path) or fork.is_terminated():
+        return np.ones(len(VOCAB), dtype=bool)
+    row = xgr.allocate_token_bitmask(1, len(VOCAB))
+    fork.fill_next_token_bitmask(row, 0)
+    return _bits(row[0])
+
+
+def _bits(row) -> np.ndarray:
+    words = np.asarray(row, dtype=np.int64) & 0xFFFFFFFF
+    return np.array([(words[t // 32] >> (t % 32)) & 1 for t in range(len(VOCAB))], dtype=bool)
+
+
+def _paths(parents, tokens):
+    """Each node's draft tokens from the root (the root's own token is committed), in node order."""
+    paths = [[]]
+    for j in range(1, len(parents)):
+        paths.append(paths[parents[j]] + [int(tokens[j - 1])])
+    return paths
+
+
+def _planned_step(batch=3, budget=15, seed=0, structured=True):
+    """A runner's host-planned step of ``batch`` whole trees (the bench runner, no engine) and the scheduler output
+    it was planned from; the trees published as ``execute_model`` publishes them."""
+    runner = bench.build_runner(batch, budget, 4, TOP_K, conv_window=0)
+    with bench.vllm_parts_stubbed():
+        output = bench.defer_proposal(runner, np.random.default_rng(seed))
+        output.num_scheduled_tokens = {req_id: budget + 1 for req_id in runner.req_ids}
+        output.has_structured_output_requests = structured
+        runner._prepare_inputs(output, np.full(batch, budget + 1))
+        runner._preprocess(output, output.total_num_scheduled_tokens)
+    runner._ddtree_publish_for_grammars(output)
+    return runner, output
+
+
+def _masked_logits(runner, output, grammar_output):
+    """vLLM's own ``apply_grammar_bitmask`` onto the step's logits (one row per scheduled token: B + 1 a tree)."""
+    from vllm.v1.structured_output import utils
+
+    logits = torch.zeros((output.total_num_scheduled_tokens, len(VOCAB)), dtype=torch.float32)
+    pinned, utils.PIN_MEMORY = utils.PIN_MEMORY, False  # (no CUDA here to pin host memory with)
+    try:
+        utils.apply_grammar_bitmask(output, grammar_output, SimpleNamespace(req_ids=runner.req_ids), logits)
+    finally:
+        utils.PIN_MEMORY = pinned
+    return logits
+
+
+def _node_rows(runner, r):
+    """Request ``r``'s tree (parents, draft tokens) and the logits row of each of its nodes."""
+    plan = runner._ddtree_plan
+    trees = plan.host_trees()
+    first, end = trees.node_offsets[r], trees.node_offsets[r + 1]
+    parents = trees.parents[first:end]
+    tokens = trees.tokens[trees.token_offsets[r] : trees.token_offsets[r + 1]]
+    return parents, tokens, plan.logit_rows[plan.node_offsets[r] : plan.node_offsets[r] + (end - first)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_path(compiled, seed):
+    runner, output = _planned_step(seed=seed)
+    requests = {
+        "r0": _request(compiled, committed=[0]),  # "a" committed: letters or the end may follow
+        "r1": _request(compiled, structured=False),
+        "r2": _request(compiled),  # nothing committed: a letter first
+    }
+    scheduler = _scheduler(requests, runner.ddtree_cfg.budget)
+    out = scheduler.get_grammar_bitmask(output)
+    assert out.structured_output_request_ids == ["r0", "r2"]
+    assert out.grammar_bitmask.shape == (2 * 16, 1)  # 1 + budget rows each, vLLM's layout
+    logits = _masked_logits(runner, output, out)
+    informative = 0
+    for r, req_id in enumerate(runner.req_ids):
+        parents, tokens, rows = _node_rows(runner, r)
+        request = requests[req_id]
+        for j, path in enumerate(_paths(parents, tokens)):
+            allowed = torch.isfinite(logits[rows[j]]).numpy()
+            if request.use_structured_output:
+                expected = _allowed(request.structured_output_request.grammar.matcher, path)
+                informative += j > 0 and not expected.all()
+            else:
+                expected = np.ones(len(VOCAB), dtype=bool)  # unconstrained request: untouched
+            np.testing.assert_array_equal(allowed, expected, err_msg=f"{req_id} node {j} path {path}")
+        if request.use_structured_output:  # the walk left the grammar where it was
+            assert request.structured_output_request.grammar.matcher.fork().accept_token(0)
+    assert informative > 0, "no node below a root had a grammar row of its own: the check saw only roots"
+
+
+def test_vllms_chain_rows_would_mask_the_nodes_wrongly(compiled):
+    """The oracle tells the chain's rows apart: a non-ddtree scheduler on the same step gives rows that differ."""
+    runner, output = _planned_step(seed=0)
+    requests = {"r0": _request(compiled, committed=[0]), "r1": _request(compiled), "r2": _request(compiled)}
+    chain = _scheduler(requests, runner.ddtree_cfg.budget, ddtree=False).get_grammar_bitmask(output)
+    tree = _scheduler(requests, runner.ddtree_cfg.budget).get_grammar_bitmask(output)
+    assert chain.grammar_bitmask.shape == tree.grammar_bitmask.shape
+    assert not np.array_equal(chain.grammar_bitmask, tree.grammar_bitmask)
+
+
+def test_a_cut_tree_gets_its_nodes_rows_and_all_allowed_rows_after_them(compiled):
+    budget = 15
+    runner = bench.build_runner(2, budget, 4, TOP_K, conv_window=0)
+    with bench.vllm_parts_stubbed():
+        output = bench.defer_proposal(runner, np.random.default_rng(3))
+        output.scheduled_spec_decode_tokens["r0"] = [PLACEHOLDER] * (budget - 6)  # r0's tree cut to 10 nodes
+        output.total_num_scheduled_tokens -= 6
+        output.num_scheduled_tokens = {"r0": budget + 1 - 6, "r1": budget + 1}
+        output.has_structured_output_requests = True
+        runner._prepare_inputs(output, np.array([budget + 1 - 6, budget + 1]))
+        runner._preprocess(output, output.total_num_scheduled_tokens)
+    runner._ddtree_publish_for_grammars(output)
+    requests = {"r0": _request(compiled, committed=[1]), "r1": _request(compiled, committed=[2])}
+    out = _scheduler(requests, budget).get_grammar_bitmask(output)
+    assert out.grammar_bitmask.shape[0] == (budget + 1 - 6) + (budget + 1)
+    logits = _masked_logits(runner, output, out)
+    for r, req_id in enumerate(runner.req_ids):
+        parents, tokens, rows = _node_rows(runner, r)
+        matcher = requests[req_id].structured_output_request.grammar.matcher
+        for j, path in enumerate(_paths(parents, tokens)):
+            np.testing.assert_array_equal(torch.isfinite(logits[rows[j]]).numpy(), _allowed(matcher, path))
+    assert len(_node_rows(runner, 0)[0]) == budget + 1 - 6
+
+
+def test_a_finished_grammar_leaves_every_row_of_its_tree_all_allowed(compiled):
+    runner, output = _planned_step(batch=1)
+    requests = {"r0": _request(compiled, committed=[0, END, EOS])}
+    assert requests["r0"].structured_output_request.grammar.matcher.is_terminated()
+    out = _scheduler(requests, runner.ddtree_cfg.budget).get_grammar_bitmask(output)
+    assert (out.grammar_bitmask == -1).all()
+
+
+def test_a_tree_the_runner_did_not_publish_for_this_step_is_an_error_not_a_chains_rows(compiled):
+    runner, output = _planned_step(batch=2)
+    requests = {"r0": _request(compiled), "r1": _request(compiled)}
+    other = SimpleNamespace(**vars(output))  # another step's output (the publication is matched by identity)
+    with pytest.raises(RuntimeError, match="'r0' has 15 draft slots but no tree"):
+        _scheduler(requests, runner.ddtree_cfg.budget).get_grammar_bitmask(other)
+
+
+def test_requests_without_draft_slots_keep_vllms_rows(compiled):
+    """A step whose structured requests verify no tree (their first decode, or no tree published): vLLM's rows."""
+    requests = {"r0": _request(compiled, committed=[0]), "r1": _request(compiled)}
+    output = SimpleNamespace(
+        num_scheduled_tokens={"r0": 1, "r1": 1}, scheduled_spec_decode_tokens={}, has_structured_output_requests=True
+    )
+    ours = _scheduler(requests, 15).get_grammar_bitmask(output)
+    theirs = _scheduler(requests, 15, ddtree=False).get_grammar_bitmask(output)
+    np.testing.assert_array_equal(ours.grammar_bitmask, theirs.grammar_bitmask)
+    assert ours.structured_output_request_ids == theirs.structured_output_request_ids == ["r0", "r1"]
+
+
+def test_fill_step_bitmask_refuses_a_tree_larger_than_its_rows():
+    parents, tokens = np.array([-1, 0, 0, 1]), np.array([0, 1, 2])
+    out = torch.zeros((3, 1), dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="tree of 4 nodes has 3 rows"):
+        grammar.fill_step_bitmask(out, ["r"], [2], None, lambda req_id: None, {"r": (parents, tokens)})
+
+
+# ---- draft slots: never cut, never counted invalid ----------------------------------------------------------------
+def test_synchronous_drafts_of_a_structured_request_are_scheduled_uncut(compiled):
+    placeholders = [PLACEHOLDER] * 7
+    for ddtree, expected in ((True, placeholders), (False, [])):  # vLLM's chain check cuts at the first refusal
+        requests = {"r0": _request(compiled)}
+        scheduler = _scheduler(requests, 7, ddtree=ddtree)
+        scheduler.update_draft_token_ids(SimpleNamespace(req_ids=["r0"], draft_token_ids=[list(placeholders)]))
+        assert requests["r0"].spec_token_ids == expected
+        assert "should_advance" not in vars(scheduler.structured_output_manager)  # the manager's own method again
+
+
+def test_the_grammar_checks_come_back_when_vllms_draft_update_fails(compiled):
+    scheduler = _scheduler({"r0": _request(compiled)}, 7)
+    with pytest.raises(TypeError):
+        scheduler.update_draft_token_ids(SimpleNamespace(req_ids=["r0"], draft_token_ids=None))
+    assert "should_advance" not in vars(scheduler.structured_output_manager)
+
+
+def test_asynchronous_placeholders_stay_the_trees_slots_and_none_is_counted_invalid(compiled):
+    for ddtree in (True, False):
+        requests = {"r0": _request(compiled)}
+        output = SimpleNamespace(scheduled_spec_decode_tokens={"r0": [PLACEHOLDER] * 5}, num_invalid_spec_tokens=None)
+        drafts = SimpleNamespace(req_ids=["r0"], draft_token_ids=[[EOS, 1, 2, 3, 4]])  # refused at once
+        _scheduler(requests, 5, ddtree=ddtree).update_draft_token_ids_in_output(drafts, output)
+        if ddtree:
+            assert output.scheduled_spec_decode_tokens == {"r0": [PLACEHOLDER] * 5}
+            assert output.num_invalid_spec_tokens is None
+        else:  # vLLM's chain: the refused drafts become placeholders, counted invalid
+            assert output.num_invalid_spec_tokens == {"r0": 5}
+
+
+# ---- the runner's side --------------------------------------------------------------------------------------------
+def test_a_step_with_a_structured_request_is_planned_on_the_host_and_publishes_its_trees():
+    runner = bench.build_runner(2, 15, 4, TOP_K, conv_window=0)
+    bench.prepare_device_plan(runner, run_kernels=False)
+    rng = np.random.default_rng(0)
+    for structured, on_device in ((False, 1), (True, 0), (False, 1)):
+        with bench.vllm_parts_stubbed():
+            output = bench.defer_proposal(runner, rng)
+            output.has_structured_output_requests = structured
+            before = runner.ddtree_stats.device_plan_steps
+            runner._prepare_inputs(output, np.full(2, 16))
+            runner._preprocess(output, output.total_num_scheduled_tokens)
+        runner._ddtree_publish_for_grammars(output)
+        assert runner.ddtree_stats.device_plan_steps - before == on_device
+        published = grammar.trees_for(output)
+        if not structured:
+            assert published == {}
+            continue
+        trees = runner._ddtree_plan.trees  # built by the host: the trees the GPU verifies
+        assert trees is not None and set(published) == {"r0", "r1"}
+        for r, req_id in enumerate(runner.req_ids):
+            parents, tokens = published[req_id]
+            np.testing.assert_array_equal(parents, trees.parents[trees.node_offsets[r] : trees.node_offsets[r + 1]])
+            np.testing.assert_array_equal(tokens, trees.tokens[trees.token_offsets[r] : trees.token_offsets[r + 1]])
+
+
+# ---- admission ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "env, backend, world_size, parser, in_reasoning, refused",
+    [
+        ("1", "xgrammar", 1, "", False, None),
+        ("1", "xgrammar", 1, "qwen3", True, None),
+        (None, "xgrammar", 1, "", False, STRUCTURED_OUTPUTS_ENV),
+        ("0", "xgrammar", 1, "", False, STRUCTURED_OUTPUTS_ENV),
+        ("1", "xgrammar", 2, "", False, "parallelism"),
+        ("1", "xgrammar", 1, "qwen3", False, "reasoning"),
+        ("1", "guidance", 1, "", False, "'guidance' backend"),
+        ("1", "outlines", 1, "", False, "'outlines' backend"),
+    ],
+)
+def test_structured_outputs_are_refused_where_the_masks_do_not_reach(
+    env, backend, world_size, parser, in_reasoning, refused
+):
+    environ = {} if env is None else {STRUCTURED_OUTPUTS_ENV: env}
+    reason = structured_outputs_refusal(backend, world_size, parser, in_reasoning, environ)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason and reason.startswith("structured outputs")
+
+
+def _processor(structured_config, world_size=1):
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    model_config = SimpleNamespace(
+        max_logprobs=20, get_vocab_size=lambda: 100, logits_processors=None, is_diffusion=False
+    )
+    p = object.__new__(InputProcessor)  # vLLM's checks only read these attributes
+    p.__dict__.update(
+        model_config=model_config,
+        speculative_config=SimpleNamespace(method="dflash"),
+        structured_outputs_config=structured_config,
+        renderer=SimpleNamespace(tokenizer=object()),
+        vllm_config=SimpleNamespace(
+            additional_config={"ddtree": {"budget": 8}},
+            reasoning_config=None,
+            structured_outputs_config=structured_config,
+            parallel_config=SimpleNamespace(world_size=world_size),
+        ),
+    )
+    return p
+
+
+def test_admission_through_vllms_own_checks_serves_xgrammar_requests_when_switched_on(monkeypatch):
+    from vllm.config import StructuredOutputsConfig
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    def request():
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+
+    monkeypatch.delenv(STRUCTURED_OUTPUTS_ENV, raising=False)
+    with pytest.raises(VLLMValidationError, match=STRUCTURED_OUTPUTS_ENV) as refused:
+        _processor(StructuredOutputsConfig())._validate_params(request(), ("generate",))
+    assert refused.value.parameter == "structured_outputs"
+    monkeypatch.setenv(STRUCTURED_OUTPUTS_ENV, "1")
+    served = request()
+    _processor(StructuredOutputsConfig())._validate_params(served, ("generate",))  # "auto" picks xgrammar
+    assert served.structured_outputs._backend == "xgrammar"
+    with pytest.raises(VLLMValidationError, match="'guidance' backend"):
+        _processor(StructuredOutputsConfig(backend="guidance"))._validate_params(request(), ("generate",))
+    with pytest.raises(VLLMValidationError, match="parallelism"):
+        _processor(StructuredOutputsConfig(), world_size=2)._validate_params(request(), ("generate",))
