@@ -145,8 +145,14 @@ def _node_rows(runner, r):
     return parents, tokens, plan.logit_rows[plan.node_offsets[r] : plan.node_offsets[r] + (end - first)]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_path(compiled, seed):
+@pytest.mark.parametrize("seed, threads", [(0, False), (1, False), (2, True), (3, True)])
+def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_path(compiled, seed, threads, monkeypatch):
+    """``threads``: the two structured requests' trees walked on the pool (as for a real vocabulary's wide rows)."""
+    submitted = []
+    pool = grammar._walk_pool()
+    spy = SimpleNamespace(submit=lambda work: submitted.append(work) or pool.submit(work))
+    monkeypatch.setattr(grammar, "_walk_pool", lambda: spy)
+    monkeypatch.setattr(grammar, "POOL_MIN_WORDS", 1 if threads else 10**6)
     runner, output = _planned_step(seed=seed)
     requests = {
         "r0": _request(compiled, committed=[0]),  # "a" committed: letters or the end may follow
@@ -173,6 +179,7 @@ def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_pat
         if request.use_structured_output:  # the walk left the grammar where it was
             assert request.structured_output_request.grammar.matcher.fork().accept_token(0)
     assert informative > 0, "no node below a root had a grammar row of its own: the check saw only roots"
+    assert len(submitted) == (2 if threads else 0)  # (one walk per structured request)
 
 
 def test_vllms_chain_rows_would_mask_the_nodes_wrongly(compiled):
