@@ -52,7 +52,9 @@ mid-tree (survivors and a later batch must be
 unaffected), temperature 1 with per-request seeds (run twice, then once more with the first request alone for a few
 steps and the rest arriving beside its trees: all three must agree), and shared_prefix: 8 prompts that share
 their first SHARED_PREFIX tokens, sent together, then again, then as a second turn that appends each one's first
-answer and a few new tokens (with prefix caching: hits on blocks whose K/V trees wrote and moved).
+answer and a few new tokens (with prefix caching: hits on blocks whose K/V trees wrote and moved); and, where the
+pair has a tokenizer (the trained pair), structured: 8 greedy requests under a regex and a JSON schema
+(DDTREE_STRUCTURED_OUTPUTS=1 for every ddtree engine), each ended by its grammar, compared with plain's.
 
 Checks: greedy outputs equal plain's, a divergence allowed only where plain's
 top-2 logprob gap is below --gap-tol (counted and reported); ddtree's logprobs
@@ -102,6 +104,22 @@ CONSTRAINED_SCENARIOS = {
 
 
 SAMPLED_SCENARIOS = ("t1", "min_p")  # not compared token by token with plain
+
+#: The structured scenario's grammars (a model pair with a tokenizer only: vLLM needs one for structured outputs):
+#: greedy requests, each ended by its grammar (a few words, then the stop token; a short JSON object).
+STRUCTURED_REGEX = r"[a-z]{1,8}( [a-z]{1,8}){2,4}\."
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "count": {"type": "integer", "maximum": 999}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+STRUCTURED_MAX_TOKENS = 96
+
+
+def has_tokenizer(target: str) -> bool:
+    """Whether the target directory holds a tokenizer (the trained pair's does; the tiny random models have none)."""
+    return any(os.path.exists(os.path.join(target, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def min_p_respected(rows, slack: float = 1e-3) -> bool:
@@ -349,7 +367,8 @@ def run_child(
     spec = dict(conf["spec"], model=drafter) if conf["spec"] else None
     kw = dict(
         model=target,
-        skip_tokenizer_init=True,
+        # A tokenizer where the pair has one: structured outputs need it (token-id prompts, no detokenizing).
+        skip_tokenizer_init=not has_tokenizer(target),
         dtype="bfloat16",
         enforce_eager=eager,
         max_model_len=MAX_MODEL_LEN,
@@ -603,6 +622,23 @@ def run_child(
         )
         return rows, sum(len(r["tokens"]) for r in rows)
 
+    def structured():
+        from vllm.sampling_params import StructuredOutputsParams
+
+        grammars = [StructuredOutputsParams(regex=STRUCTURED_REGEX), StructuredOutputsParams(json=STRUCTURED_SCHEMA)]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=STRUCTURED_MAX_TOKENS,
+                detokenize=False,
+                logprobs=2 if want_logprobs else None,
+                structured_outputs=grammars[i % 2],
+            )
+            for i in range(len(P["stop"]))
+        ]
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["stop"]], params, use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     scenarios = (
         ("batch1", b1),
         ("batch16", b16),
@@ -613,6 +649,7 @@ def run_child(
         ("abort", abort),
         ("t1", t1),
         ("shared_prefix", shared_prefix),
+        *((("structured", structured),) if has_tokenizer(target) else ()),
     )
     for sname, fn in scenarios:
         scenario(sname, fn)
@@ -1002,6 +1039,9 @@ def main():
         log(f"reused from {args.reuse} (scenarios of this harness's versions): {reused}", fh)
     started = time.time()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", PYTHONUNBUFFERED="1")
+    # Structured outputs are served by every ddtree engine here (experimental, off by default): the structured
+    # scenario runs where the pair has a tokenizer.
+    env.setdefault("DDTREE_STRUCTURED_OUTPUTS", "1")
     # Triton keeps its autotuning results on disk, so an engine after the first skips the autotuning of vLLM's GDN
     # kernels (each engine's profiling run took 74-81 s on an H200, for dflash as for ddtree).
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
@@ -1087,6 +1127,12 @@ def main():
                 same_outputs = identical_outputs(twin["scenarios"][sname]["rows"], sc["rows"])
                 notes += f"identical to {name[: -len('-host-plan')]}: {same_outputs}; "
                 verdict[f"{name}/{sname}=device-plan"] = same_outputs
+            if sname == "structured":
+                # Each request ended by its grammar (the stop token forced once the grammar is complete); a token
+                # the grammar refused would have ended it with an error instead.
+                ok = bool(sc["rows"]) and all(r["finish"] == "stop" for r in sc["rows"])
+                notes += f"every request ended by its grammar: {ok}; "
+                verdict[f"{name}/structured/ended_by_grammar"] = ok
             if sname == "min_p":
                 ok = min_p_respected(sc["rows"])
                 notes += f"every token within min_p of its row's top: {ok}; "
