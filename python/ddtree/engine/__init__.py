@@ -9,6 +9,7 @@ integration is checked against; see ``target.py`` for the tree verification
 and commit, ``drafter.py`` for the DFlash drafter and its checkpoint format.
 """
 
+from .constraints import GrammarConstraint
 from .drafter import DFlashDraftModel, DrafterContext
 from .drafting import MODES, DFlashDraftProposer, DraftProposer, draft_tree, draft_tree_with_ranks, empty_tree
 from .engine import DepthTrials, GenerationConfig, GenerationResult, RequestStats, SpeculativeEngine, generate
@@ -26,6 +27,7 @@ __all__ = [
     "EngineInputError",
     "GenerationConfig",
     "GenerationResult",
+    "GrammarConstraint",
     "RequestState",
     "RequestStats",
     "SamplingSettings",

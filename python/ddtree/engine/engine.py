@@ -29,12 +29,13 @@ import torch
 
 import ddtree
 
+from .constraints import GrammarConstraint, masked_logits
 from .drafter import DFlashDraftModel
 from .drafting import DFlashDraftProposer, DraftProposer, draft_tree_with_ranks, empty_tree
 from .progress import ProgressBar
 from .sampling import SamplingSettings, target_tokens
 from .target import RequestState, TargetModel, TreeInput
-from .validation import check_drafter_matches_target, check_prompts, check_settings
+from .validation import EngineInputError, check_drafter_matches_target, check_prompts, check_settings
 
 
 @dataclass
@@ -48,6 +49,8 @@ class GenerationConfig:
     sampling: temperature / top-p / top-k of the target (temperature 0: greedy).
     seed: request ``r`` samples with ``torch.Generator().manual_seed(seed + r)``.
     prefill_chunk: prompt tokens per prefill forward (bounds the O(n^2) GDN tree solve).
+    constraints: one :class:`~ddtree.engine.constraints.GrammarConstraint` (or None) per prompt: every verified
+        node's logits row masked by the grammar after its root path; the constraint is advanced by the output.
     """
 
     mode: str = "ddtree"
@@ -58,6 +61,7 @@ class GenerationConfig:
     stop_token_ids: Sequence[int] = ()
     prefill_chunk: int = 128
     progress: bool = False
+    constraints: Optional[Sequence[Optional[GrammarConstraint]]] = None
 
 
 @dataclass
@@ -178,13 +182,21 @@ class _Request:
     tokens: List[int] = field(default_factory=list)  # committed: prompt + generated
     prefilled: int = 0
     finish_reason: Optional[str] = None
+    constraint: Optional[GrammarConstraint] = None
+
+    def node_logits(self, logits: torch.Tensor, tree: ddtree.Tree) -> torch.Tensor:
+        """The logits each node's token is taken from: the grammar's masks applied, if the request has one."""
+        if self.constraint is None:
+            return logits
+        return masked_logits(logits, self.constraint.node_masks(tree.parents, tree.tokens))
 
     @property
     def generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
 
     def emit(self, new_tokens: Sequence[int], stop_token_ids: Sequence[int], now: float) -> int:
-        """Append output tokens up to the limit or a stop token; returns how many were kept."""
+        """Append output tokens up to the limit or a stop token (the grammar, if any, advanced by them); returns how
+        many were kept."""
         kept = 0
         for token in new_tokens:
             if self.finish_reason is not None:
@@ -195,6 +207,8 @@ class _Request:
                 self.finish_reason = "stop"
             elif self.generated >= self.limit:
                 self.finish_reason = self.limit_reason
+        if self.constraint is not None:
+            self.constraint.advance(self.tokens[len(self.tokens) - kept :])
         self.stats.generated_tokens = self.generated
         if self.finish_reason is not None:
             self.stats.total_seconds = now
@@ -224,6 +238,10 @@ class SpeculativeEngine:
         check_settings(config.mode, config.budget, config.max_new_tokens, self.proposer is not None)
         config.sampling.validate()
         check_prompts(prompts, self.target)
+        if config.constraints is not None and len(config.constraints) != len(prompts):
+            raise EngineInputError(
+                f"{len(config.constraints)} constraints for {len(prompts)} prompts (one each, or None)"
+            )
 
         started = time.perf_counter()
         requests = [self._new_request(index, prompt, config) for index, prompt in enumerate(prompts)]
@@ -258,6 +276,7 @@ class SpeculativeEngine:
                 depth_trials=DepthTrials(self.proposer.num_draft_positions if uses_drafter else 0),
             ),
             tokens=[int(t) for t in prompt],
+            constraint=config.constraints[index] if config.constraints is not None else None,
         )
 
     def _feature_layers(self, config: GenerationConfig) -> Sequence[int]:
@@ -283,7 +302,8 @@ class SpeculativeEngine:
                     self.proposer.add_context(r.drafter_state, output.features[rows])
                 r.prefilled += len(tree)
                 if r.prefilled == len(r.prompt):
-                    first = target_tokens(output.logits[rows][-1:], config.sampling, r.generator)
+                    first_logits = r.node_logits(output.logits[rows][-1:], empty_tree())
+                    first = target_tokens(first_logits, config.sampling, r.generator)
                     r.stats.prefill_seconds = now
                     progress.update(r.emit([int(first[0])], config.stop_token_ids, now))
 
@@ -306,7 +326,8 @@ class SpeculativeEngine:
 
         paths, bonuses = [], []
         for index, (r, tree) in enumerate(zip(active, trees)):
-            node_tokens = target_tokens(output.logits[output.request_rows(index)], config.sampling, r.generator)
+            logits = r.node_logits(output.logits[output.request_rows(index)], tree)
+            node_tokens = target_tokens(logits, config.sampling, r.generator)
             path, bonus = ddtree.accept(tree, node_tokens.cpu().numpy())
             paths.append(path)
             bonuses.append(bonus)

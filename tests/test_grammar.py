@@ -1,4 +1,4 @@
-"""Grammar masks for a draft tree (``ddtree.vllm.grammar``) against a matcher forked per node."""
+"""Grammar masks for a draft tree (``ddtree.grammar``) against a matcher forked per node."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 xgr = pytest.importorskip("xgrammar")
 
-from ddtree.vllm.grammar import ALL_ALLOWED, fill_tree_bitmask, first_child_next_sibling  # noqa: E402
+from ddtree.grammar import ALL_ALLOWED, fill_tree_bitmask, first_child_next_sibling  # noqa: E402
 
 VOCAB = ["a", "b", "c", "d", "ab", "bc", "cd", "x", '"', "{", "}", ":", "1", "2", "<eos>"]
 EOS = len(VOCAB) - 1
