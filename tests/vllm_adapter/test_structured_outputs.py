@@ -15,6 +15,7 @@ vllm = pytest.importorskip("vllm")
 xgr = pytest.importorskip("xgrammar")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+import bench_grammar_masks as grammar_bench  # noqa: E402
 import bench_plan_path as bench  # noqa: E402
 
 from ddtree.vllm import grammar, patches  # noqa: E402
@@ -60,28 +61,7 @@ def _request(compiled, committed=(), structured=True):
 
 def _scheduler(requests, budget, ddtree=True):
     """vLLM's Scheduler and StructuredOutputManager with the attributes their grammar code reads."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    config = SimpleNamespace(
-        additional_config={"ddtree": {"budget": budget}} if ddtree else {},
-        num_speculative_tokens=budget,
-        scheduler_config=SimpleNamespace(max_num_seqs=4),
-        model_config=SimpleNamespace(is_diffusion=False),
-    )
-    manager = object.__new__(StructuredOutputManager)
-    manager.__dict__.update(
-        vllm_config=config,
-        backend=SimpleNamespace(allocate_token_bitmask=lambda rows: xgr.allocate_token_bitmask(rows, len(VOCAB))),
-        reasoner_cls=None,
-        enable_in_reasoning=False,
-        _grammar_bitmask=None,
-        _full_mask=torch.tensor(-1, dtype=torch.int32),
-        fill_bitmask_parallel_threshold=128,
-    )
-    scheduler = object.__new__(Scheduler)
-    scheduler.__dict__.update(vllm_config=config, requests=requests, structured_output_manager=manager)
-    return scheduler
+    return grammar_bench.scheduler_for(requests, budget, ddtree, len(VOCAB))
 
 
 def _allowed(matcher, path) -> np.ndarray:
