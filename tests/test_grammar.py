@@ -62,8 +62,11 @@ def test_every_nodes_row_is_the_mask_after_its_path_and_the_matcher_is_left_as_i
     before = torch.zeros((1, words), dtype=torch.int32)
     matcher.fill_next_token_bitmask(before, 0)
     out = np.zeros((len(parents), words), dtype=np.int32)  # a numpy buffer, as vLLM's, written in place
-    fill_tree_bitmask(matcher, np.array(parents), np.array(tokens), out)
-    assert torch.equal(torch.from_numpy(out), reference_rows(matcher, parents, tokens, words))
+    unmasked = fill_tree_bitmask(matcher, np.array(parents), np.array(tokens), out)
+    expected = reference_rows(matcher, parents, tokens, words)
+    assert torch.equal(torch.from_numpy(out), expected)
+    # (no node of these grammars allows every token: an all-allowed row is one the grammar gave no mask)
+    assert unmasked == int((expected == ALL_ALLOWED).all(dim=1).sum())
     after = torch.zeros((1, words), dtype=torch.int32)
     matcher.fill_next_token_bitmask(after, 0)
     assert torch.equal(before, after)
@@ -77,7 +80,7 @@ def test_a_refused_node_and_its_subtree_get_all_allowed_rows_and_a_live_path_its
     tokens = np.array([0, 1, 7, 3, 1])
     words = xgr.get_bitmask_shape(1, info.vocab_size)[1]
     out = torch.zeros((6, words), dtype=torch.int32)
-    fill_tree_bitmask(matcher, parents, tokens, out)
+    assert fill_tree_bitmask(matcher, parents, tokens, out) == 2  # the refused "x" and the node below it
 
     def allowed(row):
         return {t for t in range(len(VOCAB)) if (int(out[row, t // 32]) >> (t % 32)) & 1}

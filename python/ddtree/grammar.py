@@ -46,8 +46,10 @@ def first_child_next_sibling(parents: np.ndarray) -> Tuple[np.ndarray, np.ndarra
     return first_child, next_sibling
 
 
-def fill_tree_bitmask(matcher, parents: np.ndarray, tokens: np.ndarray, out) -> None:
-    """Writes node ``j``'s grammar mask into row ``j`` of ``out`` for every node of one tree.
+def fill_tree_bitmask(matcher, parents: np.ndarray, tokens: np.ndarray, out) -> int:
+    """Writes node ``j``'s grammar mask into row ``j`` of ``out`` for every node of one tree; returns how many rows
+    the grammar gave no mask (made all-allowed: a node it refuses, one below such a node, one whose token ends it,
+    or every node of a grammar that has ended).
 
     Args:
         matcher: the request's ``xgrammar.GrammarMatcher``, advanced through the committed text (left unchanged).
@@ -65,7 +67,7 @@ def fill_tree_bitmask(matcher, parents: np.ndarray, tokens: np.ndarray, out) -> 
         raise ValueError(f"out must be int32 [{n}, words]; got {tuple(rows.shape)} {rows.dtype}")
     if matcher.is_terminated():  # the grammar has ended: nothing but the stop check reads these rows
         rows.fill_(ALL_ALLOWED)
-        return
+        return n
     first_child, next_sibling = first_child_next_sibling(parents)
     draft_tokens = np.concatenate(([0], tokens))  # (the root's token is not read)
     rows.zero_()
@@ -76,4 +78,6 @@ def fill_tree_bitmask(matcher, parents: np.ndarray, tokens: np.ndarray, out) -> 
     # path, all-allowed so that the logits stay finite. (Through numpy: torch's boolean reduction and masked
     # assignment took 0.6 ms of a 64-node tree's ~4 ms at a 152k vocabulary, numpy's 0.08 ms.)
     view = rows.numpy()
-    view[~view.any(axis=1)] = ALL_ALLOWED
+    unmasked = ~view.any(axis=1)
+    view[unmasked] = ALL_ALLOWED
+    return int(unmasked.sum())

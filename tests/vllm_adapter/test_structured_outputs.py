@@ -3,6 +3,7 @@ and bitmask code, every tree node's logits row is masked by the grammar after th
 root path (the oracle: an xgrammar matcher forked per node); draft slots are never cut or counted invalid; and
 admission serves what the masks cover, naming the rest."""
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,11 +141,12 @@ def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_pat
         "r2": _request(compiled),  # nothing committed: a letter first
     }
     scheduler = _scheduler(requests, runner.ddtree_cfg.budget)
+    before = dataclasses.replace(grammar.STATS)
     out = scheduler.get_grammar_bitmask(output)
     assert out.structured_output_request_ids == ["r0", "r2"]
     assert out.grammar_bitmask.shape == (2 * 16, 1)  # 1 + budget rows each, vLLM's layout
     logits = _masked_logits(runner, output, out)
-    informative = 0
+    informative = unmasked = 0
     for r, req_id in enumerate(runner.req_ids):
         parents, tokens, rows = _node_rows(runner, r)
         request = requests[req_id]
@@ -153,6 +155,7 @@ def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_pat
             if request.use_structured_output:
                 expected = _allowed(request.structured_output_request.grammar.matcher, path)
                 informative += j > 0 and not expected.all()
+                unmasked += bool(expected.all())  # (no row of this grammar allows every token)
             else:
                 expected = np.ones(len(VOCAB), dtype=bool)  # unconstrained request: untouched
             np.testing.assert_array_equal(allowed, expected, err_msg=f"{req_id} node {j} path {path}")
@@ -160,6 +163,9 @@ def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_pat
             assert request.structured_output_request.grammar.matcher.fork().accept_token(0)
     assert informative > 0, "no node below a root had a grammar row of its own: the check saw only roots"
     assert len(submitted) == (2 if threads else 0)  # (one walk per structured request)
+    stats = grammar.STATS
+    assert (stats.steps - before.steps, stats.trees - before.trees, stats.nodes - before.nodes) == (1, 2, 32)
+    assert stats.unmasked_nodes - before.unmasked_nodes == unmasked and stats.seconds > before.seconds
 
 
 def test_vllms_chain_rows_would_mask_the_nodes_wrongly(compiled):

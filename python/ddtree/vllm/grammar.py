@@ -85,6 +85,29 @@ def _walk_pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+@dataclasses.dataclass
+class MaskStats:
+    """What the grammar rows of tree steps cost and found, for ``ddtree_summary`` (this process's engine)."""
+
+    steps: int = 0  # steps whose rows came from trees
+    trees: int = 0
+    nodes: int = 0  # tree nodes given a row (roots included)
+    unmasked_nodes: int = 0  # of those, nodes the grammar gave no mask (refused, below a refusal, or ending it)
+    seconds: float = 0.0  # host time of those steps' rows, vLLM's own part (its rows without drafts) included
+
+    def summary(self) -> Dict[str, object]:
+        return {
+            "grammar_tree_steps": self.steps,
+            "grammar_trees": self.trees,
+            "grammar_tree_nodes": self.nodes,
+            "grammar_unmasked_nodes": self.unmasked_nodes,
+            "grammar_mask_ms_per_step": round(1e3 * self.seconds / self.steps, 3) if self.steps else None,
+        }
+
+
+STATS = MaskStats()
+
+
 def fill_step_bitmask(
     out,
     request_ids: Sequence[str],
@@ -99,7 +122,7 @@ def fill_step_bitmask(
     A request verifying a tree gets :func:`fill_tree_bitmask`'s rows for its ``n + 1`` nodes (node ``j``'s row is
     logits row ``start + j``) and all-allowed rows for draft slots its tree left unused (a cut tree's); a request
     with no draft slot gets ``vllm_rows[k]``, vLLM's own row for it. Several requests' trees are walked on threads
-    where the rows are wide (:data:`POOL_MIN_WORDS`). Returns the rows written.
+    where the rows are wide (:data:`POOL_MIN_WORDS`). Returns the rows written; counts the trees in :data:`STATS`.
 
     Raises:
         RuntimeError: a request with draft slots but no tree, or a tree larger than its slots (a bug: its rows
@@ -126,17 +149,23 @@ def fill_step_bitmask(
                 )
             walks.append(functools.partial(_fill_tree_rows, matcher_of(req_id), parents, tokens, rows))
         offset += 1 + drafts
-    if out.shape[-1] >= POOL_MIN_WORDS and sum(req_id in trees for req_id in request_ids) > 1:
-        for done in [_walk_pool().submit(walk) for walk in walks]:
-            done.result()
+    tree_ids = [req_id for req_id in request_ids if req_id in trees]
+    if out.shape[-1] >= POOL_MIN_WORDS and len(tree_ids) > 1:
+        unmasked = [done.result() for done in [_walk_pool().submit(walk) for walk in walks]]
     else:
-        for walk in walks:
-            walk()
+        unmasked = [walk() for walk in walks]
+    if tree_ids:
+        STATS.steps += 1
+        STATS.trees += len(tree_ids)
+        STATS.nodes += sum(len(trees[req_id][0]) for req_id in tree_ids)
+        STATS.unmasked_nodes += sum(count for count in unmasked if count is not None)
     return offset
 
 
-def _fill_tree_rows(matcher, parents: np.ndarray, tokens: np.ndarray, rows) -> None:
-    """One request's rows: its tree's, then all-allowed rows for the slots the tree left unused."""
+def _fill_tree_rows(matcher, parents: np.ndarray, tokens: np.ndarray, rows) -> int:
+    """One request's rows: its tree's, then all-allowed rows for the slots the tree left unused; returns its nodes
+    the grammar gave no mask."""
     n = len(parents)
-    fill_tree_bitmask(matcher, parents, tokens, rows[:n])
+    unmasked = fill_tree_bitmask(matcher, parents, tokens, rows[:n])
     rows[n:] = ALL_ALLOWED
+    return unmasked

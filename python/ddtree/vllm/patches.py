@@ -188,6 +188,7 @@ import copy
 import dataclasses
 import functools
 import os
+import time
 from typing import Any, Optional
 
 from ddtree.drafter_config import UnsupportedDrafterError, check_drafter_layers
@@ -902,6 +903,7 @@ def _tree_grammar_bitmask(original):
             return original(self, scheduler_output)
         from ddtree.vllm import grammar
 
+        started = time.perf_counter()
         trees = grammar.trees_for(scheduler_output)
         slots = scheduler_output.scheduled_spec_decode_tokens
         without_drafts = copy.copy(scheduler_output)
@@ -926,6 +928,7 @@ def _tree_grammar_bitmask(original):
             return matcher
 
         rows = grammar.fill_step_bitmask(buffer, request_ids, num_drafts, vllm_rows, matcher_of, trees)
+        grammar.STATS.seconds += time.perf_counter() - started
         return dataclasses.replace(output, grammar_bitmask=buffer[:rows].numpy())
 
     return get_grammar_bitmask

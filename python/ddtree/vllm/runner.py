@@ -1927,4 +1927,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             async_scheduling=bool(self.use_async_scheduling),
             # DDTREE_DEVICE_PLAN as start-up decided it ("on", or "off: " and why).
             device_plan=self._ddtree_device_plan_state,
+            # Structured outputs (DDTREE_STRUCTURED_OUTPUTS): the tree steps' grammar rows, computed in the scheduler.
+            **grammar.STATS.summary(),
         )
