@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm")
 xgr = pytest.importorskip("xgrammar")
@@ -166,6 +168,62 @@ def test_every_tree_nodes_logits_row_is_masked_by_the_grammar_after_its_root_pat
     stats = grammar.STATS
     assert (stats.steps - before.steps, stats.trees - before.trees, stats.nodes - before.nodes) == (1, 2, 32)
     assert stats.unmasked_nodes - before.unmasked_nodes == unmasked and stats.seconds > before.seconds
+
+
+@st.composite
+def mixed_steps(draw):
+    """A step of 1-5 requests, each unconstrained or structured (some text committed), with no draft slot or a
+    tree of ``n`` nodes in ``S >= n - 1`` slots (a cut tree's unused slots), random parents and tokens."""
+    requests = []
+    for _ in range(draw(st.integers(1, 5))):
+        structured = draw(st.booleans())
+        committed = draw(st.lists(st.sampled_from(LETTERS), max_size=3))
+        slots = draw(st.integers(0, 12))
+        nodes = draw(st.integers(1, slots + 1)) if slots else 0
+        parents = [-1] + [draw(st.integers(0, j - 1)) for j in range(1, nodes)]
+        tokens = draw(st.lists(st.integers(0, len(VOCAB) - 1), min_size=max(nodes - 1, 0), max_size=max(nodes - 1, 0)))
+        requests.append((structured, committed, slots, parents, tokens))
+    return requests
+
+
+@settings(max_examples=40, deadline=None)
+@given(step=mixed_steps())
+def test_any_mix_of_trees_cut_trees_and_plain_rows_lands_on_the_right_logits_rows(compiled, step):
+    """Through vLLM's own bitmask code and ``apply_grammar_bitmask``, in vLLM's logits layout (``1 + slots`` rows a
+    request, in batch order): a tree node's row is its path's mask, a slot its tree left unused allows everything, a
+    structured request without slots gets vLLM's own row, and an unconstrained request's rows stay untouched."""
+    from ddtree.vllm.grammar import StepTrees
+
+    ids = [f"q{i}" for i in range(len(step))]
+    requests = {i: _request(compiled, committed, structured) for i, (structured, committed, *_) in zip(ids, step)}
+    with_trees = [(i, p, t) for i, (_, _, slots, p, t) in zip(ids, step) if slots]
+    output = SimpleNamespace(
+        num_scheduled_tokens={i: 1 + slots for i, (_, _, slots, *_) in zip(ids, step)},
+        scheduled_spec_decode_tokens={i: [PLACEHOLDER] * slots for i, (_, _, slots, *_) in zip(ids, step) if slots},
+        has_structured_output_requests=any(structured for structured, *_ in step),
+        total_num_scheduled_tokens=sum(1 + slots for _, _, slots, *_ in step),
+    )
+    trees = {i: (np.array(p), np.array(t, dtype=np.int64)) for i, p, t in with_trees}
+    tree_ids = [i for i, *_ in with_trees]
+    # As the runner does: a step without a tree publishes nothing.
+    grammar.publish_step(StepTrees(output, tree_ids, lambda: grammar_bench._batch(trees, tree_ids)) if trees else None)
+    out = _scheduler(requests, 12).get_grammar_bitmask(output)
+    if not output.has_structured_output_requests:
+        assert out is None
+        return
+    logits = _masked_logits(SimpleNamespace(req_ids=ids), output, out)
+    row = 0
+    for i, (structured, committed, slots, parents, tokens) in zip(ids, step):
+        allowed = torch.isfinite(logits[row : row + 1 + slots]).numpy()
+        matcher = requests[i].structured_output_request.grammar.matcher if structured else None
+        paths = _paths(parents, tokens) if slots else [[]]
+        for j in range(1 + slots):
+            if not structured or j >= len(paths):
+                expected = np.ones(len(VOCAB), dtype=bool)
+            else:
+                expected = _allowed(matcher, paths[j])
+            np.testing.assert_array_equal(allowed[j], expected, err_msg=f"{i} row {j} of {1 + slots}")
+        row += 1 + slots
 
 
 def test_vllms_chain_rows_would_mask_the_nodes_wrongly(compiled):
