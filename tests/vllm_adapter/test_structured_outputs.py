@@ -288,6 +288,13 @@ def test_requests_without_draft_slots_keep_vllms_rows(compiled):
     assert ours.structured_output_request_ids == theirs.structured_output_request_ids == ["r0", "r1"]
 
 
+def test_a_step_without_structured_requests_is_vllms_at_once(compiled, monkeypatch):
+    """vLLM asks for the masks every step: without a structured request nothing of ddtree's runs."""
+    monkeypatch.setattr(grammar, "trees_for", lambda output: pytest.fail("the trees were read"))
+    output = SimpleNamespace(num_scheduled_tokens={"r0": 16}, has_structured_output_requests=False)
+    assert _scheduler({"r0": _request(compiled, structured=False)}, 15).get_grammar_bitmask(output) is None
+
+
 def test_fill_step_bitmask_refuses_a_tree_larger_than_its_rows():
     parents, tokens = np.array([-1, 0, 0, 1]), np.array([0, 1, 2])
     out = torch.zeros((3, 1), dtype=torch.int32)
