@@ -71,7 +71,7 @@ def child(args):
     os.environ.update(spec.pop("env", {}) if spec else {})  # e.g. DDTREE_COMMIT_GRAPHS (the engine is in-process)
     kw = dict(
         model=args.target,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not args.regex,  # (structured outputs need the tokenizer; prompts stay token ids)
         dtype="bfloat16",
         enforce_eager=args.eager,
         max_model_len=args.max_model_len,
@@ -306,6 +306,13 @@ def main():
     ap.add_argument(
         "--seeded", action="store_true", help="with --temperature: request i of a run has seed i (seeded sampling)"
     )
+    ap.add_argument(
+        "--regex",
+        default=None,
+        help="structured outputs: every timed request under this regex (the pair's tokenizer loaded; ddtree engines "
+        "with DDTREE_STRUCTURED_OUTPUTS=1); one that outlasts --max-tokens, e.g. '([a-z]+ ){400}', keeps the "
+        "grammar on for every token",
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--draft-len", type=int, default=15)
@@ -436,6 +443,8 @@ def main():
     # Triton keeps its autotuning results on disk, so an engine after the first skips the autotuning of vLLM's GDN
     # kernels (each engine's profiling run took 74-81 s on an H200, for dflash as for ddtree).
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    if args.regex:
+        env["DDTREE_STRUCTURED_OUTPUTS"] = "1"  # (experimental, off by default; vLLM's chain serves them anyway)
     table = run_engines(args, engines, env)
     chain = {row["batch"]: row["tokens_per_s"] for row in table if row["engine"] == "dflash"}
     if args.interleave:
@@ -485,12 +494,23 @@ def busiest_threads(rows, most: int = 3) -> list:
 
 def timed_params(args):
     """The timed runs' sampling: greedy by default; ``--temperature`` samples, with one seed per request under
-    ``--seeded`` (a list, one ``SamplingParams`` per request)."""
+    ``--seeded`` (a list, one ``SamplingParams`` per request); under ``--regex`` every request follows it."""
     from vllm import SamplingParams
+
+    structured = None
+    if getattr(args, "regex", None):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(regex=args.regex)
 
     def params(seed=None):
         return SamplingParams(
-            temperature=args.temperature, seed=seed, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+            temperature=args.temperature,
+            seed=seed,
+            max_tokens=args.max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            structured_outputs=structured,
         )
 
     if args.seeded:
@@ -514,6 +534,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     ]
     cmd += ["--batches", args.batches, "--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
     cmd += ["--temperature", str(args.temperature)] + (["--seeded"] if args.seeded else [])
+    cmd += ["--regex", args.regex] if args.regex else []
     cmd += ["--prompt-len", str(args.prompt_len), "--max-model-len", str(args.max_model_len)]
     cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]

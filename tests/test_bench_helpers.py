@@ -853,6 +853,16 @@ def test_the_pair_bench_samples_with_one_seed_per_request_when_asked():
         bench_vllm_ddtree.timed_params(args)
 
 
+def test_the_pair_bench_puts_every_request_under_the_regex_when_asked():
+    pytest.importorskip("vllm")
+    import bench_vllm_ddtree
+
+    args = types.SimpleNamespace(temperature=0.0, seeded=False, max_tokens=8, requests=3, regex="([a-z]+ ){400}")
+    assert bench_vllm_ddtree.timed_params(args).structured_outputs.regex == "([a-z]+ ){400}"
+    args.regex = None
+    assert bench_vllm_ddtree.timed_params(args).structured_outputs is None
+
+
 def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(monkeypatch):
     """Switches are turned cumulatively, each row timed with the settings it names; then every switch is restored
     and the engine's own settings are timed once more (the order's effect, beside the first timing)."""
