@@ -22,7 +22,11 @@ import bench_grammar_masks as grammar_bench  # noqa: E402
 import bench_plan_path as bench  # noqa: E402
 
 from ddtree.vllm import grammar, patches  # noqa: E402
-from ddtree.vllm.config import STRUCTURED_OUTPUTS_ENV, structured_outputs_refusal  # noqa: E402
+from ddtree.vllm.config import (  # noqa: E402
+    STRUCTURED_OUTPUTS_ENV,
+    structured_outputs_refusal,
+    structured_outputs_start_up_warning,
+)
 from ddtree.vllm.step import PLACEHOLDER  # noqa: E402
 
 # The bench runner's proposals draw tokens below 4 x top_k: a 32-token vocabulary, a third of it inside the grammar.
@@ -427,3 +431,47 @@ def test_admission_through_vllms_own_checks_serves_xgrammar_requests_when_switch
         _processor(StructuredOutputsConfig(backend="guidance"))._validate_params(request(), ("generate",))
     with pytest.raises(VLLMValidationError, match="parallelism"):
         _processor(StructuredOutputsConfig(), world_size=2)._validate_params(request(), ("generate",))
+
+
+@pytest.mark.parametrize(
+    "env, backend, world_size, parser, warned",
+    [
+        ("1", "auto", 1, "", None),
+        ("1", "xgrammar", 1, "", None),
+        ("0", "guidance", 2, "qwen3", None),  # off: every request's 400 names the switch, nothing at start-up
+        ("1", "guidance", 1, "", "'guidance' backend"),
+        ("1", "auto", 2, "", "parallelism"),
+        ("1", "auto", 1, "qwen3", "reasoning"),
+    ],
+)
+def test_start_up_says_when_the_switch_serves_nothing(env, backend, world_size, parser, warned):
+    warning = structured_outputs_start_up_warning(backend, world_size, parser, False, {STRUCTURED_OUTPUTS_ENV: env})
+    if warned is None:
+        assert warning is None
+    else:
+        assert (
+            warning.startswith(f"{STRUCTURED_OUTPUTS_ENV}=1, but this engine refuses every request")
+            and warned in warning
+        )
+
+
+def test_vllms_engine_config_with_a_guidance_backend_is_warned_about(h200_platform, monkeypatch, caplog):
+    """Through vLLM's own config creation (``vllm serve``'s): the warning is logged once, before anything loads."""
+    import logging
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    monkeypatch.setenv(STRUCTURED_OUTPUTS_ENV, "1")
+    pair = str(Path(__file__).resolve().parents[1] / "fixtures" / "models")
+    args = AsyncEngineArgs(
+        model=f"{pair}/target",
+        speculative_config={"method": "ddtree", "model": f"{pair}/drafter", "ddtree_budget": 15},
+        structured_outputs_config={"backend": "guidance"},
+        skip_tokenizer_init=True,
+    )
+    with caplog.at_level(logging.WARNING):
+        args.create_engine_config()
+    assert any(
+        "refuses every request with structured outputs through the 'guidance' backend" in r.getMessage()
+        for r in caplog.records
+    )

@@ -1105,6 +1105,25 @@ def structured_outputs_refusal(
     return None
 
 
+def structured_outputs_start_up_warning(
+    backend: str,
+    world_size: int,
+    reasoning_parser: Optional[str],
+    enable_in_reasoning: bool,
+    environ: Mapping[str, str] = os.environ,
+) -> Optional[str]:
+    """With ``DDTREE_STRUCTURED_OUTPUTS=1``, what the engine's own settings (its structured-outputs ``backend``, ...)
+    make it refuse every structured-output request for, said once at start-up rather than in each request's 400
+    (None: it serves them, ``auto`` picking xgrammar for every grammar xgrammar accepts)."""
+    if not structured_outputs_enabled(environ):
+        return None
+    chosen = "xgrammar" if backend in ("auto", "xgrammar") else backend
+    refusal = structured_outputs_refusal(chosen, world_size, reasoning_parser, enable_in_reasoning, environ)
+    if refusal is None:
+        return None
+    return f"{STRUCTURED_OUTPUTS_ENV}=1, but this engine refuses every request with {refusal}"
+
+
 def unsupported_sampling_reasons(
     params: Any, structured_outputs: Callable[[Optional[str]], Optional[str]] = lambda backend: "structured outputs"
 ) -> List[Tuple[str, str]]:

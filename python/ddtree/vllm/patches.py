@@ -216,6 +216,7 @@ from ddtree.vllm.config import (
     parse_spec_config,
     resolve_draft_len,
     structured_outputs_refusal,
+    structured_outputs_start_up_warning,
     tree_capture_sizes,
     unsupported_sampling_reasons,
     whole_tree_gdn_metadata_enabled,
@@ -401,6 +402,9 @@ def _create_engine_config_wrapper(original):
             _USER_BATCH_LIMITS.reset(token)
         cfg = validate_vllm_config(vllm_config, cfg)
         _schedule_for_async_scheduler(vllm_config, cfg)
+        structured = _structured_outputs_start_up_warning(vllm_config)
+        if structured is not None:
+            _log().warning("DDTree: %s", structured)
         _log().info("DDTree enabled: %s", cfg)
         return vllm_config
 
@@ -498,6 +502,16 @@ def _structured_outputs_refusal(processor, backend: Optional[str]) -> Optional[s
     return structured_outputs_refusal(
         backend,
         world_size=config.parallel_config.world_size,
+        reasoning_parser=getattr(structured, "reasoning_parser", None),
+        enable_in_reasoning=bool(getattr(structured, "enable_in_reasoning", False)),
+    )
+
+
+def _structured_outputs_start_up_warning(vllm_config) -> Optional[str]:
+    structured = getattr(vllm_config, "structured_outputs_config", None)
+    return structured_outputs_start_up_warning(
+        getattr(structured, "backend", "auto"),
+        world_size=vllm_config.parallel_config.world_size,
         reasoning_parser=getattr(structured, "reasoning_parser", None),
         enable_in_reasoning=bool(getattr(structured, "enable_in_reasoning", False)),
     )
