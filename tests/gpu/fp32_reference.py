@@ -48,6 +48,8 @@ PROMPT_SETS = {
     "batch32": "batch32",
     "near_max": None,
     **{name: "stop" for name in CONSTRAINED_SCENARIOS},
+    # Each row under one of the harness's regexes (its kept settings say which, row by row), ended by the stop token.
+    "structured": "stop",
     # Its first two rounds from the pair's prompts; the third (second turns) from the reference's own first answers,
     # judged for an engine whose first answer is the reference's (``shared_prefix_references``).
     "shared_prefix": "shared_prefix",
@@ -90,28 +92,55 @@ def scenario_settings(sname: str, results: Dict[str, dict], overrides: dict) -> 
         raise SystemExit(f"{sname}: the results ran with different settings {sorted(kept)}; judge them apart")
     if kept:
         return json.loads(kept.pop())
-    if sname in CONSTRAINED_SCENARIOS:
+    if sname in CONSTRAINED_SCENARIOS or sname == "structured":
         raise SystemExit(f"{sname}: the results do not say which settings they ran with; pass --scenario-settings")
     return {}
 
 
-def greedy_reference(model, prompt: Sequence[int], length: int, settings: dict) -> Tuple[List[int], List[float]]:
-    """fp32 greedy tokens under ``settings`` and the top-2 gap each was chosen with; stops after a stop token.
-    The prompt runs once; each later token is one cached step."""
+def row_grammars(settings: dict, target: str, vocab: int):
+    """For a scenario whose settings name ``regexes`` (the structured scenario's, row ``r`` under regex ``r mod n``):
+    a function of the row giving its compiled grammar, over the target's tokenizer; None for other scenarios."""
+    regexes = settings.get("regexes")
+    if not regexes:
+        return None
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(target), vocab_size=vocab)
+    compiler = xgrammar.GrammarCompiler(info)
+    compiled = [compiler.compile_regex(regex) for regex in regexes]
+    return lambda row: compiled[row % len(compiled)]
+
+
+def greedy_reference(
+    model, prompt: Sequence[int], length: int, settings: dict, grammar=None
+) -> Tuple[List[int], List[float]]:
+    """fp32 greedy tokens under ``settings`` (and ``grammar``, an xgrammar ``CompiledGrammar``: each token chosen
+    among those it allows, as vLLM masks a structured request's logits) and the top-2 gap each was chosen with (among
+    the allowed tokens); stops after a stop token. The prompt runs once; each later token is one cached step."""
     import torch
 
     tokens: List[int] = []
     gaps: List[float] = []
     stops = set(settings.get("stop") or [])
+    constraint = None
+    if grammar is not None:
+        from ddtree.engine.constraints import GrammarConstraint, masked_logits
+
+        constraint = GrammarConstraint(grammar)
     if length <= 0:
         return tokens, gaps
     with torch.no_grad():
         out = model(torch.tensor([list(prompt)]), use_cache=True)
         while True:
             logits = constrain(out.logits[0, -1].float(), prompt, tokens, settings)
+            if constraint is not None:
+                logits = masked_logits(logits[None], constraint.node_masks([-1], []))[0]
             top = torch.topk(logits, 2)
             tokens.append(int(top.indices[0]))
             gaps.append(float(top.values[0] - top.values[1]))
+            if constraint is not None:
+                constraint.advance(tokens[-1:])
             if len(tokens) >= length or tokens[-1] in stops:
                 return tokens, gaps
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
@@ -309,9 +338,12 @@ def main() -> int:
         if not any(sname in res.get("scenarios", {}) for res in results.values()):
             continue
         settings = scenario_settings(sname, results, overrides)
-        key = json.dumps(settings, sort_keys=True)
+        grammar_of = row_grammars(settings, target, vocab)
         prompt_set = scenario_prompts(sname, P)
         for r, prompt in enumerate(prompt_set):
+            grammar = grammar_of(r) if grammar_of else None
+            regex = settings["regexes"][r % len(settings["regexes"])] if grammar_of else None
+            key = json.dumps(dict(settings, regex=regex), sort_keys=True)
             rows = [
                 res["scenarios"][sname]["rows"]
                 for res in results.values()
@@ -322,7 +354,7 @@ def main() -> int:
             length = max(len(row[r]["tokens"]) for row in rows)
             prompt_key = (key, tuple(prompt))
             if prompt_key not in cache or len(cache[prompt_key][0]) < length:
-                cache[prompt_key] = greedy_reference(model, prompt, length, settings)
+                cache[prompt_key] = greedy_reference(model, prompt, length, settings, grammar)
             tokens, gaps = cache[prompt_key]
             reference[(sname, r)] = (tokens[:length], gaps[:length])
         if sname == "shared_prefix":

@@ -54,7 +54,8 @@ steps and the rest arriving beside its trees: all three must agree), and shared_
 their first SHARED_PREFIX tokens, sent together, then again, then as a second turn that appends each one's first
 answer and a few new tokens (with prefix caching: hits on blocks whose K/V trees wrote and moved); and, where the
 pair has a tokenizer (the trained pair), structured: 8 greedy requests under two regexes (words; a JSON object)
-(DDTREE_STRUCTURED_OUTPUTS=1 for every ddtree engine), each ended by its grammar, compared with plain's.
+(DDTREE_STRUCTURED_OUTPUTS=1 for every ddtree engine), each ended by its grammar, compared with plain's (the fp32
+judge replays each row under its regex: the settings kept with the outputs say which).
 
 Checks: greedy outputs equal plain's, a divergence allowed only where plain's
 top-2 logprob gap is below --gap-tol (counted and reported); ddtree's logprobs
@@ -477,6 +478,9 @@ def run_child(
                 res["scenarios"][sname]["trees"] = {k: after[k] - trees_before[k] for k in after}
             if sname in CONSTRAINED_SCENARIOS:  # what fp32_reference.py replays, kept with the outputs
                 res["scenarios"][sname]["settings"] = CONSTRAINED_SCENARIOS[sname]
+            elif sname == "structured":  # row r under regex r mod 2, ended by the stop token
+                eos = llm.get_tokenizer().eos_token_id
+                res["scenarios"][sname]["settings"] = {"regexes": list(STRUCTURED_REGEXES), "stop": [eos]}
             if sname in SCENARIO_VERSIONS:
                 res["scenarios"][sname]["version"] = SCENARIO_VERSIONS[sname]
         except Exception:

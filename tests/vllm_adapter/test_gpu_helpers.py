@@ -1,6 +1,7 @@
 """The helpers the GPU harnesses share (they run only on a GPU; their pure parts are checked here)."""
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -623,3 +624,38 @@ def test_harness_holds_the_host_plan_to_the_device_plans_tokens():
     assert identical_outputs(rows, [{"tokens": [1, 2, 3]}, {"tokens": [4, 5]}])
     assert not identical_outputs(rows, [{"tokens": [1, 2, 3]}, {"tokens": [4, 6]}])
     assert not identical_outputs(rows, rows[:1])
+
+
+def test_fp32_reference_replays_the_structured_rows_under_their_regexes():
+    """The judge's greedy reference under a row's regex (a kept setting, row r under regex r mod n) is what the
+    reference engine decodes one token at a time under the same grammar, ended by the stop token; without the
+    setting the scenario is not judged blind."""
+    pytest.importorskip("xgrammar")
+    import torch
+
+    from ddtree.engine import GenerationConfig, GrammarConstraint, SpeculativeEngine
+    from ddtree.engine.pair_demo import load_pair_prompts
+    from ddtree.engine.target import load_causal_lm
+
+    ref = _fp32_reference()
+    import vllm_ddtree_e2e as harness
+
+    pair = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+    target = str(pair / "target")
+    model = load_causal_lm(target, torch.float32).eval()
+    engine = SpeculativeEngine(model)
+    settings = {"regexes": list(harness.STRUCTURED_REGEXES), "stop": [0]}
+    grammar_of = ref.row_grammars(settings, target, engine.target.vocab_size)
+    prompts = load_pair_prompts(str(pair))["prompts"][:2]
+    for r, prompt in enumerate(prompts):
+        tokens, gaps = ref.greedy_reference(model, prompt, 64, settings, grammar_of(r))
+        expected = engine.generate(
+            [prompt],
+            GenerationConfig(
+                mode="ar", max_new_tokens=64, stop_token_ids=[0], constraints=[GrammarConstraint(grammar_of(r))]
+            ),
+        )[0]
+        assert tokens == expected.output_ids and tokens[-1] == 0 and len(gaps) == len(tokens)
+    assert ref.row_grammars({"stop": [0]}, target, engine.target.vocab_size) is None
+    with pytest.raises(SystemExit, match="pass --scenario-settings"):
+        ref.scenario_settings("structured", {"a": {"scenarios": {"structured": {}}}}, {})
