@@ -139,7 +139,7 @@ def measure(compiled, vocab_size: int, place: str, batch: int, args, rng) -> Dic
         matcher = xgr.GrammarMatcher(compiled)
         if not matcher.accept_string(PLACES[place]):
             raise SystemExit(f"the grammar refuses the committed text {PLACES[place]!r}")
-        state = SimpleNamespace(grammar=XgrammarGrammar(vocab_size, matcher, compiled))
+        state = SimpleNamespace(grammar=XgrammarGrammar(vocab_size, matcher, compiled), reasoning_ended=None)
         return SimpleNamespace(use_structured_output=True, structured_output_request=state, is_prefill_chunk=False)
 
     requests = {f"r{i}": request() for i in range(batch)}
