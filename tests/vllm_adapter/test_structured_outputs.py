@@ -344,15 +344,19 @@ def test_a_step_with_a_structured_request_is_planned_on_the_host_and_publishes_i
     runner = bench.build_runner(2, 15, 4, TOP_K, conv_window=0)
     bench.prepare_device_plan(runner, run_kernels=False)
     rng = np.random.default_rng(0)
-    for structured, on_device in ((False, 1), (True, 0), (False, 1)):
+    # (device, resumed): a device-planned step right after another resumes without an upload; after the host plan's
+    # step the device's staging holds that step's layout, so the next device-planned step uploads again.
+    steps = [(False, 1, 0), (False, 1, 1), (True, 0, 0), (False, 1, 0), (False, 1, 1)]
+    for structured, on_device, resumed in steps:
         with bench.vllm_parts_stubbed():
             output = bench.defer_proposal(runner, rng)
             output.has_structured_output_requests = structured
-            before = runner.ddtree_stats.device_plan_steps
+            before = runner.ddtree_stats.device_plan_steps, runner.ddtree_stats.device_plan_resumed_steps
             runner._prepare_inputs(output, np.full(2, 16))
             runner._preprocess(output, output.total_num_scheduled_tokens)
         runner._ddtree_publish_for_grammars(output)
-        assert runner.ddtree_stats.device_plan_steps - before == on_device
+        assert runner.ddtree_stats.device_plan_steps - before[0] == on_device
+        assert runner.ddtree_stats.device_plan_resumed_steps - before[1] == resumed
         published = grammar.trees_for(output)
         if not structured:
             assert published == {}
