@@ -740,6 +740,12 @@ SWITCH_COUNTERS = {
 }
 
 
+def tree_masks_ran(summary) -> bool:
+    """Whether the engine's grammar rows came from its trees (patch 12a) in some step: the structured scenario's
+    requests verified trees under masks of their own, not vLLM's chain rows."""
+    return (summary.get("grammar_tree_steps") or 0) > 0 and (summary.get("grammar_trees") or 0) > 0
+
+
 def schedule_graphs_exercised(spec, summary):
     """``[(counter, passed)]``: every smaller budget of a budget schedule (or of ``auto``'s candidates) that verified
     trees also replayed FULL graphs of its own trees (``budget + 1`` tokens each; the pair's trees fill their
@@ -1184,6 +1190,8 @@ def main():
                 verdict[f"{name}/{counter}"] = passed
             for counter, passed in schedule_graphs_exercised(ENGINES.get(name, {}).get("spec"), res["ddtree_summary"]):
                 verdict[f"{name}/{counter}"] = passed
+            if "structured" in res.get("scenarios", {}):
+                verdict[f"{name}/structured/tree_masks"] = tree_masks_ran(res["ddtree_summary"])
 
     def mal(name):
         sc = results.get(name, {}).get("scenarios", {}).get("batch32", {})

@@ -69,12 +69,18 @@ def test_tiny_qwen3_next_routes_every_token_to_the_chosen_number_of_experts(tmp_
 
 def _fp32_reference():
     import sys
-    from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
     import fp32_reference
 
     return fp32_reference
+
+
+def _harness():
+    _fp32_reference()  # (the GPU scripts' folder on the path)
+    import vllm_ddtree_e2e
+
+    return vllm_ddtree_e2e
 
 
 def test_fp32_reference_constrains_logits_like_vllms_sampler(monkeypatch):
@@ -637,9 +643,7 @@ def test_fp32_reference_replays_the_structured_rows_under_their_regexes():
     from ddtree.engine.pair_demo import load_pair_prompts
     from ddtree.engine.target import load_causal_lm
 
-    ref = _fp32_reference()
-    import vllm_ddtree_e2e as harness
-
+    ref, harness = _fp32_reference(), _harness()
     pair = Path(__file__).resolve().parents[1] / "fixtures" / "models"
     target = str(pair / "target")
     model = load_causal_lm(target, torch.float32).eval()
@@ -659,3 +663,11 @@ def test_fp32_reference_replays_the_structured_rows_under_their_regexes():
     assert ref.row_grammars({"stop": [0]}, target, engine.target.vocab_size) is None
     with pytest.raises(SystemExit, match="pass --scenario-settings"):
         ref.scenario_settings("structured", {"a": {"scenarios": {"structured": {}}}}, {})
+
+
+def test_the_structured_scenario_must_show_the_tree_masks_ran():
+    harness = _harness()
+
+    assert harness.tree_masks_ran({"grammar_tree_steps": 12, "grammar_trees": 30})
+    assert not harness.tree_masks_ran({"grammar_tree_steps": 0, "grammar_trees": 0})
+    assert not harness.tree_masks_ran({})  # a summary from before the counters: not evidence
