@@ -16,9 +16,11 @@ mode's tokens per step and whether its output equals autoregressive decoding.
     ddtree generate --target DIR [--drafter DIR] --prompt TEXT|--prompt-file F|--prompt-ids 1,2,3
                     [--mode ar|chain|ddtree] [--budget 64] [--max-new-tokens N]
                     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--device cpu|cuda]
+                    [--regex R | --json-schema JSON]
 
 generates with the reference engine (``ddtree.engine``, needs torch and
-transformers) and prints the text and per-request statistics.
+transformers) and prints the text and per-request statistics; under ``--regex`` or
+``--json-schema`` (xgrammar) every output follows the grammar.
 """
 
 from __future__ import annotations
@@ -269,6 +271,10 @@ def add_generate_parser(commands) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's EOS token")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    structured = p.add_argument_group("structured output (xgrammar; every verified node masked by the grammar)")
+    grammar = structured.add_mutually_exclusive_group()
+    grammar.add_argument("--regex", help="every output matches this regular expression")
+    grammar.add_argument("--json-schema", help="every output is a JSON document of this schema (its JSON text)")
     p.set_defaults(run=generate)
 
 

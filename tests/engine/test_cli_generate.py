@@ -1,6 +1,7 @@
 """``ddtree generate`` end to end on tiny checkpoints written to disk."""
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,43 @@ def test_progress_bar_draws_and_finishes():
     bar.update(6)
     bar.close()
     assert stream.getvalue().rstrip().split("\r")[-1].startswith("ddtree [##########] 10/10")
+
+
+PAIR = str(Path(__file__).resolve().parents[1] / "fixtures" / "models")
+WORDS = r"[a-z]{1,8}( [a-z]{1,8}){2,4}\."
+
+
+def _pair_generate(extra):
+    pytest.importorskip("xgrammar")
+    args = ["generate", "--target", f"{PAIR}/target", "--drafter", f"{PAIR}/drafter", "--dtype", "float32"]
+    return main(args + ["--prompt", "# user:\nname the function\n# assistant:\n", "--no-progress"] + extra)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_generate_under_a_regex_prints_text_of_that_regex(capsys, mode):
+    assert _pair_generate(["--mode", mode, "--budget", "63", "--regex", WORDS, "--max-new-tokens", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "=== request 0 (stop) ===" in out  # ended by the grammar's stop token, not by the token limit
+    text = out.split("===\n", 1)[1].split("\n--- ")[0].removesuffix("<|endoftext|>")
+    assert re.fullmatch(WORDS, text), text
+
+
+def test_generate_under_a_json_schema_prints_that_json(capsys):
+    import json
+
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    assert _pair_generate(["--json-schema", schema, "--max-new-tokens", "40", "--budget", "15"]) == 0
+    text = capsys.readouterr().out.split("===\n", 1)[1].split("\n--- ")[0].removesuffix("<|endoftext|>")
+    assert set(json.loads(text)) == {"n"}, text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--regex", "[a-z"], "--regex: xgrammar cannot compile '[a-z'"),
+        (["--json-schema", "{not json"], "--json-schema: xgrammar cannot compile"),
+    ],
+)
+def test_generate_reports_a_grammar_xgrammar_cannot_compile(capsys, extra, message):
+    assert _pair_generate(["--mode", "ar"] + extra) == 2
+    assert message in capsys.readouterr().err

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 
+from .constraints import GrammarConstraint
 from .drafter import CONFIG_NAME, DFlashDraftModel
 from .engine import GenerationConfig, SpeculativeEngine
 from .sampling import SamplingSettings
@@ -62,6 +63,23 @@ def _prompt_ids(args, tokenizer) -> List[List[int]]:
     return prompts
 
 
+def _compiled_grammar(args, tokenizer, vocab_size: int):
+    """``--regex`` or ``--json-schema`` compiled by xgrammar over the target's tokenizer."""
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise EngineInputError("--regex and --json-schema need xgrammar (pip install xgrammar)") from error
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    compiler = xgrammar.GrammarCompiler(info)
+    option, text = ("--regex", args.regex) if args.regex else ("--json-schema", args.json_schema)
+    try:
+        if args.regex:
+            return compiler.compile_regex(text)
+        return compiler.compile_json_schema(text, any_whitespace=False)
+    except Exception as error:  # xgrammar reports a bad pattern or schema as a RuntimeError of its own
+        raise EngineInputError(f"{option}: xgrammar cannot compile {text!r}: {str(error).splitlines()[-1]}") from error
+
+
 def _check_drafter_config(directory: str) -> None:
     """Cheap checks on the drafter directory before loading any weights."""
     if not os.path.isfile(os.path.join(directory, CONFIG_NAME)):
@@ -79,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             _check_drafter_config(args.drafter)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise EngineInputError("--device cuda but torch sees no CUDA device")
-        tokenizer = _load_tokenizer(args.target, required=bool(args.prompt or args.prompt_file))
+        structured = bool(getattr(args, "regex", None) or getattr(args, "json_schema", None))
+        tokenizer = _load_tokenizer(args.target, required=bool(args.prompt or args.prompt_file) or structured)
         prompts = _prompt_ids(args, tokenizer)
 
         from ddtree.engine.target import load_causal_lm
@@ -90,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=target.dtype, device=args.device)
         engine = SpeculativeEngine(target, drafter)  # checks drafter vs target
         check_prompts(prompts, engine.target)
+        grammar = _compiled_grammar(args, tokenizer, engine.target.vocab_size) if structured else None
     except (EngineInputError, ValueError, FileNotFoundError) as error:
         return _fail(str(error))
 
@@ -104,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop_token_ids=stop,
         progress=not args.no_progress,
+        constraints=[GrammarConstraint(grammar) for _ in prompts] if grammar is not None else None,
     )
     results = engine.generate(prompts, config)
     for index, result in enumerate(results):
