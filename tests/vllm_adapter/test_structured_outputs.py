@@ -56,8 +56,8 @@ def _request(compiled, committed=(), structured=True):
     from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
     # (vLLM's StructuredOutputRequest: its grammar, and no reasoning section: vLLM 0.33 reads the field directly)
-    grammar = XgrammarGrammar(len(VOCAB), xgr.GrammarMatcher(compiled), compiled)
-    state = SimpleNamespace(grammar=grammar, reasoning_ended=None)
+    request_grammar = XgrammarGrammar(len(VOCAB), xgr.GrammarMatcher(compiled), compiled)
+    state = SimpleNamespace(grammar=request_grammar, reasoning_ended=None)
     assert state.grammar.accept_tokens("committed", list(committed))  # as vLLM advances it
     return SimpleNamespace(
         use_structured_output=structured,
