@@ -123,3 +123,23 @@ def test_mismatched_tokens_or_rows_are_refused_by_name():
         fill_tree_bitmask(matcher, np.array([-1, 0]), np.array([0, 1]), torch.zeros((2, words), dtype=torch.int32))
     with pytest.raises(ValueError, match="out must be int32"):
         fill_tree_bitmask(matcher, np.array([-1, 0]), np.array([0]), torch.zeros((2, words), dtype=torch.int64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree=trees(), grammar=st.sampled_from(sorted(GRAMMARS)), width=st.sampled_from([15, 32, 40, 70]))
+def test_the_engines_node_masks_are_the_rows_bits_over_the_logits_width(tree, grammar, width):
+    """``GrammarConstraint.node_masks``: one bool per logits column, bit ``t % 32`` of word ``t // 32`` of the node's
+    row, for vocabularies that fill no whole word and that span several (the tokenizer info's vocabulary padded to
+    ``width`` columns, as a model's logits often are)."""
+    from ddtree.engine.constraints import GrammarConstraint
+
+    parents, tokens = tree
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS], vocab_size=width)
+    constraint = GrammarConstraint(xgr.GrammarCompiler(info).compile_grammar(GRAMMARS[grammar]))
+    masks = constraint.node_masks(parents, tokens)
+    words = xgr.get_bitmask_shape(1, width)[1]
+    expected = reference_rows(constraint.matcher, parents, tokens, words)
+    assert masks.shape == (len(parents), width)
+    for j in range(len(parents)):
+        bits = [(int(expected[j, t // 32]) >> (t % 32)) & 1 for t in range(width)]
+        assert masks[j].tolist() == [bool(b) for b in bits], j
