@@ -955,3 +955,22 @@ def test_the_27b_shape_writes_the_released_drafters_layer_kinds_beside_the_all_f
     assert sliding.layer_types == bench.RELEASED_LAYER_TYPES and full.num_hidden_layers == sliding.num_hidden_layers
     assert [layer_mask(sliding, i) for i in range(5)] == [(True, 2048)] * 4 + [(False, None)]
     assert bench.ENGINES["ddtree63to15-sliding-drafter"]["drafter"] == bench.SLIDING_DRAFTER_DIR
+
+
+def test_the_grammar_mask_bench_times_both_sides_and_writes_each_row(tmp_path, monkeypatch, capsys):
+    """``bench_grammar_masks.py`` on a small vocabulary: a row per place and batch, both sides timed, the trees'
+    rows more than the chain's (64 a request against 16), the JSON written."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("xgrammar")
+    import bench_grammar_masks
+
+    out = tmp_path / "masks.json"
+    argv = ["bench_grammar_masks.py", "--vocab", "512", "--batches", "1", "2", "--repeat", "1", "--places", "string"]
+    monkeypatch.setattr(sys, "argv", argv + ["--json", str(out)])
+    assert bench_grammar_masks.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["place"], r["batch"]) for r in rows] == [("string", 1), ("string", 2)]
+    for row in rows:
+        assert row["tree_rows"] == 64 * row["batch"] and row["chain_rows"] == 16 * row["batch"]
+        assert row["tree_ms"] > 0 and row["chain_ms"] > 0 and row["tree_one_thread_ms"] > 0
+    assert "tree/chain" in capsys.readouterr().out
