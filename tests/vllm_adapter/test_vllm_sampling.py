@@ -663,3 +663,70 @@ def test_the_runner_routes_only_seeded_steps_without_drafts_to_ddtrees_sampler(m
     drafts = SimpleNamespace(num_draft_tokens=[3, 3])
     assert runner._sample(logits, drafts) == "vllm"
     assert calls == [("ddtree",), ("vllm", None), ("vllm", drafts)]
+
+
+@pytest.mark.parametrize("filters", ["none", "top_k", "top_p"])
+def test_sampled_nodes_never_take_a_token_their_row_masks_out(filters):
+    """Rows with most tokens at -inf (a grammar's masks, or allowed_token_ids), sampled at temperature 1 under
+    top-k / top-p: every emitted token is one its node's row allows, the bonus included, over many draws."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(3)
+    vocab = 20
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 5.0
+    ids = np.stack([np.stack([rng.permutation(vocab)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    store = TreeStore(budget=6)
+    lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    drafts = [lists[0], lists[1]]
+    plan = plan_verify(store, ["a", "b"], np.array([10, 20]), np.array([7, 7]), {"a": drafts[0], "b": drafts[1]})
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    rows = len(md.logits_indices)
+    # Each row allows 4 random tokens, and always its node's first child's token half of the time (so that paths
+    # go deeper than the root now and then).
+    allowed = np.zeros((rows, vocab), dtype=bool)
+    trees = plan.trees
+    for j in range(2):
+        lo, hi = trees.node_offsets[j], trees.node_offsets[j + 1]
+        parents, toks = trees.parents[lo:hi], trees.tokens[trees.token_offsets[j] : trees.token_offsets[j + 1]]
+        for node in range(hi - lo):
+            row = plan.logit_rows[lo + node]
+            allowed[row, rng.choice(vocab, 4, replace=False)] = True
+            kids = [c for c in range(1, hi - lo) if parents[c] == node]
+            if kids and rng.random() < 0.5:
+                allowed[row, int(toks[kids[0] - 1])] = True
+    logits = torch.from_numpy(rng.normal(size=(rows, vocab)).astype(np.float32) * 2)
+    logits[~torch.from_numpy(allowed)] = float("-inf")
+    sampling = SimpleNamespace(
+        temperature=torch.ones(2),
+        all_greedy=False,
+        top_k=torch.full((2,), 2) if filters == "top_k" else None,
+        top_p=torch.full((2,), 0.7) if filters == "top_p" else None,
+        generators={},
+        no_penalties=True,
+        bad_words_token_ids={},
+        allowed_token_ids_mask=None,
+        max_num_logprobs=None,
+    )
+    deeper = 0
+    for draw in range(40):
+        torch.manual_seed(draw)
+        runner = _fake_runner(plan, False)
+        out = DDTreeRejectionSampler(runner)(md, None, logits.clone(), sampling).sampled_token_ids
+        for j in range(2):
+            lo, hi = trees.node_offsets[j], trees.node_offsets[j + 1]
+            parents, toks = trees.parents[lo:hi], trees.tokens[trees.token_offsets[j] : trees.token_offsets[j + 1]]
+            node = 0
+            emitted = [t for t in out[j].tolist() if t >= 0]
+            for k, token in enumerate(emitted):
+                assert allowed[plan.logit_rows[lo + node], token], (filters, draw, j, k, token)
+                kids = [c for c in range(1, hi - lo) if parents[c] == node and int(toks[c - 1]) == token]
+                if k < len(emitted) - 1:
+                    assert kids, "an emitted token before the bonus is a child's token"
+                    node = kids[0]
+            deeper += len(emitted) > 1
+    assert deeper > 0, "no draw accepted a node below a root: only roots' rows were checked"
