@@ -126,10 +126,10 @@ def fill_step_bitmask(
 
     Raises:
         RuntimeError: a request with draft slots but no tree, or a tree larger than its slots (a bug: its rows
-            would not be its nodes'); checked for every request before any row is written.
+            would not be its nodes'); checked for every request before any tree is walked.
     """
     walks = []
-    offset = 0
+    offset = nodes = 0
     for k, req_id in enumerate(request_ids):
         drafts = int(num_drafts[k])
         rows = out[offset : offset + 1 + drafts]
@@ -140,7 +140,7 @@ def fill_step_bitmask(
                     f"DDTree: request {req_id!r} has {drafts} draft slots but no tree reached its grammar masks "
                     "(a bug: its rows would be a chain's)"
                 )
-            walks.append(functools.partial(rows.__setitem__, 0, torch.as_tensor(vllm_rows[k])))
+            rows[0] = torch.as_tensor(vllm_rows[k])
         else:
             parents, tokens = tree
             if len(parents) > drafts + 1:
@@ -148,17 +148,17 @@ def fill_step_bitmask(
                     f"DDTree: request {req_id!r}'s tree of {len(parents)} nodes has {drafts + 1} rows (a bug)"
                 )
             walks.append(functools.partial(_fill_tree_rows, matcher_of(req_id), parents, tokens, rows))
+            nodes += len(parents)
         offset += 1 + drafts
-    tree_ids = [req_id for req_id in request_ids if req_id in trees]
-    if out.shape[-1] >= POOL_MIN_WORDS and len(tree_ids) > 1:
+    if out.shape[-1] >= POOL_MIN_WORDS and len(walks) > 1:
         unmasked = [done.result() for done in [_walk_pool().submit(walk) for walk in walks]]
     else:
         unmasked = [walk() for walk in walks]
-    if tree_ids:
+    if walks:
         STATS.steps += 1
-        STATS.trees += len(tree_ids)
-        STATS.nodes += sum(len(trees[req_id][0]) for req_id in tree_ids)
-        STATS.unmasked_nodes += sum(count for count in unmasked if count is not None)
+        STATS.trees += len(walks)
+        STATS.nodes += nodes
+        STATS.unmasked_nodes += sum(unmasked)
     return offset
 
 

@@ -495,26 +495,24 @@ def _validate_params_wrapper(original):
     return _validate_params
 
 
-def _structured_outputs_refusal(processor, backend: Optional[str]) -> Optional[str]:
-    """Why this engine cannot serve a structured-output request through ``backend`` (None: it can; patch 12)."""
-    config = processor.vllm_config
-    structured = getattr(config, "structured_outputs_config", None)
-    return structured_outputs_refusal(
-        backend,
-        world_size=config.parallel_config.world_size,
-        reasoning_parser=getattr(structured, "reasoning_parser", None),
-        enable_in_reasoning=bool(getattr(structured, "enable_in_reasoning", False)),
-    )
-
-
-def _structured_outputs_start_up_warning(vllm_config) -> Optional[str]:
+def _structured_outputs_engine(vllm_config) -> dict:
+    """What of an engine's config decides whether it serves structured outputs with trees (patch 12)."""
     structured = getattr(vllm_config, "structured_outputs_config", None)
-    return structured_outputs_start_up_warning(
-        getattr(structured, "backend", "auto"),
+    return dict(
         world_size=vllm_config.parallel_config.world_size,
         reasoning_parser=getattr(structured, "reasoning_parser", None),
         enable_in_reasoning=bool(getattr(structured, "enable_in_reasoning", False)),
     )
+
+
+def _structured_outputs_refusal(processor, backend: Optional[str]) -> Optional[str]:
+    """Why this engine cannot serve a structured-output request through ``backend`` (None: it can; patch 12)."""
+    return structured_outputs_refusal(backend, **_structured_outputs_engine(processor.vllm_config))
+
+
+def _structured_outputs_start_up_warning(vllm_config) -> Optional[str]:
+    backend = getattr(getattr(vllm_config, "structured_outputs_config", None), "backend", "auto")
+    return structured_outputs_start_up_warning(backend, **_structured_outputs_engine(vllm_config))
 
 
 def _spec_decode_check_for_chains_only(original):
@@ -968,7 +966,8 @@ def _tree_drafts_unchecked(original):
     """12b: synchronous scheduling: a ddtree engine's drafts are scheduled as they are (see ``_grammar_checks_off``)."""
 
     def update_draft_token_ids(self, draft_token_ids):
-        if not is_ddtree_config(self.vllm_config):
+        # (vLLM makes its grammar backend at the first structured request: until then there is nothing to check.)
+        if self.structured_output_manager.backend is None or not is_ddtree_config(self.vllm_config):
             return original(self, draft_token_ids)
         with _grammar_checks_off(self):
             return original(self, draft_token_ids)
