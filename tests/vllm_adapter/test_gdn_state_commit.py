@@ -3,7 +3,8 @@
 ``ddtree.vllm.gdn`` is what the patched ``QwenGatedDeltaNetAttention._forward_core`` runs for tree tokens:
 conv windows gathered along root paths from the committed history, the Triton tree kernel reading the
 request's one state slot, then (after acceptance) the accepted path written back into that slot. The
-oracle runs each node's root path through the plain causal conv and the sequential delta rule.
+oracle runs each node's root path through the plain causal conv and the sequential delta rule. Prefix caching's
+boundary commits (a path's prefix into another slot, before the main commit) are checked against it too.
 
 Layouts are vLLM's: conv state ``[S, C, W - 1]`` (checked both stored that way and as a transposed
 ``[S, W - 1, C]`` view, vLLM's "SD" layout), recurrent state ``[S, Hv, Dv, Dk]``. On CPU the kernels run
@@ -73,7 +74,14 @@ def _oracle(history, x_path, weight, bias, a_path, b_path, a_log, dt_bias, state
 
 
 def _check(device: str, sd_layout: bool, seed: int) -> None:
-    from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_pending, verify_tree_tokens
+    from ddtree.vllm.gdn import (
+        GdnCommitPlan,
+        GdnTreeStep,
+        boundary_commit_plan,
+        commit_boundary_layer,
+        commit_pending,
+        verify_tree_tokens,
+    )
     from layout_oracle import commit_paths, conv_commit_index, conv_gather_index
     import ddtree
 
@@ -169,6 +177,36 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
         path_lengths=torch.from_numpy(lengths).to(device),
         conv_index=torch.from_numpy(conv_commit_index(paths, offsets, WIDTH - 1)).to(device),
     )
+    # Prefix caching (boundary commits, before the main commit): request 0's path without its last node, request
+    # 1's whole (root-only) path, and for request 2 a prefix longer than its path, which writes nothing.
+    lengths_np = (paths >= 0).sum(axis=1)
+    prefix = torch.tensor([max(1, int(lengths_np[0]) - 1), 1, int(lengths_np[2]) + 1], dtype=torch.int32)
+    boundary_slots = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    boundary, writes = boundary_commit_plan(plan, prefix.to(device), WIDTH - 1)
+    assert writes.tolist() == [True, True, False]
+    for pending in step.pending.values():
+        commit_boundary_layer(pending, boundary, torch.where(writes, boundary_slots, -1))
+    for r in range(2):
+        slot, dst, first = int(slots[r]), int(boundary_slots[r]), int(offsets[r])
+        rows = [first + int(p) for p in paths[r][: int(prefix[r])]]
+        history = torch.cat([conv_before[slot].T, x[rows]])[-(WIDTH - 1) :].T
+        assert torch.equal(conv_state[dst], history), f"request {r}: boundary conv history"
+        _, final = _oracle(
+            conv_before[slot].cpu(),
+            x[rows].cpu(),
+            weight.cpu(),
+            bias.cpu(),
+            a[rows].cpu(),
+            b[rows].cpu(),
+            a_log.cpu(),
+            dt_bias.cpu(),
+            ssm_before[slot].cpu(),
+        )
+        err = float((ssm_state[dst].double().cpu() - final).abs().max() / final.abs().max())
+        assert err < 1e-4, f"request {r}: boundary state relative error {err}"
+    assert torch.equal(conv_state[5], conv_before[5]) and torch.equal(ssm_state[5], ssm_before[5])
+    assert torch.equal(conv_state[slots.long()], conv_before[slots.long()]), "a boundary commit wrote a source slot"
+
     assert commit_pending(step, plan) == 1 and not step.pending
     for r in range(num_requests):
         slot, first = int(slots[r]), int(offsets[r])
@@ -188,7 +226,7 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
         )
         err = float((ssm_state[slot].double().cpu() - final).abs().max() / final.abs().max())
         assert err < 1e-4, f"request {r}: committed state relative error {err}"
-    untouched = [s for s in range(slots_count) if s not in slots.tolist()]
+    untouched = [s for s in range(slots_count) if s not in slots.tolist() + boundary_slots.tolist()[:2]]
     assert torch.equal(conv_state[untouched], conv_before[untouched])
     assert torch.equal(ssm_state[untouched], ssm_before[untouched])
 

@@ -472,6 +472,8 @@ def _tree_gdn_commit_kernel(
     ).to(tl.float32)
     state = tl.exp(cum_last) * state + tl.dot(tl.trans(keys), weights[:, None] * deltas, input_precision=PRECISION)
     dst_slot = tl.load(dst_indices_ptr + request).to(tl.int64)
+    if dst_slot < 0:  # a request with nothing to write (a boundary commit's rows that did not reach the boundary)
+        return
     tl.store(
         dst_ptr
         + dst_slot * stride_dst_slot
@@ -831,6 +833,7 @@ def _tree_conv_commit_kernel(
     stride_hc,
     stride_hw,
     slots_ptr,
+    dst_slots_ptr,
     index_ptr,
     num_history_rows,
     num_channels,
@@ -838,8 +841,13 @@ def _tree_conv_commit_kernel(
     HISTORY_PAD: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """One request, ``BLOCK_C`` channels: its history slot becomes rows ``index[r, :]`` of ``cat(history, x)``."""
+    """One request, ``BLOCK_C`` channels: rows ``index[r, :]`` of ``cat(history, x)`` (history read from the
+    requests' ``slots``) become the history in slot ``dst_slots[r]`` (``slots[r]`` in place; a negative slot:
+    nothing written)."""
     request = tl.program_id(0)
+    slot = tl.load(dst_slots_ptr + request).to(tl.int64)
+    if slot < 0:
+        return
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     column = tl.arange(0, HISTORY_PAD)
     ok = (column < HISTORY)[:, None] & (channels < num_channels)[None, :]
@@ -864,7 +872,6 @@ def _tree_conv_commit_kernel(
     value = tl.where(from_history, past, current.to(history_ptr.dtype.element_ty))
     # The new history may be the old one shifted: every thread has read before any writes.
     tl.debug_barrier()
-    slot = tl.load(slots_ptr + request).to(tl.int64)
     tl.store(
         history_ptr + slot * stride_hs + channels[None, :] * stride_hc + column[:, None] * stride_hw, value, mask=ok
     )
@@ -875,11 +882,12 @@ def tree_conv_commit(
     conv_state: torch.Tensor,
     slots: torch.Tensor,
     conv_index: torch.Tensor,
+    dst_slots: Optional[torch.Tensor] = None,
     *,
     block_c: int = 256,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """Writes each request's new conv history into its slot, in place; one launch.
+    """Writes each request's new conv history into its slot, in place (or into ``dst_slots``); one launch.
 
     Args:
         x: ``[T, C]`` conv inputs of the verified tree nodes (channels contiguous).
@@ -888,10 +896,15 @@ def tree_conv_commit(
         slots: int ``[R]``.
         conv_index: int64 ``[R, W - 1]`` rows of ``cat(history rows, x)`` (``ddtree.vllm.step.conv_commit_index``:
             the last ``W - 1`` entries of the old history followed by the accepted path).
+        dst_slots: int ``[R]``, where each new history goes (default ``slots``: in place); a negative slot writes
+            nothing. A destination must not be a slot another request reads in the same launch.
 
     Returns ``conv_state``.
     """
     num_requests = slots.shape[0]
+    if dst_slots is None:
+        dst_slots = slots
+    _require_shape("dst_slots", dst_slots, [num_requests], "[R]")
     history = conv_state.shape[-1]
     if conv_state.dim() != 3 or conv_state.shape[1] != x.shape[1]:
         raise ValueError(f"conv_state must have shape [S, C = {x.shape[1]}, W - 1], got {list(conv_state.shape)}")
@@ -908,6 +921,7 @@ def tree_conv_commit(
         conv_state,
         *conv_state.stride(),
         slots,
+        dst_slots,
         conv_index.contiguous(),
         num_requests * history,
         channels,
@@ -958,7 +972,8 @@ def tree_gdn_commit(
             ``[0, a1, ..., am]`` padded; path_lengths: int32 ``[R]`` (>= 1).
         state_pool: ``[S, Hv, Dk, Dv]`` (any strides) holding ``S0`` at
             ``src_indices [R]``; the result goes to ``dst_pool`` (default
-            ``state_pool``) at ``dst_indices`` (default ``src_indices``, in place).
+            ``state_pool``) at ``dst_indices`` (default ``src_indices``, in place); a negative
+            destination writes nothing for its request.
 
     Returns ``dst_pool``. Cost per request and head: read ``S0`` and write
     ``S_new`` (2 Dk Dv fp32) plus ``m + 1`` rows of k and u -- the memory

@@ -211,6 +211,50 @@ def commit_layer(pending: PendingCommit, plan: GdnCommitPlan) -> None:
     )
 
 
+def boundary_commit_plan(
+    plan: GdnCommitPlan, prefix: torch.Tensor, conv_window: int
+) -> Tuple[GdnCommitPlan, torch.Tensor]:
+    """The commit of each accepted path's first ``prefix[r]`` entries (root included), and which rows write.
+
+    Prefix caching with a hybrid target (``ddtree.vllm.mamba_align``): a row whose path reaches the end of its
+    root's state block needs the state after exactly that block, which the main commit (the whole path) does not
+    compute. Returns the plan of the prefixes and a bool ``[R]`` mask, true where ``0 < prefix[r] <=`` the row's
+    accepted path length; the other rows must write nothing. Device tensors only, no host sync.
+    """
+    prefix = prefix.to(device=plan.path_lengths.device, dtype=torch.int32)
+    writes = (prefix > 0) & (prefix <= plan.path_lengths)
+    lengths = torch.where(writes, prefix, torch.ones_like(prefix))
+    num_trees, path_width = plan.paths.shape
+    entry = lengths.to(torch.int64)[:, None] + torch.arange(conv_window, device=prefix.device)[None, :]
+    # The last conv_window rows of (history, path[:length]): history row r*w + e, path entry p at R*w + its node.
+    step_entry = (entry - conv_window).clamp(0, path_width - 1)
+    nodes = plan.node_offsets[:-1, None].to(torch.int64) + plan.paths.to(torch.int64).gather(1, step_entry)
+    history = torch.arange(num_trees, device=prefix.device)[:, None] * conv_window + entry
+    conv_index = torch.where(entry >= conv_window, num_trees * conv_window + nodes, history)
+    boundary = GdnCommitPlan(plan.node_offsets, plan.paths, lengths, conv_index)
+    return boundary, writes
+
+
+def commit_boundary_layer(pending: PendingCommit, plan: GdnCommitPlan, dst_slots: torch.Tensor) -> None:
+    """One layer's commit of ``plan`` (:func:`boundary_commit_plan`) from the requests' slots into ``dst_slots``
+    (int32 ``[R]``; a negative slot writes nothing). Runs before the main commit, which overwrites the slots it
+    reads."""
+    from ddtree.kernels.gdn_triton import tree_conv_commit, tree_gdn_commit
+
+    tree_conv_commit(pending.x, pending.conv_state, pending.slots, plan.conv_index, dst_slots=dst_slots)
+    tree_gdn_commit(
+        pending.k,
+        pending.deltas,
+        pending.cum_log_decay,
+        plan.node_offsets,
+        plan.paths,
+        plan.path_lengths,
+        pending.ssm_state,
+        pending.slots,
+        dst_indices=dst_slots,
+    )
+
+
 def commit_pending(step: GdnTreeStep, plan: GdnCommitPlan) -> int:
     """Commits every GDN layer verified in ``step``; returns the number of layers committed."""
     count = 0

@@ -440,6 +440,7 @@ def _live_auto_lookup(original):
 
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
+        _lag_state_frees_for_trees(self, vllm_config)
         settings = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
         if settings.get("auto") and getattr(self, "dynamic_sd_lookup", None) is not None:
             from ddtree.vllm import auto_budget
@@ -451,6 +452,80 @@ def _live_auto_lookup(original):
                 )
 
     return __init__
+
+
+# ---- 13. prefix caching for hybrid targets -----------------------------------------------------------
+def _lag_state_frees_for_trees(scheduler, vllm_config) -> None:
+    """13b: a ddtree engine whose hybrid target caches prefixes (mamba cache mode "align") frees state blocks
+    ``mamba_align.free_lag_tokens`` later (13a), and refuses a block size that cannot hold two trees."""
+    cache = getattr(vllm_config, "cache_config", None)
+    if not is_ddtree_config(vllm_config) or getattr(cache, "mamba_cache_mode", "none") != "align":
+        return
+    from ddtree.vllm.mamba_align import block_size_problem, free_lag_tokens
+
+    budget = int(vllm_config.speculative_config.num_speculative_tokens)
+    for group in scheduler.kv_cache_config.kv_cache_groups:
+        if getattr(group.kv_cache_spec, "mamba_cache_mode", None) == "align":
+            problem = block_size_problem(group.kv_cache_spec.block_size, budget)
+            if problem is not None:
+                raise DDTreeConfigError(f"method 'ddtree': {problem}")
+    set_state_block_free_lag(scheduler.kv_cache_manager, free_lag_tokens(budget))
+
+
+def set_state_block_free_lag(kv_cache_manager, lag: int) -> None:
+    """13b: every state-block manager of ``kv_cache_manager`` frees ``lag`` tokens later (13a reads it)."""
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        if getattr(manager, "mamba_cache_mode", None) == "align":
+            manager._ddtree_free_lag = int(lag)
+
+
+def install_state_block_patches() -> None:
+    """13a and 13c on vLLM's ``MambaManager`` (idempotent; neither changes a manager of another engine)."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    _wrap_once(MambaManager, "remove_skipped_blocks", _lagged_state_frees)
+    _wrap_once(MambaManager, "find_longest_cache_hit", _state_hit_within_the_dropped_block)
+
+
+def _state_hit_within_the_dropped_block(original):
+    """13c: with a drafter that reads the target's hidden states (vLLM's "eagle" family, DFlash included), vLLM
+    matches one block more than it keeps and drops that block from the attention groups' hits, but the state
+    group's lookup ignores the drop: its hit can then end a block after the attention's K/V (a 576-token hit over
+    544 tokens of K/V in ``tests/vllm_adapter/test_hybrid_prefix_caching.py``), and the request would read K/V
+    nobody wrote. For a ddtree engine (one state block per request: ``num_speculative_blocks`` 0, where vLLM's own
+    speculation keeps one per draft) the lookup stops a block earlier, inside what the attention groups keep.
+    Upstream: vllm-project/vllm#48375 and #57128 (open: the state lookup honouring ``drop_eagle_block``)."""
+
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block, *args, **kwargs
+    ):
+        if drop_eagle_block and getattr(kv_cache_spec, "num_speculative_blocks", None) == 0:
+            max_length = max(0, max_length - kv_cache_spec.block_size)
+        return original(
+            cls,
+            block_hashes,
+            max_length,
+            kv_cache_group_ids,
+            block_pool,
+            kv_cache_spec,
+            drop_eagle_block,
+            *args,
+            **kwargs,
+        )
+
+    return find_longest_cache_hit
+
+
+def _lagged_state_frees(original):
+    """13a: vLLM frees the state block before the running one as soon as its count passes that block; a ddtree step
+    may still write it there (a boundary commit), and under asynchronous scheduling the count runs a step's drafts
+    ahead. Holding the count back by the manager's lag keeps the block until its state is written and hashed."""
+
+    def remove_skipped_blocks(self, request_id, num_computed_tokens, *args, **kwargs):
+        lag = getattr(self, "_ddtree_free_lag", 0)
+        return original(self, request_id, max(0, num_computed_tokens - lag), *args, **kwargs)
+
+    return remove_skipped_blocks
 
 
 # ---- 2. admission ----------------------------------------------------------------------------------
@@ -1024,6 +1099,7 @@ def apply() -> None:
     _wrap_once(Scheduler, "get_grammar_bitmask", _tree_grammar_bitmask)
     _wrap_once(Scheduler, "update_draft_token_ids", _tree_drafts_unchecked)
     _wrap_once(Scheduler, "update_draft_token_ids_in_output", _tree_placeholders_kept)
+    install_state_block_patches()
     _wrap_once(PrometheusStatLogger, "__init__", _tree_metrics_prom)
     _wrap_once(LoggingStatLogger, "__init__", _tree_metrics_log)
     _APPLIED = True

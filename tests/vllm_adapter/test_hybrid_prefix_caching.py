@@ -1,0 +1,291 @@
+"""Prefix caching for hybrid targets beside tree steps, on vLLM's own KV-cache manager (CPU).
+
+What ``ddtree.vllm.mamba_align`` rests on: vLLM 0.25's ``KVCacheManager`` with a full-attention group and a mamba
+group in cache mode "align" (one state block per request, as ddtree asks) allocates, hashes and frees blocks for
+requests that verify trees of ``BUDGET`` nodes and accept random paths, under synchronous and asynchronous
+scheduling (the asynchronous scheduler's optimistic counts and placeholders, as ``AsyncScheduler`` keeps them).
+A model worker keeps the block row vLLM's worker keeps (it only appends what the scheduler returns) and a state
+store whose every block holds the tokens its state has read. It does what vLLM's worker does before a step (the
+running state copied to ``(c + n - 1) // block_size``, whole: ddtree's accepted count is 1) and what ddtree does
+after it (the boundary commit, then the main commit). Checked:
+
+- every block the worker reads or writes is the request's own at that moment (never a freed or null block);
+- every step reads the state of exactly the tokens the request has computed;
+- every hashed state block holds the state after exactly its blocks' tokens;
+- a second turn (the first request's prompt and answer, and more) starts from a cached state block that tree
+  steps wrote, at a boundary that a boundary commit wrote (the test counts them: the scenario ran what it is named
+  for).
+
+Without the boundary commits, without the scheduler's lag, or with vLLM's own state lookup (which ignores the
+drop of the block a DFlash drafter needs recomputed), the checks fail (the last tests).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from ddtree.vllm import patches  # noqa: E402
+from ddtree.vllm.mamba_align import block_size_problem, boundary_prefixes, free_lag_tokens  # noqa: E402
+
+BLOCK = 32
+DEPTH = 6
+ATTENTION, STATE = 0, 1  # the KV-cache groups
+
+
+class Sim:
+    """vLLM's manager for a hybrid target, a worker's view of it, and requests that verify trees."""
+
+    def __init__(self, budget: int, asynchronous: bool, seed: int, boundary_commits: bool = True, lag=None):
+        patches.install_state_block_patches()  # ddtree's patches 13a and 13c
+        attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        state = MambaSpec(
+            block_size=BLOCK,
+            shapes=((1,),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+            num_speculative_blocks=0,
+        )
+        config = KVCacheConfig(
+            num_blocks=400,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["attn"], attention), KVCacheGroupSpec(["gdn"], state)],
+        )
+        self.manager = KVCacheManager(
+            config, max_model_len=8192, scheduler_block_size=BLOCK, hash_block_size=BLOCK, use_eagle=True
+        )
+        patches.set_state_block_free_lag(self.manager, free_lag_tokens(budget) if lag is None else lag)
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.budget, self.asynchronous, self.boundary_commits = budget, asynchronous, boundary_commits
+        self.rng = np.random.default_rng(seed)
+        self.states: dict = {}  # state block id -> the tokens its state has read
+        self.boundary_writes = 0
+        self.requests: dict = {}
+
+    # -- the scheduler's side --------------------------------------------------------------------------------
+    def add(self, name: str, truth) -> Request:
+        """A request whose prompt is ``truth``'s first part; its answer is the rest of ``truth``."""
+        prompt = list(truth[: self.prompt_len(truth)])
+        req = Request(name, prompt, SamplingParams(max_tokens=10_000), None, block_hasher=self.hasher)
+        blocks, hit = self.manager.get_computed_blocks(req)
+        info = {"truth": list(truth), "row": [], "state_idx": None, "c": hit, "inflight": None, "hit": hit}
+        self.requests[name] = (req, info)
+        if hit:
+            attention_blocks = len(blocks.get_block_ids()[ATTENTION])
+            assert hit <= attention_blocks * BLOCK, f"a hit of {hit} tokens over {attention_blocks} attention blocks"
+            hit_state = blocks.get_block_ids()[STATE][-1]
+            assert self.states.get(hit_state) == tuple(truth[:hit]), "a cache hit's state block holds another state"
+        self.prefill(req, info, blocks, hit)
+        return req
+
+    @staticmethod
+    def prompt_len(truth) -> int:
+        return len(truth) // 2
+
+    def prefill(self, req: Request, info: dict, blocks, hit: int) -> None:
+        """The prompt in chunks that end at block boundaries (vLLM's align chunking), then its sampled token."""
+        prompt = req.num_prompt_tokens
+        c, first = hit, True
+        while c < prompt:
+            n = min(prompt - c, BLOCK - c % BLOCK)
+            self.manager.new_step_starts()
+            kwargs = dict(num_new_computed_tokens=hit, new_computed_blocks=blocks) if first else {}
+            assert self.manager.allocate_slots(req, n, **kwargs) is not None
+            if first:
+                req.num_computed_tokens = hit
+            first = False
+            self.sync_row(req, info)
+            self.run_prefill_chunk(req, info, c, n)
+            c += n
+            req.num_computed_tokens = c
+        req.append_output_token_ids(info["truth"][prompt])
+        info["c"] = prompt
+        if self.asynchronous:
+            self.manager.cache_blocks(req, req.num_computed_tokens)
+
+    def schedule(self, req: Request, info: dict) -> int:
+        """One decode step's slots: the root and ``budget`` drafts (placeholders under asynchronous scheduling)."""
+        n = 1 + self.budget
+        self.manager.new_step_starts()
+        req.spec_token_ids = [-1] * self.budget
+        assert self.manager.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+        if self.asynchronous:
+            req.num_output_placeholders += n
+        self.sync_row(req, info)
+        return n
+
+    def output(self, req: Request, info: dict, accepted: int) -> None:
+        """A step's output reaches the scheduler: ``accepted`` drafts and the bonus token."""
+        rejected = self.budget - accepted
+        req.num_computed_tokens -= rejected
+        c = req.num_tokens  # the root's position + 1 ... the request's tokens so far end at the step's root
+        new = info["truth"][c : c + accepted + 1]
+        req.append_output_token_ids(new)
+        if self.asynchronous:
+            req.num_output_placeholders -= rejected + len(new)
+            self.manager.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
+
+    # -- the worker's side -----------------------------------------------------------------------------------
+    def sync_row(self, req: Request, info: dict) -> None:
+        """vLLM's worker appends the blocks an allocation returned; it never learns of blocks freed in place."""
+        blocks = self.manager.get_block_ids(req.request_id)[STATE]
+        info["row"].extend(blocks[len(info["row"]) :])
+
+    def owned(self, req: Request, info: dict, column: int) -> int:
+        blocks = self.manager.coordinator.single_type_managers[STATE].req_to_blocks[req.request_id]
+        block = info["row"][column]
+        assert column < len(blocks) and blocks[column].block_id == block and not blocks[column].is_null, (
+            f"{req.request_id}: column {column} (block {block}) is not the request's any more"
+        )
+        return block
+
+    def move_running_state(self, req: Request, info: dict, c: int, n: int) -> int:
+        """vLLM's ``preprocess_mamba`` with an accepted count of 1: the state moves whole to the running column."""
+        current = (c + n - 1) // BLOCK
+        previous = info["state_idx"] if info["state_idx"] is not None else (c - 1) // BLOCK
+        if previous not in (-1, current):
+            self.states[self.owned(req, info, current)] = self.states[self.owned(req, info, previous)]
+        info["state_idx"] = current
+        return current
+
+    def run_prefill_chunk(self, req: Request, info: dict, c: int, n: int) -> None:
+        column = self.move_running_state(req, info, c, n)
+        block = self.owned(req, info, column)
+        if c:
+            assert self.states[block] == tuple(info["truth"][:c]), f"{req.request_id}: a prefill read a wrong state"
+        self.states[block] = tuple(info["truth"][: c + n])
+
+    def run_tree_step(self, req: Request, info: dict, n: int, accepted: int) -> None:
+        """A tree step at the worker's true count: read, then ddtree's boundary commit and main commit."""
+        c, truth = info["c"], info["truth"]
+        column = self.move_running_state(req, info, c, n)
+        running = self.owned(req, info, column)
+        assert self.states[running] == tuple(truth[:c]), f"{req.request_id}: a tree step read a wrong state"
+        prefix, boundary = boundary_prefixes(np.array([c]), np.array([n]), BLOCK, DEPTH + 1)
+        if self.boundary_commits and prefix[0] and accepted + 1 >= prefix[0]:
+            self.states[self.owned(req, info, int(boundary[0]))] = tuple(truth[: c + int(prefix[0])])
+            self.boundary_writes += 1
+        self.states[running] = tuple(truth[: c + 1 + accepted])
+        info["c"] = c + 1 + accepted
+
+    # -- checks --------------------------------------------------------------------------------------------
+    def check_hashed_states(self) -> int:
+        """Every hashed state block of a running request holds the state after exactly its blocks' tokens."""
+        checked = 0
+        manager = self.manager.coordinator.single_type_managers[STATE]
+        for name, (req, info) in self.requests.items():
+            for column, block in enumerate(manager.req_to_blocks.get(name, [])):
+                if block.is_null or block.block_hash is None:
+                    continue
+                expected = tuple(info["truth"][: (column + 1) * BLOCK])
+                assert self.states.get(block.block_id) == expected, f"{name}: hashed state column {column} is stale"
+                checked += 1
+        return checked
+
+    def decode(self, name: str, steps: int) -> int:
+        """``steps`` tree steps of one request; returns how many hashed state blocks were checked."""
+        req, info = self.requests[name]
+        checked = 0
+        for _ in range(steps):
+            accepted = int(self.rng.integers(0, DEPTH + 1))
+            n = self.schedule(req, info)
+            if self.asynchronous:
+                # vLLM schedules the next step before the previous one's output; the worker runs it after that one.
+                if info["inflight"] is not None:
+                    self.output(req, info, info["inflight"])
+                info["inflight"] = accepted
+            self.run_tree_step(req, info, n, accepted)
+            if not self.asynchronous:
+                self.output(req, info, accepted)
+            checked += self.check_hashed_states()
+        if self.asynchronous and info["inflight"] is not None:
+            self.output(req, info, info["inflight"])
+            info["inflight"] = None
+            checked += self.check_hashed_states()
+        return checked
+
+
+def _truth(rng, length: int):
+    return [int(t) for t in rng.integers(10, 5000, size=length)]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("budget", [7, 15])  # 15: the largest this block size serves
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_steps_keep_every_hashed_state_block_exact_and_a_second_turn_starts_from_one(asynchronous, budget, seed):
+    sim = Sim(budget, asynchronous, seed)
+    rng = np.random.default_rng(100 + seed)
+    first = _truth(rng, 2 * 9 * BLOCK + 11)
+    sim.add("a", first)
+    checked = sim.decode("a", 9 * BLOCK // 3)
+    assert checked > 0 and sim.boundary_writes > 0
+    generated = sim.requests["a"][1]["c"]
+    assert generated > sim.prompt_len(first) + 3 * BLOCK, "the first request crossed too few boundaries"
+    # A second turn: the first request's prompt and answer so far, then new tokens.
+    second = first[:generated] + _truth(rng, generated + 40)
+    sim.add("b", second)
+    hit = sim.requests["b"][1]["hit"]
+    assert hit > sim.prompt_len(first), f"the second turn hit {hit} tokens, none of them from tree steps"
+    sim.decode("b", 20)
+
+
+def test_the_block_size_check_names_the_budget_and_the_block_size():
+    assert block_size_problem(BLOCK, 15) is None
+    problem = block_size_problem(BLOCK, 16)
+    assert "ddtree_budget 16" in problem and "block_size 32" in problem and "34" in problem
+
+
+def test_boundary_prefixes_only_where_the_roots_block_is_not_the_running_column():
+    prefix, column = boundary_prefixes(np.array([30, 30, 20, 32, 25]), np.array([8, 2, 8, 8, 8]), BLOCK, DEPTH + 1)
+    # 30 + 8 - 1 = 37 runs in column 1, the root in column 0: the boundary 32 is 2 entries away.
+    # 30 + 2 - 1 = 31 runs in column 0 itself; 20 is 12 entries away (more than a path holds); 32 starts a block.
+    assert prefix.tolist() == [2, 0, 0, 0, 7] and column.tolist() == [0, 0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_without_boundary_commits_a_hashed_state_block_is_stale(asynchronous):
+    sim = Sim(7, asynchronous, 0, boundary_commits=False)
+    sim.add("a", _truth(np.random.default_rng(5), 2 * 9 * BLOCK))
+    with pytest.raises(AssertionError, match="stale|wrong state"):
+        sim.decode("a", 3 * BLOCK)
+
+
+def test_without_the_lag_an_asynchronous_step_writes_a_block_the_scheduler_freed():
+    failures = 0
+    for seed in range(4):
+        sim = Sim(15, True, seed, lag=0)
+        sim.add("a", _truth(np.random.default_rng(seed), 2 * 9 * BLOCK))
+        try:
+            sim.decode("a", 3 * BLOCK)
+        except AssertionError as error:
+            assert "is not the request's any more" in str(error)
+            failures += 1
+    assert failures > 0
+
+
+def test_with_vllms_state_lookup_a_second_turn_would_start_past_its_attention_blocks(monkeypatch):
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    sim = Sim(7, False, 0)
+    lookup = MambaManager.__dict__["find_longest_cache_hit"].__func__
+    monkeypatch.setattr(MambaManager, "find_longest_cache_hit", classmethod(lookup.__wrapped__))
+    rng = np.random.default_rng(100)
+    first = _truth(rng, 2 * 9 * BLOCK + 11)
+    sim.add("a", first)
+    sim.decode("a", 9 * BLOCK // 3)
+    generated = sim.requests["a"][1]["c"]
+    with pytest.raises(AssertionError, match="attention blocks"):
+        sim.add("b", first[:generated] + _truth(rng, generated + 40))
