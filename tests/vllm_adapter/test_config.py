@@ -226,7 +226,11 @@ def _target(**kw):
         ({"is_hybrid": True, "architecture": "NemotronHForCausalLM"}, "Gated DeltaNet"),
         (
             {"is_hybrid": True, "architecture": "Qwen3NextForCausalLM", "mamba_cache_mode": "align"},
-            "mamba_cache_mode='none'",
+            "mamba_cache_mode 'none' for this hybrid",
+        ),
+        (
+            {"is_hybrid": True, "architecture": "Qwen3NextForCausalLM", "mamba_cache_mode": "all"},
+            "mamba_cache_mode 'none' for this hybrid",
         ),
         ({"sliding_window": 4096}, "sliding-window"),
         ({"kv_cache_dtype": "fp8"}, "unquantized"),
@@ -537,6 +541,7 @@ def test_the_docs_list_every_switch_with_its_default():
         "DDTREE_LAUNCH_AHEAD": (config.launch_ahead_enabled({}),) * 2,
         "DDTREE_WHOLE_TREE_GDN_METADATA": (config.whole_tree_gdn_metadata_enabled({}),) * 2,
         "DDTREE_STRUCTURED_OUTPUTS": (config.structured_outputs_enabled({}),) * 2,
+        "DDTREE_HYBRID_PREFIX_CACHING": (config.hybrid_prefix_caching_enabled({}),) * 2,
     }
     for name, (one_gpu, tensor_parallel) in defaults.items():
         doc = table[name].strip()
@@ -639,8 +644,13 @@ def test_prefix_caching_is_refused_for_hybrid_targets_and_beside_a_kv_connector(
     target = dict(uses_mrope=False, sliding_window=None, kv_cache_dtype="auto", vocab_size=1000, cfg=cfg)
     check_target(is_hybrid=False, prefix_caching=True, **target)  # attention-only: accepted
     check_target(is_hybrid=True, architecture="Qwen3NextForCausalLM", prefix_caching=False, **target)
-    with pytest.raises(DDTreeConfigError, match="cannot use prefix caching with a hybrid target"):
-        check_target(is_hybrid=True, architecture="Qwen3NextForCausalLM", prefix_caching=True, **target)
+    hybrid = dict(is_hybrid=True, architecture="Qwen3NextForCausalLM", prefix_caching=True, **target)
+    with pytest.raises(DDTreeConfigError, match="DDTREE_HYBRID_PREFIX_CACHING=1 .*enable_prefix_caching=False"):
+        check_target(mamba_cache_mode="align", **hybrid)
+    # Under the switch: vLLM's "align" is served (boundary commits), its "all" is not.
+    check_target(mamba_cache_mode="align", hybrid_prefix_caching=True, **hybrid)
+    with pytest.raises(DDTreeConfigError, match=r"mamba_cache_mode 'none' or 'align' .*got 'all'"):
+        check_target(mamba_cache_mode="all", hybrid_prefix_caching=True, **hybrid)
     with pytest.raises(DDTreeConfigError, match="with prefix caching refuses a KV connector"):
         check_target(is_hybrid=False, prefix_caching=True, kv_connector=True, **target)
     check_target(is_hybrid=False, prefix_caching=False, kv_connector=True, **target)  # no caching: no conflict

@@ -289,3 +289,92 @@ def test_with_vllms_state_lookup_a_second_turn_would_start_past_its_attention_bl
     generated = sim.requests["a"][1]["c"]
     with pytest.raises(AssertionError, match="attention blocks"):
         sim.add("b", first[:generated] + _truth(rng, generated + 40))
+
+
+# -- the runner's part (CPU stand-ins for vLLM's buffers) --------------------------------------------------------
+def _runner_for_boundaries(computed, scheduled, tables):
+    from types import SimpleNamespace
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner._ddtree_state_block_size = BLOCK
+    runner._ddtree_state_group_layers = None
+    runner.device = torch.device("cpu")
+    runner.ddtree_stats = DDTreeStats(DEPTH, ())
+    runner.query_start_loc = SimpleNamespace(np=np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32))
+    runner.input_batch = SimpleNamespace(
+        num_computed_tokens_cpu=np.asarray(computed, dtype=np.int32),
+        block_table=[SimpleNamespace(get_numpy_array=lambda t=t: t) for t in tables],
+    )
+    attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    state = MambaSpec(block_size=BLOCK, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    runner.kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[
+            KVCacheGroupSpec(["attn.0"], attention),
+            KVCacheGroupSpec(["gdn.0", "gdn.1"], state),
+            KVCacheGroupSpec(["gdn.2"], state),
+        ]
+    )
+    return runner
+
+
+def test_the_runner_finds_each_trees_boundary_block_in_every_state_group():
+    from types import SimpleNamespace
+
+    # Batch rows 0..2; trees in rows 2 and 0 (plan order). Row 2: 60 computed, 8 scheduled -> root block 1 ends at
+    # 64, 4 entries away, running column (67 // 32 = 2) beyond it. Row 0: 40 computed: 24 entries away (no commit).
+    tables = [np.arange(30).reshape(3, 10), 100 + np.arange(30).reshape(3, 10), 200 + np.arange(30).reshape(3, 10)]
+    runner = _runner_for_boundaries([40, 5, 60], [8, 1, 8], tables)
+    plan = SimpleNamespace(batch_index=np.array([2, 0]), draft_depth=DEPTH)
+    prefix, slots = runner._ddtree_state_boundaries(plan)
+    assert prefix.tolist() == [4, 0]
+    assert set(slots) == {"gdn.0", "gdn.1", "gdn.2"} and slots["gdn.0"] is slots["gdn.1"]
+    assert slots["gdn.0"].tolist() == [100 + 21, -1] and slots["gdn.2"].tolist() == [200 + 21, -1]
+    assert (runner.ddtree_stats.boundary_commit_trees, runner.ddtree_stats.boundary_commit_steps) == (1, 1)
+    # No tree within reach of its block's end: nothing to commit, nothing counted.
+    runner = _runner_for_boundaries([40, 5, 50], [8, 1, 8], tables)
+    assert runner._ddtree_state_boundaries(plan) is None and runner.ddtree_stats.boundary_commit_steps == 0
+    runner._ddtree_state_block_size = 0  # no prefix caching
+    assert runner._ddtree_state_boundaries(plan) is None
+
+
+def test_the_runner_keeps_accepted_counts_at_one_and_skips_vllms_state_copies(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = _runner_for_boundaries([40, 5, 60], [8, 1, 8], [np.zeros((3, 4), dtype=np.int32)] * 3)
+    runner.input_batch.num_accepted_tokens_cpu = np.array([3, 5, 2, 7])
+    runner.num_accepted_tokens = SimpleNamespace(gpu=torch.tensor([3, 5, 2, 7]))
+    recorded = []
+    runner.num_accepted_tokens_event = SimpleNamespace(record=lambda: recorded.append(True))
+    called = []
+    monkeypatch.setattr(GPUModelRunner, "_update_states_after_model_execute", lambda *a: called.append(a))
+    output = torch.tensor([[1, 2, -1], [4, -1, -1], [5, 6, 7]])
+    runner._update_states_after_model_execute(output, None)
+    assert runner.input_batch.num_accepted_tokens_cpu.tolist() == [1, 1, 1, 7]
+    assert runner.num_accepted_tokens.gpu.tolist() == [1, 1, 1, 7] and recorded == [True] and not called
+    runner._ddtree_state_block_size = 0  # without prefix caching: vLLM's own
+    runner._update_states_after_model_execute(output, None)
+    assert len(called) == 1
+
+
+def test_the_boundary_commits_run_before_the_main_commit(monkeypatch):
+    from types import SimpleNamespace
+
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    order = []
+    monkeypatch.setattr(runner_module, "commit_boundaries", lambda pendings, plan, *a, **k: order.append("boundary"))
+    monkeypatch.setattr(runner_module, "commit_pending", lambda step, plan: order.append("main"))
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner._ddtree_conv_window, runner._ddtree_full_graph = 3, None
+    runner._ddtree_gdn_step = SimpleNamespace(node_offsets="offsets", pending={"gdn.0": "recorded"})
+    gpu = {"paths": "paths", "path_lengths": "lengths", "commit_conv_index": "conv"}
+    runner._ddtree_commit_gdn(gpu, ("prefix", {"gdn.0": "slots"}))
+    assert order == ["boundary", "main"]
+    runner._ddtree_gdn_step = SimpleNamespace(node_offsets="offsets", pending={"gdn.0": "recorded"})
+    runner._ddtree_commit_gdn(gpu)
+    assert order == ["boundary", "main", "main"]

@@ -69,6 +69,9 @@ DEVICE_PLAN_ENV = "DDTREE_DEVICE_PLAN"
 SLIDING_DRAFTER_ENV = "DDTREE_SLIDING_DRAFTER"
 #: "1" serves structured outputs (xgrammar) with per-node grammar masks (experimental, off: refused at admission).
 STRUCTURED_OUTPUTS_ENV = "DDTREE_STRUCTURED_OUTPUTS"
+#: "1" caches prefixes of hybrid targets (vLLM's mamba cache mode "align", with boundary commits; experimental, off:
+#: prefix caching refused for hybrids).
+HYBRID_PREFIX_CACHING_ENV = "DDTREE_HYBRID_PREFIX_CACHING"
 
 #: Largest budget accepted. Each request verifies B+1 tokens and computes B+1
 #: rows of full-vocabulary logits per step; beyond this the logits alone
@@ -499,6 +502,14 @@ def prefix_caching_allowed(environ: Mapping[str, str] = os.environ) -> bool:
 FORMER_SETTINGS = {"DDTREE_WALK_GRAPHS": STEP_GRAPHS_ENV}
 
 
+def hybrid_prefix_caching_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """``DDTREE_HYBRID_PREFIX_CACHING``: 1 lets a hybrid (Gated DeltaNet) target cache prefixes with trees (vLLM's
+    mamba cache mode "align", ``ddtree.vllm.mamba_align``); 0 (the default until an end-to-end run on a GPU has
+    checked it) refuses prefix caching for hybrids, whose vLLM default is off."""
+    meanings = {"0": "prefix caching refused for hybrid targets", "1": "hybrid prefixes cached with boundary commits"}
+    return env_switch(environ, HYBRID_PREFIX_CACHING_ENV, "0", meanings)
+
+
 def check_environment(environ: Mapping[str, str] = os.environ) -> List[str]:
     """Reads every ``DDTREE_*`` setting once, where the engine is configured, so that a value none of them takes is
     refused there (``DDTreeConfigError``, naming the setting and the values it takes) rather than in the engine's
@@ -523,6 +534,7 @@ def check_environment(environ: Mapping[str, str] = os.environ) -> List[str]:
         DEVICE_PLAN_ENV: device_plan_mode,
         SLIDING_DRAFTER_ENV: sliding_drafter_enabled,
         STRUCTURED_OUTPUTS_ENV: structured_outputs_enabled,
+        HYBRID_PREFIX_CACHING_ENV: hybrid_prefix_caching_enabled,
     }
     for name, read in readers.items():
         if name in environ:
@@ -1022,17 +1034,19 @@ def check_target(
     logprobs_mode: str = "raw_logprobs",
     prefix_caching: bool = False,
     kv_connector: bool = False,
+    hybrid_prefix_caching: bool = False,
 ) -> None:
     """Refuses targets this adapter cannot verify exactly.
 
     M-RoPE targets are accepted: a tree token's three rotary sections are its
-    root's plus the node's depth (the runner writes them).
+    root's plus the node's depth (the runner writes them). ``hybrid_prefix_caching``:
+    ``DDTREE_HYBRID_PREFIX_CACHING``.
     """
-    if prefix_caching and is_hybrid:
+    if prefix_caching and is_hybrid and not hybrid_prefix_caching:
         raise DDTreeConfigError(
-            "method 'ddtree' cannot use prefix caching with a hybrid target: its recurrent state lives in one slot "
-            "per request that the tree commit writes, where vLLM's prefix caching keeps a state per block "
-            "(mamba_cache_mode 'align'); set enable_prefix_caching=False (vLLM's own default for hybrids)"
+            "method 'ddtree' caches prefixes of a hybrid target only with "
+            f"{HYBRID_PREFIX_CACHING_ENV}=1 (experimental: boundary commits into vLLM's per-block states, "
+            "mamba_cache_mode 'align'); set it, or enable_prefix_caching=False (vLLM's own default for hybrids)"
         )
     if prefix_caching and kv_connector:
         raise DDTreeConfigError(
@@ -1045,10 +1059,12 @@ def check_target(
                 f"method 'ddtree' supports hybrid targets whose recurrent layers are Gated DeltaNet "
                 f"({', '.join(GDN_ARCHITECTURES)}); got {architecture or 'an unknown architecture'}"
             )
-        if mamba_cache_mode != "none":
+        allowed = ("none", "align") if prefix_caching else ("none",)
+        if mamba_cache_mode not in allowed:
             raise DDTreeConfigError(
-                f"method 'ddtree' needs mamba_cache_mode='none' for hybrid targets (got {mamba_cache_mode!r}): "
-                "the tree commit keeps one state slot per request"
+                f"method 'ddtree' needs mamba_cache_mode {' or '.join(repr(m) for m in allowed)} for this hybrid "
+                f"target (got {mamba_cache_mode!r}): the tree commit keeps one running state per request, and "
+                "prefix caching's per-block states are written by boundary commits ('align')"
             )
     if sliding_window is not None:
         raise DDTreeConfigError("method 'ddtree' does not support sliding-window attention in the target yet")

@@ -255,6 +255,26 @@ def commit_boundary_layer(pending: PendingCommit, plan: GdnCommitPlan, dst_slots
     )
 
 
+def commit_boundaries(
+    pendings: Dict[str, PendingCommit],
+    plan: GdnCommitPlan,
+    prefix: torch.Tensor,
+    boundary_slots: Dict[str, torch.Tensor],
+    conv_window: int,
+) -> None:
+    """Every layer's boundary commit (:func:`boundary_commit_plan`) into ``boundary_slots[layer]`` (int32 ``[R]``,
+    one tensor per KV-cache group, shared by its layers); rows whose path does not reach their prefix write nothing.
+    Runs before the main commit."""
+    boundary, writes = boundary_commit_plan(plan, prefix, conv_window)
+    masked: Dict[int, torch.Tensor] = {}
+    for name, pending in pendings.items():
+        slots = boundary_slots[name]
+        dst = masked.get(id(slots))
+        if dst is None:
+            dst = masked[id(slots)] = torch.where(writes, slots, torch.full_like(slots, -1))
+        commit_boundary_layer(pending, boundary, dst)
+
+
 def commit_pending(step: GdnTreeStep, plan: GdnCommitPlan) -> int:
     """Commits every GDN layer verified in ``step``; returns the number of layers committed."""
     count = 0

@@ -212,6 +212,7 @@ from ddtree.vllm.config import (
     dynamic_sd_schedule,
     engine_overrides,
     fit_batch_limits,
+    hybrid_prefix_caching_enabled,
     override_reason,
     parse_spec_config,
     resolve_draft_len,
@@ -359,6 +360,7 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
         logprobs_mode=str(getattr(model, "logprobs_mode", "raw_logprobs")),
         prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
         kv_connector=getattr(vllm_config, "kv_transfer_config", None) is not None,
+        hybrid_prefix_caching=hybrid_prefix_caching_enabled(),
     )
     if spec.num_speculative_tokens != cfg.budget:
         raise DDTreeConfigError("internal: vLLM's num_speculative_tokens must equal the ddtree budget")

@@ -81,7 +81,8 @@ from ddtree.vllm.config import (
     tree_size,
 )
 from ddtree.vllm.bounded import keep
-from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_layer, commit_pending
+from ddtree.vllm.gdn import GdnCommitPlan, GdnTreeStep, commit_boundaries, commit_layer, commit_pending
+from ddtree.vllm.mamba_align import boundary_prefixes
 from ddtree.vllm.graphs import (
     CapturedCommits,
     CommitGraphs,
@@ -178,6 +179,10 @@ class DDTreeStats:
         self.full_graph_steps_by_tree_tokens: Dict[int, int] = {}  # the same, by the graph's tokens per tree
         self.commit_graph_steps = 0  # FULL steps whose GDN commit replayed a commit graph
         self.commit_in_place_steps = 0  # ... of them, steps whose graph read the walk's paths in place
+        # Prefix caching with a hybrid target: trees whose path could reach the end of their root's state block (a
+        # boundary commit, written where the path did reach it), and the steps with one.
+        self.boundary_commit_trees = 0
+        self.boundary_commit_steps = 0
         self.walk_graph_steps = 0  # FULL steps whose device walk replayed a walk graph
         self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
@@ -331,6 +336,8 @@ class DDTreeStats:
             "full_graph_steps_by_tree_tokens": dict(sorted(self.full_graph_steps_by_tree_tokens.items())),
             "commit_graph_steps": self.commit_graph_steps,
             "commit_in_place_steps": self.commit_in_place_steps,
+            "boundary_commit_trees": self.boundary_commit_trees,
+            "boundary_commit_steps": self.boundary_commit_steps,
             "walk_graph_steps": self.walk_graph_steps,
             "walk_copied_steps": self.walk_copied_steps,
             "device_accept_steps": self.device_accept_steps,
@@ -478,6 +485,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_staging = StepStaging(self.device)
         # Hybrid GDN targets: W - 1 of the conv (0: attention-only target).
         self._ddtree_conv_window = gdn_conv_window(self.model_config) if self.model_config.is_hybrid else 0
+        # Prefix caching with a hybrid target (mamba cache mode "align"): the state block size (0: no boundary
+        # commits, ``mamba_align``), and the state groups' layers (made at the first boundary commit).
+        aligned = self._ddtree_conv_window and getattr(self.cache_config, "mamba_cache_mode", "none") == "align"
+        self._ddtree_state_block_size = int(self.cache_config.mamba_block_size) if aligned else 0
+        self._ddtree_state_group_layers: Optional[List[Tuple[int, List[str]]]] = None
         # The tree layout at fixed addresses (CUDA graphs read them), and what FULL graphs' captures recorded.
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_buffers = TreeStepBuffers(
@@ -1585,7 +1597,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # Host time of the commit's launches (KV moves per attention layer, two per GDN layer): under FULL
             # graphs they are the step's largest host work outside the replay.
             with self.ddtree_stats.timed("commit"):
-                if not self._ddtree_commit_gdn(gpu):  # (the K/V moves not recorded with the GDN commit)
+                boundaries = self._ddtree_state_boundaries(plan)
+                if not self._ddtree_commit_gdn(gpu, boundaries):  # (the K/V moves not recorded with the GDN commit)
                     self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
             self.drafter.context_order = gpu["context_order"]
             self.drafter.flat_positions = self._ddtree_flat_positions
@@ -1737,9 +1750,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 self.ddtree_stats.observe_paths(plan, rows[:, 1:], rows[:, 0])
                 self.ddtree_stats.device_accept_steps += 1
 
-    def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor]) -> bool:
+    def _ddtree_commit_gdn(self, gpu: Dict[str, torch.Tensor], boundaries=None) -> bool:
         """Commits the GDN layers' accepted states; True when the step's K/V moves went with them (one commit graph
-        reading the walk's outputs in place, ``DDTREE_COMMIT_IN_PLACE``), False when the caller moves them."""
+        reading the walk's outputs in place, ``DDTREE_COMMIT_IN_PLACE``), False when the caller moves them.
+        ``boundaries``: the step's boundary commits (``_ddtree_state_boundaries``), run first."""
         step = self._ddtree_gdn_step
         self._ddtree_gdn_step = None
         if self._ddtree_conv_window == 0:
@@ -1752,6 +1766,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             path_lengths=gpu["path_lengths"],
             conv_index=gpu["commit_conv_index"],
         )
+        if boundaries is not None:
+            # Before the main commit, which overwrites the states the boundary commits read.
+            pendings = (
+                self._ddtree_captured.replayed(self._ddtree_full_graph)
+                if self._ddtree_full_graph is not None
+                else step.pending
+            )
+            commit_boundaries(pendings, commit, *boundaries, conv_window=self._ddtree_conv_window)
         if self._ddtree_full_graph is not None:
             # A FULL graph replayed the layers: their commit inputs are where its capture recorded them.
             commits = self._ddtree_captured.replayed(self._ddtree_full_graph)
@@ -1774,6 +1796,56 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             raise RuntimeError("DDTree: a hybrid target verified trees but no GDN layer recorded its commit")
         commit_pending(step, commit)
         return False
+
+    def _ddtree_state_boundaries(self, plan: VerifyPlan) -> Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
+        """Prefix caching with a hybrid target (``mamba_align``): the step's boundary commits as ``(prefix [R],
+        {GDN layer: its group's destination blocks [R]})``, or None when no tree can reach the end of its root's
+        state block. Read on the host: the trees' computed tokens (vLLM has applied the previous step's acceptance
+        to them before its pre-step copy, under asynchronous scheduling too), their scheduled tokens and the state
+        groups' block tables."""
+        block_size = self._ddtree_state_block_size
+        if not block_size:
+            return None
+        rows = np.asarray(plan.batch_index, dtype=np.int64)
+        starts = self.query_start_loc.np
+        computed = self.input_batch.num_computed_tokens_cpu[rows]
+        prefix, column = boundary_prefixes(computed, starts[rows + 1] - starts[rows], block_size, plan.draft_depth + 1)
+        reaching = prefix > 0
+        if not reaching.any():
+            return None
+        self.ddtree_stats.boundary_commit_trees += int(reaching.sum())
+        self.ddtree_stats.boundary_commit_steps += 1
+        slots: Dict[str, torch.Tensor] = {}
+        for group_id, layers in self._ddtree_state_groups():
+            table = self.input_batch.block_table[group_id].get_numpy_array()
+            blocks = np.where(reaching, table[rows, np.where(reaching, column, 0)], -1).astype(np.int32)
+            tensor = torch.from_numpy(blocks).to(self.device)
+            slots.update((name, tensor) for name in layers)
+        return torch.from_numpy(prefix).to(self.device), slots
+
+    def _ddtree_state_groups(self) -> List[Tuple[int, List[str]]]:
+        """(KV-cache group, its layers) of each recurrent-state group: each has its own block ids."""
+        if self._ddtree_state_group_layers is None:
+            groups = self.kv_cache_config.kv_cache_groups
+            self._ddtree_state_group_layers = [
+                (g, list(group.layer_names))
+                for g, group in enumerate(groups)
+                if getattr(group.kv_cache_spec, "mamba_cache_mode", None) is not None
+            ]
+        return self._ddtree_state_group_layers
+
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output) -> None:
+        """Prefix caching with a hybrid target: vLLM's post-step copies read per-draft state columns a ddtree engine
+        does not have (one state per request), so they are not run (the step's boundary commits wrote the block
+        boundaries), and every row's accepted count stays 1, which makes vLLM's next pre-step copy move the whole
+        running state. Otherwise vLLM's."""
+        if not self._ddtree_state_block_size:
+            return super()._update_states_after_model_execute(output_token_ids, scheduler_output)
+        num_reqs = output_token_ids.size(0)
+        self.input_batch.num_accepted_tokens_cpu[:num_reqs] = 1
+        self.num_accepted_tokens.gpu[:num_reqs].fill_(1)
+        if self.num_accepted_tokens_event is not None:
+            self.num_accepted_tokens_event.record()
 
     def _ddtree_commit_graphs_for(self, commit: GdnCommitPlan) -> Optional[CommitGraphs]:
         """The commit graphs on a GPU unless DDTREE_COMMIT_GRAPHS=0 (None: commit layer by layer)."""
