@@ -33,11 +33,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_ddtree_e2e import (  # noqa: E402
     CONSTRAINED_SCENARIOS,
+    SECOND_TURN_REQUESTS,
     SHARED_PREFIX,
     SHARED_PREFIX_REQUESTS,
     current_scenarios,
     prompts,
     second_turn,
+    second_turn_prompts,
     shared_prefix_prompts,
 )
 
@@ -53,6 +55,14 @@ PROMPT_SETS = {
     # Its first two rounds from the pair's prompts; the third (second turns) from the reference's own first answers,
     # judged for an engine whose first answer is the reference's (``shared_prefix_references``).
     "shared_prefix": "shared_prefix",
+    # (hybrid targets) Its first round from the pair's prompts, its second turns like shared_prefix's third round.
+    "second_turns": "second_turns",
+}
+
+#: Scenarios whose later rows continue the reference's own first answers: (first rows, first row of the turns).
+SECOND_TURN_ROUNDS = {
+    "shared_prefix": (SHARED_PREFIX_REQUESTS, 2 * SHARED_PREFIX_REQUESTS),
+    "second_turns": (SECOND_TURN_REQUESTS, SECOND_TURN_REQUESTS),
 }
 
 
@@ -151,21 +161,24 @@ def scenario_prompts(sname: str, P: dict) -> List[List[int]]:
     if sname == "shared_prefix":
         first = shared_prefix_prompts(P["batch32"], SHARED_PREFIX, SHARED_PREFIX_REQUESTS)
         return first + first
+    if sname == "second_turns":
+        return second_turn_prompts(P["batch32"], SECOND_TURN_REQUESTS)
     return P[PROMPT_SETS[sname]] if PROMPT_SETS[sname] else [P["near_max"]]
 
 
-def shared_prefix_references(reference: dict, first: Sequence[Sequence[int]], lengths: Dict[int, int], greedy) -> None:
-    """The shared_prefix scenario's third round: row ``2n + i`` (``n = len(first)``) continues the reference's own
-    first answer to ``first[i]`` (``second_turn``) for ``lengths[row]`` tokens (``greedy(prompt, length)``: tokens and
-    gaps); kept with ``i``, whose engine row must equal that answer for the row to be judged (an engine that answered
-    otherwise was asked something else)."""
-    n = len(first)
+def second_turn_references(
+    reference: dict, sname: str, first: Sequence[Sequence[int]], start: int, lengths: Dict[int, int], greedy
+) -> None:
+    """A scenario's second turns (shared_prefix's third round, second_turns' second): row ``start + i`` continues the
+    reference's own first answer to ``first[i]`` (``second_turn``) for ``lengths[row]`` tokens (``greedy(prompt,
+    length)``: tokens and gaps); kept with ``i``, whose engine row must equal that answer for the row to be judged
+    (an engine that answered otherwise was asked something else)."""
     for i, prompt in enumerate(first):
-        row, answer = 2 * n + i, reference.get(("shared_prefix", i))
+        row, answer = start + i, reference.get((sname, i))
         if answer is None or row not in lengths:
             continue
         tokens, gaps = greedy(second_turn(prompt, answer[0]), lengths[row])
-        reference[("shared_prefix", row)] = (tokens[: lengths[row]], gaps[: lengths[row]], i)
+        reference[(sname, row)] = (tokens[: lengths[row]], gaps[: lengths[row]], i)
 
 
 def classify(
@@ -357,14 +370,17 @@ def main() -> int:
                 cache[prompt_key] = greedy_reference(model, prompt, length, settings, grammar)
             tokens, gaps = cache[prompt_key]
             reference[(sname, r)] = (tokens[:length], gaps[:length])
-        if sname == "shared_prefix":
+        if sname in SECOND_TURN_ROUNDS:
+            count, start = SECOND_TURN_ROUNDS[sname]
             rows = [res["scenarios"][sname].get("rows") or [] for res in results.values() if sname in res["scenarios"]]
-            third = range(2 * SHARED_PREFIX_REQUESTS, 3 * SHARED_PREFIX_REQUESTS)
+            turns = range(start, start + count)
             lengths = {
-                r: max(len(x[r]["tokens"]) for x in rows if len(x) > r) for r in third if any(len(x) > r for x in rows)
+                r: max(len(x[r]["tokens"]) for x in rows if len(x) > r) for r in turns if any(len(x) > r for x in rows)
             }
-            first = prompt_set[:SHARED_PREFIX_REQUESTS]
-            shared_prefix_references(reference, first, lengths, lambda p, n: greedy_reference(model, p, n, settings))
+            first = prompt_set[:count]
+            second_turn_references(
+                reference, sname, first, start, lengths, lambda p, n: greedy_reference(model, p, n, settings)
+            )
 
     lines, counts, widest = judge(results, reference, args.gap_tol)
     report = [

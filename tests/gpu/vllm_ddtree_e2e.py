@@ -43,6 +43,10 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
                     --model tiny-qwen3; plain-apc asks for it, ddtree64-apc leaves it unset; the other engines turn
                     it off), checked against plain without it, and required
                     to hit the prefix cache in the shared_prefix scenario
+  plain-hpc, ddtree64-async-hpc, ddtree64-late-hpc  prefix caching with a hybrid target (vLLM's mamba cache mode
+                    "align"; --model the trained pair or tiny-qwen3-next): vLLM's own, and ddtree's under
+                    DDTREE_HYBRID_PREFIX_CACHING=1 (asynchronous, synchronous), required to start second turns
+                    from state blocks that tree steps wrote (second_turns) and to run boundary commits
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt 120 tokens below
@@ -53,6 +57,8 @@ unaffected), temperature 1 with per-request seeds (run twice, then once more wit
 steps and the rest arriving beside its trees: all three must agree), and shared_prefix: 8 prompts that share
 their first SHARED_PREFIX tokens, sent together, then again, then as a second turn that appends each one's first
 answer and a few new tokens (with prefix caching: hits on blocks whose K/V trees wrote and moved); and, where the
+target is a hybrid, second_turns: 8 prompts of 96 tokens decoded for 240, then second turns that append each
+answer (with hybrid prefix caching: hits on state blocks that tree steps wrote); and, where the
 pair has a tokenizer (the trained pair), structured: 8 greedy requests under two regexes (words; a JSON object)
 (DDTREE_STRUCTURED_OUTPUTS=1 for every ddtree engine), each ended by its grammar, compared with plain's (the fp32
 judge replays each row under its regex: the settings kept with the outputs say which).
@@ -160,6 +166,13 @@ def prompts(vocab, given=None, seed=0):
     )
 
 
+def is_gdn_target(target: str) -> bool:
+    """Whether the target is a hybrid with Gated DeltaNet layers (its prefixes cache per state block)."""
+    from ddtree.vllm.config import GDN_ARCHITECTURES
+
+    return model_info(target)[0] in GDN_ARCHITECTURES
+
+
 def model_info(target):
     """(architecture, vocab size) from the target's config.json."""
     with open(os.path.join(target, "config.json")) as f:
@@ -249,6 +262,18 @@ ENGINES = {
     # ddtree64-apc leaves it unset ("default"), so the run shows what a user who sets nothing gets.
     "plain-apc": dict(spec=None, prefix_caching=True),
     "ddtree64-apc": dict(spec=ddtree_spec(64), prefix_caching="default"),
+    # Prefix caching with a hybrid target (vLLM's mamba cache mode "align"): run these with a hybrid target (the
+    # trained pair, tiny-qwen3-next). plain-hpc is vLLM's own align mode (no speculation); the ddtree engines cache
+    # hybrid prefixes under DDTREE_HYBRID_PREFIX_CACHING=1 (boundary commits), asynchronously and synchronously. Their
+    # second_turns requests must start from state blocks that tree steps wrote.
+    "plain-hpc": dict(spec=None, prefix_caching=True, hybrid_prefix=True),
+    "ddtree64-async-hpc": dict(async_ddtree(DDTREE_HYBRID_PREFIX_CACHING="1"), prefix_caching=True, hybrid_prefix=True),
+    "ddtree64-late-hpc": dict(
+        spec=ddtree_spec(64),
+        env={"DDTREE_HYBRID_PREFIX_CACHING": "1", "DDTREE_ASYNC_SCHEDULING": "0"},
+        prefix_caching=True,
+        hybrid_prefix=True,
+    ),
     "ddtree64-preempt": dict(
         spec=ddtree_spec(64),
         num_gpu_blocks_override=40,
@@ -301,12 +326,43 @@ def prefix_caching_arg(conf):
     return None if value == "default" else value
 
 
+#: The second_turns scenario (hybrid targets): first prompts shorter than a state block (144 tokens for the
+#: harness's hybrids: tiny-qwen3-next, the trained pair), decoded past two block ends, then second turns that append
+#: each answer. A second turn's cache hit then ends inside the first turn's answer: its state block was written by
+#: tree steps (a boundary commit, or a commit whose path ended at the block's end), not by a prefill.
+SECOND_TURN_PROMPT = 96
+SECOND_TURN_FIRST_TOKENS = 240
+SECOND_TURN_REQUESTS = 8
+
+
+def second_turn_prompts(prompts, count: int):
+    """``count`` first-turn prompts of ``SECOND_TURN_PROMPT`` tokens (prompt ``i`` cycled, then a token of its own)."""
+    out = []
+    for i in range(count):
+        own = prompts[i % len(prompts)]
+        out.append([own[j % len(own)] for j in range(SECOND_TURN_PROMPT - 1)] + [i % 97 + 3])
+    return out
+
+
+def state_cache_exercised(conf, rows):
+    """``(passed, note)`` for an engine caching a hybrid target's prefixes in the second_turns scenario: every second
+    turn (rows ``SECOND_TURN_REQUESTS`` on) read more cached tokens than its first prompt held, so from a state block
+    that decoding wrote (None: the engine does not cache hybrid prefixes)."""
+    if not conf.get("hybrid_prefix"):
+        return None
+    later = rows[SECOND_TURN_REQUESTS:]
+    cached = [r.get("cached_tokens", 0) for r in later]
+    passed = bool(later) and all(c > SECOND_TURN_PROMPT for c in cached)
+    return passed, f"second turns' cached tokens {cached} (first prompts {SECOND_TURN_PROMPT}); "
+
+
 def prefix_cache_exercised(conf, rows):
     """``(passed, note)`` for an engine with prefix caching in the shared_prefix scenario: its repeated and
     second-turn requests (rows 8 on) must have read prompt tokens from the cache (None: the engine runs without
     prefix caching). Counted from each request's own ``num_cached_tokens``: vLLM's prefix-cache counters stopped
     moving after the first scenario in ``gpu-h200-pair-2b9ceeb`` (0 queries in every later one, hits or not)."""
-    if not conf.get("prefix_caching"):
+    if not conf.get("prefix_caching") or conf.get("hybrid_prefix"):
+        # (A hybrid target's state blocks hold 144 tokens, more than these prompts share: second_turns checks them.)
         return None
     later = rows[SHARED_PREFIX_REQUESTS:]
     hit = sum(1 for r in later if r.get("cached_tokens", 0) > 0)
@@ -622,6 +678,17 @@ def run_child(
         )
         return rows, sum(len(r["tokens"]) for r in rows)
 
+    def second_turns():
+        # Hybrid targets: first turns decoded across state-block ends, then second turns that append each answer.
+        first = second_turn_prompts(P["batch32"], SECOND_TURN_REQUESTS)
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in first]
+        rows = collect(llm.generate(reqs, greedy(SECOND_TURN_FIRST_TOKENS), use_tqdm=False))
+        second = [second_turn(p, r["tokens"]) for p, r in zip(first, rows)]
+        rows += collect(
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in second], greedy(MAX_TOKENS), use_tqdm=False)
+        )
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     def structured():
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -649,6 +716,7 @@ def run_child(
         ("abort", abort),
         ("t1", t1),
         ("shared_prefix", shared_prefix),
+        *((("second_turns", second_turns),) if is_gdn_target(target) else ()),
         # (with tensor parallelism a ddtree engine refuses structured outputs: the masks need one process)
         *((("structured", structured),) if has_tokenizer(target) and conf.get("tp", 1) == 1 else ()),
     )
@@ -738,6 +806,7 @@ SWITCH_COUNTERS = {
     "DDTREE_TOPK_GRAPHS": ("topk_graph_steps",),
     "DDTREE_DEVICE_PLAN": ("device_plan_steps", "device_plan_resumed_steps"),
     "DDTREE_SLIDING_DRAFTER": ("sliding_drafter_steps",),
+    "DDTREE_HYBRID_PREFIX_CACHING": ("boundary_commit_trees", "boundary_commit_steps"),
 }
 
 
@@ -1166,6 +1235,11 @@ def main():
                 cached = prefix_cache_exercised(ENGINES.get(name, {}), sc["rows"])
                 if cached is not None:
                     verdict[f"{name}/shared_prefix/prefix_cache_hits"] = cached[0]
+                    notes += cached[1]
+            if sname == "second_turns":
+                cached = state_cache_exercised(ENGINES.get(name, {}), sc["rows"])
+                if cached is not None:
+                    verdict[f"{name}/second_turns/state_cache_hits"] = cached[0]
                     notes += cached[1]
             exercised = scenario_exercised(sname, sc.get("trees"))
             if exercised is not None:

@@ -151,7 +151,8 @@ def test_fp32_reference_judges_second_turns_only_where_the_first_answer_was_the_
         asked.append(prompt)
         return [9] * (length + 2), [1.0] * (length + 2)
 
-    ref.shared_prefix_references(reference, first, {2 * n: 3, 2 * n + 1: 2}, greedy)
+    assert ref.SECOND_TURN_ROUNDS["shared_prefix"] == (n, 2 * n)
+    ref.second_turn_references(reference, "shared_prefix", first, 2 * n, {2 * n: 3, 2 * n + 1: 2}, greedy)
     assert asked == [[100, 1, 2, 40, 41, 5, 6, 7], [101, 1, 2, 41, 41, 5, 6, 7]]
     assert reference[("shared_prefix", 2 * n)] == ([9, 9, 9], [1.0, 1.0, 1.0], 0)
     assert ("shared_prefix", 2 * n + 2) not in reference  # no engine row there: nothing asked
@@ -580,6 +581,38 @@ def test_shared_prefix_prompts_share_exactly_their_head_and_the_scenario_must_hi
     assert "env" not in ENGINES["ddtree64-apc"]  # prefix caching as a user who sets nothing gets it
     assert prefix_caching_arg(ENGINES["ddtree64-apc"]) is None and prefix_caching_arg(ENGINES["plain-apc"]) is True
     assert prefix_caching_arg(ENGINES["ddtree64"]) is False  # the other engines turn it off
+
+
+def test_second_turns_start_below_a_state_block_and_must_hit_past_their_first_prompt():
+    """Hybrid targets' second_turns scenario: first prompts shorter than a state block (so a hit past them is a
+    state block that decoding wrote), distinct; an engine caching hybrid prefixes passes only when every second turn
+    read more cached tokens than its first prompt held; other engines are not judged there, nor by shared_prefix."""
+    from vllm_ddtree_e2e import (
+        ENGINES,
+        SECOND_TURN_PROMPT,
+        SECOND_TURN_REQUESTS,
+        SWITCH_COUNTERS,
+        prefix_cache_exercised,
+        second_turn_prompts,
+        state_cache_exercised,
+    )
+
+    out = second_turn_prompts([list(range(100, 130)), list(range(200, 300))], SECOND_TURN_REQUESTS)
+    assert len(out) == SECOND_TURN_REQUESTS and all(len(p) == SECOND_TURN_PROMPT < 144 for p in out)
+    assert len({tuple(p) for p in out}) == SECOND_TURN_REQUESTS and out[0][30:32] == [100, 101]
+
+    def rows(later):
+        return [{"cached_tokens": 0}] * SECOND_TURN_REQUESTS + [{"cached_tokens": n} for n in later]
+
+    hybrid = ENGINES["ddtree64-async-hpc"]
+    assert state_cache_exercised(ENGINES["ddtree64-async"], rows([0] * 8)) is None
+    assert state_cache_exercised(hybrid, rows([144] * 8))[0] is True
+    assert state_cache_exercised(hybrid, rows([144] * 7 + [96]))[0] is False  # a hit within the first prompt
+    assert state_cache_exercised(hybrid, rows([]))[0] is False
+    assert prefix_cache_exercised(hybrid, rows([0] * 16)) is None  # (shared_prefix's 64 shared tokens: no block)
+    assert hybrid["env"]["DDTREE_HYBRID_PREFIX_CACHING"] == "1" and hybrid["prefix_caching"] is True
+    assert ENGINES["ddtree64-late-hpc"]["env"]["DDTREE_ASYNC_SCHEDULING"] == "0"
+    assert SWITCH_COUNTERS["DDTREE_HYBRID_PREFIX_CACHING"] == ("boundary_commit_trees", "boundary_commit_steps")
 
 
 def test_harness_fails_scenarios_that_raised_and_those_that_ran_after():

@@ -46,7 +46,9 @@ ATTENTION, STATE = 0, 1  # the KV-cache groups
 class Sim:
     """vLLM's manager for a hybrid target, a worker's view of it, and requests that verify trees."""
 
-    def __init__(self, budget: int, asynchronous: bool, seed: int, boundary_commits: bool = True, lag=None):
+    def __init__(
+        self, budget: int, asynchronous: bool, seed: int, boundary_commits: bool = True, lag=None, num_blocks=400
+    ):
         patches.install_state_block_patches()  # ddtree's patches 13a and 13c
         attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
         state = MambaSpec(
@@ -57,7 +59,7 @@ class Sim:
             num_speculative_blocks=0,
         )
         config = KVCacheConfig(
-            num_blocks=400,
+            num_blocks=num_blocks,
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["attn"], attention), KVCacheGroupSpec(["gdn"], state)],
         )
@@ -72,6 +74,7 @@ class Sim:
         self.rng = np.random.default_rng(seed)
         self.states: dict = {}  # state block id -> the tokens its state has read
         self.boundary_writes = 0
+        self.users: dict = {}  # state block id -> the requests that read or wrote it
         self.requests: dict = {}
 
     # -- the scheduler's side --------------------------------------------------------------------------------
@@ -150,6 +153,7 @@ class Sim:
         assert column < len(blocks) and blocks[column].block_id == block and not blocks[column].is_null, (
             f"{req.request_id}: column {column} (block {block}) is not the request's any more"
         )
+        self.users.setdefault(block, set()).add(req.request_id)
         return block
 
     def move_running_state(self, req: Request, info: dict, c: int, n: int) -> int:
@@ -195,27 +199,37 @@ class Sim:
                 checked += 1
         return checked
 
-    def decode(self, name: str, steps: int) -> int:
-        """``steps`` tree steps of one request; returns how many hashed state blocks were checked."""
+    def step(self, name: str) -> None:
+        """One tree step of a request: scheduled, its previous output received (asynchronously), run."""
         req, info = self.requests[name]
-        checked = 0
-        for _ in range(steps):
-            accepted = int(self.rng.integers(0, DEPTH + 1))
-            n = self.schedule(req, info)
-            if self.asynchronous:
-                # vLLM schedules the next step before the previous one's output; the worker runs it after that one.
-                if info["inflight"] is not None:
-                    self.output(req, info, info["inflight"])
-                info["inflight"] = accepted
-            self.run_tree_step(req, info, n, accepted)
-            if not self.asynchronous:
-                self.output(req, info, accepted)
-            checked += self.check_hashed_states()
-        if self.asynchronous and info["inflight"] is not None:
+        accepted = int(self.rng.integers(0, DEPTH + 1))
+        n = self.schedule(req, info)
+        if self.asynchronous:
+            # vLLM schedules the next step before the previous one's output; the worker runs it after that one.
+            if info["inflight"] is not None:
+                self.output(req, info, info["inflight"])
+            info["inflight"] = accepted
+        self.run_tree_step(req, info, n, accepted)
+        if not self.asynchronous:
+            self.output(req, info, accepted)
+
+    def settle(self, name: str) -> None:
+        """The last step's output reaches the scheduler (asynchronous scheduling)."""
+        req, info = self.requests[name]
+        if info["inflight"] is not None:
             self.output(req, info, info["inflight"])
             info["inflight"] = None
+
+    def decode(self, *names: str, steps: int) -> int:
+        """``steps`` tree steps of each request, in turns; returns how many hashed state blocks were checked."""
+        checked = 0
+        for _ in range(steps):
+            for name in names:
+                self.step(name)
             checked += self.check_hashed_states()
-        return checked
+        for name in names:
+            self.settle(name)
+        return checked + self.check_hashed_states()
 
 
 def _truth(rng, length: int):
@@ -230,7 +244,7 @@ def test_tree_steps_keep_every_hashed_state_block_exact_and_a_second_turn_starts
     rng = np.random.default_rng(100 + seed)
     first = _truth(rng, 2 * 9 * BLOCK + 11)
     sim.add("a", first)
-    checked = sim.decode("a", 9 * BLOCK // 3)
+    checked = sim.decode("a", steps=9 * BLOCK // 3)
     assert checked > 0 and sim.boundary_writes > 0
     generated = sim.requests["a"][1]["c"]
     assert generated > sim.prompt_len(first) + 3 * BLOCK, "the first request crossed too few boundaries"
@@ -239,7 +253,28 @@ def test_tree_steps_keep_every_hashed_state_block_exact_and_a_second_turn_starts
     sim.add("b", second)
     hit = sim.requests["b"][1]["hit"]
     assert hit > sim.prompt_len(first), f"the second turn hit {hit} tokens, none of them from tree steps"
-    sim.decode("b", 20)
+    sim.decode("b", steps=20)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_requests_in_turns_on_a_small_cache_never_share_a_written_state_block(asynchronous):
+    """Three requests decoding in turns, then second turns of each while the others go on: freed blocks go to other
+    requests at once (a small pool), so a write into a block the scheduler no longer counts as the writer's would
+    corrupt another request's state, and the checks would see it."""
+    sim = Sim(15, asynchronous, 3, num_blocks=130)
+    rng = np.random.default_rng(7)
+    firsts = {name: _truth(rng, 2 * 6 * BLOCK + 5) for name in "abc"}
+    for name, truth in firsts.items():
+        sim.add(name, truth)
+    assert sim.decode("a", "b", "c", steps=2 * BLOCK) > 0
+    for name in "abc":
+        generated = sim.requests[name][1]["c"]
+        sim.add(name + "2", firsts[name][:generated] + _truth(rng, generated + 30))
+        assert sim.requests[name + "2"][1]["hit"] > sim.prompt_len(firsts[name])
+    sim.decode("a2", "b2", "c2", steps=BLOCK)
+    assert sim.boundary_writes > 0
+    # Freed state blocks went on to other requests (those that started from a cache hit share blocks by design too).
+    assert any(len({user.rstrip("2") for user in users}) > 1 for users in sim.users.values())
 
 
 def test_the_block_size_check_names_the_budget_and_the_block_size():
@@ -260,7 +295,7 @@ def test_without_boundary_commits_a_hashed_state_block_is_stale(asynchronous):
     sim = Sim(7, asynchronous, 0, boundary_commits=False)
     sim.add("a", _truth(np.random.default_rng(5), 2 * 9 * BLOCK))
     with pytest.raises(AssertionError, match="stale|wrong state"):
-        sim.decode("a", 3 * BLOCK)
+        sim.decode("a", steps=3 * BLOCK)
 
 
 def test_without_the_lag_an_asynchronous_step_writes_a_block_the_scheduler_freed():
@@ -269,7 +304,7 @@ def test_without_the_lag_an_asynchronous_step_writes_a_block_the_scheduler_freed
         sim = Sim(15, True, seed, lag=0)
         sim.add("a", _truth(np.random.default_rng(seed), 2 * 9 * BLOCK))
         try:
-            sim.decode("a", 3 * BLOCK)
+            sim.decode("a", steps=3 * BLOCK)
         except AssertionError as error:
             assert "is not the request's any more" in str(error)
             failures += 1
@@ -285,7 +320,7 @@ def test_with_vllms_state_lookup_a_second_turn_would_start_past_its_attention_bl
     rng = np.random.default_rng(100)
     first = _truth(rng, 2 * 9 * BLOCK + 11)
     sim.add("a", first)
-    sim.decode("a", 9 * BLOCK // 3)
+    sim.decode("a", steps=9 * BLOCK // 3)
     generated = sim.requests["a"][1]["c"]
     with pytest.raises(AssertionError, match="attention blocks"):
         sim.add("b", first[:generated] + _truth(rng, generated + 40))
