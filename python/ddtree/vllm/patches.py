@@ -176,6 +176,17 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     its trees' slots and stay. Upstream fix: a speculator hook that computes its own grammar rows and checks its
     own drafts.
 
+13. Prefix caching with a hybrid target (``DDTREE_HYBRID_PREFIX_CACHING=1``, vLLM's mamba cache mode "align"; the
+    worker's half is the runner's: boundary commits, accepted counts kept at 1, ``ddtree.vllm.mamba_align``): (a)
+    ``MambaManager.remove_skipped_blocks`` (wrapped): a ddtree engine's state-block managers free ``2 * (budget + 1)``
+    tokens later than vLLM, whose optimistic count would free the block before the running one while a tree step may
+    still write its boundary state there; (c) ``MambaManager.find_longest_cache_hit`` (wrapped): with DFlash (an
+    "eagle" drafter) vLLM drops one matched block from the attention groups' hits but not from the state group's, so a
+    hit could end a block past the attention K/V; for a ddtree engine (``num_speculative_blocks`` 0) the state lookup
+    stops a block earlier; (b) inside 1c's ``Scheduler.__init__``: sets (a)'s lag and refuses a block size that cannot
+    hold two trees. A manager of another engine is unchanged. Upstream fix: (a) per-method state-block retention; (c)
+    the state lookup honouring ``drop_eagle_block`` (vllm-project/vllm#48375, #57128).
+
 Not patched: vLLM's sampler, DFlash proposer and attention backends are used through subclasses (``runner.py``,
 ``proposer.py``, ``sampler.py``, ``attention.py``).
 """
@@ -1068,8 +1079,8 @@ def _tree_placeholders_kept(original):
 
 
 def apply() -> None:
-    """Applies patches 1-3 (1c included), 5a-c, 6-9 and 12 (4, 5d, 10 and 11 are applied by the worker). Raises on
-    unsupported vLLM."""
+    """Applies patches 1-3 (1c included), 5a-c, 6-9, 12 and 13 (4, 5d, 10 and 11 are applied by the worker). Raises
+    on unsupported vLLM."""
     global _APPLIED
     import vllm
 
