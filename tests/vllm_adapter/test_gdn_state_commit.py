@@ -78,7 +78,7 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
         GdnCommitPlan,
         GdnTreeStep,
         boundary_commit_plan,
-        commit_boundary_layer,
+        commit_layer,
         commit_pending,
         verify_tree_tokens,
     )
@@ -185,47 +185,27 @@ def _check(device: str, sd_layout: bool, seed: int) -> None:
     boundary, writes = boundary_commit_plan(plan, prefix.to(device), WIDTH - 1)
     assert writes.tolist() == [True, True, False]
     for pending in step.pending.values():
-        commit_boundary_layer(pending, boundary, torch.where(writes, boundary_slots, -1))
-    for r in range(2):
-        slot, dst, first = int(slots[r]), int(boundary_slots[r]), int(offsets[r])
-        rows = [first + int(p) for p in paths[r][: int(prefix[r])]]
+        commit_layer(pending, boundary, torch.where(writes, boundary_slots, -1))
+
+    def expect_committed(r: int, into: int, entries: int, what: str) -> None:
+        """Slot ``into`` holds request ``r``'s conv history and state after its path's first ``entries`` entries."""
+        slot, first = int(slots[r]), int(offsets[r])
+        rows = [first + int(p) for p in paths[r][:entries] if p >= 0]
         history = torch.cat([conv_before[slot].T, x[rows]])[-(WIDTH - 1) :].T
-        assert torch.equal(conv_state[dst], history), f"request {r}: boundary conv history"
-        _, final = _oracle(
-            conv_before[slot].cpu(),
-            x[rows].cpu(),
-            weight.cpu(),
-            bias.cpu(),
-            a[rows].cpu(),
-            b[rows].cpu(),
-            a_log.cpu(),
-            dt_bias.cpu(),
-            ssm_before[slot].cpu(),
-        )
-        err = float((ssm_state[dst].double().cpu() - final).abs().max() / final.abs().max())
-        assert err < 1e-4, f"request {r}: boundary state relative error {err}"
+        assert torch.equal(conv_state[into], history), f"request {r}: {what} conv history"
+        inputs = (x[rows], weight, bias, a[rows], b[rows], a_log, dt_bias)
+        _, final = _oracle(conv_before[slot].cpu(), *(t.cpu() for t in inputs), ssm_before[slot].cpu())
+        err = float((ssm_state[into].double().cpu() - final).abs().max() / final.abs().max())
+        assert err < 1e-4, f"request {r}: {what} state relative error {err}"
+
+    for r in range(2):
+        expect_committed(r, int(boundary_slots[r]), int(prefix[r]), "boundary")
     assert torch.equal(conv_state[5], conv_before[5]) and torch.equal(ssm_state[5], ssm_before[5])
     assert torch.equal(conv_state[slots.long()], conv_before[slots.long()]), "a boundary commit wrote a source slot"
 
     assert commit_pending(step, plan) == 1 and not step.pending
     for r in range(num_requests):
-        slot, first = int(slots[r]), int(offsets[r])
-        rows = [first + int(p) for p in paths[r] if p >= 0]
-        history = torch.cat([conv_before[slot].T, x[rows]])[-(WIDTH - 1) :].T
-        assert torch.equal(conv_state[slot], history), f"request {r}: conv history"
-        _, final = _oracle(
-            conv_before[slot].cpu(),
-            x[rows].cpu(),
-            weight.cpu(),
-            bias.cpu(),
-            a[rows].cpu(),
-            b[rows].cpu(),
-            a_log.cpu(),
-            dt_bias.cpu(),
-            ssm_before[slot].cpu(),
-        )
-        err = float((ssm_state[slot].double().cpu() - final).abs().max() / final.abs().max())
-        assert err < 1e-4, f"request {r}: committed state relative error {err}"
+        expect_committed(r, int(slots[r]), paths.shape[1], "committed")
     untouched = [s for s in range(slots_count) if s not in slots.tolist() + boundary_slots.tolist()[:2]]
     assert torch.equal(conv_state[untouched], conv_before[untouched])
     assert torch.equal(ssm_state[untouched], ssm_before[untouched])

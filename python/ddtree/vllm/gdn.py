@@ -194,11 +194,12 @@ def verify_tree_tokens(
     return out
 
 
-def commit_layer(pending: PendingCommit, plan: GdnCommitPlan) -> None:
-    """Writes the accepted paths' conv history and recurrent state into the layer's slots (in place)."""
+def commit_layer(pending: PendingCommit, plan: GdnCommitPlan, dst_slots: Optional[torch.Tensor] = None) -> None:
+    """Writes the accepted paths' conv history and recurrent state into the layer's slots (in place), or into
+    ``dst_slots`` (int32 ``[R]``; a negative slot writes nothing), reading the layer's slots."""
     from ddtree.kernels.gdn_triton import tree_conv_commit, tree_gdn_commit
 
-    tree_conv_commit(pending.x, pending.conv_state, pending.slots, plan.conv_index)
+    tree_conv_commit(pending.x, pending.conv_state, pending.slots, plan.conv_index, dst_slots=dst_slots)
     tree_gdn_commit(
         pending.k,
         pending.deltas,
@@ -208,6 +209,7 @@ def commit_layer(pending: PendingCommit, plan: GdnCommitPlan) -> None:
         plan.path_lengths,
         pending.ssm_state,
         pending.slots,
+        dst_indices=dst_slots,
     )
 
 
@@ -235,26 +237,6 @@ def boundary_commit_plan(
     return boundary, writes
 
 
-def commit_boundary_layer(pending: PendingCommit, plan: GdnCommitPlan, dst_slots: torch.Tensor) -> None:
-    """One layer's commit of ``plan`` (:func:`boundary_commit_plan`) from the requests' slots into ``dst_slots``
-    (int32 ``[R]``; a negative slot writes nothing). Runs before the main commit, which overwrites the slots it
-    reads."""
-    from ddtree.kernels.gdn_triton import tree_conv_commit, tree_gdn_commit
-
-    tree_conv_commit(pending.x, pending.conv_state, pending.slots, plan.conv_index, dst_slots=dst_slots)
-    tree_gdn_commit(
-        pending.k,
-        pending.deltas,
-        pending.cum_log_decay,
-        plan.node_offsets,
-        plan.paths,
-        plan.path_lengths,
-        pending.ssm_state,
-        pending.slots,
-        dst_indices=dst_slots,
-    )
-
-
 def commit_boundaries(
     pendings: Dict[str, PendingCommit],
     plan: GdnCommitPlan,
@@ -264,7 +246,7 @@ def commit_boundaries(
 ) -> None:
     """Every layer's boundary commit (:func:`boundary_commit_plan`) into ``boundary_slots[layer]`` (int32 ``[R]``,
     one tensor per KV-cache group, shared by its layers); rows whose path does not reach their prefix write nothing.
-    Runs before the main commit."""
+    Runs before the main commit, which overwrites the slots these commits read."""
     boundary, writes = boundary_commit_plan(plan, prefix, conv_window)
     masked: Dict[int, torch.Tensor] = {}
     for name, pending in pendings.items():
@@ -272,7 +254,7 @@ def commit_boundaries(
         dst = masked.get(id(slots))
         if dst is None:
             dst = masked[id(slots)] = torch.where(writes, slots, torch.full_like(slots, -1))
-        commit_boundary_layer(pending, boundary, dst)
+        commit_layer(pending, boundary, dst)
 
 
 def commit_pending(step: GdnTreeStep, plan: GdnCommitPlan) -> int:
