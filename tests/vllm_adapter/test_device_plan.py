@@ -578,7 +578,7 @@ def test_every_ddtree_setting_refuses_a_value_it_does_not_take():
     from ddtree.vllm import config
 
     names = [getattr(config, n) for n in dir(config) if n.endswith("_ENV") and n != "V2_RUNNER_ENV"]
-    assert len(names) == 14 and all(name.startswith("DDTREE_") for name in names)
+    assert len(names) == 15 and all(name.startswith("DDTREE_") for name in names)
     assert config.check_environment({}) == []
     for name in names:
         with pytest.raises(config.DDTreeConfigError, match=name):

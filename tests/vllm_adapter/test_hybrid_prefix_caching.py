@@ -413,3 +413,43 @@ def test_the_boundary_commits_run_before_the_main_commit(monkeypatch):
     runner._ddtree_gdn_step = SimpleNamespace(node_offsets="offsets", pending={"gdn.0": "recorded"})
     runner._ddtree_commit_gdn(gpu)
     assert order == ["boundary", "main", "main"]
+
+
+def test_vllms_own_pre_step_copy_and_state_column_are_the_ones_the_rules_assume(monkeypatch):
+    """The model worker above moves the running state whole to column ``(c + n - 1) // block_size`` before a step,
+    and the boundary rules take that column as the one the step reads and the main commit writes. Here vLLM's own
+    ``preprocess_mamba`` (its copies recorded instead of made) and the GDN metadata's column gather
+    (``mamba_get_block_table_tensor``) are run with ddtree's accepted counts of 1."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+    from vllm.v1.worker import mamba_utils
+
+    copies = []
+    monkeypatch.setattr(
+        mamba_utils,
+        "collect_mamba_copy_meta",
+        lambda bufs, config, funcs, groups, src, dst, bias, *rest: copies.append((src, dst, bias)),
+    )
+    monkeypatch.setattr(mamba_utils, "do_mamba_copy_block", lambda bufs: None)
+    state = MambaSpec(block_size=BLOCK, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    bufs = SimpleNamespace(mamba_group_ids=[STATE], mamba_spec=state, offset=0)
+    computed, scheduled = {"a": 20, "b": 40, "c": 63}, {"a": 16, "b": 16, "c": 16}
+    output = SimpleNamespace(
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
+        num_scheduled_tokens=scheduled,
+    )
+    batch = SimpleNamespace(req_ids=["a", "b", "c"], num_accepted_tokens_cpu=np.ones(3, dtype=np.int32))
+    requests = {name: SimpleNamespace(num_computed_tokens=c) for name, c in computed.items()}
+    state_idx = {"a": 0, "b": 1, "c": 1}  # the previous steps' running columns
+    config = SimpleNamespace(enable_prefix_caching=True)
+    mamba_utils.preprocess_mamba(output, None, config, state_idx, batch, requests, {}, (), bufs)
+    running = {name: (computed[name] + scheduled[name] - 1) // BLOCK for name in computed}
+    assert state_idx == running == {"a": 1, "b": 1, "c": 2}
+    assert copies == [(0, 1, 0), (1, 2, 0)]  # whole states (bias 0), only where the column moved
+    table = torch.arange(3 * 8, dtype=torch.int32).reshape(3, 8)
+    seq_lens = torch.tensor([computed[n] + scheduled[n] for n in "abc"])
+    columns = mamba_get_block_table_tensor(table, seq_lens, state, "align")
+    assert columns[:, 0].tolist() == [8 * r + running[n] for r, n in enumerate("abc")]
