@@ -331,11 +331,13 @@ def _runner_for_boundaries(computed, scheduled, tables):
     from types import SimpleNamespace
 
     from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.staging import StepStaging
 
     runner = object.__new__(DDTreeGPUModelRunner)
     runner._ddtree_state_block_size = BLOCK
     runner._ddtree_state_group_layers = None
     runner.device = torch.device("cpu")
+    runner._ddtree_boundary_staging = StepStaging(runner.device)
     runner.ddtree_stats = DDTreeStats(DEPTH, ())
     runner.query_start_loc = SimpleNamespace(np=np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32))
     runner.input_batch = SimpleNamespace(
@@ -365,6 +367,7 @@ def test_the_runner_finds_each_trees_boundary_block_in_every_state_group():
     prefix, slots = runner._ddtree_state_boundaries(plan)
     assert prefix.tolist() == [4, 0]
     assert set(slots) == {"gdn.0", "gdn.1", "gdn.2"} and slots["gdn.0"] is slots["gdn.1"]
+    assert runner._ddtree_boundary_staging.uploads == 1  # prefixes and every group's blocks in one copy
     assert slots["gdn.0"].tolist() == [100 + 21, -1] and slots["gdn.2"].tolist() == [200 + 21, -1]
     assert (runner.ddtree_stats.boundary_commit_trees, runner.ddtree_stats.boundary_commit_steps) == (1, 1)
     # No tree within reach of its block's end: nothing to commit, nothing counted.

@@ -490,6 +490,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         aligned = self._ddtree_conv_window and getattr(self.cache_config, "mamba_cache_mode", "none") == "align"
         self._ddtree_state_block_size = int(self.cache_config.mamba_block_size) if aligned else 0
         self._ddtree_state_group_layers: Optional[List[Tuple[int, List[str]]]] = None
+        # The boundary commits' prefixes and destination blocks: one pinned copy on the steps that have them.
+        self._ddtree_boundary_staging = StepStaging(self.device) if aligned else None
         # The tree layout at fixed addresses (CUDA graphs read them), and what FULL graphs' captures recorded.
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_buffers = TreeStepBuffers(
@@ -1815,13 +1817,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return None
         self.ddtree_stats.boundary_commit_trees += int(reaching.sum())
         self.ddtree_stats.boundary_commit_steps += 1
-        slots: Dict[str, torch.Tensor] = {}
-        for group_id, layers in self._ddtree_state_groups():
-            table = self.input_batch.block_table[group_id].get_numpy_array()
-            blocks = np.where(reaching, table[rows, np.where(reaching, column, 0)], -1).astype(np.int32)
-            tensor = torch.from_numpy(blocks).to(self.device)
-            slots.update((name, tensor) for name in layers)
-        return torch.from_numpy(prefix).to(self.device), slots
+        groups = self._ddtree_state_groups()
+        columns = np.where(reaching, column, 0)
+        blocks = [
+            np.where(reaching, self.input_batch.block_table[group_id].get_numpy_array()[rows, columns], -1)
+            for group_id, _ in groups
+        ]
+        # One pinned copy, not waited for (a pageable copy would wait for the whole stream).
+        uploaded = self._ddtree_boundary_staging.upload([prefix] + [b.astype(np.int32) for b in blocks])
+        slots = {name: tensor for (_, layers), tensor in zip(groups, uploaded[1:]) for name in layers}
+        return uploaded[0], slots
 
     def _ddtree_state_groups(self) -> List[Tuple[int, List[str]]]:
         """(KV-cache group, its layers) of each recurrent-state group: each has its own block ids."""
