@@ -226,3 +226,32 @@ def test_a_ddtree_setting_with_a_value_it_does_not_take_is_refused_before_loadin
     assert warned == [
         "DDTree: DDTREE_WALK_GRAPHS is not a ddtree setting and changes nothing (did you mean DDTREE_STEP_GRAPHS?)"
     ]
+
+
+def test_hybrid_prefix_caching_is_served_under_its_switch_and_off_where_vllms_default_alone_turned_it_on(
+    h200_platform, monkeypatch
+):
+    """The pair's target is a hybrid. vLLM 0.25 leaves its prefix caching off; a user's True is refused naming
+    DDTREE_HYBRID_PREFIX_CACHING and served (vLLM's mamba cache mode "align") under it. A vLLM whose default turns it
+    on for hybrids (0.33; modelled by that default here) gets it turned off unless the switch is on."""
+    from vllm.config.model import ModelConfig
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply()
+    monkeypatch.delenv("DDTREE_HYBRID_PREFIX_CACHING", raising=False)
+    config = _pair_args(64).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert config.model_config.is_hybrid and not config.cache_config.enable_prefix_caching
+    with pytest.raises(DDTreeConfigError, match="DDTREE_HYBRID_PREFIX_CACHING=1"):
+        _pair_args(64, enable_prefix_caching=True).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    monkeypatch.setenv("DDTREE_HYBRID_PREFIX_CACHING", "1")
+    config = _pair_args(64, enable_prefix_caching=True).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "align"
+
+    monkeypatch.setattr(ModelConfig, "is_prefix_caching_supported", property(lambda self: True))
+    config = _pair_args(64).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "align"
+    monkeypatch.delenv("DDTREE_HYBRID_PREFIX_CACHING")
+    args = _pair_args(64)
+    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert not config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "none"
+    assert args.enable_prefix_caching is False

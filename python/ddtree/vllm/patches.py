@@ -216,6 +216,7 @@ from ddtree.vllm.config import (
     METHOD,
     V2_RUNNER_ENV,
     DDTreeConfig,
+    HYBRID_PREFIX_CACHING_ENV,
     DDTreeConfigError,
     check_environment,
     check_target,
@@ -402,8 +403,20 @@ def _create_engine_config_wrapper(original):
         token = _USER_BATCH_LIMITS.set(
             (getattr(self, "max_num_seqs", None) is not None, getattr(self, "max_num_batched_tokens", None) is not None)
         )
+        # (vLLM writes its default into the arguments: whether the user set it is known only before.)
+        prefix_caching_unset = getattr(self, "enable_prefix_caching", None) is None
         try:
             vllm_config = original(self, *args, **kwargs)
+            if prefix_caching_unset and _hybrid_prefix_caching_by_vllms_default(vllm_config):
+                # vLLM's own default turned prefix caching on for a hybrid target (0.25 does not; 0.33 does): without
+                # DDTREE_HYBRID_PREFIX_CACHING ddtree serves the target as a user who turned it off would be served.
+                _log().info(
+                    "DDTree: prefix caching off for this hybrid target (vLLM's default turned it on; %s=1 serves it "
+                    "with trees, experimental)",
+                    HYBRID_PREFIX_CACHING_ENV,
+                )
+                self.enable_prefix_caching = False
+                vllm_config = original(self, *args, **kwargs)
         except ValueError as error:
             # pydantic wraps an error raised inside VllmConfig.__post_init__ (patch 7) in its own
             # ValidationError; the user gets ddtree's message as it was raised.
@@ -422,6 +435,16 @@ def _create_engine_config_wrapper(original):
         return vllm_config
 
     return create_engine_config
+
+
+def _hybrid_prefix_caching_by_vllms_default(vllm_config) -> bool:
+    """Whether ``vllm_config``, made with ``enable_prefix_caching`` left to vLLM, caches a hybrid target's prefixes
+    while ddtree does not serve that (``DDTREE_HYBRID_PREFIX_CACHING`` off)."""
+    return (
+        bool(getattr(vllm_config.model_config, "is_hybrid", False))
+        and bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
+        and not hybrid_prefix_caching_enabled()
+    )
 
 
 def _keep_full_graphs_under_a_schedule(original):
