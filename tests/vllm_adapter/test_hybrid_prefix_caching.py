@@ -237,7 +237,7 @@ def _truth(rng, length: int):
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-@pytest.mark.parametrize("budget", [7, 15])  # 15: the largest this block size serves
+@pytest.mark.parametrize("budget", [7, 15, 31])  # 31: the largest this block size serves
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tree_steps_keep_every_hashed_state_block_exact_and_a_second_turn_starts_from_one(asynchronous, budget, seed):
     sim = Sim(budget, asynchronous, seed)
@@ -261,7 +261,7 @@ def test_requests_in_turns_on_a_small_cache_never_share_a_written_state_block(as
     """Three requests decoding in turns, then second turns of each while the others go on: freed blocks go to other
     requests at once (a small pool), so a write into a block the scheduler no longer counts as the writer's would
     corrupt another request's state, and the checks would see it."""
-    sim = Sim(15, asynchronous, 3, num_blocks=130)
+    sim = Sim(31, asynchronous, 3, num_blocks=130)
     rng = np.random.default_rng(7)
     firsts = {name: _truth(rng, 2 * 6 * BLOCK + 5) for name in "abc"}
     for name, truth in firsts.items():
@@ -278,9 +278,24 @@ def test_requests_in_turns_on_a_small_cache_never_share_a_written_state_block(as
 
 
 def test_the_block_size_check_names_the_budget_and_the_block_size():
-    assert block_size_problem(BLOCK, 15) is None
-    problem = block_size_problem(BLOCK, 16)
-    assert "ddtree_budget 16" in problem and "block_size 32" in problem and "34" in problem
+    assert block_size_problem(BLOCK, 31) is None
+    problem = block_size_problem(BLOCK, 32)
+    assert "ddtree_budget 32" in problem and "block_size 32" in problem and "33" in problem
+
+
+def test_a_step_of_more_than_a_block_would_leave_a_boundary_column_unallocated():
+    """What the block-size rule guards: with more scheduled tokens than a block holds, vLLM's running column skips
+    a column (a null block) that a boundary commit must write."""
+    failures = 0
+    for seed in range(3):
+        sim = Sim(BLOCK + 8, True, seed)
+        sim.add("a", _truth(np.random.default_rng(seed), 2 * 9 * BLOCK))
+        try:
+            sim.decode("a", steps=3 * BLOCK)
+        except AssertionError as error:
+            assert "is not the request's any more" in str(error)
+            failures += 1
+    assert failures > 0
 
 
 def test_boundary_prefixes_only_where_the_roots_block_is_not_the_running_column():

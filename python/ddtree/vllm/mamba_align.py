@@ -20,8 +20,9 @@ request (no per-draft columns) and commits the accepted path into it, so four th
 3. The scheduler frees state blocks :func:`free_lag_tokens` later than vLLM would (``MambaManager
    .remove_skipped_blocks``): a boundary column is the one before the running column, which vLLM frees as soon as
    its optimistic count passes it, while the worker may still write it and before it is hashed.
-4. The block size must hold two trees (:func:`block_size_problem`): every column a step reads or writes is then
-   one of the two the scheduler keeps.
+4. The block size must hold a step's tokens (:func:`block_size_problem`): the scheduler's running column then moves
+   at most one block a step, so every column from the request's first decode step on is given a real block, and the
+   lag keeps those the worker may still read or write.
 
 No vLLM or torch import: ``tests/vllm_adapter/test_hybrid_prefix_caching.py`` drives vLLM's own
 ``KVCacheManager`` through tree steps with these rules and checks every write and every hashed state block.
@@ -56,10 +57,11 @@ def boundary_prefixes(
 def free_lag_tokens(budget: int) -> int:
     """Tokens by which ddtree's scheduler holds back vLLM's count before freeing state blocks.
 
-    vLLM frees the column before the running one once its count passes that column's end. Under asynchronous
-    scheduling its count runs up to ``budget`` tokens ahead of the worker's (the in-flight step's drafts, counted
-    accepted), and the next step's ``budget + 1`` more are scheduled before the crossing step's output is hashed:
-    ``2 * (budget + 1)`` keeps the boundary column until its state is written and hashed.
+    vLLM frees every column before the one holding its count's last token. Under asynchronous scheduling its count
+    runs up to ``budget`` tokens ahead of the worker's (the in-flight step's drafts, counted accepted), so the
+    columns a step reads and writes (from the one holding the worker's last computed token) need a lag of
+    ``budget``; the next step's ``budget + 1`` more are scheduled before the crossing step's output is hashed, so
+    ``2 * (budget + 1)`` also keeps a boundary column until its state is hashed.
     """
     return 2 * (int(budget) + 1)
 
@@ -67,14 +69,15 @@ def free_lag_tokens(budget: int) -> int:
 def block_size_problem(block_size: int, budget: int) -> Optional[str]:
     """Why ``block_size`` cannot serve prefix caching with trees of ``budget`` (None: it can).
 
-    A step's columns (the root's block, the running column) are then always the scheduler's running column and the
-    one before it, the two it keeps allocated.
+    A step schedules ``budget + 1`` tokens; with at most a block of them, vLLM's running column advances at most one
+    block a step, so it gives every column a real block in turn (a column it skipped would be a null block, where a
+    boundary commit could not write).
     """
-    needed = 2 * (int(budget) + 1)
+    needed = int(budget) + 1
     if int(block_size) < needed:
         return (
-            f"prefix caching with a hybrid target needs a state block of at least 2 x (budget + 1) = {needed} tokens "
-            f"for ddtree_budget {budget}; vLLM chose block_size {block_size}. Set a larger --block-size (a multiple "
-            f"of {block_size}) or a smaller ddtree_budget"
+            f"prefix caching with a hybrid target needs a state block of at least budget + 1 = {needed} tokens for "
+            f"ddtree_budget {budget}; vLLM chose block_size {block_size}. Set a larger --block-size (a multiple of "
+            f"{block_size}) or a smaller ddtree_budget"
         )
     return None

@@ -184,7 +184,7 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     "eagle" drafter) vLLM drops one matched block from the attention groups' hits but not from the state group's, so a
     hit could end a block past the attention K/V; for a ddtree engine (``num_speculative_blocks`` 0) the state lookup
     stops a block earlier; (b) inside 1c's ``Scheduler.__init__``: sets (a)'s lag and refuses a block size that cannot
-    hold two trees. A manager of another engine is unchanged. Upstream fix: (a) per-method state-block retention; (c)
+    hold a step's tokens. A manager of another engine is unchanged. Upstream fix: (a) per-method state-block retention; (c)
     the state lookup honouring ``drop_eagle_block`` (vllm-project/vllm#48375, #57128).
 
 Not patched: vLLM's sampler, DFlash proposer and attention backends are used through subclasses (``runner.py``,
@@ -493,7 +493,7 @@ def _live_auto_lookup(original):
 # ---- 13. prefix caching for hybrid targets -----------------------------------------------------------
 def _lag_state_frees_for_trees(scheduler, vllm_config) -> None:
     """13b: a ddtree engine whose hybrid target caches prefixes (mamba cache mode "align") frees state blocks
-    ``mamba_align.free_lag_tokens`` later (13a), and refuses a block size that cannot hold two trees."""
+    ``mamba_align.free_lag_tokens`` later (13a), and refuses a block size that cannot hold a step's tokens."""
     cache = getattr(vllm_config, "cache_config", None)
     if not is_ddtree_config(vllm_config) or getattr(cache, "mamba_cache_mode", "none") != "align":
         return
