@@ -46,7 +46,8 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
   plain-hpc, ddtree64-async-hpc, ddtree64-late-hpc  prefix caching with a hybrid target (vLLM's mamba cache mode
                     "align"; --model the trained pair or tiny-qwen3-next): vLLM's own, and ddtree's under
                     DDTREE_HYBRID_PREFIX_CACHING=1 (asynchronous, synchronous), required to start second turns
-                    from state blocks that tree steps wrote (second_turns) and to run boundary commits
+                    from state blocks that tree steps wrote (second_turns) and to run boundary commits;
+                    ddtree64-async-hpc-preempt the asynchronous one on 40 blocks (batch32, preemption required)
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt 120 tokens below
@@ -273,6 +274,14 @@ ENGINES = {
         env={"DDTREE_HYBRID_PREFIX_CACHING": "1", "DDTREE_ASYNC_SCHEDULING": "0"},
         prefix_caching=True,
         hybrid_prefix=True,
+    ),
+    # ... and preempted (vLLM frees a preempted request's state blocks; it resumes from the cache's).
+    "ddtree64-async-hpc-preempt": dict(
+        async_ddtree(DDTREE_HYBRID_PREFIX_CACHING="1"),
+        prefix_caching=True,
+        hybrid_prefix=True,
+        num_gpu_blocks_override=40,
+        only=("batch32",),
     ),
     "ddtree64-preempt": dict(
         spec=ddtree_spec(64),
