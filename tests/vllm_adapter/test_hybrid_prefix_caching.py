@@ -78,31 +78,43 @@ class Sim:
         self.requests: dict = {}
 
     # -- the scheduler's side --------------------------------------------------------------------------------
-    def add(self, name: str, truth) -> Request:
-        """A request whose prompt is ``truth``'s first part; its answer is the rest of ``truth``."""
-        prompt = list(truth[: self.prompt_len(truth)])
+    def add(self, name: str, truth, prompt_len: int) -> Request:
+        """A request whose prompt is ``truth``'s first ``prompt_len`` tokens; its answer is the rest of ``truth``."""
+        prompt = list(truth[:prompt_len])
         req = Request(name, prompt, SamplingParams(max_tokens=10_000), None, block_hasher=self.hasher)
-        blocks, hit = self.manager.get_computed_blocks(req)
-        info = {"truth": list(truth), "row": [], "state_idx": None, "c": hit, "inflight": None, "hit": hit}
+        info = {"truth": list(truth), "row": [], "state_idx": None, "inflight": None}
         self.requests[name] = (req, info)
+        self.start(req, info, req.num_prompt_tokens)
+        return req
+
+    def start(self, req: Request, info: dict, end: int) -> None:
+        """A request's first ``end`` tokens from the cache's hit and a prefill of the rest, then its sampled token."""
+        blocks, hit = self.manager.get_computed_blocks(req)
+        info.update(c=hit, hit=hit)
         if hit:
             attention_blocks = len(blocks.get_block_ids()[ATTENTION])
             assert hit <= attention_blocks * BLOCK, f"a hit of {hit} tokens over {attention_blocks} attention blocks"
             hit_state = blocks.get_block_ids()[STATE][-1]
-            assert self.states.get(hit_state) == tuple(truth[:hit]), "a cache hit's state block holds another state"
-        self.prefill(req, info, blocks, hit)
-        return req
+            assert self.states.get(hit_state) == tuple(info["truth"][:hit]), "a cache hit's state holds another state"
+        self.prefill(req, info, blocks, hit, end)
 
-    @staticmethod
-    def prompt_len(truth) -> int:
-        return len(truth) // 2
+    def preempt_and_resume(self, name: str) -> None:
+        """vLLM's preemption (every block freed, the count reset; the worker forgets the request's row and state
+        column), then its resumption: a hit, and a prefill of the request's tokens up to its last one."""
+        req, info = self.requests[name]
+        self.manager.free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        info.update(row=[], state_idx=None)
+        end = req.num_tokens
+        self.start(req, info, end)
 
-    def prefill(self, req: Request, info: dict, blocks, hit: int) -> None:
-        """The prompt in chunks that end at block boundaries (vLLM's align chunking), then its sampled token."""
-        prompt = req.num_prompt_tokens
+    def prefill(self, req: Request, info: dict, blocks, hit: int, end: int) -> None:
+        """Tokens ``hit .. end`` in chunks that end at block boundaries (vLLM's align chunking), then the sampled
+        token after them."""
         c, first = hit, True
-        while c < prompt:
-            n = min(prompt - c, BLOCK - c % BLOCK)
+        while c < end:
+            n = min(end - c, BLOCK - c % BLOCK)
             self.manager.new_step_starts()
             kwargs = dict(num_new_computed_tokens=hit, new_computed_blocks=blocks) if first else {}
             assert self.manager.allocate_slots(req, n, **kwargs) is not None
@@ -113,8 +125,8 @@ class Sim:
             self.run_prefill_chunk(req, info, c, n)
             c += n
             req.num_computed_tokens = c
-        req.append_output_token_ids(info["truth"][prompt])
-        info["c"] = prompt
+        req.append_output_token_ids(info["truth"][end])
+        info["c"] = end
         if self.asynchronous:
             self.manager.cache_blocks(req, req.num_computed_tokens)
 
@@ -134,8 +146,9 @@ class Sim:
         """A step's output reaches the scheduler: ``accepted`` drafts and the bonus token."""
         rejected = self.budget - accepted
         req.num_computed_tokens -= rejected
-        c = req.num_tokens  # the root's position + 1 ... the request's tokens so far end at the step's root
+        c = req.num_tokens  # the request's tokens so far end at the step's root
         new = info["truth"][c : c + accepted + 1]
+        assert len(new) == accepted + 1, "the test's request ran past its answer: give it a longer one"
         req.append_output_token_ids(new)
         if self.asynchronous:
             req.num_output_placeholders -= rejected + len(new)
@@ -236,23 +249,28 @@ def _truth(rng, length: int):
     return [int(t) for t in rng.integers(10, 5000, size=length)]
 
 
+def _tokens(rng, prompt: int, steps: int):
+    """A prompt of ``prompt`` tokens and an answer long enough for ``steps`` tree steps."""
+    return _truth(rng, prompt + (DEPTH + 1) * steps + 1)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 @pytest.mark.parametrize("budget", [7, 15, 31])  # 31: the largest this block size serves
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tree_steps_keep_every_hashed_state_block_exact_and_a_second_turn_starts_from_one(asynchronous, budget, seed):
     sim = Sim(budget, asynchronous, seed)
     rng = np.random.default_rng(100 + seed)
-    first = _truth(rng, 2 * 9 * BLOCK + 11)
-    sim.add("a", first)
-    checked = sim.decode("a", steps=9 * BLOCK // 3)
+    prompt = 9 * BLOCK + 5
+    first = _tokens(rng, prompt, 3 * BLOCK)
+    sim.add("a", first, prompt)
+    checked = sim.decode("a", steps=3 * BLOCK)
     assert checked > 0 and sim.boundary_writes > 0
     generated = sim.requests["a"][1]["c"]
-    assert generated > sim.prompt_len(first) + 3 * BLOCK, "the first request crossed too few boundaries"
+    assert generated > prompt + 3 * BLOCK, "the first request crossed too few boundaries"
     # A second turn: the first request's prompt and answer so far, then new tokens.
-    second = first[:generated] + _truth(rng, generated + 40)
-    sim.add("b", second)
+    sim.add("b", first[:generated] + _tokens(rng, 20, 20), generated + 20)
     hit = sim.requests["b"][1]["hit"]
-    assert hit > sim.prompt_len(first), f"the second turn hit {hit} tokens, none of them from tree steps"
+    assert hit > prompt, f"the second turn hit {hit} tokens, none of them from tree steps"
     sim.decode("b", steps=20)
 
 
@@ -263,18 +281,31 @@ def test_requests_in_turns_on_a_small_cache_never_share_a_written_state_block(as
     corrupt another request's state, and the checks would see it."""
     sim = Sim(31, asynchronous, 3, num_blocks=130)
     rng = np.random.default_rng(7)
-    firsts = {name: _truth(rng, 2 * 6 * BLOCK + 5) for name in "abc"}
+    prompt = 6 * BLOCK + 2
+    firsts = {name: _tokens(rng, prompt, 2 * BLOCK) for name in "abc"}
     for name, truth in firsts.items():
-        sim.add(name, truth)
+        sim.add(name, truth, prompt)
     assert sim.decode("a", "b", "c", steps=2 * BLOCK) > 0
     for name in "abc":
         generated = sim.requests[name][1]["c"]
-        sim.add(name + "2", firsts[name][:generated] + _truth(rng, generated + 30))
-        assert sim.requests[name + "2"][1]["hit"] > sim.prompt_len(firsts[name])
+        sim.add(name + "2", firsts[name][:generated] + _tokens(rng, 15, BLOCK), generated + 15)
+        assert sim.requests[name + "2"][1]["hit"] > prompt
     sim.decode("a2", "b2", "c2", steps=BLOCK)
     assert sim.boundary_writes > 0
     # Freed state blocks went on to other requests (those that started from a cache hit share blocks by design too).
     assert any(len({user.rstrip("2") for user in users}) > 1 for users in sim.users.values())
+
+
+def test_a_preempted_request_resumes_from_state_blocks_tree_steps_wrote():
+    """vLLM frees a preempted request's blocks; resumed, it starts from the cache's hit (past its prompt: blocks that
+    tree steps wrote) and decodes on exactly (synchronous scheduling, as the preemption is modelled)."""
+    sim = Sim(15, False, 4)
+    prompt = 5 * BLOCK
+    sim.add("a", _tokens(np.random.default_rng(11), prompt, 3 * BLOCK + 1), prompt)
+    sim.decode("a", steps=2 * BLOCK)
+    sim.preempt_and_resume("a")
+    assert sim.requests["a"][1]["hit"] > prompt
+    sim.decode("a", steps=BLOCK)
 
 
 def test_the_block_size_check_names_the_budget_and_the_block_size():
@@ -289,7 +320,7 @@ def test_a_step_of_more_than_a_block_would_leave_a_boundary_column_unallocated()
     failures = 0
     for seed in range(3):
         sim = Sim(BLOCK + 8, True, seed)
-        sim.add("a", _truth(np.random.default_rng(seed), 2 * 9 * BLOCK))
+        sim.add("a", _tokens(np.random.default_rng(seed), 9 * BLOCK, 3 * BLOCK), 9 * BLOCK)
         try:
             sim.decode("a", steps=3 * BLOCK)
         except AssertionError as error:
@@ -308,7 +339,7 @@ def test_boundary_prefixes_only_where_the_roots_block_is_not_the_running_column(
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_without_boundary_commits_a_hashed_state_block_is_stale(asynchronous):
     sim = Sim(7, asynchronous, 0, boundary_commits=False)
-    sim.add("a", _truth(np.random.default_rng(5), 2 * 9 * BLOCK))
+    sim.add("a", _tokens(np.random.default_rng(5), 9 * BLOCK, 3 * BLOCK), 9 * BLOCK)
     with pytest.raises(AssertionError, match="stale|wrong state"):
         sim.decode("a", steps=3 * BLOCK)
 
@@ -317,7 +348,7 @@ def test_without_the_lag_an_asynchronous_step_writes_a_block_the_scheduler_freed
     failures = 0
     for seed in range(4):
         sim = Sim(15, True, seed, lag=0)
-        sim.add("a", _truth(np.random.default_rng(seed), 2 * 9 * BLOCK))
+        sim.add("a", _tokens(np.random.default_rng(seed), 9 * BLOCK, 3 * BLOCK), 9 * BLOCK)
         try:
             sim.decode("a", steps=3 * BLOCK)
         except AssertionError as error:
@@ -333,12 +364,13 @@ def test_with_vllms_state_lookup_a_second_turn_would_start_past_its_attention_bl
     lookup = MambaManager.__dict__["find_longest_cache_hit"].__func__
     monkeypatch.setattr(MambaManager, "find_longest_cache_hit", classmethod(lookup.__wrapped__))
     rng = np.random.default_rng(100)
-    first = _truth(rng, 2 * 9 * BLOCK + 11)
-    sim.add("a", first)
-    sim.decode("a", steps=9 * BLOCK // 3)
+    prompt = 9 * BLOCK + 5
+    first = _tokens(rng, prompt, 3 * BLOCK)
+    sim.add("a", first, prompt)
+    sim.decode("a", steps=3 * BLOCK)
     generated = sim.requests["a"][1]["c"]
     with pytest.raises(AssertionError, match="attention blocks"):
-        sim.add("b", first[:generated] + _truth(rng, generated + 40))
+        sim.add("b", first[:generated] + _tokens(rng, 20, 0), generated + 20)
 
 
 # -- the runner's part (CPU stand-ins for vLLM's buffers) --------------------------------------------------------
