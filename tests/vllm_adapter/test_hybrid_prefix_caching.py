@@ -89,7 +89,7 @@ class Sim:
 
     def start(self, req: Request, info: dict, end: int) -> None:
         """A request's first ``end`` tokens from the cache's hit and a prefill of the rest, then its sampled token."""
-        blocks, hit = self.manager.get_computed_blocks(req)
+        blocks, hit = self.manager.get_computed_blocks(req)[:2]  # (vLLM 0.33 returns a third count)
         info.update(c=hit, hit=hit)
         if hit:
             attention_blocks = len(blocks.get_block_ids()[ATTENTION])

@@ -93,7 +93,7 @@ class PagedModel:
     def prefill(self, req: Request) -> int:
         """Allocates the prompt (cache hits first) and writes what was not a hit; returns the hit tokens, whose K/V
         (read from the cache) must already be the prompt's."""
-        hit_blocks, hits = self.manager.get_computed_blocks(req)
+        hit_blocks, hits = self.manager.get_computed_blocks(req)[:2]  # (vLLM 0.33 returns a third count)
         prompt = req.prompt_token_ids
         new = len(prompt) - hits
         assert self.manager.allocate_slots(req, new, hits, hit_blocks) is not None
