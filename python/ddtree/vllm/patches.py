@@ -530,7 +530,8 @@ def _state_hit_within_the_dropped_block(original):
     544 tokens of K/V in ``tests/vllm_adapter/test_hybrid_prefix_caching.py``), and the request would read K/V
     nobody wrote. For a ddtree engine (one state block per request: ``num_speculative_blocks`` 0, where vLLM's own
     speculation keeps one per draft) the lookup stops a block earlier, inside what the attention groups keep.
-    Upstream: vllm-project/vllm#48375 and #57128 (open: the state lookup honouring ``drop_eagle_block``)."""
+    Upstream: vllm-project/vllm#48375 and #57128 (open: the state lookup honouring ``drop_eagle_block``). vLLM 0.33's
+    coordinator no longer extends the state group's lookup by that block: a port leaves this patch out."""
 
     def find_longest_cache_hit(
         cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block, *args, **kwargs
