@@ -247,3 +247,38 @@ def test_conv_commit_index_takes_the_last_window_of_history_and_path():
         [1 * w + 1, 1 * w + 2, tree + 5],  # root only: two newest history entries, then the root
         [tree + 6 + 1, tree + 6 + 2, tree + 6 + 3],
     ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_boundary_commit_plan_is_the_commit_plan_of_the_paths_prefixes(seed):
+    """``gdn.boundary_commit_plan``: the conv rows of each path's first ``prefix`` entries (the oracle's rows of the
+    truncated paths), those entries' lengths, and writes only where the path holds that many entries."""
+    from layout_oracle import commit_paths, conv_commit_index
+
+    from ddtree.vllm.gdn import GdnCommitPlan, boundary_commit_plan
+
+    rng = np.random.default_rng(seed)
+    w, width, num_trees = 3, 6, 5
+    sizes = rng.integers(width, 12, size=num_trees)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    lengths = rng.integers(1, width + 1, size=num_trees)
+    paths = np.full((num_trees, width), -1, dtype=np.int64)
+    for r in range(num_trees):  # any distinct local nodes, the root first (the index only reads node numbers)
+        paths[r, : lengths[r]] = np.concatenate([[0], rng.permutation(np.arange(1, sizes[r]))[: lengths[r] - 1]])
+    padded, path_lengths = commit_paths(paths)
+    plan = GdnCommitPlan(
+        node_offsets=torch.from_numpy(offsets.astype(np.int32)),
+        paths=torch.from_numpy(padded),
+        path_lengths=torch.from_numpy(path_lengths),
+        conv_index=torch.from_numpy(conv_commit_index(paths, offsets, w)),
+    )
+    prefix = rng.integers(0, width + 2, size=num_trees).astype(np.int32)
+    boundary, writes = boundary_commit_plan(plan, torch.from_numpy(prefix), w)
+    expected_writes = (prefix > 0) & (prefix <= lengths)
+    assert writes.tolist() == expected_writes.tolist()
+    truncated = np.where(np.arange(width)[None, :] < prefix[:, None], paths, -1)
+    expected = conv_commit_index(truncated, offsets, w)
+    for r in np.flatnonzero(expected_writes):
+        assert boundary.conv_index[r].tolist() == expected[r].tolist(), f"tree {r}"
+        assert int(boundary.path_lengths[r]) == prefix[r]
+    assert torch.equal(boundary.paths, plan.paths) and torch.equal(boundary.node_offsets, plan.node_offsets)
