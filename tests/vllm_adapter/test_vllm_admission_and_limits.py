@@ -255,3 +255,11 @@ def test_hybrid_prefix_caching_is_served_under_its_switch_and_off_where_vllms_de
     config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
     assert not config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "none"
     assert args.enable_prefix_caching is False
+    # Made again from arguments vLLM's first creation had filled in: the config a user who turned it off gets.
+    fresh = _pair_args(64, enable_prefix_caching=False).create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+    def settled(c):
+        s, g = c.scheduler_config, c.compilation_config
+        return (s.max_num_seqs, s.max_num_batched_tokens, s.max_num_scheduled_tokens, g.cudagraph_capture_sizes)
+
+    assert settled(config) == settled(fresh) and config.cache_config.block_size == fresh.cache_config.block_size
