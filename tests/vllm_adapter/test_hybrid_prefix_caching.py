@@ -2,8 +2,9 @@
 
 What ``ddtree.vllm.mamba_align`` rests on: vLLM 0.25's ``KVCacheManager`` with a full-attention group and a mamba
 group in cache mode "align" (one state block per request, as ddtree asks) allocates, hashes and frees blocks for
-requests that verify trees of ``BUDGET`` nodes and accept random paths, under synchronous and asynchronous
-scheduling (the asynchronous scheduler's optimistic counts and placeholders, as ``AsyncScheduler`` keeps them).
+requests that verify trees of a budget's nodes and accept random paths, under synchronous and asynchronous
+scheduling (the asynchronous scheduler's optimistic counts and placeholders, as ``AsyncScheduler`` keeps them), one
+request or several in turns, preempted and resumed.
 A model worker keeps the block row vLLM's worker keeps (it only appends what the scheduler returns) and a state
 store whose every block holds the tokens its state has read. It does what vLLM's worker does before a step (the
 running state copied to ``(c + n - 1) // block_size``, whole: ddtree's accepted count is 1) and what ddtree does
@@ -16,8 +17,9 @@ after it (the boundary commit, then the main commit). Checked:
   steps wrote, at a boundary that a boundary commit wrote (the test counts them: the scenario ran what it is named
   for).
 
-Without the boundary commits, without the scheduler's lag, or with vLLM's own state lookup (which ignores the
-drop of the block a DFlash drafter needs recomputed), the checks fail (the last tests).
+Without the boundary commits, without the scheduler's lag, with vLLM's own state lookup (which ignores the drop of
+the block a DFlash drafter needs recomputed), or with steps of more tokens than a block, the checks fail. The runner's
+own parts are checked last, with CPU stand-ins for vLLM's buffers, and vLLM's own pre-step copy and state column.
 """
 
 from __future__ import annotations
