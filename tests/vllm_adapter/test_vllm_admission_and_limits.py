@@ -229,7 +229,7 @@ def test_a_ddtree_setting_with_a_value_it_does_not_take_is_refused_before_loadin
 
 
 def test_hybrid_prefix_caching_is_served_under_its_switch_and_off_where_vllms_default_alone_turned_it_on(
-    h200_platform, monkeypatch
+    h200_platform, monkeypatch, caplog
 ):
     """The pair's target is a hybrid. vLLM 0.25 leaves its prefix caching off; a user's True is refused naming
     DDTREE_HYBRID_PREFIX_CACHING and served (vLLM's mamba cache mode "align") under it. A vLLM whose default turns it
@@ -244,8 +244,10 @@ def test_hybrid_prefix_caching_is_served_under_its_switch_and_off_where_vllms_de
     with pytest.raises(DDTreeConfigError, match="DDTREE_HYBRID_PREFIX_CACHING=1"):
         _pair_args(64, enable_prefix_caching=True).create_engine_config(UsageContext.OPENAI_API_SERVER)
     monkeypatch.setenv("DDTREE_HYBRID_PREFIX_CACHING", "1")
+    caplog.clear()
     config = _pair_args(64, enable_prefix_caching=True).create_engine_config(UsageContext.OPENAI_API_SERVER)
     assert config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "align"
+    assert any("hybrid target (DDTREE_HYBRID_PREFIX_CACHING=1) is experimental" in r.message for r in caplog.records)
 
     monkeypatch.setattr(ModelConfig, "is_prefix_caching_supported", property(lambda self: True))
     config = _pair_args(64).create_engine_config(UsageContext.OPENAI_API_SERVER)

@@ -431,6 +431,12 @@ def _create_engine_config_wrapper(original):
         structured = _structured_outputs_start_up_warning(vllm_config)
         if structured is not None:
             _log().warning("DDTree: %s", structured)
+        if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
+            _log().warning(
+                "DDTree: prefix caching with a hybrid target (%s=1) is experimental: its boundary commits are tested "
+                "on CPU, not yet on a GPU (docs/prefix-caching.md)",
+                HYBRID_PREFIX_CACHING_ENV,
+            )
         _log().info("DDTree enabled: %s", cfg)
         return vllm_config
 
