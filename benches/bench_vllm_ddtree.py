@@ -81,7 +81,9 @@ def child(args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         # Prefix caching at vLLM's default on both sides (off for hybrid targets such as the pair's, on for
         # attention-only ones): both as users run them; with it on, a repeat's prompts hit the cache on both sides.
+        # --prefix-caching turns it on for every engine (a hybrid's through vLLM's mamba cache mode "align").
         max_num_batched_tokens=max(8192, max_batch * (budget + args.draft_len) + args.prompt_len),
+        **({"enable_prefix_caching": True} if args.prefix_caching else {}),
     )
     if spec is not None:
         kw["speculative_config"] = dict(spec, model=args.drafter)
@@ -313,6 +315,13 @@ def main():
         "with DDTREE_STRUCTURED_OUTPUTS=1); one that outlasts --max-tokens, e.g. '([a-z]+ ){400}', keeps the "
         "grammar on for every token",
     )
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="every engine with prefix caching on (a hybrid target's in vLLM's mamba cache mode \"align\", ddtree "
+        "engines with DDTREE_HYBRID_PREFIX_CACHING=1); a repeat's prompts then hit the cache on every side (vLLM "
+        "0.25.1's own chain may read K/V past its hit there: vllm-project/vllm#48375)",
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--draft-len", type=int, default=15)
@@ -445,6 +454,8 @@ def main():
     env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if args.regex:
         env["DDTREE_STRUCTURED_OUTPUTS"] = "1"  # (experimental, off by default; vLLM's chain serves them anyway)
+    if args.prefix_caching:
+        env["DDTREE_HYBRID_PREFIX_CACHING"] = "1"  # (experimental; attention-only targets cache without it)
     table = run_engines(args, engines, env)
     chain = {row["batch"]: row["tokens_per_s"] for row in table if row["engine"] == "dflash"}
     if args.interleave:
@@ -535,6 +546,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     cmd += ["--batches", args.batches, "--max-tokens", str(args.max_tokens), "--requests", str(args.requests)]
     cmd += ["--temperature", str(args.temperature)] + (["--seeded"] if args.seeded else [])
     cmd += ["--regex", args.regex] if args.regex else []
+    cmd += ["--prefix-caching"] if args.prefix_caching else []
     cmd += ["--prompt-len", str(args.prompt_len), "--max-model-len", str(args.max_model_len)]
     cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]

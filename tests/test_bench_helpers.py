@@ -863,6 +863,20 @@ def test_the_pair_bench_puts_every_request_under_the_regex_when_asked():
     assert bench_vllm_ddtree.timed_params(args).structured_outputs is None
 
 
+def test_the_pair_bench_passes_prefix_caching_to_every_engine_when_asked():
+    import bench_vllm_ddtree
+
+    args = types.SimpleNamespace(
+        gpu_memory_utilization=0.5, concurrent_starts=1, target="t", drafter="d", batches="1", max_tokens=8, requests=3,
+        temperature=0.0, seeded=False, regex=None, prompt_len=16, max_model_len=64, repeats=1, draft_len=4,
+        profile_batches="", profile_tokens=0, out="o", profile_no_stacks=False, interleave=False, prompts=None,
+        eager=False, prefix_caching=True, kv_cache_gib=0.0,
+    )  # fmt: skip
+    assert "--prefix-caching" in bench_vllm_ddtree.child_command(args, "dflash", None, "")
+    args.prefix_caching = False
+    assert "--prefix-caching" not in bench_vllm_ddtree.child_command(args, "dflash", None, "")
+
+
 def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(monkeypatch):
     """Switches are turned cumulatively, each row timed with the settings it names; then every switch is restored
     and the engine's own settings are timed once more (the order's effect, beside the first timing)."""
