@@ -525,7 +525,7 @@ def test_the_scheduler_of_an_auto_engine_reads_the_runners_lookup(monkeypatch):
         def __init__(self, vllm_config, *args, **kwargs):
             self.dynamic_sd_lookup = [0, 64, 64]
 
-    init = patches._live_auto_lookup(Scheduler.__init__)
+    init = patches._scheduler_set_up_for_trees(Scheduler.__init__)
     log = _Recorder()
     monkeypatch.setattr(patches, "_log", lambda: log)
     auto = AutoBudget((16, 64), max_num_seqs=2)

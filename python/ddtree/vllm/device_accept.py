@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import numpy as np
 import torch
 
+from ddtree.vllm.gdn import commit_conv_index
 from ddtree.vllm.step import index_within_groups
 
 if TYPE_CHECKING:
@@ -160,11 +161,7 @@ def accept_on_device(
     if ring is not None and trees.step_serial is not None:
         ring.write(out["path_rows"], trees.step_serial)
     if conv_window > 0:
-        # The last w rows of (w history rows, path): history rows r*w + i, path node p at R*w + node p.
-        entry = lengths[:, None] + torch.arange(conv_window, device=device)[None, :]
-        from_path = num_trees * conv_window + nodes.gather(1, (entry - conv_window).clamp(0, path_width - 1))
-        history = torch.arange(num_trees, device=device)[:, None] * conv_window + entry
-        out["commit_conv_index"] = torch.where(entry >= conv_window, from_path, history)
+        out["commit_conv_index"] = commit_conv_index(nodes, lengths, conv_window)
     return out
 
 

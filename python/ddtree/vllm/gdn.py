@@ -213,6 +213,17 @@ def commit_layer(pending: PendingCommit, plan: GdnCommitPlan, dst_slots: Optiona
     )
 
 
+def commit_conv_index(nodes: torch.Tensor, lengths: torch.Tensor, conv_window: int) -> torch.Tensor:
+    """The commit's conv rows ``[R, conv_window]`` int64: the last ``conv_window`` rows of ``(history, path[:length])``,
+    the history's row ``r * w + e`` and path entry ``p`` at ``R * w +`` its step node. ``nodes``: ``[R, P]`` int64, the
+    step node of each path entry (any value past a path's length); ``lengths``: ``[R]`` entries taken, root included."""
+    num_trees, path_width = nodes.shape
+    entry = lengths.to(torch.int64)[:, None] + torch.arange(conv_window, device=nodes.device)[None, :]
+    from_path = num_trees * conv_window + nodes.gather(1, (entry - conv_window).clamp(0, path_width - 1))
+    history = torch.arange(num_trees, device=nodes.device)[:, None] * conv_window + entry
+    return torch.where(entry >= conv_window, from_path, history)
+
+
 def boundary_commit_plan(
     plan: GdnCommitPlan, prefix: torch.Tensor, conv_window: int
 ) -> Tuple[GdnCommitPlan, torch.Tensor]:
@@ -226,14 +237,8 @@ def boundary_commit_plan(
     prefix = prefix.to(device=plan.path_lengths.device, dtype=torch.int32)
     writes = (prefix > 0) & (prefix <= plan.path_lengths)
     lengths = torch.where(writes, prefix, torch.ones_like(prefix))
-    num_trees, path_width = plan.paths.shape
-    entry = lengths.to(torch.int64)[:, None] + torch.arange(conv_window, device=prefix.device)[None, :]
-    # The last conv_window rows of (history, path[:length]): history row r*w + e, path entry p at R*w + its node.
-    step_entry = (entry - conv_window).clamp(0, path_width - 1)
-    nodes = plan.node_offsets[:-1, None].to(torch.int64) + plan.paths.to(torch.int64).gather(1, step_entry)
-    history = torch.arange(num_trees, device=prefix.device)[:, None] * conv_window + entry
-    conv_index = torch.where(entry >= conv_window, num_trees * conv_window + nodes, history)
-    boundary = GdnCommitPlan(plan.node_offsets, plan.paths, lengths, conv_index)
+    nodes = plan.node_offsets[:-1, None].to(torch.int64) + plan.paths.to(torch.int64)
+    boundary = GdnCommitPlan(plan.node_offsets, plan.paths, lengths, commit_conv_index(nodes, lengths, conv_window))
     return boundary, writes
 
 

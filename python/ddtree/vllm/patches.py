@@ -475,10 +475,10 @@ def _schedule_for_async_scheduler(vllm_config, cfg: DDTreeConfig) -> None:
         )
 
 
-def _live_auto_lookup(original):
+def _scheduler_set_up_for_trees(original):
     """1c: ``ddtree_budget: "auto"`` under asynchronous scheduling: the scheduler reads the runner's live budget
     lookup (``auto_budget.AutoBudget.lookup``, one process with one GPU) instead of the copy it built from the
-    config at start-up."""
+    config at start-up. 13b: a hybrid target's state blocks freed later (prefix caching)."""
 
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
@@ -1138,7 +1138,7 @@ def apply() -> None:
     _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
     _wrap_once(VllmConfig, "_set_cudagraph_sizes", _tree_capture_sizes)
     _wrap_once(VllmConfig, "_maybe_override_dynamic_sd_cudagraph_mode", _keep_full_graphs_under_a_schedule)
-    _wrap_once(Scheduler, "__init__", _live_auto_lookup)
+    _wrap_once(Scheduler, "__init__", _scheduler_set_up_for_trees)
     _wrap_once(Scheduler, "get_grammar_bitmask", _tree_grammar_bitmask)
     _wrap_once(Scheduler, "update_draft_token_ids", _tree_drafts_unchecked)
     _wrap_once(Scheduler, "update_draft_token_ids_in_output", _tree_placeholders_kept)

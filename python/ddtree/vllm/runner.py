@@ -1768,17 +1768,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             path_lengths=gpu["path_lengths"],
             conv_index=gpu["commit_conv_index"],
         )
+        # A FULL graph replayed the layers: their commit inputs are where its capture recorded them.
+        full = self._ddtree_full_graph is not None
+        commits = self._ddtree_captured.replayed(self._ddtree_full_graph) if full else step.pending
         if boundaries is not None:
             # Before the main commit, which overwrites the states the boundary commits read.
-            pendings = (
-                self._ddtree_captured.replayed(self._ddtree_full_graph)
-                if self._ddtree_full_graph is not None
-                else step.pending
-            )
-            commit_boundaries(pendings, commit, *boundaries, conv_window=self._ddtree_conv_window)
-        if self._ddtree_full_graph is not None:
-            # A FULL graph replayed the layers: their commit inputs are where its capture recorded them.
-            commits = self._ddtree_captured.replayed(self._ddtree_full_graph)
+            commit_boundaries(commits, commit, *boundaries, conv_window=self._ddtree_conv_window)
+        if full:
             graphs = self._ddtree_commit_graphs_for(commit)
             if graphs is not None:
                 before = graphs.replayed
