@@ -51,7 +51,7 @@ class Sim:
     def __init__(
         self, budget: int, asynchronous: bool, seed: int, boundary_commits: bool = True, lag=None, num_blocks=400
     ):
-        patches.install_state_block_patches()  # ddtree's patches 13a and 13c
+        patches.install_state_block_patches()  # ddtree's patches 13a and (on vLLM 0.25) 13c
         attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
         state = MambaSpec(
             block_size=BLOCK,
@@ -356,6 +356,15 @@ def _runs_writing_freed_blocks(seeds: int, **sim) -> int:
     return failures
 
 
+def _installed_vllm_has_the_state_lookup_bug() -> bool:
+    import vllm
+
+    return patches.parse_version(vllm.__version__) < patches.STATE_LOOKUP_FIXED_IN
+
+
+@pytest.mark.skipif(
+    not _installed_vllm_has_the_state_lookup_bug(), reason="this vLLM's own state lookup stops inside the K/V"
+)
 def test_with_vllms_state_lookup_a_second_turn_would_start_past_its_attention_blocks(monkeypatch):
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
@@ -370,6 +379,21 @@ def test_with_vllms_state_lookup_a_second_turn_would_start_past_its_attention_bl
     generated = sim.requests["a"][1]["c"]
     with pytest.raises(AssertionError, match="attention blocks"):
         sim.add("b", first[:generated] + _tokens(rng, 20, 0), generated + 20)
+
+
+@pytest.mark.parametrize("version, wrapped", [("0.25.1", True), ("0.32.9", True), ("0.33.0", False)])
+def test_the_state_lookup_patch_is_installed_only_on_a_vllm_with_the_bug(monkeypatch, version, wrapped):
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    for name in ("find_longest_cache_hit", "remove_skipped_blocks"):  # vLLM's own methods, restored afterwards
+        attribute = MambaManager.__dict__[name]
+        function = attribute.__func__ if isinstance(attribute, classmethod) else attribute
+        own = getattr(function, "__wrapped__", function) if getattr(function, "__ddtree_wrapped__", False) else function
+        monkeypatch.setattr(MambaManager, name, classmethod(own) if isinstance(attribute, classmethod) else own)
+    patches.install_state_block_patches(version)
+    lookup = MambaManager.__dict__["find_longest_cache_hit"].__func__
+    assert getattr(lookup, "__ddtree_wrapped__", False) is wrapped
+    assert getattr(MambaManager.remove_skipped_blocks, "__ddtree_wrapped__", False)  # 13a on every version
 
 
 # -- the runner's part (CPU stand-ins for vLLM's buffers) --------------------------------------------------------

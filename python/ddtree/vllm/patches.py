@@ -521,12 +521,20 @@ def set_state_block_free_lag(kv_cache_manager, lag: int) -> None:
             manager._ddtree_free_lag = int(lag)
 
 
-def install_state_block_patches() -> None:
-    """13a and 13c on vLLM's ``MambaManager`` (idempotent; neither changes a manager of another engine)."""
+#: The first vLLM whose coordinator no longer extends the state group's lookup by the dropped eagle block (0.25.1
+#: does, 0.33.0 does not: "No margin for mamba" in ``v1/core/kv_cache_coordinator.py``); 13c is installed below it.
+STATE_LOOKUP_FIXED_IN = (0, 33, 0)
+
+
+def install_state_block_patches(vllm_version: Optional[str] = None) -> None:
+    """13a and 13c on vLLM's ``MambaManager`` (idempotent; neither changes a manager of another engine); 13c only
+    on a vLLM whose state lookup still has the bug it works around."""
+    import vllm
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     _wrap_once(MambaManager, "remove_skipped_blocks", _lagged_state_frees)
-    _wrap_once(MambaManager, "find_longest_cache_hit", _state_hit_within_the_dropped_block)
+    if parse_version(vllm_version or vllm.__version__) < STATE_LOOKUP_FIXED_IN:
+        _wrap_once(MambaManager, "find_longest_cache_hit", _state_hit_within_the_dropped_block)
 
 
 def _state_hit_within_the_dropped_block(original):
@@ -537,7 +545,8 @@ def _state_hit_within_the_dropped_block(original):
     nobody wrote. For a ddtree engine (one state block per request: ``num_speculative_blocks`` 0, where vLLM's own
     speculation keeps one per draft) the lookup stops a block earlier, inside what the attention groups keep.
     Upstream: vllm-project/vllm#48375 and #57128 (open: the state lookup honouring ``drop_eagle_block``). vLLM 0.33's
-    coordinator no longer extends the state group's lookup by that block: a port leaves this patch out."""
+    coordinator no longer extends the state group's lookup by that block: there this patch is not installed (it
+    would cut every hybrid hit by a block), see ``STATE_LOOKUP_FIXED_IN``."""
 
     def find_longest_cache_hit(
         cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, drop_eagle_block, *args, **kwargs
