@@ -256,7 +256,10 @@ def test_a_cut_tree_gets_its_nodes_rows_and_all_allowed_rows_after_them(compiled
     runner._ddtree_publish_for_grammars(output)
     requests = {"r0": _request(compiled, committed=[1]), "r1": _request(compiled, committed=[2])}
     out = _scheduler(requests, budget).get_grammar_bitmask(output)
-    assert out.grammar_bitmask.shape[0] == (budget + 1 - 6) + (budget + 1)
+    if hasattr(out, "num_acceptable_drafts"):  # vLLM 0.33: a block of 1 + budget rows a request
+        assert out.grammar_bitmask.shape[0] == 2 * (budget + 1) and out.num_acceptable_drafts == [budget - 6, budget]
+    else:  # vLLM 0.25: packed, one row a logits row
+        assert out.grammar_bitmask.shape[0] == (budget + 1 - 6) + (budget + 1)
     logits = _masked_logits(runner, output, out)
     for r, req_id in enumerate(runner.req_ids):
         parents, tokens, rows = _node_rows(runner, r)
@@ -306,6 +309,27 @@ def test_fill_step_bitmask_refuses_a_tree_larger_than_its_rows():
     out = torch.zeros((3, 1), dtype=torch.int32)
     with pytest.raises(RuntimeError, match="tree of 4 nodes has 3 rows"):
         grammar.fill_step_bitmask(out, ["r"], [2], None, lambda req_id: None, {"r": (parents, tokens)})
+
+
+def test_fill_step_bitmask_in_blocks_puts_each_requests_rows_where_the_packed_layout_has_them(compiled):
+    """vLLM 0.33's layout (a block of ``stride`` rows a request) holds the packed layout's rows, request by request."""
+    matchers = {"a": _request(compiled).structured_output_request.grammar.matcher}
+    matchers["c"] = _request(compiled, committed=[0]).structured_output_request.grammar.matcher
+    trees = {"a": (np.array([-1, 0, 0, 1]), np.array([0, 1, 2])), "c": (np.array([-1, 0]), np.array([1]))}
+    ids, drafts, stride = ["a", "b", "c"], [4, 0, 2], 6
+    own = torch.full((3, 1), 7, dtype=torch.int32)  # vLLM's rows (read for "b", the request without a tree)
+    packed = torch.zeros((9, 1), dtype=torch.int32)
+    assert grammar.fill_step_bitmask(packed, ids, drafts, own, matchers.get, trees) == 9
+    blocks = torch.full((18, 1), -5, dtype=torch.int32)
+    assert grammar.fill_step_bitmask(blocks, ids, drafts, own, matchers.get, trees, stride) == 18
+    starts = [0, 5, 6]
+    for k in range(3):
+        rows = slice(k * stride, k * stride + 1 + drafts[k])
+        assert torch.equal(blocks[rows], packed[starts[k] : starts[k] + 1 + drafts[k]]), ids[k]
+        assert bool((blocks[k * stride + 1 + drafts[k] : (k + 1) * stride] == -5).all())  # rows past its own: untouched
+    assert int(blocks[stride, 0]) == 7
+    with pytest.raises(RuntimeError, match="has 5 grammar rows in blocks of 4"):
+        grammar.fill_step_bitmask(blocks, ids, drafts, own, matchers.get, trees, 4)
 
 
 # ---- draft slots: never cut, never counted invalid ----------------------------------------------------------------

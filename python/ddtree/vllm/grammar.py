@@ -115,9 +115,12 @@ def fill_step_bitmask(
     vllm_rows,
     matcher_of: Callable[[str], Any],
     trees: Mapping[str, Tree],
+    stride: Optional[int] = None,
 ) -> int:
     """Writes a step's grammar rows into ``out`` in vLLM's layout: for each structured request (``request_ids``, the
     order of vLLM's ``GrammarOutput``), ``1 + num_drafts[k]`` rows, one per logits row the runner samples for it.
+    They follow each other (vLLM 0.25), or request ``k``'s start at row ``k * stride`` (``stride``: vLLM 0.33's
+    fixed block of ``1 + num_speculative_tokens`` rows a request).
 
     A request verifying a tree gets :func:`fill_tree_bitmask`'s rows for its ``n + 1`` nodes (node ``j``'s row is
     logits row ``start + j``) and all-allowed rows for draft slots its tree left unused (a cut tree's); a request
@@ -132,6 +135,10 @@ def fill_step_bitmask(
     offset = nodes = 0
     for k, req_id in enumerate(request_ids):
         drafts = int(num_drafts[k])
+        if stride is not None:
+            if 1 + drafts > stride:
+                raise RuntimeError(f"DDTree: request {req_id!r} has {1 + drafts} grammar rows in blocks of {stride}")
+            offset = k * stride
         rows = out[offset : offset + 1 + drafts]
         tree = trees.get(req_id)
         if tree is None:
@@ -150,6 +157,7 @@ def fill_step_bitmask(
             walks.append(functools.partial(_fill_tree_rows, matcher_of(req_id), parents, tokens, rows))
             nodes += len(parents)
         offset += 1 + drafts
+    rows_written = offset if stride is None else len(request_ids) * stride
     if out.shape[-1] >= POOL_MIN_WORDS and len(walks) > 1:
         unmasked = [done.result() for done in [_walk_pool().submit(walk) for walk in walks]]
     else:
@@ -159,7 +167,7 @@ def fill_step_bitmask(
         STATS.trees += len(walks)
         STATS.nodes += nodes
         STATS.unmasked_nodes += sum(unmasked)
-    return offset
+    return rows_written
 
 
 def _fill_tree_rows(matcher, parents: np.ndarray, tokens: np.ndarray, rows) -> int:

@@ -1035,7 +1035,10 @@ def _tree_grammar_bitmask(original):
     where vLLM's rows read the draft slots as a chain. vLLM's own call, on a copy of the step without its draft
     slots, gives each request's row as vLLM decides it (terminated grammars, the rows of requests without drafts)
     and allocates its bitmask buffer, which the tree rows then fill (it holds ``1 + num_speculative_tokens`` rows a
-    request: ``1 + budget``)."""
+    request: ``1 + budget``). On vLLM 0.33 (a ``num_acceptable_drafts`` field) each request's rows start a block of
+    that many rows, and the count of rows a block constrains is the request's slots: 0.33 would otherwise strip the
+    ``-1`` placeholders a tree's slots are to none. Upstream: a hook for a tree's rows (vLLM lays them out as a
+    chain)."""
 
     def get_grammar_bitmask(self, scheduler_output):
         # (vLLM asks every step: a step without a structured request costs one attribute read more than vLLM's.)
@@ -1067,9 +1070,14 @@ def _tree_grammar_bitmask(original):
                 raise RuntimeError(f"DDTree: request {req_id!r}'s grammar is not xgrammar's (refused at admission)")
             return matcher
 
-        rows = grammar.fill_step_bitmask(buffer, request_ids, num_drafts, vllm_rows, matcher_of, trees)
+        # vLLM 0.33 gives each request a block of 1 + num_speculative_tokens rows and says how many drafts each
+        # block's rows constrain (for the tree rows: all its slots); vLLM 0.25 packs the rows.
+        stride = len(vllm_rows) // len(request_ids) if hasattr(output, "num_acceptable_drafts") else None
+        own_rows = vllm_rows if stride is None else vllm_rows[::stride]
+        rows = grammar.fill_step_bitmask(buffer, request_ids, num_drafts, own_rows, matcher_of, trees, stride)
         grammar.STATS.seconds += time.perf_counter() - started
-        return dataclasses.replace(output, grammar_bitmask=buffer[:rows].numpy())
+        output = dataclasses.replace(output, grammar_bitmask=buffer[:rows].numpy())
+        return output if stride is None else dataclasses.replace(output, num_acceptable_drafts=num_drafts)
 
     return get_grammar_bitmask
 
@@ -1080,13 +1088,18 @@ def _grammar_checks_off(scheduler):
     which is the only thing it asks it there: the draft slots are placeholders for the next trees (late trees) or a
     tree's nodes in pop order, not a chain to cut at the first token the grammar refuses (that would leave a
     structured request no tree). The masks check every node instead (12a). Admission refuses reasoning parsers,
-    the only case in which the check has a side effect (it notes the end of the reasoning)."""
+    the only case in which the check has a side effect (it notes the end of the reasoning). vLLM 0.33 asks its
+    manager's ``validate_tokens`` instead, which then returns the drafts as they are."""
     manager = scheduler.structured_output_manager
-    manager.should_advance = lambda request: False
+    overrides = {"should_advance": lambda request: False}
+    if hasattr(manager, "validate_tokens"):  # vLLM 0.33
+        overrides["validate_tokens"] = lambda request, spec_tokens: spec_tokens
+    vars(manager).update(overrides)
     try:
         yield
     finally:
-        del manager.should_advance
+        for name in overrides:
+            del vars(manager)[name]
 
 
 def _tree_drafts_unchecked(original):
