@@ -422,17 +422,23 @@ def _processor(structured_config, world_size=1):
     from vllm.v1.engine.input_processor import InputProcessor
 
     model_config = SimpleNamespace(
-        max_logprobs=20, get_vocab_size=lambda: 100, logits_processors=None, is_diffusion=False
+        max_logprobs=20,
+        get_vocab_size=lambda: 100,
+        logits_processors=None,
+        is_diffusion=False,
+        return_sampling_mask=False,  # (read by vLLM 0.33)
     )
     p = object.__new__(InputProcessor)  # vLLM's checks only read these attributes
     p.__dict__.update(
         model_config=model_config,
+        validate_logits_processors_params=lambda params: None,  # (vLLM 0.33's, set in its __init__)
         speculative_config=SimpleNamespace(method="dflash"),
         structured_outputs_config=structured_config,
         renderer=SimpleNamespace(tokenizer=object()),
         vllm_config=SimpleNamespace(
             additional_config={"ddtree": {"budget": 8}},
             reasoning_config=None,
+            _check_supports_watermarking=lambda params: False,  # (vLLM 0.33's)
             structured_outputs_config=structured_config,
             parallel_config=SimpleNamespace(world_size=world_size),
         ),
@@ -499,8 +505,13 @@ def test_vllms_engine_config_with_a_guidance_backend_is_warned_about(h200_platfo
         structured_outputs_config={"backend": "guidance"},
         skip_tokenizer_init=True,
     )
-    with caplog.at_level(logging.WARNING):
-        args.create_engine_config()
+    vllm_logger = logging.getLogger("vllm")  # (vLLM 0.33's does not propagate to the root's capture)
+    vllm_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            args.create_engine_config()
+    finally:
+        vllm_logger.removeHandler(caplog.handler)
     assert any(
         "refuses every request with structured outputs through the 'guidance' backend" in r.getMessage()
         for r in caplog.records

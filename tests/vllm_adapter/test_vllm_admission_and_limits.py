@@ -52,17 +52,26 @@ def test_admission_through_vllms_own_checks_serves_min_p_and_logit_bias_only_for
 
     patches.apply()
     model_config = SimpleNamespace(
-        max_logprobs=20, get_vocab_size=lambda: 100, logits_processors=None, is_diffusion=False
+        max_logprobs=20,
+        get_vocab_size=lambda: 100,
+        logits_processors=None,
+        is_diffusion=False,
+        return_sampling_mask=False,  # (read by vLLM 0.33)
     )
 
     def processor(additional_config):
         p = object.__new__(InputProcessor)  # vLLM's checks only read these attributes
         p.__dict__.update(
             model_config=model_config,
+            validate_logits_processors_params=lambda params: None,  # (vLLM 0.33's, set in its __init__)
             speculative_config=SimpleNamespace(method="dflash"),
             structured_outputs_config=None,
             renderer=SimpleNamespace(tokenizer=None),
-            vllm_config=SimpleNamespace(additional_config=additional_config, reasoning_config=None),
+            vllm_config=SimpleNamespace(
+                additional_config=additional_config,
+                reasoning_config=None,
+                _check_supports_watermarking=lambda params: False,  # (vLLM 0.33's)
+            ),
         )
         return p
 
