@@ -75,12 +75,14 @@ def test_admission_through_vllms_own_checks_serves_min_p_and_logit_bias_only_for
         )
         return p
 
+    from vllm.exceptions import VLLMValidationError  # (a ValueError on vLLM 0.25, not on 0.33)
+
     ddtree_engine, dflash_engine = processor({"ddtree": {"budget": 8}}), processor({})
     for params in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={3: 5.0})):
         ddtree_engine._validate_params(params, ("generate",))
-        with pytest.raises(ValueError, match="min_p and logit_bias"):
+        with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):
             dflash_engine._validate_params(params, ("generate",))
-    with pytest.raises(ValueError, match="out of vocabulary|out-of-vocab|vocab"):
+    with pytest.raises(VLLMValidationError, match="out of vocabulary|out-of-vocab|vocab"):
         ddtree_engine._validate_params(SamplingParams(logit_bias={1000: 5.0}), ("generate",))  # vLLM's check kept
 
 
@@ -99,6 +101,16 @@ def _pair_args(budget, **kw):
     )
 
 
+def _drafting_reserve(config, depth: int) -> int:
+    """vLLM's own drafting slots a request for a DFlash chain of ``depth`` drafts."""
+    spec = config.speculative_config
+    budget, spec.num_speculative_tokens = spec.num_speculative_tokens, depth
+    try:
+        return int(spec.max_num_new_slots_for_drafting)
+    finally:
+        spec.num_speculative_tokens = budget
+
+
 @pytest.mark.parametrize("usage", ["OPENAI_API_SERVER", "LLM_CLASS"])
 @pytest.mark.parametrize("budget", [16, 64, 256, 1024])
 def test_vllms_own_config_validation_passes_with_its_defaults(h200_platform, usage, budget):
@@ -113,7 +125,9 @@ def test_vllms_own_config_validation_passes_with_its_defaults(h200_platform, usa
     assert config.speculative_config.num_speculative_tokens == budget  # vLLM's view: the budget
     # Every running request can verify its whole tree in one step.
     assert scheduler.max_num_scheduled_tokens >= scheduler.max_num_seqs * (budget + 1)
-    assert scheduler.max_num_batched_tokens >= scheduler.max_num_seqs * (budget + depth)
+    # ... with what vLLM keeps for the drafter at its depth (vLLM 0.25: depth - 1 slots; 0.33: none, its DFlash
+    # drafts in a pass of its own).
+    assert scheduler.max_num_batched_tokens >= scheduler.max_num_seqs * (budget + 1 + _drafting_reserve(config, depth))
     assert compilation.cudagraph_mode.name == "FULL_AND_PIECEWISE" and not config.model_config.enforce_eager
     sizes = compilation.cudagraph_capture_sizes
     trees = min(scheduler.max_num_seqs, 32)
@@ -150,7 +164,11 @@ def test_a_refused_request_is_a_400_without_a_server_traceback(caplog):
     catch-all, which answers but re-raises, and the ASGI server logs 'Exception in ASGI application'."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-    from vllm.entrypoints.serve.utils.server_utils import exception_handler
+
+    try:
+        from vllm.entrypoints.serve.utils.server_utils import exception_handler
+    except ImportError:  # vLLM 0.33
+        from vllm.entrypoints.serve.exception_handling.handlers.exception import exception_handler
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
