@@ -108,6 +108,9 @@ def nothing_published(monkeypatch):
         [5],
     ],
 )
+@pytest.mark.skipif(
+    not patches.whole_tree_gdn_metadata_matches(), reason="patch 10 is not installed on this vLLM: its own build runs"
+)
 def test_whole_tree_metadata_equals_vllms_build(query_lens):
     drafts = torch.tensor([n - 1 for n in query_lens], dtype=torch.int32)
     seq_lens = [100 + 7 * i + n for i, n in enumerate(query_lens)]
@@ -186,3 +189,9 @@ def test_turned_off_in_process_every_build_is_vllms():
     finally:
         gdn_metadata.set_active(True)
     assert gdn_metadata.whole_tree_metadata(fake_builder(), m, torch.ones(2, dtype=torch.int32), drafts) is not None
+
+
+def test_patch_10_is_for_vllm_0_25_only():
+    """Its metadata equals vLLM 0.25's build (above); 0.33's builder stages other buffers, so there vLLM builds."""
+    assert patches.whole_tree_gdn_metadata_matches("0.25.1") and patches.whole_tree_gdn_metadata_matches("0.25.3")
+    assert not patches.whole_tree_gdn_metadata_matches("0.33.0")

@@ -839,8 +839,20 @@ def apply_worker_patches(vllm_config: Any) -> None:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     _wrap_once(QwenGatedDeltaNetAttention, "_forward_core", _tree_aware_forward_core)
-    if whole_tree_gdn_metadata_enabled():
+    if whole_tree_gdn_metadata_enabled() and whole_tree_gdn_metadata_matches():
         _wrap_once(GDNAttentionMetadataBuilder, "build", _whole_tree_gdn_build)
+
+
+#: Patch 10 writes what vLLM 0.25's GDN builder writes; from this version on (0.33's builder stages other buffers
+#: and fills fields 0.25 lacks) vLLM's own build runs. Upstream: a builder that can skip its host classification.
+GDN_METADATA_CHANGED_IN = (0, 26, 0)
+
+
+def whole_tree_gdn_metadata_matches(vllm_version: Optional[str] = None) -> bool:
+    """Whether patch 10's metadata is the installed vLLM's (0.25.x; see ``GDN_METADATA_CHANGED_IN``)."""
+    import vllm
+
+    return parse_version(vllm_version or vllm.__version__) < GDN_METADATA_CHANGED_IN
 
 
 def _whole_tree_gdn_build(original):
