@@ -799,6 +799,7 @@ def test_under_async_scheduling_vllm_scatters_the_roots_and_leaves_the_draft_pos
     """vLLM's own ``_prepare_input_ids`` (run as is, on CPU tensors) puts the last step's sampled token at each
     continuing request's root and, for the chain, its drafts after it; a ddtree runner keeps the roots and skips the
     drafts (the tree placement writes them), and hands vLLM's draft tensor back afterwards."""
+    from vllm.v1 import utils as vllm_utils
     from vllm.v1.utils import CpuGpuBuffer
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -806,10 +807,12 @@ def test_under_async_scheduling_vllm_scatters_the_roots_and_leaves_the_draft_pos
     from ddtree.vllm.runner import DDTreeGPUModelRunner
 
     monkeypatch.setattr(gpu_model_runner, "PIN_MEMORY", False)  # no GPU here to pin for
+    monkeypatch.setattr(vllm_utils, "PIN_MEMORY", False, raising=False)  # (vLLM 0.33's buffers read their own)
 
     def runner_with(cls):
         runner = object.__new__(cls)
         runner.device, runner.enable_prompt_embeds, runner.prev_num_spec_tokens = torch.device("cpu"), False, 3
+        runner._pp_recv_work = None  # (vLLM 0.33's: a pipeline stage's pending receive)
         runner.input_ids = CpuGpuBuffer(16, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False)
         runner.input_ids.gpu.fill_(-7)  # what the placement would overwrite
         runner.prev_positions = CpuGpuBuffer(4, dtype=torch.int64, device=torch.device("cpu"), pin_memory=False)

@@ -1,5 +1,6 @@
 """DDTree's rejection sampler and the runner's sampling state, against vLLM's own code on CPU."""
 
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -332,6 +333,10 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
         self.model_config = SimpleNamespace(is_hybrid=False)
         self.max_num_reqs, self.max_num_tokens = 4, 64
         self.drafter = object()
+        # (vLLM 0.25 takes the kernels' block sizes; 0.33 the blocks a request may hold instead)
+        blocks = {"kernel_block_sizes": [16]}
+        if "kernel_block_sizes" not in inspect.signature(InputBatch.__init__).parameters:
+            blocks = {"max_num_blocks_per_req": [4]}
         self.input_batch = InputBatch(
             max_num_reqs=4,
             max_model_len=64,
@@ -339,8 +344,8 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
             device=device,
             vocab_size=vocab,
             block_sizes=[16],
-            kernel_block_sizes=[16],
             logitsprocs=build_logitsprocs(vllm_config, device, False, False),
+            **blocks,
         )
 
     monkeypatch.setattr(GPUModelRunner, "__init__", vllm_init)
