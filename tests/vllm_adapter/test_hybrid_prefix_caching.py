@@ -78,6 +78,9 @@ class Sim:
         self.boundary_writes = 0
         self.users: dict = {}  # state block id -> the requests that read or wrote it
         self.requests: dict = {}
+        self.preempted: set = set()  # requests whose launched step runs after the scheduler freed their blocks
+        self.freed_touches: list = []  # (block, column) that step read or wrote
+        self.cached_freed_writes = 0  # of those, blocks vLLM had hashed at the step's allocation
 
     # -- the scheduler's side --------------------------------------------------------------------------------
     def add(self, name: str, truth, prompt_len: int) -> Request:
@@ -110,6 +113,35 @@ class Sim:
         info.update(row=[], state_idx=None)
         end = req.num_tokens
         self.start(req, info, end)
+
+    def preempt_in_flight_and_resume(self, name: str) -> None:
+        """Asynchronous scheduling: a step scheduled, then the request preempted before that step's output (vLLM's
+        ``_preempt_request``: every block freed, the count reset); the worker runs the launched step anyway, its
+        output arrives (the tokens kept, nothing cached: vLLM caches a running request's blocks only), and the
+        request resumes from the cache's hit."""
+        req, info = self.requests[name]
+        accepted = int(self.rng.integers(0, DEPTH + 1))
+        n = self.schedule(req, info)
+        if info["inflight"] is not None:
+            self.output(req, info, info["inflight"])
+            info["inflight"] = None
+        self.manager.free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        self.preempted.add(name)
+        self.freed_touches = []
+        self.run_tree_step(req, info, n, accepted)
+        for block, column in self.freed_touches:
+            # vLLM hashes a block at the allocation of the step that completes its tokens: a hashed block this step
+            # wrote must hold exactly the state its hash names (any other write would corrupt a later hit).
+            if self.manager.block_pool.blocks[block].block_hash is not None:
+                expected = tuple(info["truth"][: (column + 1) * BLOCK])
+                assert self.states[block] == expected, f"{name}: freed block {block} (column {column}) is stale"
+                self.cached_freed_writes += 1
+        self.output(req, info, accepted)
+        self.preempted.discard(name)
+        info.update(row=[], state_idx=None)
+        self.start(req, info, req.num_tokens)
 
     def prefill(self, req: Request, info: dict, blocks, hit: int, end: int) -> None:
         """Tokens ``hit .. end`` in chunks that end at block boundaries (vLLM's align chunking), then the sampled
@@ -147,14 +179,16 @@ class Sim:
     def output(self, req: Request, info: dict, accepted: int) -> None:
         """A step's output reaches the scheduler: ``accepted`` drafts and the bonus token."""
         rejected = self.budget - accepted
-        req.num_computed_tokens -= rejected
+        if req.num_computed_tokens > 0:  # (vLLM's rule: a preempted request's count is already 0)
+            req.num_computed_tokens -= rejected
         c = req.num_tokens  # the request's tokens so far end at the step's root
         new = info["truth"][c : c + accepted + 1]
         assert len(new) == accepted + 1, "the test's request ran past its answer: give it a longer one"
         req.append_output_token_ids(new)
         if self.asynchronous:
             req.num_output_placeholders -= rejected + len(new)
-            self.manager.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
+            if req.request_id not in self.preempted:
+                self.manager.cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
 
     # -- the worker's side -----------------------------------------------------------------------------------
     def sync_row(self, req: Request, info: dict) -> None:
@@ -163,8 +197,11 @@ class Sim:
         info["row"].extend(blocks[len(info["row"]) :])
 
     def owned(self, req: Request, info: dict, column: int) -> int:
-        blocks = self.manager.coordinator.single_type_managers[STATE].req_to_blocks[req.request_id]
         block = info["row"][column]
+        if req.request_id in self.preempted:  # freed under the launched step (checked after it)
+            self.freed_touches.append((block, column))
+            return block
+        blocks = self.manager.coordinator.single_type_managers[STATE].req_to_blocks[req.request_id]
         assert column < len(blocks) and blocks[column].block_id == block and not blocks[column].is_null, (
             f"{req.request_id}: column {column} (block {block}) is not the request's any more"
         )
@@ -308,6 +345,34 @@ def test_a_preempted_request_resumes_from_state_blocks_tree_steps_wrote():
     sim.preempt_and_resume("a")
     assert sim.requests["a"][1]["hit"] > prompt
     sim.decode("a", steps=BLOCK)
+
+
+def _preempted_under_launched_steps(seed: int):
+    """A request decoding under asynchronous scheduling, preempted four times with a step launched; its hits."""
+    sim = Sim(15, True, seed)
+    prompt = 5 * BLOCK + 3
+    sim.add("a", _tokens(np.random.default_rng(20 + seed), prompt, 6 * BLOCK + 1), prompt)
+    hits = []
+    for _ in range(4):
+        sim.decode("a", steps=BLOCK // 2)
+        sim.preempt_in_flight_and_resume("a")
+        hits.append(sim.requests["a"][1]["hit"])
+    sim.decode("a", steps=BLOCK)
+    return sim, hits, prompt
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_request_preempted_under_its_launched_step_resumes_exactly_from_what_tree_steps_wrote(seed):
+    """Asynchronous scheduling: vLLM frees a preempted request's blocks while the step it launched is still to run.
+    A block that step writes and vLLM already hashed (at the step's allocation, when the root completes its block)
+    gets exactly the state its hash names, and the resumed request starts from blocks tree steps wrote."""
+    _, hits, prompt = _preempted_under_launched_steps(seed)
+    assert max(hits) > prompt
+
+
+def test_a_launched_step_after_its_requests_preemption_writes_hashed_blocks_in_some_runs():
+    """The case the test above guards is reached: some run's launched step writes a block vLLM had hashed."""
+    assert any(_preempted_under_launched_steps(seed)[0].cached_freed_writes for seed in range(12))
 
 
 def test_the_block_size_check_names_the_budget_and_the_block_size():
