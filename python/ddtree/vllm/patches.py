@@ -154,6 +154,8 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     vLLM's build. ``DDTREE_WHOLE_TREE_GDN_METADATA=0`` leaves every build to
     vLLM. Upstream fix: a GDN builder that supports
     ``update_block_table`` (the groups differ only in their state indices).
+    Installed on vLLM 0.25.x only (``GDN_METADATA_CHANGED_IN``): it writes
+    that builder's buffers.
 
 11. ``vllm.model_executor.models.qwen3_dflash._resolve_layer_attention`` (wrapped, in the worker process, only
     under ``DDTREE_SLIDING_DRAFTER=1``, experimental): a drafter with sliding-window and full-attention layers (the
@@ -174,7 +176,8 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     (c) ``update_draft_token_ids_in_output`` (asynchronous, a step whose sampling waits for the last output) would
     replace the step's placeholders by a checked chain and count the rest invalid: a ddtree step's placeholders are
     its trees' slots and stay. Upstream fix: a speculator hook that computes its own grammar rows and checks its
-    own drafts.
+    own drafts. (vLLM 0.33, found by its fields: (a) writes its blocks of ``1 + num_speculative_tokens`` rows a
+    request and ``num_acceptable_drafts``; (b) turns off its ``validate_tokens`` instead.)
 
 13. Prefix caching with a hybrid target (``DDTREE_HYBRID_PREFIX_CACHING=1``, vLLM's mamba cache mode "align"; the
     worker's half is the runner's: boundary commits, accepted counts kept at 1, ``ddtree.vllm.mamba_align``): (a)
@@ -185,7 +188,8 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     hit could end a block past the attention K/V; for a ddtree engine (``num_speculative_blocks`` 0) the state lookup
     stops a block earlier; (b) inside 1c's ``Scheduler.__init__``: sets (a)'s lag and refuses a block size that cannot
     hold a step's tokens. A manager of another engine is unchanged. Upstream fix: (a) per-method state-block retention; (c)
-    the state lookup honouring ``drop_eagle_block`` (vllm-project/vllm#48375, #57128).
+    the state lookup honouring ``drop_eagle_block`` (vllm-project/vllm#48375, #57128; 0.33's lookup does, and (c) is
+    installed below ``STATE_LOOKUP_FIXED_IN`` only).
 
 Not patched: vLLM's sampler, DFlash proposer and attention backends are used through subclasses (``runner.py``,
 ``proposer.py``, ``sampler.py``, ``attention.py``).
