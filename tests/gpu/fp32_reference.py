@@ -25,6 +25,7 @@ whether the engine or the bf16 arithmetic is to blame.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -332,7 +333,7 @@ def main() -> int:
     P = prompts(vocab, given)
     results: Dict[str, dict] = {}
     for path in args.results:  # a later file's scenarios replace an earlier one's, engine by engine
-        with open(path) as f:
+        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:  # (records keep them gzipped)
             for engine, res in json.load(f)["results"].items():
                 merged = results.setdefault(engine, {"scenarios": {}})
                 merged["scenarios"].update(current_scenarios(res).get("scenarios", {}))  # this harness's prompts

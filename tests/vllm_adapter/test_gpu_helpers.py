@@ -231,6 +231,19 @@ def test_harness_runs_the_fp32_judge_on_its_own_results(tmp_path):
     assert "rc 0" in log.getvalue() and '"ddtree64": false' in log.getvalue()
     judge_against_fp32(SimpleNamespace(**{**vars(args), "model": "tiny-qwen3"}), time.time(), log)
     assert "needs a pair directory" in log.getvalue()
+    # A record's gzipped JSON judges the same.
+    import gzip
+    import subprocess
+
+    with gzip.open(tmp_path / "kept.json.gz", "wt") as f:
+        f.write((tmp_path / "vllm_ddtree_e2e.json").read_text())
+    script = Path(fp32_reference.__file__)
+    command = [sys.executable, str(script), "--model", str(pair), "--results", str(tmp_path / "kept.json.gz")]
+    subprocess.run(command + ["--out", str(tmp_path / "from_gz.txt")], check=True, capture_output=True)
+    judged = (tmp_path / "from_gz.txt").read_text()
+    assert (
+        judged.split("\n", 1)[1] == report.split("\n", 1)[1] and "kept.json.gz" in judged
+    )  # (the first line names it)
 
 
 def test_fp32_reference_judges_the_benchs_kept_outputs(tmp_path):
