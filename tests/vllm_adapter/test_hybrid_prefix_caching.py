@@ -421,14 +421,8 @@ def _runs_writing_freed_blocks(seeds: int, **sim) -> int:
     return failures
 
 
-def _installed_vllm_has_the_state_lookup_bug() -> bool:
-    import vllm
-
-    return patches.parse_version(vllm.__version__) < patches.STATE_LOOKUP_FIXED_IN
-
-
 @pytest.mark.skipif(
-    not _installed_vllm_has_the_state_lookup_bug(), reason="this vLLM's own state lookup stops inside the K/V"
+    not patches.vllm_below(patches.STATE_LOOKUP_FIXED_IN), reason="this vLLM's own state lookup stops inside the K/V"
 )
 def test_with_vllms_state_lookup_a_second_turn_would_start_past_its_attention_blocks(monkeypatch):
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager

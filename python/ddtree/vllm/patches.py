@@ -273,6 +273,15 @@ def parse_version(text: str) -> tuple:
     return tuple(parts)
 
 
+def vllm_below(limit: tuple, version: Optional[str] = None) -> bool:
+    """Whether ``version`` (default: the installed vLLM's) is below ``limit``: where a patch follows vLLM's version."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    return parse_version(version) < limit
+
+
 def check_version(version: str) -> None:
     v = parse_version(version)
     lo, hi = SUPPORTED
@@ -533,11 +542,10 @@ STATE_LOOKUP_FIXED_IN = (0, 33, 0)
 def install_state_block_patches(vllm_version: Optional[str] = None) -> None:
     """13a and 13c on vLLM's ``MambaManager`` (idempotent; neither changes a manager of another engine); 13c only
     on a vLLM whose state lookup still has the bug it works around."""
-    import vllm
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     _wrap_once(MambaManager, "remove_skipped_blocks", _lagged_state_frees)
-    if parse_version(vllm_version or vllm.__version__) < STATE_LOOKUP_FIXED_IN:
+    if vllm_below(STATE_LOOKUP_FIXED_IN, vllm_version):
         _wrap_once(MambaManager, "find_longest_cache_hit", _state_hit_within_the_dropped_block)
 
 
@@ -854,9 +862,7 @@ GDN_METADATA_CHANGED_IN = (0, 26, 0)
 
 def whole_tree_gdn_metadata_matches(vllm_version: Optional[str] = None) -> bool:
     """Whether patch 10's metadata is the installed vLLM's (0.25.x; see ``GDN_METADATA_CHANGED_IN``)."""
-    import vllm
-
-    return parse_version(vllm_version or vllm.__version__) < GDN_METADATA_CHANGED_IN
+    return vllm_below(GDN_METADATA_CHANGED_IN, vllm_version)
 
 
 def _whole_tree_gdn_build(original):
@@ -1074,7 +1080,11 @@ def _tree_grammar_bitmask(original):
         num_drafts = [len(slots.get(req_id, ())) for req_id in request_ids]
         if not any(num_drafts):
             return output
-        vllm_rows = output.grammar_bitmask.copy()  # (a view of the buffer the tree rows overwrite)
+        # vLLM 0.33 gives each request a block of 1 + num_speculative_tokens rows and says how many drafts each
+        # block's rows constrain (for the tree rows: all its slots); vLLM 0.25 packs the rows.
+        stride = len(output.grammar_bitmask) // len(request_ids) if hasattr(output, "num_acceptable_drafts") else None
+        # vLLM's own row of each request (a copy: they are views of the buffer the tree rows overwrite).
+        own_rows = output.grammar_bitmask[:: stride or 1].copy()
         buffer = self.structured_output_manager._grammar_bitmask
         needed = len(request_ids) + sum(num_drafts)
         if buffer.shape[0] < needed:
@@ -1086,10 +1096,6 @@ def _tree_grammar_bitmask(original):
                 raise RuntimeError(f"DDTree: request {req_id!r}'s grammar is not xgrammar's (refused at admission)")
             return matcher
 
-        # vLLM 0.33 gives each request a block of 1 + num_speculative_tokens rows and says how many drafts each
-        # block's rows constrain (for the tree rows: all its slots); vLLM 0.25 packs the rows.
-        stride = len(vllm_rows) // len(request_ids) if hasattr(output, "num_acceptable_drafts") else None
-        own_rows = vllm_rows if stride is None else vllm_rows[::stride]
         rows = grammar.fill_step_bitmask(buffer, request_ids, num_drafts, own_rows, matcher_of, trees, stride)
         grammar.STATS.seconds += time.perf_counter() - started
         output = dataclasses.replace(output, grammar_bitmask=buffer[:rows].numpy())
