@@ -288,6 +288,68 @@ def test_gdn_forward_core_splits_tree_and_other_tokens(monkeypatch):
         patches._gdn_forward_core_with_trees(layer, fake_original, step, x, torch.zeros(6, 2), torch.zeros(6, 2), out)
 
 
+def test_the_non_tree_half_sees_no_spec_decode_field_of_vllms_metadata():
+    """5d: every spec-decode field of this vLLM's ``GDNAttentionMetadata`` is cleared for the prefill half (0.33
+    added ``spec_sequence_masks_cpu`` and ``uniform_spec_sequence_length``; a field added later fails here)."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    counts = {"num_spec_decodes", "num_spec_decode_tokens"}
+    names = {f.name for f in dataclasses.fields(GDNAttentionMetadata)}
+    # The spec half's fields (the non-spec half's own, ``non_spec_*``, stay; its token index is relative to the
+    # whole step, and the half gets its tokens gathered already).
+    spec_fields = {n for n in names if "spec" in n and not n.startswith("non_spec")} | {"num_accepted_tokens"}
+    spec_fields |= {"non_spec_token_indx"}
+    assert spec_fields - counts <= set(patches._SPEC_HALF_FIELDS), "a spec-decode field 5d does not clear"
+    md = GDNAttentionMetadata(
+        num_prefills=1,
+        num_prefill_tokens=4,
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_spec_decodes=2,
+        num_spec_decode_tokens=6,
+        num_actual_tokens=10,
+        **{name: torch.ones(2) for name in spec_fields - counts if name != "uniform_spec_sequence_length"},
+        **({"uniform_spec_sequence_length": 3} if "uniform_spec_sequence_length" in names else {}),
+        has_initial_state=torch.ones(1),
+        non_spec_query_start_loc=torch.tensor([0, 4]),
+    )
+    rest = patches._without_spec_half(md, 4)
+    assert (rest.num_spec_decodes, rest.num_spec_decode_tokens, rest.num_actual_tokens) == (0, 0, 4)
+    assert all(getattr(rest, name) is None for name in spec_fields - counts)
+    assert rest.has_initial_state is md.has_initial_state and rest.num_prefill_tokens == 4
+    assert rest.non_spec_query_start_loc is md.non_spec_query_start_loc
+
+
+def test_ddtree_gdn_layers_turn_off_vllms_fused_chain_kernel():
+    """5e: a fused spec-decode op that never calls ``_forward_core`` would verify tree tokens as a chain; ddtree
+    engines turn every such switch off (vLLM 0.33's ``enable_fused_gdn_spec_decode``), other engines keep it."""
+    import inspect
+    import re
+
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    patches.apply()
+    assert getattr(qwen_gdn_linear_attn.QwenGatedDeltaNetAttention.__init__, "__ddtree_wrapped__", False)
+    # This vLLM's layer selects its fused paths with no switch 5e does not know.
+    source = inspect.getsource(qwen_gdn_linear_attn)
+    switches = set(re.findall(r"self\.(enable_fused\w*spec\w*)\s*=", source))
+    assert switches <= set(patches.FUSED_SPEC_DECODE_SWITCHES), switches
+
+    class FakeLayer:
+        def __init__(self, config, vllm_config, prefix=""):
+            self.gdn_decode_kernel = "cuda"
+            self.enable_fused_gdn_spec_decode = True
+
+    patches._wrap_once(FakeLayer, "__init__", patches._no_fused_spec_decode)
+    ddtree_cfg = SimpleNamespace(additional_config={"ddtree": {"budget": 64}})
+    tree_layer = FakeLayer(None, vllm_config=ddtree_cfg, prefix="model.layers.0")
+    assert (tree_layer.gdn_decode_kernel, tree_layer.enable_fused_gdn_spec_decode) == ("triton", False)
+    chain_layer = FakeLayer(None, SimpleNamespace(additional_config={}))
+    assert (chain_layer.gdn_decode_kernel, chain_layer.enable_fused_gdn_spec_decode) == ("cuda", True)
+
+
 def test_drafting_reservation_follows_the_drafters_depth():
     """Patch 6: vLLM keeps (num_speculative_tokens - 1) * max_num_seqs tokens free for a parallel drafter's
     mask slots; a ddtree engine's drafter drafts L positions, not the budget's."""

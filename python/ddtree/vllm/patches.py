@@ -80,7 +80,15 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
       run the tree tokens through ``ddtree.vllm.gdn.verify_tree_tokens`` and
       every other token (prefills, chunks) through vLLM's own code with the
       metadata restricted to them; steps without trees are vLLM's code
-      untouched.
+      untouched;
+   e. ``QwenGatedDeltaNetAttention.__init__`` (wrapped): vLLM 0.33's fused
+      CUDA spec-decode kernel (``VLLM_GDN_DECODE_KERNEL=cuda``, its default)
+      verifies a chain in one op that never calls ``_forward_core``, so tree
+      tokens would go through a chain's recurrence (silently wrong outputs).
+      A ddtree engine's layers take vLLM's Triton path instead, as vLLM itself
+      does where the fused kernel is unsupported (0.25 has no such kernel: a
+      no-op there). Upstream: a spec-decode kernel that takes a tree (or a
+      per-layer hook the fused op calls).
 
 6. ``VllmConfig._set_max_num_scheduled_tokens`` (wrapped): vLLM keeps
    ``(num_speculative_tokens - 1) * max_num_seqs`` of ``max_num_batched_tokens``
@@ -723,6 +731,33 @@ def _single_slot_gdn_init(original):
     return __init__
 
 
+#: The layer attributes that select a fused GDN spec-decode path that bypasses ``_forward_core`` (5e), each with the
+#: value that turns it off. ``test_vllm_plugin`` checks that vLLM's layer sets no other ``enable_fused*spec*`` switch.
+FUSED_SPEC_DECODE_SWITCHES = {"enable_fused_gdn_spec_decode": False}
+
+
+def _no_fused_spec_decode(original):
+    """5e: a ddtree engine's Qwen GDN layers verify through ``_forward_core`` (patch 5d), never a fused chain op."""
+
+    def __init__(self, config, vllm_config, *args, **kwargs):
+        original(self, config, vllm_config, *args, **kwargs)
+        if not is_ddtree_config(vllm_config):
+            return
+        switched = [name for name, off in FUSED_SPEC_DECODE_SWITCHES.items() if getattr(self, name, off) != off]
+        for name in switched:
+            setattr(self, name, FUSED_SPEC_DECODE_SWITCHES[name])
+        if getattr(self, "gdn_decode_kernel", None) == "cuda":
+            self.gdn_decode_kernel = "triton"  # (what vLLM sets where its fused kernel is unsupported)
+        if switched:
+            from ddtree.vllm.log import get_logger
+
+            get_logger(__name__).info_once(
+                "DDTree: GDN layers verify trees with ddtree's kernels; vLLM's fused chain kernel is off"
+            )
+
+    return __init__
+
+
 def _single_slot_alignment(align):
     """5c: while a ddtree engine's page sizes are aligned, GDN state shapes are single-slot."""
 
@@ -811,18 +846,7 @@ def _gdn_forward_core_with_trees(layer, original, step, mixed_qkv, b, a, core_at
     core_attn_out[step.token_index] = verify(step.token_index)
     # vLLM's builder already computed the non-spec half (prefills, and decodes
     # reclassified as prefills) on its own; hide the spec half from its code.
-    rest = dataclasses.replace(
-        md,
-        num_spec_decodes=0,
-        num_spec_decode_tokens=0,
-        num_actual_tokens=int(other.shape[0]),
-        spec_query_start_loc=None,
-        spec_state_indices_tensor=None,
-        spec_sequence_masks=None,
-        spec_token_indx=None,
-        non_spec_token_indx=None,
-        num_accepted_tokens=None,
-    )
+    rest = _without_spec_half(md, int(other.shape[0]))
     out = _zeros_rows(core_attn_out, int(other.shape[0]))
     metadata[layer.prefix] = rest
     try:
@@ -830,6 +854,30 @@ def _gdn_forward_core_with_trees(layer, original, step, mixed_qkv, b, a, core_at
     finally:
         metadata[layer.prefix] = md
     core_attn_out[other] = out
+
+
+#: The spec-decode fields of vLLM's ``GDNAttentionMetadata`` that the non-tree half must not see (0.33 added the
+#: last two; a field this vLLM lacks is skipped).
+_SPEC_HALF_FIELDS = (
+    "spec_query_start_loc",
+    "spec_state_indices_tensor",
+    "spec_sequence_masks",
+    "spec_token_indx",
+    "non_spec_token_indx",
+    "num_accepted_tokens",
+    "spec_sequence_masks_cpu",
+    "uniform_spec_sequence_length",
+)
+
+
+def _without_spec_half(md, num_tokens: int):
+    """The metadata of a step's non-tree tokens only, for vLLM's own code (prefills, decodes reclassified as
+    prefills): no spec-decode requests, tokens, indices or masks."""
+    fields = {f.name for f in dataclasses.fields(md)}
+    cleared = {name: None for name in _SPEC_HALF_FIELDS if name in fields}
+    return dataclasses.replace(
+        md, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=num_tokens, **cleared
+    )
 
 
 def _zeros_rows(like, rows: int):
@@ -1153,7 +1201,7 @@ def _tree_placeholders_kept(original):
 
 
 def apply() -> None:
-    """Applies patches 1-3 (1c included), 5a-c, 6-9, 12 and 13 (4, 5d, 10 and 11 are applied by the worker). Raises
+    """Applies patches 1-3 (1c included), 5a-c, 5e, 6-9, 12 and 13 (4, 5d, 10 and 11 are applied by the worker). Raises
     on unsupported vLLM."""
     global _APPLIED
     import vllm
@@ -1166,6 +1214,7 @@ def apply() -> None:
 
     from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.layers.mamba.gdn.base import GatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.platforms.interface import Platform
     from vllm.config import VllmConfig
@@ -1177,6 +1226,7 @@ def apply() -> None:
     _register_attention_backend()
     _wrap_once(MambaBase, "get_kv_cache_spec", _single_slot_spec)
     _wrap_once(GatedDeltaNetAttention, "__init__", _single_slot_gdn_init)
+    _wrap_once(QwenGatedDeltaNetAttention, "__init__", _no_fused_spec_decode)
     _wrap_once(Platform, "_align_hybrid_block_size", _single_slot_alignment)
     _wrap_once(MambaStateShapeCalculator, "gated_delta_net_state_shape", _single_slot_shape)
     _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
