@@ -79,6 +79,8 @@ def test_the_worker_patch_builds_every_layer_without_a_window_only_under_the_swi
     original = getattr(qwen3_dflash._resolve_layer_attention, "__wrapped__", qwen3_dflash._resolve_layer_attention)
     hf = Qwen3Config(num_hidden_layers=5, layer_types=RELEASED_27B, use_sliding_window=True, sliding_window=2048)
     resolve = sliding_drafter.resolve_in_one_kv_group(original)
+    # The worker's config, a V1 runner (vLLM 0.33's resolver reads it; 0.25's refuses mixed drafters on any).
+    monkeypatch.setattr(qwen3_dflash, "get_current_vllm_config", lambda: SimpleNamespace(use_v2_model_runner=False))
     monkeypatch.delenv(SLIDING_DRAFTER_ENV, raising=False)
     with pytest.raises(NotImplementedError, match="mixed sliding/full attention"):
         resolve(hf, 0)
@@ -120,11 +122,22 @@ def test_the_decoder_layers_are_found_in_order_inside_the_drafter():
     assert [layer.self_attn.attn.layer_name for layer in found] == NAMES
 
 
+def _metadata_has_window() -> bool:
+    """Whether this vLLM's FlashAttention metadata carries a window (0.25; 0.33's reads the layer's)."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+
+    return "sliding_window" in {f.name for f in dataclasses.fields(FlashAttentionMetadata)}
+
+
 def _flash_metadata():
+    import dataclasses
+
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
 
     empty = torch.zeros(0, dtype=torch.int32)
-    return FlashAttentionMetadata(
+    fields = dict(
         num_actual_tokens=32,
         max_query_len=16,
         query_start_loc=torch.tensor([0, 16, 32], dtype=torch.int32),
@@ -132,7 +145,7 @@ def _flash_metadata():
         seq_lens=torch.tensor([3000, 40], dtype=torch.int32),
         block_table=torch.zeros((2, 200), dtype=torch.int32),
         slot_mapping=empty,
-        use_cascade=False,
+        use_cascade=False,  # (0.25's cascade fields, gone from 0.33)
         common_prefix_len=0,
         cu_prefix_query_lens=None,
         prefix_kv_lens=None,
@@ -140,6 +153,13 @@ def _flash_metadata():
         causal=False,
         sliding_window=(-1, -1),
     )
+    known = {f.name for f in dataclasses.fields(FlashAttentionMetadata)}
+    return FlashAttentionMetadata(**{name: value for name, value in fields.items() if name in known})
+
+
+def _window(metadata):
+    """The window a FlashAttention layer gets from its metadata (None where vLLM's metadata has none)."""
+    return getattr(metadata, "sliding_window", None)
 
 
 def test_the_sliding_layers_get_one_shared_copy_with_their_causality_and_window():
@@ -150,9 +170,23 @@ def test_the_sliding_layers_get_one_shared_copy_with_their_causality_and_window(
     copies = {id(out[name]) for name in NAMES[:4]}
     assert len(copies) == 1 and out[NAMES[4]] is base
     sliding = out[NAMES[0]]
-    assert sliding.causal is True and sliding.sliding_window == (2047, 0)
+    assert sliding.causal is True and _window(sliding) == ((2047, 0) if _metadata_has_window() else None)
     assert sliding.block_table is base.block_table and sliding.seq_lens is base.seq_lens  # the same step's tensors
-    assert base.causal is False and base.sliding_window == (-1, -1)  # vLLM's object untouched
+    assert base.causal is False and _window(base) == ((-1, -1) if _metadata_has_window() else None)  # untouched
+
+
+def test_the_sliding_layers_carry_their_window_where_vllm_reads_it_from_the_layer():
+    """vLLM 0.33's FlashAttention takes the window from ``impl.sliding_window`` (0.25's metadata window, the same,
+    wins over it there): the masked layers get theirs, the others keep vLLM's."""
+    layers = [
+        SimpleNamespace(self_attn=SimpleNamespace(attn=SimpleNamespace(layer_name=name, impl=SimpleNamespace())))
+        for name in NAMES
+    ]
+    for layer in layers:
+        layer.self_attn.attn.impl.sliding_window = (-1, -1)  # as vLLM builds a layer without a window
+    sliding_drafter.set_layer_windows(layers, {name: (True, 2048) for name in NAMES[:4]} | {"other": (False, 64)})
+    windows = [layer.self_attn.attn.impl.sliding_window for layer in layers]
+    assert windows == [(2047, 0)] * 4 + [(-1, -1)]
 
 
 def test_the_proposer_hands_each_layer_its_metadata():
@@ -161,13 +195,18 @@ def test_the_proposer_hands_each_layer_its_metadata():
 
     base = _flash_metadata()
     builder = SimpleNamespace(build_for_drafting=lambda common_attn_metadata, draft_index: base)
-    group = SimpleNamespace(get_metadata_builder=lambda: builder, layer_names=list(NAMES))
+    group = SimpleNamespace(
+        get_metadata_builder=lambda: builder,
+        build_metadata_for_drafting=builder.build_for_drafting,  # (vLLM 0.33 asks the group)
+        layer_names=list(NAMES),
+    )
     proposer = object.__new__(DDTreeProposer)
     proposer.draft_attn_groups, proposer.dflash_causal = [group], False
     proposer._ddtree_layer_masks = {name: (True, 2048) for name in NAMES[:4]}
     per_group, per_layer = proposer.build_per_group_and_layer_attn_metadata(SimpleNamespace())
     assert per_group == [base] and per_layer[NAMES[4]] is base
-    assert all(per_layer[name].sliding_window == (2047, 0) and per_layer[name].causal for name in NAMES[:4])
+    window = (2047, 0) if _metadata_has_window() else None
+    assert all(_window(per_layer[name]) == window and per_layer[name].causal for name in NAMES[:4])
     proposer._ddtree_layer_masks = {}  # an all-full drafter: vLLM's objects as they are
     assert all(m is base for m in proposer.build_per_group_and_layer_attn_metadata(SimpleNamespace())[1].values())
 
@@ -267,3 +306,26 @@ def check_flash_attention_applies_the_window(device: str = "cuda") -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlashAttention 3)")
 def test_flash_attention_applies_the_window_as_the_reference_engine_does():
     check_flash_attention_applies_the_window("cuda")
+
+
+def test_vllms_v1_refusal_of_a_mixed_drafter_is_answered_for_ddtree_engines_only():
+    """Patch 11's config half: vLLM 0.33's V1 check (``VllmConfig._dflash_needs_multi_kv_group``) would refuse the
+    released drafter before ddtree's own check; a ddtree engine answers that one KV group serves it, any other
+    engine keeps vLLM's answer. Installed where vLLM has the check."""
+    from vllm.config import VllmConfig
+
+    from ddtree.vllm import patches
+
+    class FakeConfig:
+        def __init__(self, additional_config):
+            self.additional_config = additional_config
+
+        def _dflash_needs_multi_kv_group(self):
+            return True
+
+    patches._wrap_once(FakeConfig, "_dflash_needs_multi_kv_group", patches._one_kv_group_for_trees)
+    assert FakeConfig({"ddtree": {"budget": 64}})._dflash_needs_multi_kv_group() is False
+    assert FakeConfig({})._dflash_needs_multi_kv_group() is True
+    patches.apply()
+    check = getattr(VllmConfig, "_dflash_needs_multi_kv_group", None)
+    assert check is None or getattr(check, "__ddtree_wrapped__", False)

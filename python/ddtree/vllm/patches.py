@@ -171,7 +171,10 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
     KV spec and the drafter one KV-cache group (vLLM's V1 proposer asserts one); the sliding layers get their
     causality and window through their attention metadata (``DDTreeProposer``, ``ddtree.vllm.sliding_drafter``).
     vLLM 0.25.1 refuses such a drafter there. Upstream fix: per-layer causal metadata in the V1 proposer (vLLM
-    0.33 has it on its V2 runner only, with one KV group per layer kind).
+    0.33 has it on its V2 runner only, with one KV group per layer kind). On 0.33 the window is set on the sliding
+    layers too (its FlashAttention reads it there), and the config half, ``VllmConfig._dflash_needs_multi_kv_group``
+    (wrapped where vLLM has it, every process), answers False for a ddtree engine: vLLM's V1 check would refuse the
+    drafter before ddtree's own check can run it in one group (under the switch) or refuse it naming the switch.
 
 12. Structured outputs (admitted under ``DDTREE_STRUCTURED_OUTPUTS=1``, xgrammar, one GPU), three ``Scheduler``
     methods (wrapped, ddtree engines only): (a) ``get_grammar_bitmask``: vLLM fills a structured request's rows for a
@@ -886,6 +889,16 @@ def _zeros_rows(like, rows: int):
     return torch.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
 
 
+def _one_kv_group_for_trees(original):
+    """11 (config half, vLLM 0.33): a ddtree engine builds a mixed drafter in one KV group (patch 11 under
+    ``DDTREE_SLIDING_DRAFTER=1``; refused by ddtree's own check, which names the switch, otherwise)."""
+
+    def _dflash_needs_multi_kv_group(self) -> bool:
+        return False if is_ddtree_config(self) else original(self)
+
+    return _dflash_needs_multi_kv_group
+
+
 def apply_worker_patches(vllm_config: Any) -> None:
     """Patch 11 under ``DDTREE_SLIDING_DRAFTER=1``; patches 5d and 10 in a worker whose target is a hybrid GDN
     model."""
@@ -1201,7 +1214,7 @@ def _tree_placeholders_kept(original):
 
 
 def apply() -> None:
-    """Applies patches 1-3 (1c included), 5a-c, 5e, 6-9, 12 and 13 (4, 5d, 10 and 11 are applied by the worker). Raises
+    """Applies patches 1-3 (1c included), 5a-c, 5e, 6-9, 11's config half, 12 and 13 (4, 5d, 10 and 11 are applied by the worker). Raises
     on unsupported vLLM."""
     global _APPLIED
     import vllm
@@ -1231,6 +1244,8 @@ def apply() -> None:
     _wrap_once(MambaStateShapeCalculator, "gated_delta_net_state_shape", _single_slot_shape)
     _wrap_once(VllmConfig, "_set_max_num_scheduled_tokens", _reservation_by_depth)
     _wrap_once(VllmConfig, "_set_cudagraph_sizes", _tree_capture_sizes)
+    if hasattr(VllmConfig, "_dflash_needs_multi_kv_group"):  # (vLLM 0.33's V1 refusal of mixed drafters)
+        _wrap_once(VllmConfig, "_dflash_needs_multi_kv_group", _one_kv_group_for_trees)
     _wrap_once(VllmConfig, "_maybe_override_dynamic_sd_cudagraph_mode", _keep_full_graphs_under_a_schedule)
     _wrap_once(Scheduler, "__init__", _scheduler_set_up_for_trees)
     _wrap_once(Scheduler, "get_grammar_bitmask", _tree_grammar_bitmask)

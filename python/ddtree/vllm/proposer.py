@@ -33,6 +33,7 @@ from ddtree.vllm.sliding_drafter import (
     draft_decoder_layers,
     layer_masks,
     masked_metadata,
+    set_layer_windows,
     sliding_drafter_enabled,
 )
 from ddtree.vllm.step import DeferredProposal, TreeStore
@@ -99,6 +100,7 @@ class DDTreeProposer(DFlashProposer):
             hf_config = self.draft_model_config.hf_config
             layers = draft_decoder_layers(self.model)
             self._ddtree_layer_masks = layer_masks(layers, hf_config, bool(self.dflash_causal))
+            set_layer_windows(layers, self._ddtree_layer_masks)
 
     def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)

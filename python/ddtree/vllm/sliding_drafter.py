@@ -12,6 +12,12 @@ V1 proposer takes one KV-cache group and one causality for every draft layer. Wh
   causality and window (:func:`masked_metadata`): vLLM 0.25.1's FlashAttention takes both from the metadata
   object of each layer (``flash_attn.py:873-882``). Attention runs outside the drafter's (PIECEWISE) CUDA graphs
   and reads its metadata by layer name at run time, so no capture changes.
+* vLLM 0.33's FlashAttention metadata has no window: its FlashAttention takes the window from the layer
+  (``impl.sliding_window``, ``flash_attn.py:1316-1322``) and only the causality from the metadata. So the sliding
+  layers' windows are also set on the layers once, at load (:func:`set_layer_windows`); on 0.25 the metadata's
+  window, the same, wins over the layer's. Its V1 config check refuses a mixed drafter outright
+  (``VllmConfig._dflash_needs_multi_kv_group``; patch 11's config half answers that one KV group serves a ddtree
+  engine's, and ddtree's own check names this switch).
 
 Only FlashAttention applies a window from the metadata: another drafter backend is refused at start-up
 (:func:`check_backends`). The mask is the one ddtree's reference engine runs (``ddtree.engine.drafter.
@@ -132,7 +138,8 @@ def flash_window(causal: bool, window: Optional[int]) -> Tuple[int, int]:
 
 def masked_metadata(per_layer: Dict[str, Any], masks: Mapping[str, LayerMask]) -> Dict[str, Any]:
     """``per_layer`` (vLLM's drafter metadata by layer name) with each masked layer's replaced by a copy with its
-    causality and window; layers of one mask share one copy, the rest keep vLLM's object."""
+    causality, and its window where the metadata has one (vLLM 0.25); layers of one mask share one copy, the rest
+    keep vLLM's object."""
     copies: Dict[Tuple[int, LayerMask], Any] = {}
     for name, mask in masks.items():
         base = per_layer[name]
@@ -140,9 +147,26 @@ def masked_metadata(per_layer: Dict[str, Any], masks: Mapping[str, LayerMask]) -
         copy = copies.get(key)
         if copy is None:
             causal, window = mask
-            copy = copies[key] = dataclasses.replace(base, causal=causal, sliding_window=flash_window(causal, window))
+            fields = {"causal": causal}
+            if _has_field(base, "sliding_window"):
+                fields["sliding_window"] = flash_window(causal, window)
+            copy = copies[key] = dataclasses.replace(base, **fields)
         per_layer[name] = copy
     return per_layer
+
+
+def _has_field(metadata: Any, name: str) -> bool:
+    return any(field.name == name for field in dataclasses.fields(metadata))
+
+
+def set_layer_windows(layers: Sequence[Any], masks: Mapping[str, LayerMask]) -> None:
+    """Each masked layer's attention (vLLM's decoder ``layers``) gets its window, FlashAttention's ``(left, right)``:
+    where vLLM's FlashAttention reads the window from the layer (0.33), not from the metadata (0.25)."""
+    for layer in layers:
+        attention = layer.self_attn.attn
+        mask = masks.get(attention.layer_name)
+        if mask is not None:
+            attention.impl.sliding_window = flash_window(*mask)
 
 
 def check_backends(attn_groups: Sequence[Any], masks: Mapping[str, LayerMask]) -> None:
