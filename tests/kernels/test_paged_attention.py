@@ -159,6 +159,14 @@ for seed, dtype, heads in [(0, torch.float32, (4, 2, 32)), (5, torch.float32, (6
     got = paged_tree_attention(**inputs, max_query_len=max(q_lens))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if seed == 0:
+        # vLLM 0.33's layout: K and V halves of [blocks, H, page, 2D] (stored NHD), read as strided views.
+        k, v = inputs["key_cache"], inputs["value_cache"]
+        relaid = torch.cat([k, v], dim=-1).transpose(1, 2).transpose(1, 2).split(k.shape[-1], dim=-1)
+        assert relaid[0].stride(2) == 2 * k.shape[-1]
+        strided = dict(inputs, key_cache=relaid[0], value_cache=relaid[1])
+        got = paged_tree_attention(**strided, max_query_len=max(q_lens))
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 print("KERNEL-OK")
 """
 

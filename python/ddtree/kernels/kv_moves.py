@@ -73,8 +73,10 @@ def apply_kv_moves_paged(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_sl
     """Copies K and V of ``src_slots`` onto ``dst_slots`` in place.
 
     ``kv_cache`` is one layer's ``[num_blocks, 2, block_size, num_kv_heads,
-    head_size]`` tensor (any stride order: indexing is logical); slots are
-    ``block * block_size + offset`` as in vLLM's slot mapping.
+    head_size]`` tensor (vLLM 0.25) or ``[num_blocks, num_kv_heads,
+    block_size, 2 * head_size]`` (0.33): in both a token's K and V are
+    ``kv_cache[block, :, offset]`` (any stride order: indexing is logical);
+    slots are ``block * block_size + offset`` as in vLLM's slot mapping.
     """
     if src_slots.numel() == 0:
         return
@@ -93,5 +95,5 @@ def apply_kv_moves_indexed(kv_cache: torch.Tensor, index: tuple) -> None:
     """:func:`apply_kv_moves_paged` with the block/offset index of :func:`kv_move_index`: one gather and one
     scatter."""
     src_block, src_off, dst_block, dst_off = index
-    # Advanced indexing on dims 0 and 2 gathers [M, 2, H, D] before the scatter.
+    # Advanced indexing on dims 0 and 2 gathers [M, 2, H, D] (0.33: [M, H, 2D]) before the scatter.
     kv_cache[dst_block, :, dst_off] = kv_cache[src_block, :, src_off]

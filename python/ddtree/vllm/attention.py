@@ -63,6 +63,23 @@ class DDTreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
         return DDTreeAttentionMetadata(**fields, tree=tree)
 
 
+def key_value_caches(kv_cache: torch.Tensor, head_size: int):
+    """``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_size]`` (views, the head
+    dimension contiguous), of one layer's cache as vLLM's Triton backend lays it out: 0.25's
+    ``[num_blocks, 2, block_size, H, D]``, or 0.33's ``[num_blocks, H, block_size, 2 * D]`` (K then V on the last
+    dimension, ``triton_attn.py:653-657``; physical stride order set by the KV-cache layout)."""
+    if kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
+        return kv_cache.unbind(1)
+    if kv_cache.dim() == 4 and kv_cache.shape[-1] == 2 * head_size:
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        return key_cache, value_cache
+    raise ValueError(
+        f"DDTree: a KV cache of shape {tuple(kv_cache.shape)} is in no layout the tree attention knows for "
+        f"head_size={head_size} ([blocks, 2, block_size, heads, head_size] or [blocks, heads, block_size, "
+        "2 * head_size])"
+    )
+
+
 class DDTreeAttentionImpl(TritonAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -99,7 +116,7 @@ class DDTreeAttentionImpl(TritonAttentionImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("DDTree tree attention does not support fused output quantization")
         n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = kv_cache.unbind(1)
+        key_cache, value_cache = key_value_caches(kv_cache, self.head_size)
         out = output[:n]
         if out.dim() == 2:
             out = out.view(n, self.num_heads, self.head_size)

@@ -1,0 +1,62 @@
+"""The target's K/V cache in vLLM's two Triton layouts: 0.25's ``[blocks, 2, block_size, H, D]`` and 0.33's
+``[blocks, H, block_size, 2 * D]`` (K then V on the last dimension, in any physical stride order). The tree
+attention reads both through :func:`ddtree.vllm.attention.key_value_caches`; the commit's K/V moves index both."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from ddtree.kernels.kv_moves import apply_kv_moves_paged  # noqa: E402
+from ddtree.vllm.attention import key_value_caches  # noqa: E402
+
+BLOCKS, PAGE, HEADS, DIM = 6, 16, 2, 8
+
+
+def _caches(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(BLOCKS, PAGE, HEADS, DIM, generator=gen), torch.randn(BLOCKS, PAGE, HEADS, DIM, generator=gen)
+
+
+def _layouts(key, value):
+    """The same K/V in each layout: 0.25's; 0.33's logical [B, H, N, 2D] stored NHD (as its default layout views
+    it) and stored HND."""
+    v025 = torch.stack([key, value], dim=1)
+    v033_nhd = torch.cat([key, value], dim=-1).transpose(1, 2)
+    v033_hnd = v033_nhd.contiguous()
+    return {"0.25": v025, "0.33 NHD": v033_nhd, "0.33 HND": v033_hnd}
+
+
+@pytest.mark.parametrize("layout", ["0.25", "0.33 NHD", "0.33 HND"])
+def test_each_layout_gives_the_same_key_and_value_views(layout):
+    key, value = _caches()
+    cache = _layouts(key, value)[layout]
+    got_key, got_value = key_value_caches(cache, DIM)
+    assert got_key.shape == got_value.shape == (BLOCKS, PAGE, HEADS, DIM)
+    assert got_key.stride(-1) == got_value.stride(-1) == 1  # (the kernel's contiguous head dimension)
+    assert torch.equal(got_key, key) and torch.equal(got_value, value)
+    # Views, not copies: what vLLM writes into the cache is what the tree attention reads.
+    assert got_key.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["0.33 NHD", "0.33 HND"])
+def test_kv_moves_in_0_33s_layout_equal_0_25s(layout):
+    key, value = _caches(1)
+    caches = _layouts(key, value)
+    rng = np.random.default_rng(0)
+    src = torch.from_numpy(rng.permutation(BLOCKS * PAGE)[:20])
+    dst = torch.from_numpy(rng.permutation(BLOCKS * PAGE)[:20])
+    reference, cache = caches["0.25"].clone(), caches[layout].clone()
+    apply_kv_moves_paged(reference, src, dst)
+    apply_kv_moves_paged(cache, src, dst)
+    moved_key, moved_value = key_value_caches(cache, DIM)
+    assert not torch.equal(reference[:, 0], key)  # the moves changed something
+    assert torch.equal(moved_key, reference[:, 0]) and torch.equal(moved_value, reference[:, 1])
+
+
+def test_a_cache_in_no_known_layout_is_refused_by_shape():
+    with pytest.raises(ValueError, match=r"shape \(6, 2, 16, 8\) is in no layout .* head_size=8"):
+        key_value_caches(torch.zeros(BLOCKS, HEADS, PAGE, DIM), DIM)
+    with pytest.raises(ValueError, match="head_size=4"):
+        key_value_caches(torch.zeros(BLOCKS, HEADS, PAGE, 2 * DIM), 4)
