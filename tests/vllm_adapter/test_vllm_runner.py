@@ -1212,6 +1212,50 @@ def test_vllm_spec_decode_rows_must_be_the_tree_rows():
         check([-1, 5, 5], [0, 1, 2])
 
 
+def test_a_decode_without_drafts_is_a_plain_decode_for_vllms_gdn_builder(monkeypatch):
+    """vLLM 0.33 marks a decode that got no drafts a spec decode of 0 drafts (0.25 marks it -1): a ddtree engine's
+    spec rows are its tree rows, so such a row is set back to -1 after vLLM's input preparation, before its GDN
+    builder reads the counts; rows with drafts and prefills are left as vLLM made them."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    counts = np.array([0, 5, -1, 0, 5], dtype=np.int32)
+    runner_module.unmark_draftless_spec_rows(counts)
+    assert counts.tolist() == [-1, 5, -1, -1, 5]
+
+    def vllms_prepare(self, scheduler_output, num_scheduled_tokens):  # vLLM 0.33's marks, a draftless decode first
+        self.num_decode_draft_tokens.np[:3] = [0, 5, 5]
+        return "logits_indices", "spec_decode_metadata"
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", vllms_prepare)
+    for unmark, expected in ((True, [-1, 5, 5, 9]), (False, [0, 5, 5, 9])):
+        runner = object.__new__(DDTreeGPUModelRunner)
+        runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([9, 9, 9, 9], dtype=np.int32))
+        runner.input_batch = SimpleNamespace(num_reqs=3)
+        runner.use_async_scheduling = True
+        runner.ddtree_stats = runner_module.DDTreeStats(depth=3)
+        runner._ddtree_unmark_draftless = unmark
+        runner._ddtree_publish_counts = lambda *args: False
+        assert runner._prepare_inputs(None, None) == ("logits_indices", "spec_decode_metadata")
+        assert runner.num_decode_draft_tokens.np.tolist() == expected
+
+
+def test_the_draftless_spec_row_gate_follows_vllms_own_runner():
+    """``DRAFTLESS_SPEC_ROWS_FROM``: the installed vLLM's ``_prepare_inputs`` marks draftless decodes as spec rows
+    (its ``zero_draft_decode_mask``) exactly where the runner undoes it."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm.patches import vllm_below
+    from ddtree.vllm.runner import DRAFTLESS_SPEC_ROWS_FROM
+
+    marks = "zero_draft_decode_mask" in inspect.getsource(GPUModelRunner._prepare_inputs)
+    assert marks == (not vllm_below(DRAFTLESS_SPEC_ROWS_FROM))
+
+
 def test_a_repeated_step_shape_hands_the_walk_the_same_trees_object(monkeypatch):
     """The device walk's trees: the same object while the step's tensors are the same (the upload's views, the
     placement graph's outputs), a new one for other tensors; the memory starts afresh past its bound."""

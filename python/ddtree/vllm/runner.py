@@ -58,6 +58,7 @@ from ddtree.vllm.counts import PathRing
 from ddtree.vllm.device_plan import MAX_TREE_SIZE as MAX_DEVICE_TREE_SIZE
 from ddtree.vllm.device_plan import DevicePlanner, fits_far_from_the_end
 from ddtree.vllm.min_tokens import MinTokensRequests, Pending
+from ddtree.vllm.patches import vllm_below
 from ddtree.vllm.proposer import tensor_parallel_rank
 from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -433,6 +434,19 @@ def other_tokens(total: int, token_index: np.ndarray) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
+#: From this vLLM on (0.33 read; the versions between 0.25 and 0.33 unread, taken as 0.33), its runner marks a
+#: decode that got no drafts as a spec decode of 0 drafts (``num_decode_draft_tokens`` 0, not -1), so that its GDN
+#: builder applies the chain's accepted-token offset to the state; 0.25.1 marks it -1.
+DRAFTLESS_SPEC_ROWS_FROM = (0, 26, 0)
+
+
+def unmark_draftless_spec_rows(num_decode_draft_tokens: np.ndarray) -> None:
+    """A ddtree engine's spec decodes are its tree rows, the requests with drafts (a tree has at least one): a row
+    of 0 drafts is set back to -1 (a plain decode) in place, so vLLM's GDN builder reads it from the request's one
+    state slot as a decode and counts only tree tokens as spec tokens (``_ddtree_check_spec_rows``)."""
+    num_decode_draft_tokens[num_decode_draft_tokens == 0] = -1
+
+
 def gdn_conv_window(model_config) -> int:
     """``W - 1`` of a hybrid target's GDN conv, from its HF config."""
     text = model_config.hf_text_config
@@ -451,6 +465,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_precapture_commits = False  # DDTREE_PRECAPTURE=all
     _ddtree_profiling_graph_memory = False  # inside vLLM's profile_cudagraph_memory (no start-up captures)
     _ddtree_step_serial = 0  # the next planned step's number (``PathRing``)
+    _ddtree_unmark_draftless = False  # vLLM >= DRAFTLESS_SPEC_ROWS_FROM with a hybrid target (set at start-up)
     _ddtree_plan: Optional[VerifyPlan] = None  # the step's verification (None: no tree step)
 
     # Off until __init__ sets them (the CPU tests build runners without it).
@@ -485,6 +500,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_staging = StepStaging(self.device)
         # Hybrid GDN targets: W - 1 of the conv (0: attention-only target).
         self._ddtree_conv_window = gdn_conv_window(self.model_config) if self.model_config.is_hybrid else 0
+        # vLLM 0.33 counts a decode without drafts as a spec decode of 0 drafts (its chain reads the last state at
+        # an accepted-token offset); a ddtree request keeps one state slot, so such a decode is a plain one.
+        self._ddtree_unmark_draftless = bool(self._ddtree_conv_window) and not vllm_below(DRAFTLESS_SPEC_ROWS_FROM)
         # Prefix caching with a hybrid target (mamba cache mode "align"): the state block size (0: no boundary
         # commits, ``mamba_align``), and the state groups' layers (made at the first boundary commit).
         aligned = self._ddtree_conv_window and getattr(self.cache_config, "mamba_cache_mode", "none") == "align"
@@ -949,6 +967,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if spec_decode_metadata is None:
             return logits_indices, spec_decode_metadata
         num_reqs = self.input_batch.num_reqs
+        if self._ddtree_unmark_draftless:
+            unmark_draftless_spec_rows(self.num_decode_draft_tokens.np[:num_reqs])
         if self.use_async_scheduling:
             with self.ddtree_stats.timed("plan"):
                 published = self._ddtree_publish_counts(scheduler_output, num_scheduled_tokens, num_reqs)
