@@ -175,7 +175,7 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     cpu = torch.device("cpu")
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.ddtree_cfg = DDTreeConfig(budget=6, draft_len=3, top_k=None)
-    runner.drafter = SimpleNamespace(store=TreeStore(6))
+    runner.drafter = SimpleNamespace(store=TreeStore(6), draft_len=3, top_k=4)
     lists = _tree_lists(runner.drafter.store, ["a", "b"])
     runner.input_batch = SimpleNamespace(req_ids=["p", "a", "b"], num_computed_tokens_cpu=np.array([0, 20, 30]))
     runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([-1, 6, 4]))
@@ -207,10 +207,7 @@ def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
 
     runner, scheduled, output = _mixed_hybrid_step(mrope)
     try:
-        assert runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3) == (
-            "indices",
-            "metadata",
-        )
+        runner._ddtree_prepare(output, np.array([5, 7, 5]), "indices", "metadata", 3)
         plan = runner._ddtree_plan
         runner.drafter.store = TreeStore(6)
         _tree_lists(runner.drafter.store, ["a", "b"])
@@ -240,6 +237,41 @@ def test_prepare_lays_out_a_mixed_hybrid_step_in_the_persistent_buffers(mrope):
                 assert sections[k, :5].tolist() == [i * (k + 1) for i in range(5)]
     finally:
         context.withdraw()
+
+
+def test_a_first_decode_vllm_padded_with_placeholders_verifies_a_filler_tree_in_synchronous_scheduling():
+    """vLLM pads a request's first decode to a whole tree of placeholders (beside running requests; on 0.33 also
+    alone, after a prefix hit that leaves one token): under synchronous scheduling too it verifies a filler tree,
+    not an error (the engine would stop); real drafts without a proposal are still refused."""
+    from ddtree.vllm import context
+    from ddtree.vllm.step import PLACEHOLDER, DraftMismatchError
+
+    runner, scheduled, output = _mixed_hybrid_step()
+    assert runner.use_async_scheduling is False
+    runner.input_batch.req_ids = ["p", "a", "n"]  # n: never proposed for (its prefill just ended)
+    runner.num_decode_draft_tokens.np[:] = [-1, 6, 6]
+    output.scheduled_spec_decode_tokens = {"a": scheduled["a"], "n": [PLACEHOLDER] * 6}
+    output.total_num_scheduled_tokens = 19
+    runner.positions = torch.arange(19)
+    runner.input_ids = SimpleNamespace(gpu=torch.full((19,), -1, dtype=torch.int32))  # vLLM's placeholders
+    runner.input_ids.gpu[:7] = 1000
+    try:
+        runner._ddtree_prepare(output, np.array([5, 7, 7]), "indices", "metadata", 3)
+        plan = runner._ddtree_plan
+        assert plan.batch_index.tolist() == [1, 2] and plan.num_filler_trees == 1 and plan.num_cut_trees == 0
+        assert plan.num_tree_tokens == 14
+        # The filler's drafts written over n's placeholders (its root, vLLM's sampled token, left as it is).
+        assert runner.input_ids.gpu[13:19].tolist() == plan.draft_tokens[-6:].tolist()
+        assert (runner.input_ids.gpu[13:19] >= 0).all()
+    finally:
+        context.withdraw()
+    runner.drafter.store.take("a")
+    output.scheduled_spec_decode_tokens = {"n": [5, 6]}  # real drafts without a record: a bug, refused
+    runner.input_batch.req_ids = ["n"]
+    runner.num_decode_draft_tokens.np[:] = [2, -1, -1]
+    output.total_num_scheduled_tokens = 3
+    with pytest.raises(DraftMismatchError, match="no DDTree proposal"):
+        runner._ddtree_prepare(output, np.array([3]), "indices", "metadata", 1)
 
 
 def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdrew_it(monkeypatch):
@@ -1222,24 +1254,34 @@ def test_a_decode_without_drafts_is_a_plain_decode_for_vllms_gdn_builder(monkeyp
     from ddtree.vllm.runner import DDTreeGPUModelRunner
 
     counts = np.array([0, 5, -1, 0, 5], dtype=np.int32)
-    runner_module.unmark_draftless_spec_rows(counts)
+    assert runner_module.unmark_draftless_spec_rows(counts)
     assert counts.tolist() == [-1, 5, -1, -1, 5]
+    assert not runner_module.unmark_draftless_spec_rows(counts)  # nothing to change
 
     def vllms_prepare(self, scheduler_output, num_scheduled_tokens):  # vLLM 0.33's marks, a draftless decode first
         self.num_decode_draft_tokens.np[:3] = [0, 5, 5]
-        return "logits_indices", "spec_decode_metadata"
+        return "logits_indices", "spec_decode_metadata", "max_num_sampled_tokens"  # (0.33 returns three)
 
     monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", vllms_prepare)
     for unmark, expected in ((True, [-1, 5, 5, 9]), (False, [0, 5, 5, 9])):
         runner = object.__new__(DDTreeGPUModelRunner)
-        runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([9, 9, 9, 9], dtype=np.int32))
+        uploads = []
+        runner.num_decode_draft_tokens = SimpleNamespace(
+            np=np.array([9, 9, 9, 9], dtype=np.int32), copy_to_gpu=lambda: uploads.append(1)
+        )
         runner.input_batch = SimpleNamespace(num_reqs=3)
         runner.use_async_scheduling = True
         runner.ddtree_stats = runner_module.DDTreeStats(depth=3)
         runner._ddtree_unmark_draftless = unmark
         runner._ddtree_publish_counts = lambda *args: False
-        assert runner._prepare_inputs(None, None) == ("logits_indices", "spec_decode_metadata")
+        # What vLLM returns, returned as it is (0.25's two values, 0.33's three).
+        assert runner._prepare_inputs(None, None) == (
+            "logits_indices",
+            "spec_decode_metadata",
+            "max_num_sampled_tokens",
+        )
         assert runner.num_decode_draft_tokens.np.tolist() == expected
+        assert len(uploads) == unmark  # the GPU copy follows the host's
 
 
 def test_the_draftless_spec_row_gate_follows_vllms_own_runner():

@@ -440,11 +440,16 @@ def other_tokens(total: int, token_index: np.ndarray) -> np.ndarray:
 DRAFTLESS_SPEC_ROWS_FROM = (0, 26, 0)
 
 
-def unmark_draftless_spec_rows(num_decode_draft_tokens: np.ndarray) -> None:
+def unmark_draftless_spec_rows(num_decode_draft_tokens: np.ndarray) -> bool:
     """A ddtree engine's spec decodes are its tree rows, the requests with drafts (a tree has at least one): a row
     of 0 drafts is set back to -1 (a plain decode) in place, so vLLM's GDN builder reads it from the request's one
-    state slot as a decode and counts only tree tokens as spec tokens (``_ddtree_check_spec_rows``)."""
-    num_decode_draft_tokens[num_decode_draft_tokens == 0] = -1
+    state slot as a decode and counts only tree tokens as spec tokens (``_ddtree_check_spec_rows``). Returns
+    whether a row changed."""
+    draftless = num_decode_draft_tokens == 0
+    if not draftless.any():
+        return False
+    num_decode_draft_tokens[draftless] = -1
+    return True
 
 
 def gdn_conv_window(model_config) -> int:
@@ -953,7 +958,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         with record_function_or_nullcontext("vllm: _prepare_inputs"):
-            logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+            prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        # vLLM 0.25 returns (logits_indices, spec_decode_metadata); 0.33 adds max_num_sampled_tokens: returned as is.
+        self._ddtree_prepare_inputs(scheduler_output, num_scheduled_tokens, *prepared[:2])
+        return prepared
+
+    def _ddtree_prepare_inputs(self, scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata):
+        """ddtree's part of the step's input preparation, after vLLM's: the step's trees planned (or, under
+        asynchronous scheduling, published from the counts for the late plan)."""
         self._ddtree_plan = None
         self._ddtree_accept = None
         self._ddtree_flat_positions = None
@@ -965,10 +977,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # A step without drafts keeps its logits rows' token indices: ddtree samples it when a request is seeded.
         self._ddtree_draftless_logits_indices = logits_indices if spec_decode_metadata is None else None
         if spec_decode_metadata is None:
-            return logits_indices, spec_decode_metadata
+            return
         num_reqs = self.input_batch.num_reqs
-        if self._ddtree_unmark_draftless:
-            unmark_draftless_spec_rows(self.num_decode_draft_tokens.np[:num_reqs])
+        if self._ddtree_unmark_draftless and unmark_draftless_spec_rows(self.num_decode_draft_tokens.np[:num_reqs]):
+            self.num_decode_draft_tokens.copy_to_gpu()  # (vLLM queued its copy already; no reader of it in 0.33)
         if self.use_async_scheduling:
             with self.ddtree_stats.timed("plan"):
                 published = self._ddtree_publish_counts(scheduler_output, num_scheduled_tokens, num_reqs)
@@ -980,15 +992,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                     spec_decode_metadata,
                     num_reqs,
                 )
-            return logits_indices, spec_decode_metadata
+            return
         # Late trees: the last proposal's top-K is waited for here, after vLLM's scheduling and input preparation
         # ran while the drafter did (a no-op otherwise).
         with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
             self.drafter.store.settle()
         with self.ddtree_stats.timed("plan"):
-            return self._ddtree_prepare(
-                scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs
-            )
+            self._ddtree_prepare(scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs)
 
     def _ddtree_prepare(
         self,
@@ -1014,14 +1024,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             conv_window=self._ddtree_conv_window,
             words=self._ddtree_buffers.words,
             arrays=lambda specs: self._ddtree_plan_arrays(specs, total, hybrid, extras),
-            # Asynchronous scheduling gives every decoding request placeholders, also where the drafter did not run.
-            unproposed=(self.drafter.draft_len, self.drafter.top_k) if self.use_async_scheduling else None,
+            # Placeholders where the drafter did not run verify a filler tree: asynchronous scheduling gives them to
+            # every decoding request; vLLM pads a request's first decode with them in any scheduling (0.25 beside
+            # running requests; 0.33 also after a prefix hit that leaves one token).
+            unproposed=(self.drafter.draft_len, self.drafter.top_k),
         )
         published, self._ddtree_early_token_index = self._ddtree_early_token_index, None
         if plan is None:
             if published is not None:
                 raise RuntimeError("DDTree: a step published with trees verifies none (a bug)")
-            return logits_indices, spec_decode_metadata
+            return
         if hybrid:
             self._ddtree_check_spec_rows(plan, num_reqs)
         plan.step_serial, self._ddtree_step_serial = self._ddtree_step_serial, self._ddtree_step_serial + 1
@@ -1059,7 +1071,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if "node_parents" in gpu:
             plan.device_trees = self._ddtree_device_trees(gpu, placed["node_offsets"])
         self._ddtree_plan = plan
-        return logits_indices, spec_decode_metadata
 
     def _ddtree_device_trees(self, gpu: Dict[str, torch.Tensor], node_offsets: torch.Tensor):
         """The step's trees for the device walk: one object per set of tensors. A repeated step shape hands the
