@@ -50,6 +50,7 @@ PROMPT_SETS = {
     "batch16": "batch32",
     "batch32": "batch32",
     "near_max": None,
+    "one_token_prompts": "one_token",
     **{name: "stop" for name in CONSTRAINED_SCENARIOS},
     # Each row under one of the harness's regexes (its kept settings say which, row by row), ended by the stop token.
     "structured": "stop",

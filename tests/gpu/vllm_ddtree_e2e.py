@@ -51,7 +51,9 @@ engine in its own subprocess (a crash or hang of one does not hide the others):
 
 Scenarios per engine: batch 1 (3 prompts one at a time), batch 16 (the first 16
 prompts of batch 32, 48 tokens each), batch 32 (mixed prompt lengths and max_tokens), a prompt 120 tokens below
-max_model_len decoded to its end (whole trees, then trees cut to what still fits), stop tokens that end
+max_model_len decoded to its end (whole trees, then trees cut to what still fits), one_token_prompts (batch 32's
+prompts, then 8 one-token prompts queued behind them: admitted beside decoding requests, their first decodes are
+padded by vLLM with placeholders no proposal stands behind, which must verify filler trees), stop tokens that end
 requests mid-tree, the same stop tokens held back by min_tokens, greedy under a logit_bias and under penalties, requests aborted
 mid-tree (survivors and a later batch must be
 unaffected), temperature 1 with per-request seeds (run twice, then once more with the first request alone for a few
@@ -164,7 +166,20 @@ def prompts(vocab, given=None, seed=0):
         near_max=near_max,
         stop=batch32[:8],
         t1=batch32[8:16],
+        one_token=one_token_prompt_set(batch32),
     )
+
+
+#: The one_token_prompts scenario's one-token prompts, after batch32's 32 (which fill max_num_seqs): each waits until
+#: a longer request finishes, so it is admitted while the others decode, and vLLM pads its first decode (its only
+#: prompt token) to a whole tree of placeholders, which the drafter never proposed for.
+ONE_TOKEN_PROMPTS = 8
+
+
+def one_token_prompt_set(batch32):
+    """The one_token_prompts scenario's prompts: batch32's, then the first token of each of its first
+    ``ONE_TOKEN_PROMPTS``."""
+    return [list(p) for p in batch32] + [[p[0]] for p in batch32[:ONE_TOKEN_PROMPTS]]
 
 
 def is_gdn_target(target: str) -> bool:
@@ -573,6 +588,13 @@ def run_child(
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["batch32"]], params, use_tqdm=False))
         return rows, sum(len(r["tokens"]) for r in rows)
 
+    def one_token_prompts():
+        # batch32's own lengths (17-64 tokens), so that some finish early and the one-token prompts queued behind
+        # them are admitted beside running requests.
+        params = [greedy(m) for m in P["max_tokens"]] + [greedy(MAX_TOKENS)] * ONE_TOKEN_PROMPTS
+        rows = collect(llm.generate([TokensPrompt(prompt_token_ids=p) for p in P["one_token"]], params, use_tqdm=False))
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     def near_max():
         params = greedy(NEAR_MAX_ROOM - 1)  # up to max_model_len - 1
         rows = collect(llm.generate([TokensPrompt(prompt_token_ids=P["near_max"])], params, use_tqdm=False))
@@ -720,6 +742,7 @@ def run_child(
         ("batch16", b16),
         ("batch32", b32),
         ("near_max", near_max),
+        ("one_token_prompts", one_token_prompts),
         *((sname, functools.partial(constrained, sname)) for sname in CONSTRAINED_SCENARIOS),
         ("min_p", min_p),
         ("abort", abort),
@@ -792,7 +815,8 @@ def scenario_exercised(sname, trees):
     """``(passed, note)`` for a ddtree engine's scenario: did it verify what it is named for? None: no counts.
 
     Every scenario must verify trees; near_max must verify cut trees (requests near max_model_len get what
-    still fits) -- a run that decoded one token per step there tested plain decoding, not trees.
+    still fits) -- a run that decoded one token per step there tested plain decoding, not trees; one_token_prompts
+    must verify filler trees (the first decodes vLLM padded with placeholders no proposal stands behind).
     """
     if not trees:
         return None
@@ -801,6 +825,7 @@ def scenario_exercised(sname, trees):
         f"{trees['full_graph_steps']}/{trees['verify_steps']}; "
     )
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
+    ok = ok and (sname != "one_token_prompts" or trees.get("filler_trees", 0) > 0)
     return ok, note
 
 

@@ -287,6 +287,23 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
     assert scenario_exercised("near_max", dict(counts, partial_trees=3))[0] is True
     assert scenario_exercised("batch32", dict(counts, trees=0))[0] is False
     assert scenario_exercised("batch32", None) is None
+    # one_token_prompts: the padded first decodes verified filler trees (none: vLLM did not pad, nothing tested).
+    assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=0))[0] is False
+    assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=2))[0] is True
+
+
+def test_one_token_prompts_queue_behind_a_full_batch_of_longer_ones():
+    """The scenario's one-token prompts come after batch32's 32 prompts (max_num_seqs), so each is admitted while
+    longer requests decode; the fp32 judge replays the same rows."""
+    from fp32_reference import PROMPT_SETS, scenario_prompts
+    from vllm_ddtree_e2e import ONE_TOKEN_PROMPTS, prompts
+
+    P = prompts(1000)
+    rows = scenario_prompts("one_token_prompts", P)
+    assert PROMPT_SETS["one_token_prompts"] == "one_token" and rows == P["one_token"]
+    assert rows[:32] == P["batch32"] and len(rows) == 32 + ONE_TOKEN_PROMPTS
+    assert all(len(p) == 1 for p in rows[32:]) and [p[0] for p in rows[32:]] == [p[0] for p in P["batch32"][:8]]
+    assert len(P["max_tokens"]) == 32 and min(P["max_tokens"]) < max(P["max_tokens"])  # some finish early
 
 
 def test_harness_fails_an_engine_whose_switched_path_did_not_run():
