@@ -811,12 +811,13 @@ def engine_error_checks(name: str, res: dict) -> dict:
     return checks
 
 
-def scenario_exercised(sname, trees):
+def scenario_exercised(sname, trees, schedule=False):
     """``(passed, note)`` for a ddtree engine's scenario: did it verify what it is named for? None: no counts.
 
     Every scenario must verify trees; near_max must verify cut trees (requests near max_model_len get what
     still fits) -- a run that decoded one token per step there tested plain decoding, not trees; one_token_prompts
-    must verify filler trees (the first decodes vLLM padded with placeholders no proposal stands behind).
+    must verify filler trees (the first decodes vLLM padded with placeholders no proposal stands behind), except
+    with a budget ``schedule`` (or ``auto``), under which vLLM's asynchronous scheduler pads no first decode.
     """
     if not trees:
         return None
@@ -825,7 +826,7 @@ def scenario_exercised(sname, trees):
         f"{trees['full_graph_steps']}/{trees['verify_steps']}; "
     )
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
-    ok = ok and (sname != "one_token_prompts" or trees.get("filler_trees", 0) > 0)
+    ok = ok and (sname != "one_token_prompts" or schedule or trees.get("filler_trees", 0) > 0)
     return ok, note
 
 
@@ -1275,7 +1276,10 @@ def main():
                 if cached is not None:
                     verdict[f"{name}/second_turns/state_cache_hits"] = cached[0]
                     notes += cached[1]
-            exercised = scenario_exercised(sname, sc.get("trees"))
+            budget = (ENGINES.get(name, {}).get("spec") or {}).get("ddtree_budget")
+            exercised = scenario_exercised(
+                sname, sc.get("trees"), schedule=isinstance(budget, dict) or budget == "auto"
+            )
             if exercised is not None:
                 verdict[f"{name}/{sname}/exercised"] = exercised[0]
                 notes += exercised[1]

@@ -290,6 +290,7 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
     # one_token_prompts: the padded first decodes verified filler trees (none: vLLM did not pad, nothing tested).
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=0))[0] is False
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=2))[0] is True
+    assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=0), schedule=True)[0] is True
 
 
 def test_one_token_prompts_queue_behind_a_full_batch_of_longer_ones():
