@@ -95,6 +95,33 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     assert eager.enforce_eager is True and eager.compilation_config.cudagraph_mode is None
 
 
+def test_vllms_speculative_shorthands_name_a_ddtree_engine_too(monkeypatch):
+    """vLLM 0.33's ``--spec-method ddtree --spec-model D --spec-tokens L`` (merged by vLLM after ddtree's translation
+    would have run) are merged first, so the engine is translated as with ``--speculative-config``; a key given both
+    ways is refused as vLLM refuses it; another method's shorthands are left to vLLM."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+
+    def args(spec, **shorthands):
+        made = EngineArgs(model="/nonexistent", speculative_config=spec)
+        for name, value in shorthands.items():  # (fields of 0.33's EngineArgs; set by hand where vLLM lacks them)
+            setattr(made, name, value)
+        return made
+
+    short = args({"ddtree_budget": 32}, spec_method="ddtree", spec_model="/drafter", spec_tokens=15)
+    cfg = patches._translate_engine_args(short)
+    assert cfg.budget == 32 and cfg.draft_len == 15
+    assert short.speculative_config == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 32}
+    assert (short.spec_method, short.spec_model, short.spec_tokens) == (None, None, None)
+    mixed = args({"method": "ddtree", "model": "/d", "ddtree_budget": 32}, spec_model="/other")
+    with pytest.raises(DDTreeConfigError, match=r"--spec-model and --speculative-config\['model'\]"):
+        patches._translate_engine_args(mixed)
+    chain = args(None, spec_method="dflash", spec_model="/d", spec_tokens=7)
+    assert patches._translate_engine_args(chain) is None
+    assert chain.speculative_config is None and chain.spec_method == "dflash"  # vLLM merges its own
+
+
 def test_vllm_layout_assumptions():
     """Signatures and layouts the adapter depends on (catches silent drift within 0.25.x)."""
     import inspect

@@ -311,8 +311,38 @@ def _log():
 
 
 # ---- 1. configuration --------------------------------------------------------------------------
+#: vLLM 0.33's speculative shorthands (``EngineArgs`` field, flag, ``speculative_config`` key). vLLM merges them into
+#: the dict inside ``create_engine_config``, after ddtree's translation: for a ddtree engine they are merged first.
+SPEC_SHORTHANDS = (
+    ("spec_method", "--spec-method", "method"),
+    ("spec_model", "--spec-model", "model"),
+    ("spec_tokens", "--spec-tokens", "num_speculative_tokens"),
+)
+
+
+def _fold_spec_shorthands(args: Any) -> None:
+    """``--spec-method ddtree`` (with ``--spec-model``, and ``--spec-tokens`` for the drafter's depth) merged into
+    ``speculative_config`` as vLLM merges them, so that the translation sees a ddtree config; a key given both ways
+    is refused, as vLLM refuses it. Anything else is left to vLLM."""
+    spec = args.speculative_config if isinstance(args.speculative_config, dict) else None
+    method = getattr(args, "spec_method", None) or (spec or {}).get("method")
+    if method != METHOD:
+        return
+    merged = dict(spec or {})
+    for attr, flag, key in SPEC_SHORTHANDS:
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if key in merged:
+            raise DDTreeConfigError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        merged[key] = value
+        setattr(args, attr, None)
+    args.speculative_config = merged
+
+
 def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
     """Rewrites a ddtree EngineArgs in place; returns its DDTree settings (None: not ddtree)."""
+    _fold_spec_shorthands(args)
     spec = args.speculative_config
     if not isinstance(spec, dict) or spec.get("method") != METHOD:
         return None
