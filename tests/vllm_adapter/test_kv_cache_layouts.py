@@ -60,3 +60,24 @@ def test_a_cache_in_no_known_layout_is_refused_by_shape():
         key_value_caches(torch.zeros(BLOCKS, HEADS, PAGE, DIM), DIM)
     with pytest.raises(ValueError, match="head_size=4"):
         key_value_caches(torch.zeros(BLOCKS, HEADS, PAGE, 2 * DIM), 4)
+
+
+def vllms_attention_cache_shape(blocks=4, block_size=16, kv_heads=2, head_size=64):
+    """One layer's K/V cache shape as the installed vLLM lays out the Triton backend's (0.25: the backend's
+    ``get_kv_cache_shape``; 0.33: the per-layer view ``[blocks, H, block_size, C]``, C in bytes, of its spec)."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    if hasattr(TritonAttentionBackend, "get_kv_cache_shape"):
+        return tuple(TritonAttentionBackend.get_kv_cache_shape(blocks, block_size, kv_heads, head_size))
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache_shape_bytes
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.bfloat16)
+    *shape, channel_bytes = compute_layer_kv_cache_shape_bytes(spec, blocks)
+    return (*shape, channel_bytes // torch.bfloat16.itemsize)
+
+
+def test_the_installed_vllms_cache_layout_is_one_the_tree_attention_reads():
+    shape = vllms_attention_cache_shape()
+    assert shape in ((4, 2, 16, 2, 64), (4, 2, 16, 128)), shape  # (0.25's; 0.33's [blocks, H, block_size, 2D])
+    key, value = key_value_caches(torch.zeros(shape), 64)
+    assert key.shape == value.shape == (4, 16, 2, 64)

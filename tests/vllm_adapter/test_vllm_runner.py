@@ -1150,6 +1150,38 @@ def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypa
     worker.compile_or_warm_up_model()
 
 
+def test_the_worker_builds_ddtrees_runner_where_vllm_builds_its_own(monkeypatch):
+    """Patch 4: vLLM's ``Worker.init_device`` builds ddtree's runner, through vLLM 0.33's factory method (overridden)
+    or 0.25's import inside ``init_device`` (the module attribute swapped while it runs)."""
+    import vllm.v1.worker.gpu_model_runner as runner_module
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from ddtree.vllm import worker as worker_module
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.worker import DDTreeWorker
+
+    built = []
+    monkeypatch.setattr(DDTreeGPUModelRunner, "__init__", lambda self, config, device: built.append((config, device)))
+    monkeypatch.setattr(worker_module, "apply_worker_patches", lambda config: None)
+
+    def vllms_init_device(self):  # the part of vLLM's init_device that builds the runner, as this vLLM does it
+        factory = getattr(Worker, "_make_model_runner", None)
+        if factory is not None:
+            self.model_runner = self._make_model_runner()
+        else:
+            self.model_runner = runner_module.GPUModelRunner(self.vllm_config, self.device)
+
+    monkeypatch.setattr(Worker, "init_device", vllms_init_device)
+    worker = object.__new__(DDTreeWorker)
+    worker.vllm_config, worker.device = SimpleNamespace(use_v2_model_runner=False), "cuda:0"
+    worker.init_device()
+    assert isinstance(worker.model_runner, DDTreeGPUModelRunner) and built == [(worker.vllm_config, "cuda:0")]
+    assert runner_module.GPUModelRunner is not DDTreeGPUModelRunner  # the swap (0.25) ended with init_device
+    worker.vllm_config = SimpleNamespace(use_v2_model_runner=True)
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        worker.init_device()
+
+
 def test_the_proposers_top_k_through_its_graphs_equals_the_eager_one_and_feeds_the_deferred_copy():
     """DDTREE_TOPK_GRAPHS: a proposal's top-K (the drafter's logits, top-K, packing) through the top-K graphs (a
     stand-in capture on CPU) is what the eager path packs, proposal after proposal, and is what the deferred copy

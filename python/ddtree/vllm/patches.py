@@ -58,7 +58,9 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    swapped only while :class:`ddtree.vllm.worker.DDTreeWorker` builds its
    runner, see :func:`runner_class_swapped`): vLLM's worker imports the runner
    class lazily from that module; the swap makes it build
-   :class:`ddtree.vllm.runner.DDTreeGPUModelRunner`.
+   :class:`ddtree.vllm.runner.DDTreeGPUModelRunner`. On vLLM 0.33 the worker
+   builds it in ``Worker._make_model_runner``, which ``DDTreeWorker``
+   overrides instead (no swap there).
 
 5. Hybrid Gated-DeltaNet targets (Qwen3.5/3.6, Qwen3-Next), one recurrent
    state slot per request instead of vLLM's ``num_speculative_tokens + 1``

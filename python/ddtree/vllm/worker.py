@@ -11,13 +11,26 @@ from vllm.v1.worker.gpu_worker import Worker
 from ddtree.vllm.patches import apply_worker_patches, runner_class_swapped
 
 
+#: vLLM 0.33's worker builds its runner in this method, which subclasses override; 0.25.1's imports the class inside
+#: ``init_device`` (patch 4 swaps it there).
+RUNNER_FACTORY = "_make_model_runner"
+
+
 class DDTreeWorker(Worker):
     def init_device(self):
         if self.vllm_config.use_v2_model_runner:
             raise RuntimeError("DDTree runs on vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0")
         apply_worker_patches(self.vllm_config)
+        if hasattr(Worker, RUNNER_FACTORY):
+            return super().init_device()
         with runner_class_swapped():
             return super().init_device()
+
+    def _make_model_runner(self):
+        """vLLM 0.33's factory: DDTree's runner (the V1 runner's subclass)."""
+        from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+        return DDTreeGPUModelRunner(self.vllm_config, self.device)
 
     def compile_or_warm_up_model(self):
         out = super().compile_or_warm_up_model()
