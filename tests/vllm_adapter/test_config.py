@@ -193,6 +193,7 @@ def test_asynchronous_scheduling_needs_late_device_walked_trees_that_fill_the_bu
         ({"pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
         ({"pipeline_parallel_size": 2}, {}, "pipeline_parallel_size=1"),
         ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "V1 model runner"),
+        ({}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, "not breakable ones; unset VLLM_USE_BREAKABLE_CUDAGRAPH"),
     ],
 )
 def test_engine_overrides_refuse_conflicts(kw, env, match):

@@ -463,6 +463,10 @@ def test_admission_through_vllms_own_checks_serves_xgrammar_requests_when_switch
     served = request()
     _processor(StructuredOutputsConfig())._validate_params(served, ("generate",))  # "auto" picks xgrammar
     assert served.structured_outputs._backend == "xgrammar"
+    # A tokenizer vLLM's own guidance check takes (0.33 checks it before ddtree's; the stand-in is none).
+    guidance = pytest.importorskip("vllm.v1.structured_output.backend_guidance")
+    if hasattr(guidance.GuidanceBackend, "is_tokenizer_supported"):
+        monkeypatch.setattr(guidance.GuidanceBackend, "is_tokenizer_supported", staticmethod(lambda tokenizer: True))
     with pytest.raises(VLLMValidationError, match="'guidance' backend"):
         _processor(StructuredOutputsConfig(backend="guidance"))._validate_params(request(), ("generate",))
     with pytest.raises(VLLMValidationError, match="parallelism"):

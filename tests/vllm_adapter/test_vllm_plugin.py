@@ -44,6 +44,7 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
     args = EngineArgs(
         model="/nonexistent",
         speculative_config={"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 15, "ddtree_budget": 32},
@@ -60,6 +61,7 @@ def test_engine_args_translation(tmp_path, monkeypatch):
     import os
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"  # (vLLM turns them on by itself where it is unset)
     plain = EngineArgs(
         model="/nonexistent", speculative_config={"method": "dflash", "model": "/d", "num_speculative_tokens": 3}
     )

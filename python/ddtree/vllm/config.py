@@ -45,6 +45,10 @@ ADDITIONAL_CONFIG_KEY = "ddtree"
 WORKER_CLS = "ddtree.vllm.worker.DDTreeWorker"
 ATTENTION_BACKEND = "CUSTOM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+#: vLLM's breakable CUDA graphs (attention and the GDN core as eager pieces inside one captured graph; vLLM turns
+#: them on for some architectures, and on 0.33 under VLLM_BATCH_INVARIANT=1, when this is unset): ddtree's graph
+#: bookkeeping (capture sizes, the commit inputs a FULL capture records) follows torch.compile's piecewise graphs.
+BREAKABLE_GRAPHS_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 #: "0" commits the GDN state of FULL tree steps layer by layer instead of through one CUDA graph per FULL size.
 COMMIT_GRAPHS_ENV = "DDTREE_COMMIT_GRAPHS"
 #: "1" (the default) lets a commit graph read a replayed walk's paths where the walk graph left them; "0" copies them.
@@ -440,6 +444,12 @@ def engine_overrides(
     v2 = environ.get(V2_RUNNER_ENV)
     if v2 is not None and v2.strip().lower() in ("1", "true"):
         raise DDTreeConfigError(f"method 'ddtree' runs on vLLM's V1 model runner; unset {V2_RUNNER_ENV} or set it to 0")
+    breakable = environ.get(BREAKABLE_GRAPHS_ENV)
+    if breakable is not None and breakable.strip().lower() in ("1", "true"):
+        raise DDTreeConfigError(
+            f"method 'ddtree' runs vLLM's piecewise CUDA graphs, not breakable ones; unset {BREAKABLE_GRAPHS_ENV} or "
+            "set it to 0"
+        )
     return changes
 
 

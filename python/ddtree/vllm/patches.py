@@ -232,6 +232,7 @@ from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     METHOD,
     V2_RUNNER_ENV,
+    BREAKABLE_GRAPHS_ENV,
     DDTreeConfig,
     HYBRID_PREFIX_CACHING_ENV,
     DDTreeConfigError,
@@ -355,8 +356,9 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
         tensor_parallel_size = getattr(args, "tensor_parallel_size", 1) or 1
         _log().info("DDTree: %s=%r (%s)", attr, value, override_reason(attr, os.environ, tensor_parallel_size, cfg))
     _choose_cudagraph_mode(args)
-    if os.environ.get(V2_RUNNER_ENV) is None:
-        os.environ[V2_RUNNER_ENV] = "0"
+    for env in (V2_RUNNER_ENV, BREAKABLE_GRAPHS_ENV):  # (unset: vLLM may turn either on by itself)
+        if os.environ.get(env) is None:
+            os.environ[env] = "0"
     args.speculative_config = vllm_spec
     extra = dict(args.additional_config or {})
     extra[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
