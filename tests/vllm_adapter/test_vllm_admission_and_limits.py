@@ -277,14 +277,29 @@ def test_hybrid_prefix_caching_is_served_under_its_switch_and_off_where_vllms_de
     with pytest.raises(DDTreeConfigError, match="DDTREE_HYBRID_PREFIX_CACHING=1"):
         _pair_args(64, enable_prefix_caching=True).create_engine_config(UsageContext.OPENAI_API_SERVER)
     monkeypatch.setenv("DDTREE_HYBRID_PREFIX_CACHING", "1")
-    caplog.clear()
-    config = _pair_args(64, enable_prefix_caching=True).create_engine_config(UsageContext.OPENAI_API_SERVER)
-    assert config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "align"
-    assert any("hybrid target (DDTREE_HYBRID_PREFIX_CACHING=1) is experimental" in r.message for r in caplog.records)
+    # Served where the boundary commits follow vLLM's state-block accounting (0.25); refused, naming the version,
+    # where vLLM changed it (0.33).
+    served = patches.vllm_below(patches.HYBRID_ALIGN_CHANGED_IN)
+    patches.check_hybrid_prefix_caching_served("0.25.1")
+    with pytest.raises(DDTreeConfigError, match="vLLM 0.33.0 changed it and is not served yet"):
+        patches.check_hybrid_prefix_caching_served("0.33.0")
+    import vllm
 
+    with monkeypatch.context() as newer:
+        newer.setattr(vllm, "__version__", "0.33.0")
+        with pytest.raises(DDTreeConfigError, match="enable_prefix_caching=False"):
+            _pair_args(64, enable_prefix_caching=True).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    caplog.clear()
     monkeypatch.setattr(ModelConfig, "is_prefix_caching_supported", property(lambda self: True))
-    config = _pair_args(64).create_engine_config(UsageContext.OPENAI_API_SERVER)
-    assert config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "align"
+    for user in (True, None):  # asked for; vLLM's default
+        if not served:
+            with pytest.raises(DDTreeConfigError, match="is not served yet"):
+                _pair_args(64, enable_prefix_caching=user).create_engine_config(UsageContext.OPENAI_API_SERVER)
+            continue
+        config = _pair_args(64, enable_prefix_caching=user).create_engine_config(UsageContext.OPENAI_API_SERVER)
+        assert config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "align"
+        experimental = "hybrid target (DDTREE_HYBRID_PREFIX_CACHING=1) is experimental"
+        assert any(experimental in r.message for r in caplog.records)
     monkeypatch.delenv("DDTREE_HYBRID_PREFIX_CACHING")
     args = _pair_args(64)
     config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)

@@ -490,6 +490,7 @@ def _create_engine_config_wrapper(original):
         if structured is not None:
             _log().warning("DDTree: %s", structured)
         if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
+            check_hybrid_prefix_caching_served()
             _log().warning(
                 "DDTree: prefix caching with a hybrid target (%s=1) is experimental: its boundary commits are tested "
                 "on CPU, not yet on a GPU (docs/prefix-caching.md)",
@@ -948,6 +949,27 @@ def apply_worker_patches(vllm_config: Any) -> None:
     _wrap_once(QwenGatedDeltaNetAttention, "_forward_core", _tree_aware_forward_core)
     if whole_tree_gdn_metadata_enabled() and whole_tree_gdn_metadata_matches():
         _wrap_once(GDNAttentionMetadataBuilder, "build", _whole_tree_gdn_build)
+
+
+#: From this vLLM on, the mamba "align" accounting differs from the one patch 13 and the boundary commits follow
+#: (0.33 read: state blocks freed and hashed by processed counts, prefill checkpoint blocks, sub-block hits copied on
+#: write; the versions between unread): hybrid prefix caching is refused there until it is derived again.
+HYBRID_ALIGN_CHANGED_IN = (0, 26, 0)
+
+
+def check_hybrid_prefix_caching_served(version: Optional[str] = None) -> None:
+    """Refuses ``DDTREE_HYBRID_PREFIX_CACHING`` on a vLLM whose state-block accounting it does not follow (a hashed
+    state block could then hold another prefix's state: silently wrong outputs)."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if not vllm_below(HYBRID_ALIGN_CHANGED_IN, version):
+        raise DDTreeConfigError(
+            f"{HYBRID_PREFIX_CACHING_ENV}=1 follows vLLM 0.25's state-block accounting (mamba_cache_mode 'align'); "
+            f"vLLM {version} changed it and is not served yet: turn prefix caching off (enable_prefix_caching=False) "
+            f"or unset {HYBRID_PREFIX_CACHING_ENV}"
+        )
 
 
 #: Patch 10 writes what vLLM 0.25's GDN builder writes; from this version on (0.33's builder stages other buffers
