@@ -37,6 +37,7 @@ def run_checks(device: str) -> None:
         logits, values, ids = _inputs(rows, vocab, k, dtype, device, seed)
         if seed == 0:
             logits[0, : vocab // 2] = float("-inf")  # masked logits count for nothing, as in torch
+            values, ids = logits.topk(k, dim=-1)  # (the top-K of the logits as they are)
         got, expected = pack_top_k_triton(logits, values, ids), pack_top_k_reference(logits, values, ids)
         assert got.shape == (rows, 2 * k) and got.dtype == torch.float32
         torch.testing.assert_close(got[:, :k], expected[:, :k], rtol=1e-6, atol=2e-5)
@@ -50,7 +51,21 @@ def run_checks(device: str) -> None:
     packed = pack_top_k_triton(logits, values, ids, out=buffer[:5])
     assert packed.data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer[:5], pack_top_k_triton(logits, values, ids)) and bool((buffer[5:] == 7.0).all())
+    # Rows of numbers that ran away (a NaN logit, an infinite one, all -inf) become the filler row in both.
+    logits, values, ids = _poisoned(device)
+    got, expected = pack_top_k_triton(logits, values, ids), pack_top_k_reference(logits, values, ids)
+    assert torch.equal(got, expected)
     print("draft top-K checks passed on", device)
+
+
+def _poisoned(device: str):
+    """Six rows of 50 logits: rows 1, 3 and 4 ran away (NaN, +inf, every logit -inf), the others are fine."""
+    logits, _, _ = _inputs(6, 50, 4, torch.float32, device, 21)
+    logits[1, 7] = float("nan")
+    logits[3, 2] = float("inf")
+    logits[4] = float("-inf")
+    values, ids = logits.topk(4, dim=-1)
+    return logits, values, ids
 
 
 def test_the_kernel_under_the_interpreter_equals_the_reference():
@@ -105,3 +120,27 @@ def test_the_reference_packs_into_the_callers_buffer_and_refuses_a_wrong_one():
         pack_top_k_reference(logits, values, ids, out=torch.zeros(3, 10, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"out must be a float32 \[3, 10\] tensor"):
         pack_top_k_reference(logits, values, ids, out=torch.zeros(4, 10))
+
+
+def test_rows_whose_numbers_ran_away_are_packed_as_the_filler_row_the_tree_build_takes():
+    """A NaN or infinite drafter logit gives log-probabilities the tree build refuses (one request would stop every
+    request); such a row is the filler row (candidate k at -k - 1, token k), the other rows are untouched, and the
+    Rust core builds trees from the result."""
+    import numpy as np
+
+    import ddtree
+
+    logits, values, ids = _poisoned("cpu")
+    raw = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    assert bool(torch.isnan(raw[[1, 3, 4]]).any(dim=-1).all())  # what the build would have been given
+    packed = pack_top_k_reference(logits, values, ids)
+    log_probs, tokens = packed[:, :4], packed[:, 4:].view(torch.int32)
+    filler = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    for row in (1, 3, 4):
+        assert torch.equal(log_probs[row], filler) and tokens[row].tolist() == [0, 1, 2, 3]
+    for row in (0, 2, 5):
+        assert torch.equal(log_probs[row], raw[row]) and torch.equal(tokens[row], ids[row].int())
+    lp = np.ascontiguousarray(log_probs.numpy().reshape(2, 3, 4))
+    tok = np.ascontiguousarray(tokens.numpy().reshape(2, 3, 4))
+    trees = ddtree.build_trees(lp, tok, 6)
+    assert trees.token_offsets.tolist() == [0, 6, 12]

@@ -14,6 +14,12 @@ computation it replaces, and its oracle in the tests.
 
 The two differ in the last bits of the log-sum (the reduction order): only the trees' scores move, by ~1e-7
 relative, so near-ties between branches can order differently; verification is exact either way.
+
+A row whose log-probabilities are not finite numbers at most ``LOG_PROB_TOLERANCE`` (NaN logits, an infinite
+logit: a request whose numbers ran away) is written as the filler row instead: candidate ``k`` with log-probability
+``-k - 1`` and token id ``k``. The tree build refuses such values (one request's numbers would stop every request),
+while any drafts verify exactly; the filler is what a request without a proposal verifies
+(``ddtree.vllm.step.filler_record``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 #: Logits read per loop iteration of a program (a power of two).
 BLOCK_V = 2048
+
+#: The largest log-probability the tree build takes (the Rust core's ``LOG_PROB_TOLERANCE``: rounding above 0).
+LOG_PROB_TOLERANCE = 1e-3
 
 
 def _check(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> None:
@@ -61,7 +70,12 @@ def pack_top_k_reference(
     when given, and returned)."""
     _check(logits, values, ids, out)
     log_probs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-    packed = torch.cat([log_probs, ids.to(torch.int32).view(torch.float32)], dim=-1)
+    ids = ids.to(torch.int32)
+    bad = (~(log_probs <= LOG_PROB_TOLERANCE)).any(dim=-1, keepdim=True)  # (NaN compares false)
+    candidates = torch.arange(values.shape[1], device=values.device)
+    log_probs = torch.where(bad, -(candidates + 1).to(torch.float32), log_probs)
+    ids = torch.where(bad, candidates.to(torch.int32), ids)
+    packed = torch.cat([log_probs, ids.view(torch.float32)], dim=-1)
     if out is None:
         return packed
     return out.copy_(packed)
@@ -84,6 +98,7 @@ if triton is not None:
         out_stride,
         BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        TOLERANCE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         offsets = tl.arange(0, BLOCK_V)
@@ -102,8 +117,14 @@ if triton is not None:
         candidates = tl.arange(0, BLOCK_K)
         kept = candidates < k
         value = tl.load(values_ptr + row * values_stride + candidates, mask=kept, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * out_stride + candidates, value - log_sum, mask=kept)
+        log_prob = value - log_sum
         token = tl.load(ids_ptr + row * ids_stride + candidates, mask=kept, other=0).to(tl.int32)
+        # A row of values the tree build refuses (NaN compares false) becomes the filler row.
+        bad = kept & ~(log_prob <= TOLERANCE)
+        row_bad = tl.max(bad.to(tl.int32), axis=0) > 0
+        log_prob = tl.where(row_bad, -(candidates + 1).to(tl.float32), log_prob)
+        token = tl.where(row_bad, candidates.to(tl.int32), token)
+        tl.store(out_ptr + row * out_stride + candidates, log_prob, mask=kept)
         tl.store(out_ids_ptr + row * out_stride + k + candidates, token, mask=kept)
 
 
@@ -134,6 +155,7 @@ def pack_top_k_triton(
             out.stride(0),
             BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
             BLOCK_K=triton.next_power_of_2(k),
+            TOLERANCE=LOG_PROB_TOLERANCE,
         )
     return out
 
