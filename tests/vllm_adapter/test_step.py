@@ -601,6 +601,24 @@ def test_placeholders_without_a_proposal_verify_a_filler_tree_only_when_asked():
         plan_verify(store, ["a"], np.array([9]), np.array([3]), {"a": [5, 6]}, unproposed=(5, 4))
 
 
+def test_a_filler_fills_its_placeholders_where_the_top_k_is_too_narrow_beside_cut_proposals():
+    """A top-K too narrow to fill the budget (1 candidate at depth 3: trees of 3 nodes, cut, and synchronous
+    scheduling) beside a first decode vLLM padded with 6 placeholders: the filler is made wide enough to verify all
+    6, and the proposals' trees stay the ones whose drafts vLLM scheduled (their extra candidates never taken)."""
+    store = TreeStore(budget=6)
+    log_probs = np.array([[[-0.1], [-0.3], [-0.2]], [[-0.5], [-0.1], [-0.4]]], dtype=np.float32)
+    token_ids = np.array([[[11], [12], [13]], [[21], [22], [23]]], dtype=np.int32)
+    lists = store.propose(["a", "b"], log_probs, token_ids)
+    assert lists == [[11, 12, 13], [21, 22, 23]]  # cut: 3 nodes where the budget is 6
+    scheduled = {"a": lists[0], "b": lists[1], "n": [PLACEHOLDER] * 6}
+    plan = plan_verify(store, ["a", "n", "b"], np.array([9, 0, 7]), np.array([4, 7, 4]), scheduled, unproposed=(3, 1))
+    assert plan.num_filler_trees == 1 and plan.num_tree_tokens == 4 + 7 + 4
+    offsets = plan.trees.token_offsets.tolist()
+    assert plan.trees.tokens[offsets[0] : offsets[1]].tolist() == [11, 12, 13]
+    assert plan.trees.tokens[offsets[2] : offsets[3]].tolist() == [21, 22, 23]
+    assert offsets[2] - offsets[1] == 6  # the filler: 6 drafts of width 2 at depth 3
+
+
 def test_a_late_proposal_at_a_schedules_smaller_budget():
     """A budget schedule with late trees: placeholders of the step's budget, trees whole at that budget."""
     rng = np.random.default_rng(10)

@@ -610,7 +610,9 @@ def _take_records(
         record = store.take(req_id)
         is_filler = record is None and unproposed is not None and drafts[0] == PLACEHOLDER
         if is_filler:
-            record = filler_record(*unproposed, len(drafts))  # whole at what was scheduled: not a cut tree
+            depth, width = unproposed
+            # Whole at what was scheduled (not a cut tree), also where the top-K is too narrow to fill it.
+            record = filler_record(depth, max(width, -(-len(drafts) // depth)), len(drafts))
         elif record is None:
             raise DraftMismatchError(
                 f"request {req_id}: {len(drafts)} draft tokens scheduled but no DDTree proposal recorded"
@@ -868,7 +870,24 @@ def top_k_arrays(
             if index.shape[0] and same_values(index, np.arange(index[0], index[0] + index.shape[0])):
                 return log_probs[index[0] : index[0] + index.shape[0]], token_ids[index[0] : index[0] + index.shape[0]]
             return log_probs[index], token_ids[index]
+    width = max(r.log_probs.shape[-1] for r in records)
+    if any(r.log_probs.shape[-1] != width for r in records):
+        return _stack_padded(records, width)
     return np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records])
+
+
+def _stack_padded(records: Sequence[DraftRecord], width: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The records' top-K stacked at ``width`` candidates: a filler wider than the top-K (a narrow top-K cannot fill
+    the placeholders vLLM scheduled) beside proposals, whose extra candidates are ``-inf`` (token 0). A proposal's
+    tree at its scheduled size never takes one: it was built from its own candidates, which fill that size."""
+    depth = records[0].log_probs.shape[0]
+    log_probs = np.full((len(records), depth, width), -np.inf, dtype=np.float32)
+    token_ids = np.zeros((len(records), depth, width), dtype=records[0].token_ids.dtype)
+    for r, record in enumerate(records):
+        k = record.log_probs.shape[-1]
+        log_probs[r, :, :k] = record.log_probs
+        token_ids[r, :, :k] = record.token_ids
+    return log_probs, token_ids
 
 
 def _proposed_trees(
