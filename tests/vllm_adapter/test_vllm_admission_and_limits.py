@@ -313,3 +313,19 @@ def test_hybrid_prefix_caching_is_served_under_its_switch_and_off_where_vllms_de
         return (s.max_num_seqs, s.max_num_batched_tokens, s.max_num_scheduled_tokens, g.cudagraph_capture_sizes)
 
     assert settled(config) == settled(fresh) and config.cache_config.block_size == fresh.cache_config.block_size
+
+
+def test_a_long_prefill_threshold_that_cuts_every_tree_is_refused(h200_platform):
+    """vLLM cuts scheduled tokens to long_prefill_token_threshold: at or below the budget every tree would be cut,
+    and a first decode vLLM padded with placeholders would be cut below its drafts (which no tree can verify); one
+    above the budget is served."""
+    from vllm.usage.usage_lib import UsageContext
+
+    from ddtree.vllm.config import check_long_prefill_threshold
+
+    patches.apply()
+    with pytest.raises(DDTreeConfigError, match="got 64: set it to at least 65"):
+        _pair_args(64, long_prefill_token_threshold=64).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    config = _pair_args(64, long_prefill_token_threshold=65).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    assert config.scheduler_config.long_prefill_token_threshold == 65
+    check_long_prefill_threshold(0, 64)  # none: vLLM's default

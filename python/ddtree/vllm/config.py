@@ -175,6 +175,18 @@ class DDTreeConfig:
         return [b for b in self.budgets if tree_size(b, min(top_k, b), self.draft_len) < b]
 
 
+def check_long_prefill_threshold(threshold: int, budget: int) -> None:
+    """Refuses a ``long_prefill_token_threshold`` that cannot hold a whole tree (``budget + 1`` tokens): vLLM cuts
+    every request's scheduled tokens to it, so every tree would be cut, and it cuts a first decode it padded with
+    ``budget`` placeholders to fewer tokens than its drafts (inconsistent in vLLM's own bookkeeping: no tree can
+    verify it)."""
+    if 0 < threshold <= budget:
+        raise DDTreeConfigError(
+            f"method 'ddtree' needs long_prefill_token_threshold above the budget (a tree of {budget + 1} tokens "
+            f"per request and step); got {threshold}: set it to at least {budget + 1}, or to 0 (none)"
+        )
+
+
 def tree_size(budget: int, top_k: int, draft_len: int) -> int:
     """Draft nodes of the tree the Rust builder returns for ``budget``: the ``budget`` most probable prefixes, or
     every prefix there is (``top_k`` choices at each of ``draft_len`` depths) when there are fewer."""

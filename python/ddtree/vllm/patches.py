@@ -233,6 +233,7 @@ from ddtree.vllm.config import (
     METHOD,
     V2_RUNNER_ENV,
     BREAKABLE_GRAPHS_ENV,
+    check_long_prefill_threshold,
     DDTreeConfig,
     HYBRID_PREFIX_CACHING_ENV,
     DDTreeConfigError,
@@ -434,6 +435,9 @@ def validate_vllm_config(vllm_config: Any, cfg: DDTreeConfig) -> DDTreeConfig:
     )
     if spec.num_speculative_tokens != cfg.budget:
         raise DDTreeConfigError("internal: vLLM's num_speculative_tokens must equal the ddtree budget")
+    check_long_prefill_threshold(
+        int(getattr(vllm_config.scheduler_config, "long_prefill_token_threshold", 0) or 0), cfg.budget
+    )
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     return cfg
 
