@@ -105,6 +105,11 @@ class DDTreeAttentionImpl(TritonAttentionImpl):
                 + " (method 'ddtree' supports plain causal decoder attention targets for now)"
             )
 
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        """No: the tree kernel writes unquantized outputs (vLLM's Triton path fuses an FP8 output quantization, which
+        vLLM's fusion pass would then ask of every step, tree steps included)."""
+        return False
+
     def forward(
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
     ):

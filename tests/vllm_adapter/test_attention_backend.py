@@ -1,6 +1,7 @@
-"""The target's K/V cache in vLLM's two Triton layouts: 0.25's ``[blocks, 2, block_size, H, D]`` and 0.33's
-``[blocks, H, block_size, 2 * D]`` (K then V on the last dimension, in any physical stride order). The tree
-attention reads both through :func:`ddtree.vllm.attention.key_value_caches`; the commit's K/V moves index both."""
+"""ddtree's tree-attention backend against vLLM's Triton one: the target's K/V cache in vLLM's two layouts (0.25's
+``[blocks, 2, block_size, H, D]`` and 0.33's ``[blocks, H, block_size, 2 * D]``, K then V on the last dimension, in
+any physical stride order), which the tree attention reads through :func:`ddtree.vllm.attention.key_value_caches`
+and the commit's K/V moves index alike; and what the implementation tells vLLM it supports."""
 
 import numpy as np
 import pytest
@@ -81,3 +82,19 @@ def test_the_installed_vllms_cache_layout_is_one_the_tree_attention_reads():
     assert shape in ((4, 2, 16, 2, 64), (4, 2, 16, 128)), shape  # (0.25's; 0.33's [blocks, H, block_size, 2D])
     key, value = key_value_caches(torch.zeros(shape), 64)
     assert key.shape == value.shape == (4, 16, 2, 64)
+
+
+def test_the_tree_attention_takes_no_fused_output_quantization():
+    """vLLM's fusion pass fuses an attention's FP8 output quantization where the implementation says it can; vLLM's
+    Triton implementation can, the tree kernel cannot (a tree step would raise), so ddtree's says no."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from ddtree.vllm.attention import DDTreeAttentionImpl
+
+    try:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticTensorSym
+    except ImportError:  # (moved in another vLLM)
+        pytest.skip("vLLM's FP8 static quantization key is not where 0.25 keeps it")
+    impl = object.__new__(DDTreeAttentionImpl)
+    assert TritonAttentionImpl.fused_output_quant_supported(impl, kFp8StaticTensorSym)  # the premise: vLLM's can
+    assert impl.fused_output_quant_supported(kFp8StaticTensorSym) is False
