@@ -135,7 +135,7 @@ def test_vllm_layout_assumptions():
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    # (The K/V cache layout: test_kv_cache_layouts, on this vLLM's own shape.)
+    # (The K/V cache layout: test_attention_backend, on this vLLM's own shape.)
     # The host-side int the split-KV heuristic takes (no device sync) once the backend enables it.
     max_seq_len = {f.name: f for f in dataclasses.fields(TritonAttentionMetadata)}["max_seq_len"]
     assert max_seq_len.type in (int, "int")
