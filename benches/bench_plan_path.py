@@ -168,7 +168,9 @@ def defer_proposal(runner, rng) -> SimpleNamespace:
     proposer._defer(runner.req_ids, batch)
     placeholders = {req_id: [-1] * cfg.budget for req_id in runner.req_ids}
     return SimpleNamespace(
-        total_num_scheduled_tokens=batch * (cfg.budget + 1), scheduled_spec_decode_tokens=placeholders
+        total_num_scheduled_tokens=batch * (cfg.budget + 1),
+        scheduled_spec_decode_tokens=placeholders,
+        scheduled_new_reqs=[],
     )
 
 

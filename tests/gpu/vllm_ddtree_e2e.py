@@ -529,7 +529,8 @@ def run_child(
     def tree_counts(engine):
         summary = engine.collective_rpc("ddtree_summary")[0]
         return {
-            k: summary.get(k, 0) for k in ("trees", "partial_trees", "filler_trees", "verify_steps", "full_graph_steps")
+            k: summary.get(k, 0)
+            for k in ("trees", "partial_trees", "filler_trees", "fresh_state_trees", "verify_steps", "full_graph_steps")
         }
 
     def scenario(sname, fn):
@@ -822,7 +823,8 @@ def scenario_exercised(sname, trees, schedule=False):
     if not trees:
         return None
     note = (
-        f"trees {trees['trees']} (cut {trees['partial_trees']}, filler {trees.get('filler_trees', 0)}), FULL-graph steps "
+        f"trees {trees['trees']} (cut {trees['partial_trees']}, filler {trees.get('filler_trees', 0)}, fresh states "
+        f"{trees.get('fresh_state_trees', 0)}), FULL-graph steps "
         f"{trees['full_graph_steps']}/{trees['verify_steps']}; "
     )
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)

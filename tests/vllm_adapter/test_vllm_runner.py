@@ -194,7 +194,9 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     if mrope:
         runner.mrope_positions = SimpleNamespace(gpu=torch.stack([torch.arange(17) * k for k in (1, 2, 3)]))
     scheduled = {"a": lists[0], "b": lists[1][:4]}  # b's tree cut to 4 drafts by the scheduler
-    output = SimpleNamespace(total_num_scheduled_tokens=17, scheduled_spec_decode_tokens=scheduled)
+    output = SimpleNamespace(
+        total_num_scheduled_tokens=17, scheduled_spec_decode_tokens=scheduled, scheduled_new_reqs=[]
+    )
     return runner, scheduled, output
 
 
@@ -810,7 +812,9 @@ def test_a_whole_tree_steps_plan_replays_on_the_next_steps_upload():
         runner.input_batch = SimpleNamespace(req_ids=["a", "b"], num_computed_tokens_cpu=np.array([20 + seed, 30]))
         runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([6, 6]))
         runner.positions = torch.arange(14) + 100 * seed
-        output = SimpleNamespace(total_num_scheduled_tokens=14, scheduled_spec_decode_tokens=dict(zip("ab", lists)))
+        output = SimpleNamespace(
+            total_num_scheduled_tokens=14, scheduled_spec_decode_tokens=dict(zip("ab", lists)), scheduled_new_reqs=[]
+        )
         try:
             runner._ddtree_prepare(output, np.array([7, 7]), "indices", "metadata", 2)
         finally:
@@ -855,7 +859,7 @@ def test_under_async_scheduling_vllm_scatters_the_roots_and_leaves_the_draft_pos
         runner._draft_token_ids = torch.tensor([[101, 102, 103], [201, 202, 203]])
         return runner
 
-    scheduled = SimpleNamespace(scheduled_spec_decode_tokens={"a": [-1] * 3, "b": [-1] * 3})
+    scheduled = SimpleNamespace(scheduled_spec_decode_tokens={"a": [-1] * 3, "b": [-1] * 3}, scheduled_new_reqs=[])
     cu_num_tokens = np.array([4, 8])
     chain = runner_with(GPUModelRunner)
     chain._prepare_input_ids(scheduled, 2, 8, cu_num_tokens)
@@ -942,7 +946,11 @@ def _whole_async_step(runner, seed, forward, landed=False):
     runner.input_batch = SimpleNamespace(req_ids=["a", "b"], num_reqs=2, num_computed_tokens_cpu=np.array([90, 99]))
     runner.positions = torch.cat([torch.arange(20, 27), torch.arange(30, 37)]) + seed
     runner.input_ids = SimpleNamespace(gpu=torch.zeros(14, dtype=torch.int32))
-    output = SimpleNamespace(total_num_scheduled_tokens=14, scheduled_spec_decode_tokens={"a": [-1] * 6, "b": [-1] * 6})
+    output = SimpleNamespace(
+        total_num_scheduled_tokens=14,
+        scheduled_spec_decode_tokens={"a": [-1] * 6, "b": [-1] * 6},
+        scheduled_new_reqs=[],
+    )
     try:
         runner._prepare_inputs(output, np.array([7, 7]))
         runner._ddtree_full_graph = (14, 2)  # vLLM's dispatch: a FULL graph of two whole trees
@@ -1304,16 +1312,61 @@ def test_a_decode_without_drafts_is_a_plain_decode_for_vllms_gdn_builder(monkeyp
         runner.input_batch = SimpleNamespace(num_reqs=3)
         runner.use_async_scheduling = True
         runner.ddtree_stats = runner_module.DDTreeStats(depth=3)
-        runner._ddtree_unmark_draftless = unmark
+        runner._ddtree_unmark_draftless, runner._ddtree_conv_window = unmark, 3
         runner._ddtree_publish_counts = lambda *args: False
-        # What vLLM returns, returned as it is (0.25's two values, 0.33's three).
-        assert runner._prepare_inputs(None, None) == (
+        # What vLLM returns, returned as it is (0.25's two values, 0.33's three). Request a draws nothing.
+        output = SimpleNamespace(scheduled_spec_decode_tokens={"b": [5] * 4, "c": [6] * 4}, scheduled_new_reqs=[])
+        assert runner._prepare_inputs(output, None) == (
             "logits_indices",
             "spec_decode_metadata",
             "max_num_sampled_tokens",
         )
         assert runner.num_decode_draft_tokens.np.tolist() == expected
         assert len(uploads) == unmark  # the GPU copy follows the host's
+
+
+def test_a_new_request_verifying_a_tree_first_starts_from_zeroed_recurrent_states(monkeypatch):
+    """A one-token prompt vLLM padded with placeholders verifies a (filler) tree in its first step, which reads the
+    request's state slot: a finished request's states stay there (vLLM zeroes new attention blocks only), so the
+    slot's conv and SSM states are zeroed in every GDN layer first. Prefills (no drafts) and requests with computed
+    tokens (a prefix hit's state) keep theirs."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.device = torch.device("cpu")
+    layers = {name: SimpleNamespace(kv_cache=(torch.ones(6, 3, 2), torch.ones(6, 2, 4, 4))) for name in ("g0", "g1")}
+    runner.compilation_config = SimpleNamespace(static_forward_context=layers)
+    runner._ddtree_state_group_layers = [(1, ["g0", "g1"])]
+    table = np.array([[4, 0], [2, 0], [5, 0]], dtype=np.int32)  # the state group's block table: rows a, n, h
+    runner.input_batch = SimpleNamespace(
+        req_id_to_index={"a": 0, "n": 1, "h": 2},
+        block_table={1: SimpleNamespace(get_numpy_array=lambda: table)},
+        num_reqs=3,
+    )
+    runner.ddtree_stats = runner_module.DDTreeStats(depth=3)
+    new = [
+        SimpleNamespace(req_id="n", num_computed_tokens=0),  # a one-token prompt, padded: a tree first
+        SimpleNamespace(req_id="h", num_computed_tokens=16),  # a prefix hit: its state is the cached one
+        SimpleNamespace(req_id="p", num_computed_tokens=0),  # a prefill: vLLM's has_initial_state zeroes it
+    ]
+    spec = {"a": [7] * 4, "n": [-1] * 4, "h": [-1] * 4}
+
+    def vllms_prepare(self, scheduler_output, num_scheduled_tokens):
+        return "logits_indices", "spec_decode_metadata"
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", vllms_prepare)
+    runner._ddtree_conv_window, runner.use_async_scheduling = 3, True
+    runner._ddtree_publish_counts = lambda *args: False
+    runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens=spec, scheduled_new_reqs=new), None)
+    for layer in layers.values():
+        for state in layer.kv_cache:
+            assert not state[2].any() and bool((state[[0, 1, 3, 4, 5]] == 1).all())  # n's slot only
+    assert runner.ddtree_stats.fresh_state_trees == 1
+    runner._ddtree_clear_fresh_states(new[1:], spec)  # nothing fresh: nothing touched
+    assert runner.ddtree_stats.fresh_state_trees == 1 and bool((layers["g0"].kv_cache[0][4] == 1).all())
 
 
 def test_the_draftless_spec_row_gate_follows_vllms_own_runner():

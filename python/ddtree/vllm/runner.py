@@ -184,6 +184,7 @@ class DDTreeStats:
         # boundary commit, written where the path did reach it), and the steps with one.
         self.boundary_commit_trees = 0
         self.boundary_commit_steps = 0
+        self.fresh_state_trees = 0  # new requests whose first step verified a tree from zeroed states
         self.walk_graph_steps = 0  # FULL steps whose device walk replayed a walk graph
         self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
@@ -338,6 +339,7 @@ class DDTreeStats:
             "commit_graph_steps": self.commit_graph_steps,
             "commit_in_place_steps": self.commit_in_place_steps,
             "boundary_commit_trees": self.boundary_commit_trees,
+            "fresh_state_trees": self.fresh_state_trees,
             "boundary_commit_steps": self.boundary_commit_steps,
             "walk_graph_steps": self.walk_graph_steps,
             "walk_copied_steps": self.walk_copied_steps,
@@ -979,8 +981,15 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if spec_decode_metadata is None:
             return
         num_reqs = self.input_batch.num_reqs
-        if self._ddtree_unmark_draftless and unmark_draftless_spec_rows(self.num_decode_draft_tokens.np[:num_reqs]):
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if (
+            self._ddtree_unmark_draftless
+            and len(spec) < num_reqs  # (a request without drafts: none in the usual step)
+            and unmark_draftless_spec_rows(self.num_decode_draft_tokens.np[:num_reqs])
+        ):
             self.num_decode_draft_tokens.copy_to_gpu()  # (vLLM queued its copy already; no reader of it in 0.33)
+        if self._ddtree_conv_window and scheduler_output.scheduled_new_reqs:
+            self._ddtree_clear_fresh_states(scheduler_output.scheduled_new_reqs, spec)
         if self.use_async_scheduling:
             with self.ddtree_stats.timed("plan"):
                 published = self._ddtree_publish_counts(scheduler_output, num_scheduled_tokens, num_reqs)
@@ -1854,6 +1863,26 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         uploaded = self._ddtree_boundary_staging.upload([prefix] + [b.astype(np.int32) for b in blocks])
         slots = {name: tensor for (_, layers), tensor in zip(groups, uploaded[1:]) for name in layers}
         return uploaded[0], slots
+
+    def _ddtree_clear_fresh_states(self, new_requests, spec: Mapping[str, Sequence[int]]) -> None:
+        """Zeroes the recurrent states (conv window and SSM state, every GDN layer) of new requests that verify a
+        tree in their first step: a one-token prompt vLLM padded with placeholders. Its state slot still holds a
+        finished request's states (vLLM zeroes new attention blocks only, and its prefills start from zero through
+        ``has_initial_state``, which a tree step does not read), and the tree's verification and commit start from
+        the slot. Queued before the step's forward, launch by launch (a rare step)."""
+        fresh = [new.req_id for new in new_requests if new.num_computed_tokens == 0 and spec.get(new.req_id)]
+        if not fresh:
+            return
+        rows = np.fromiter((self.input_batch.req_id_to_index[r] for r in fresh), dtype=np.int64, count=len(fresh))
+        context = self.compilation_config.static_forward_context
+        for group_id, layers in self._ddtree_state_groups():
+            # The request's first state column (cache mode "none": its one block; "align": the block of position 0).
+            slots = torch.from_numpy(self.input_batch.block_table[group_id].get_numpy_array()[rows, 0].astype(np.int64))
+            slots = slots.to(self.device, non_blocking=True)
+            for name in layers:
+                for state in context[name].kv_cache:  # (conv, ssm), each [blocks, ...] (patch 5d reads them so)
+                    state.index_fill_(0, slots, 0)
+        self.ddtree_stats.fresh_state_trees += len(fresh)
 
     def _ddtree_state_groups(self) -> List[Tuple[int, List[str]]]:
         """(KV-cache group, its layers) of each recurrent-state group: each has its own block ids."""
