@@ -617,6 +617,11 @@ def test_a_filler_fills_its_placeholders_where_the_top_k_is_too_narrow_beside_cu
     assert plan.trees.tokens[offsets[0] : offsets[1]].tolist() == [11, 12, 13]
     assert plan.trees.tokens[offsets[2] : offsets[3]].tolist() == [21, 22, 23]
     assert offsets[2] - offsets[1] == 6  # the filler: 6 drafts of width 2 at depth 3
+    # Widened only where the top-K cannot fill its size, to the least width that does.
+    from ddtree.vllm.step import filler_record
+
+    assert filler_record(3, 4, 6).log_probs.shape == (3, 4) and filler_record(3, 1, 6).log_probs.shape == (3, 2)
+    assert filler_record(15, 1, 63).log_probs.shape == (15, 2)  # 2 + 4 + ... fills 63 at depth 15
 
 
 def test_a_late_proposal_at_a_schedules_smaller_budget():

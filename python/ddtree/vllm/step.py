@@ -452,9 +452,10 @@ def plan_verify(
             the runner's fixed-address buffers have one width for every step).
         arrays: allocates the plan's arrays from ``name -> (dtype, shape)``.
         unproposed: ``(L, K)``: placeholder drafts of a request without a proposal verify a filler tree of that
-            draft shape instead of raising (asynchronous scheduling schedules placeholders for every decoding
-            request, also where the drafter did not run; any draft tokens are valid, the verification keeps only
-            what the target samples).
+            draft shape (wider where K cannot fill them) instead of raising: asynchronous scheduling schedules
+            placeholders for every decoding request, also where the drafter did not run, and vLLM pads a request's
+            first decode with them in any scheduling; any draft tokens are valid, the verification keeps only what
+            the target samples. (The runner always passes it; real drafts without a proposal still raise.)
 
     Raises:
         DraftMismatchError: scheduled drafts that are not a prefix of the
@@ -610,9 +611,7 @@ def _take_records(
         record = store.take(req_id)
         is_filler = record is None and unproposed is not None and drafts[0] == PLACEHOLDER
         if is_filler:
-            depth, width = unproposed
-            # Whole at what was scheduled (not a cut tree), also where the top-K is too narrow to fill it.
-            record = filler_record(depth, max(width, -(-len(drafts) // depth)), len(drafts))
+            record = filler_record(*unproposed, len(drafts))  # whole at what was scheduled: not a cut tree
         elif record is None:
             raise DraftMismatchError(
                 f"request {req_id}: {len(drafts)} draft tokens scheduled but no DDTree proposal recorded"
@@ -787,8 +786,11 @@ def _lay_out(
 
 def filler_record(depth: int, width: int, budget: int) -> DraftRecord:
     """A proposal for a request the drafter did not propose for: token ``k`` with log-probability ``-k - 1`` at
-    every depth (a valid, deterministic tree of any budget the draft shape allows), counted as proposed at
-    ``budget``."""
+    every depth (a valid, deterministic tree), counted as proposed at ``budget``. As wide as the top-K (``width``)
+    where that fills ``budget`` nodes at ``depth``; wider where it does not (a small ``ddtree_top_k``): the
+    placeholders vLLM scheduled are all verified."""
+    while tree_size(budget, width, depth) < budget:
+        width += 1  # (at most ceil(budget / depth): depth levels of that many nodes each)
     log_probs = np.broadcast_to(-np.arange(1, width + 1, dtype=np.float32), (depth, width)).copy()
     token_ids = np.broadcast_to(np.arange(width, dtype=np.int32), (depth, width)).copy()
     return DraftRecord(log_probs, token_ids, None, budget=budget)
@@ -879,7 +881,9 @@ def top_k_arrays(
 def _stack_padded(records: Sequence[DraftRecord], width: int) -> Tuple[np.ndarray, np.ndarray]:
     """The records' top-K stacked at ``width`` candidates: a filler wider than the top-K (a narrow top-K cannot fill
     the placeholders vLLM scheduled) beside proposals, whose extra candidates are ``-inf`` (token 0). A proposal's
-    tree at its scheduled size never takes one: it was built from its own candidates, which fill that size."""
+    tree at its scheduled size takes none of them: its scheduled size is what its own candidates filled, finite ones
+    ranking first (a proposal whose own top-K holds ``-inf`` values, fewer finite drafter logits than K, could
+    tie with them; no drafter of a real vocabulary has that)."""
     depth = records[0].log_probs.shape[0]
     log_probs = np.full((len(records), depth, width), -np.inf, dtype=np.float32)
     token_ids = np.zeros((len(records), depth, width), dtype=records[0].token_ids.dtype)
