@@ -217,7 +217,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from ddtree.drafter_config import UnsupportedDrafterError, check_drafter_layers
 from ddtree.vllm.sliding_drafter import (
@@ -915,11 +915,17 @@ _SPEC_HALF_FIELDS = (
 def _without_spec_half(md, num_tokens: int):
     """The metadata of a step's non-tree tokens only, for vLLM's own code (prefills, decodes reclassified as
     prefills): no spec-decode requests, tokens, indices or masks."""
-    fields = {f.name for f in dataclasses.fields(md)}
-    cleared = {name: None for name in _SPEC_HALF_FIELDS if name in fields}
+    cleared = _SPEC_HALF_BY_TYPE.get(type(md))
+    if cleared is None:  # (once per metadata class: this runs per GDN layer of every mixed step)
+        fields = {f.name for f in dataclasses.fields(md)}
+        cleared = _SPEC_HALF_BY_TYPE[type(md)] = {name: None for name in _SPEC_HALF_FIELDS if name in fields}
     return dataclasses.replace(
         md, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=num_tokens, **cleared
     )
+
+
+#: By GDN metadata class, its spec-decode fields :func:`_without_spec_half` clears.
+_SPEC_HALF_BY_TYPE: Dict[type, Dict[str, None]] = {}
 
 
 def _zeros_rows(like, rows: int):

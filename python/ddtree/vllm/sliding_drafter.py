@@ -31,6 +31,7 @@ No vLLM import at module level: the CPU tests import it without vLLM's GPU parts
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -156,7 +157,13 @@ def masked_metadata(per_layer: Dict[str, Any], masks: Mapping[str, LayerMask]) -
 
 
 def _has_field(metadata: Any, name: str) -> bool:
-    return any(field.name == name for field in dataclasses.fields(metadata))
+    return name in _field_names(type(metadata))
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(metadata_class: type) -> frozenset:
+    """A dataclass's field names, once per class (read at every drafter pass)."""
+    return frozenset(field.name for field in dataclasses.fields(metadata_class))
 
 
 def set_layer_windows(layers: Sequence[Any], masks: Mapping[str, LayerMask]) -> None:
