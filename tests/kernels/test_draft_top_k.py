@@ -52,19 +52,22 @@ def run_checks(device: str) -> None:
     assert packed.data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer[:5], pack_top_k_triton(logits, values, ids)) and bool((buffer[5:] == 7.0).all())
     # Rows of numbers that ran away (a NaN logit, an infinite one, all -inf) become the filler row in both.
-    logits, values, ids = _poisoned(device)
-    got, expected = pack_top_k_triton(logits, values, ids), pack_top_k_reference(logits, values, ids)
-    assert torch.equal(got, expected)
+    for k in (4, 1):
+        logits, values, ids = _poisoned(device, k)
+        got, expected = pack_top_k_triton(logits, values, ids), pack_top_k_reference(logits, values, ids)
+        assert torch.equal(got, expected), k
     print("draft top-K checks passed on", device)
 
 
-def _poisoned(device: str):
-    """Six rows of 50 logits: rows 1, 3 and 4 ran away (NaN, +inf, every logit -inf), the others are fine."""
-    logits, _, _ = _inputs(6, 50, 4, torch.float32, device, 21)
+def _poisoned(device: str, k: int = 4):
+    """Six rows of 50 logits: rows 1, 3 and 4 ran away (NaN, +inf, every logit -inf); the others are fine, row 5
+    with only two finite logits (its top-K holds -inf values, which the build takes)."""
+    logits, _, _ = _inputs(6, 50, k, torch.float32, device, 21)
     logits[1, 7] = float("nan")
     logits[3, 2] = float("inf")
     logits[4] = float("-inf")
-    values, ids = logits.topk(4, dim=-1)
+    logits[5, 2:] = float("-inf")
+    values, ids = logits.topk(k, dim=-1)
     return logits, values, ids
 
 
@@ -140,6 +143,7 @@ def test_rows_whose_numbers_ran_away_are_packed_as_the_filler_row_the_tree_build
         assert torch.equal(log_probs[row], filler) and tokens[row].tolist() == [0, 1, 2, 3]
     for row in (0, 2, 5):
         assert torch.equal(log_probs[row], raw[row]) and torch.equal(tokens[row], ids[row].int())
+    assert torch.isinf(log_probs[5, 2:]).all()  # fewer finite logits than K: kept, the build takes -inf
     lp = np.ascontiguousarray(log_probs.numpy().reshape(2, 3, 4))
     tok = np.ascontiguousarray(tokens.numpy().reshape(2, 3, 4))
     trees = ddtree.build_trees(lp, tok, 6)

@@ -160,13 +160,17 @@ for seed, dtype, heads in [(0, torch.float32, (4, 2, 32)), (5, torch.float32, (6
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     if seed == 0:
-        # vLLM 0.33's layout: K and V halves of [blocks, H, page, 2D] (stored NHD), read as strided views.
+        # vLLM 0.33's layout: the K and V halves of [blocks, H, page, 2D], stored NHD (page-major) or HND
+        # (head-major), read as strided [blocks, page, H, D] views.
         k, v = inputs["key_cache"], inputs["value_cache"]
-        relaid = torch.cat([k, v], dim=-1).transpose(1, 2).transpose(1, 2).split(k.shape[-1], dim=-1)
-        assert relaid[0].stride(2) == 2 * k.shape[-1]
-        strided = dict(inputs, key_cache=relaid[0], value_cache=relaid[1])
-        got = paged_tree_attention(**strided, max_query_len=max(q_lens))
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        nhd = torch.cat([k, v], dim=-1)  # [blocks, page, H, 2D] in memory
+        hnd = nhd.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, [blocks, H, page, 2D] in memory
+        for stored in (nhd, hnd):
+            relaid = stored.split(k.shape[-1], dim=-1)
+            assert relaid[0].stride(-1) == 1 and relaid[0].stride(2) != k.stride(2)  # not the plain layout's
+            strided = dict(inputs, key_cache=relaid[0], value_cache=relaid[1])
+            got = paged_tree_attention(**strided, max_query_len=max(q_lens))
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 print("KERNEL-OK")
 """
 

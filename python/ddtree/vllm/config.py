@@ -456,8 +456,7 @@ def engine_overrides(
     v2 = environ.get(V2_RUNNER_ENV)
     if v2 is not None and v2.strip().lower() in ("1", "true"):
         raise DDTreeConfigError(f"method 'ddtree' runs on vLLM's V1 model runner; unset {V2_RUNNER_ENV} or set it to 0")
-    breakable = environ.get(BREAKABLE_GRAPHS_ENV)
-    if breakable is not None and breakable.strip().lower() in ("1", "true"):
+    if environ.get(BREAKABLE_GRAPHS_ENV) == "1":  # (vLLM's own reading: exactly "1" turns them on)
         raise DDTreeConfigError(
             f"method 'ddtree' runs vLLM's piecewise CUDA graphs, not breakable ones; unset {BREAKABLE_GRAPHS_ENV} or "
             "set it to 0"

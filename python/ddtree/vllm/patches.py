@@ -16,8 +16,14 @@ What is patched, and why (all applied by :func:`apply`, idempotent):
    caching, CUSTOM attention backend, DDTree's worker class, V1 runner;
    ``cudagraph_mode_choice``: vLLM's FULL_AND_PIECEWISE unless the user chose
    another served mode or eager mode), and the created ``VllmConfig`` is validated (attention-only target, drafter
-   depth resolved from its ``block_size``). A later non-ddtree engine in the
-   same process is untouched.
+   depth resolved from its ``block_size``, a ``long_prefill_token_threshold``
+   that holds a tree, hybrid prefix caching only on a vLLM whose state-block
+   accounting it follows: below ``HYBRID_ALIGN_CHANGED_IN``). vLLM 0.33's
+   ``--spec-method/--spec-model/--spec-tokens`` are merged into the dict first
+   (``_fold_spec_shorthands``). ``VLLM_USE_V2_MODEL_RUNNER`` and
+   ``VLLM_USE_BREAKABLE_CUDAGRAPH`` are set to 0 where unset (vLLM turns either
+   on by itself for some configurations; process-wide), and refused at 1. A
+   later non-ddtree engine in the same process is otherwise untouched.
 
    1b. Under asynchronous scheduling (``DDTREE_ASYNC_SCHEDULING``, on by default with one GPU) vLLM's
    scheduler, not the runner, sets the next step's placeholder drafts per
@@ -357,7 +363,9 @@ def _translate_engine_args(args: Any) -> Optional[DDTreeConfig]:
         tensor_parallel_size = getattr(args, "tensor_parallel_size", 1) or 1
         _log().info("DDTree: %s=%r (%s)", attr, value, override_reason(attr, os.environ, tensor_parallel_size, cfg))
     _choose_cudagraph_mode(args)
-    for env in (V2_RUNNER_ENV, BREAKABLE_GRAPHS_ENV):  # (unset: vLLM may turn either on by itself)
+    # Unset, vLLM may turn either on by itself. (Process-wide: another engine made later in the same process keeps
+    # them off too, as if its user had set them to 0.)
+    for env in (V2_RUNNER_ENV, BREAKABLE_GRAPHS_ENV):
         if os.environ.get(env) is None:
             os.environ[env] = "0"
     args.speculative_config = vllm_spec
@@ -1280,7 +1288,8 @@ def _tree_placeholders_kept(original):
 
 
 def apply() -> None:
-    """Applies patches 1-3 (1c included), 5a-c, 5e, 6-9, 11's config half, 12 and 13 (4, 5d, 10 and 11 are applied by the worker). Raises
+    """Applies patches 1-3 (1c included), 5a-c, 5e, 6-9, 11's config half, 12 and 13 (4, 5d, 10 and 11 are
+    applied by the worker). Raises
     on unsupported vLLM."""
     global _APPLIED
     import vllm
