@@ -182,6 +182,8 @@ def test_vllm_layout_assumptions():
     factory = getattr(worker, "_make_model_runner", None)
     runner_src = inspect.getsource(factory if factory is not None else worker.init_device)
     assert "from vllm.v1.worker.gpu_model_runner import" in runner_src
+    if factory is not None:  # ... and the worker's own start-up calls the factory
+        assert "self._make_model_runner()" in inspect.getsource(worker)
 
 
 def test_modules_import():
