@@ -1841,9 +1841,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         state block. Read on the host: the trees' computed tokens (vLLM has applied the previous step's acceptance
         to them before its pre-step copy, under asynchronous scheduling too), their scheduled tokens and the state
         groups' block tables."""
-        block_size = self._ddtree_state_block_size
-        if not block_size:
+        if not self._ddtree_state_block_size:
             return None
+        # The state groups' own block size (vLLM's align mode indexes their columns by it; cache_config's
+        # mamba_block_size can be another number once vLLM aligned the page sizes).
+        groups = self._ddtree_state_groups()
+        block_size = int(self.kv_cache_config.kv_cache_groups[groups[0][0]].kv_cache_spec.block_size)
         rows = np.asarray(plan.batch_index, dtype=np.int64)
         starts = self.query_start_loc.np
         computed = self.input_batch.num_computed_tokens_cpu[rows]
@@ -1853,7 +1856,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return None
         self.ddtree_stats.boundary_commit_trees += int(reaching.sum())
         self.ddtree_stats.boundary_commit_steps += 1
-        groups = self._ddtree_state_groups()
         columns = np.where(reaching, column, 0)
         blocks = [
             np.where(reaching, self.input_batch.block_table[group_id].get_numpy_array()[rows, columns], -1)
