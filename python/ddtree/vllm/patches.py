@@ -505,7 +505,7 @@ def _create_engine_config_wrapper(original):
             check_hybrid_prefix_caching_served()
             _log().warning(
                 "DDTree: prefix caching with a hybrid target (%s=1) is experimental: its boundary commits are tested "
-                "on CPU, not yet on a GPU (docs/prefix-caching.md)",
+                "on CPU and were exact in one GPU run on the test pair (docs/prefix-caching.md)",
                 HYBRID_PREFIX_CACHING_ENV,
             )
         _log().info("DDTree enabled: %s", cfg)
