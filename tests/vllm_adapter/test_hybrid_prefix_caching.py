@@ -492,6 +492,9 @@ def test_the_runner_finds_each_trees_boundary_block_in_every_state_group():
     # 64, 4 entries away, running column (67 // 32 = 2) beyond it. Row 0: 40 computed: 24 entries away (no commit).
     tables = [np.arange(30).reshape(3, 10), 100 + np.arange(30).reshape(3, 10), 200 + np.arange(30).reshape(3, 10)]
     runner = _runner_for_boundaries([40, 5, 60], [8, 1, 8], tables)
+    # The groups' own block size indexes their tables: cache_config's mamba_block_size was another number on a GPU
+    # (the boundary commits then read column 11 of 8, gpu-h100-e2e-117fa17).
+    runner._ddtree_state_block_size = 7
     plan = SimpleNamespace(batch_index=np.array([2, 0]), draft_depth=DEPTH)
     prefix, slots = runner._ddtree_state_boundaries(plan)
     assert prefix.tolist() == [4, 0]
