@@ -463,7 +463,7 @@ def _runner_for_boundaries(computed, scheduled, tables):
     from ddtree.vllm.staging import StepStaging
 
     runner = object.__new__(DDTreeGPUModelRunner)
-    runner._ddtree_state_block_size = BLOCK
+    runner._ddtree_aligned_states = True
     runner._ddtree_state_group_layers = None
     runner.device = torch.device("cpu")
     runner._ddtree_boundary_staging = StepStaging(runner.device)
@@ -492,9 +492,9 @@ def test_the_runner_finds_each_trees_boundary_block_in_every_state_group():
     # 64, 4 entries away, running column (67 // 32 = 2) beyond it. Row 0: 40 computed: 24 entries away (no commit).
     tables = [np.arange(30).reshape(3, 10), 100 + np.arange(30).reshape(3, 10), 200 + np.arange(30).reshape(3, 10)]
     runner = _runner_for_boundaries([40, 5, 60], [8, 1, 8], tables)
-    # The groups' own block size indexes their tables: cache_config's mamba_block_size was another number on a GPU
-    # (the boundary commits then read column 11 of 8, gpu-h100-e2e-117fa17).
-    runner._ddtree_state_block_size = 7
+    # The groups' own block size indexes their tables (cache_config's mamba_block_size was another number on a GPU:
+    # the boundary commits read column 11 of 8, gpu-h100-e2e-117fa17), BLOCK here.
+    runner.cache_config = SimpleNamespace(mamba_block_size=7, mamba_cache_mode="align")
     plan = SimpleNamespace(batch_index=np.array([2, 0]), draft_depth=DEPTH)
     prefix, slots = runner._ddtree_state_boundaries(plan)
     assert prefix.tolist() == [4, 0]
@@ -505,7 +505,7 @@ def test_the_runner_finds_each_trees_boundary_block_in_every_state_group():
     # No tree within reach of its block's end: nothing to commit, nothing counted.
     runner = _runner_for_boundaries([40, 5, 50], [8, 1, 8], tables)
     assert runner._ddtree_state_boundaries(plan) is None and runner.ddtree_stats.boundary_commit_steps == 0
-    runner._ddtree_state_block_size = 0  # no prefix caching
+    runner._ddtree_aligned_states = False  # no prefix caching
     assert runner._ddtree_state_boundaries(plan) is None
 
 
@@ -525,7 +525,7 @@ def test_the_runner_keeps_accepted_counts_at_one_and_skips_vllms_state_copies(mo
     runner._update_states_after_model_execute(output, None)
     assert runner.input_batch.num_accepted_tokens_cpu.tolist() == [1, 1, 1, 7]
     assert runner.num_accepted_tokens.gpu.tolist() == [1, 1, 1, 7] and recorded == [True] and not called
-    runner._ddtree_state_block_size = 0  # without prefix caching: vLLM's own
+    runner._ddtree_aligned_states = False  # without prefix caching: vLLM's own
     runner._update_states_after_model_execute(output, None)
     assert len(called) == 1
 

@@ -510,13 +510,15 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # vLLM 0.33 counts a decode without drafts as a spec decode of 0 drafts (its chain reads the last state at
         # an accepted-token offset); a ddtree request keeps one state slot, so such a decode is a plain one.
         self._ddtree_unmark_draftless = bool(self._ddtree_conv_window) and not vllm_below(DRAFTLESS_SPEC_ROWS_FROM)
-        # Prefix caching with a hybrid target (mamba cache mode "align"): the state block size (0: no boundary
-        # commits, ``mamba_align``), and the state groups' layers (made at the first boundary commit).
-        aligned = self._ddtree_conv_window and getattr(self.cache_config, "mamba_cache_mode", "none") == "align"
-        self._ddtree_state_block_size = int(self.cache_config.mamba_block_size) if aligned else 0
+        # Prefix caching with a hybrid target (mamba cache mode "align"): boundary commits (``mamba_align``; their
+        # block size is the state groups' own, read from the KV-cache config), and the state groups' layers (made
+        # at the first boundary commit).
+        self._ddtree_aligned_states = bool(
+            self._ddtree_conv_window and getattr(self.cache_config, "mamba_cache_mode", "none") == "align"
+        )
         self._ddtree_state_group_layers: Optional[List[Tuple[int, List[str]]]] = None
         # The boundary commits' prefixes and destination blocks: one pinned copy on the steps that have them.
-        self._ddtree_boundary_staging = StepStaging(self.device) if aligned else None
+        self._ddtree_boundary_staging = StepStaging(self.device) if self._ddtree_aligned_states else None
         # The tree layout at fixed addresses (CUDA graphs read them), and what FULL graphs' captures recorded.
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_buffers = TreeStepBuffers(
@@ -1841,7 +1843,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         state block. Read on the host: the trees' computed tokens (vLLM has applied the previous step's acceptance
         to them before its pre-step copy, under asynchronous scheduling too), their scheduled tokens and the state
         groups' block tables."""
-        if not self._ddtree_state_block_size:
+        if not self._ddtree_aligned_states:
             return None
         # The state groups' own block size (vLLM's align mode indexes their columns by it; cache_config's
         # mamba_block_size can be another number once vLLM aligned the page sizes).
@@ -1902,7 +1904,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         does not have (one state per request), so they are not run (the step's boundary commits wrote the block
         boundaries), and every row's accepted count stays 1, which makes vLLM's next pre-step copy move the whole
         running state. Otherwise vLLM's."""
-        if not self._ddtree_state_block_size:
+        if not self._ddtree_aligned_states:
             return super()._update_states_after_model_execute(output_token_ids, scheduler_output)
         num_reqs = output_token_ids.size(0)
         self.input_batch.num_accepted_tokens_cpu[:num_reqs] = 1
