@@ -10,6 +10,25 @@ from ddtree.kernels.gdn_reference import chain_gated_delta_rule
 from ddtree.kernels.topology import root_path
 
 
+#: The transformers whose Qwen3-Next / Qwen3.5 layers the GDN tests take as their oracle: the reference engine's
+#: (pyproject's ``torch`` extra). An older one's recurrent rule lacks what they use (on the GPU image's 5.17: a shape
+#: error inside ``modeling_qwen3_next``, ``gpu-h100-e2e-117fa17``).
+REFERENCE_TRANSFORMERS = (5, 24)
+
+
+def skip_below_reference_transformers() -> None:
+    """Skips the calling test module, naming both versions, where transformers is older than the oracle needs."""
+    import pytest
+    import transformers
+
+    have = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    if have < REFERENCE_TRANSFORMERS:
+        need = ".".join(map(str, REFERENCE_TRANSFORMERS))
+        pytest.skip(
+            f"transformers {transformers.__version__} is older than the oracle's {need}", allow_module_level=True
+        )
+
+
 def chain_parents(num_nodes: int) -> list:
     return [-1] + list(range(num_nodes - 1))
 

@@ -13,6 +13,7 @@ from _gdn_testing import (
     random_parents,
     root_path_outputs_by_chain,
     root_path_outputs_by_state_walk,
+    skip_below_reference_transformers,
     star_parents,
     tree_parents,
 )
@@ -21,6 +22,7 @@ from ddtree.kernels.gdn_reference import chain_gated_delta_rule, tree_gated_delt
 from ddtree.kernels.topology import root_path
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+skip_below_reference_transformers()
 
 
 def run_tree(inputs, parents, **kwargs):

@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _gdn_testing import leaves, random_parents
+from _gdn_testing import leaves, random_parents, skip_below_reference_transformers
 from ddtree.kernels.gdn_reference import commit_gdn_state, tree_causal_conv1d, tree_gated_delta_rule
 from ddtree.kernels.topology import root_path
 
 transformers = pytest.importorskip("transformers")
+skip_below_reference_transformers()
 from transformers import DynamicCache  # noqa: E402
 
 TINY = dict(
