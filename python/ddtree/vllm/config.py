@@ -34,6 +34,7 @@ attention-only targets, off for hybrids) and is refused for hybrids and beside a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -173,6 +174,13 @@ class DDTreeConfig:
         if top_k is None or self.draft_len is None:
             return []
         return [b for b in self.budgets if tree_size(b, min(top_k, b), self.draft_len) < b]
+
+
+@functools.lru_cache(maxsize=None)
+def field_names(dataclass_type: type) -> frozenset:
+    """A dataclass's field names, once per class (vLLM's metadata classes gain fields between versions; the adapter
+    asks which this vLLM has on paths that run every step)."""
+    return frozenset(field.name for field in dataclasses.fields(dataclass_type))
 
 
 def check_long_prefill_threshold(threshold: int, budget: int) -> None:

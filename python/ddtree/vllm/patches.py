@@ -223,7 +223,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Optional, Tuple
 
 from ddtree.drafter_config import UnsupportedDrafterError, check_drafter_layers
 from ddtree.vllm.sliding_drafter import (
@@ -240,6 +240,7 @@ from ddtree.vllm.config import (
     V2_RUNNER_ENV,
     BREAKABLE_GRAPHS_ENV,
     check_long_prefill_threshold,
+    field_names,
     DDTreeConfig,
     HYBRID_PREFIX_CACHING_ENV,
     DDTreeConfigError,
@@ -294,13 +295,18 @@ def parse_version(text: str) -> tuple:
     return tuple(parts)
 
 
-def vllm_below(limit: tuple, version: Optional[str] = None) -> bool:
-    """Whether ``version`` (default: the installed vLLM's) is below ``limit``: where a patch follows vLLM's version."""
+def vllm_version(version: Optional[str] = None) -> str:
+    """``version``, or the installed vLLM's when None."""
     if version is None:
         import vllm
 
         version = vllm.__version__
-    return parse_version(version) < limit
+    return version
+
+
+def vllm_below(limit: tuple, version: Optional[str] = None) -> bool:
+    """Whether ``version`` (default: the installed vLLM's) is below ``limit``: where a patch follows vLLM's version."""
+    return parse_version(vllm_version(version)) < limit
 
 
 def check_version(version: str) -> None:
@@ -923,17 +929,17 @@ _SPEC_HALF_FIELDS = (
 def _without_spec_half(md, num_tokens: int):
     """The metadata of a step's non-tree tokens only, for vLLM's own code (prefills, decodes reclassified as
     prefills): no spec-decode requests, tokens, indices or masks."""
-    cleared = _SPEC_HALF_BY_TYPE.get(type(md))
-    if cleared is None:  # (once per metadata class: this runs per GDN layer of every mixed step)
-        fields = {f.name for f in dataclasses.fields(md)}
-        cleared = _SPEC_HALF_BY_TYPE[type(md)] = {name: None for name in _SPEC_HALF_FIELDS if name in fields}
+    cleared = _spec_half_fields_of(type(md))
     return dataclasses.replace(
-        md, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=num_tokens, **cleared
+        md, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=num_tokens, **dict.fromkeys(cleared)
     )
 
 
-#: By GDN metadata class, its spec-decode fields :func:`_without_spec_half` clears.
-_SPEC_HALF_BY_TYPE: Dict[type, Dict[str, None]] = {}
+@functools.lru_cache(maxsize=None)
+def _spec_half_fields_of(metadata_class: type) -> Tuple[str, ...]:
+    """The spec-decode fields of one GDN metadata class (once per class: the split runs per GDN layer of every mixed
+    step)."""
+    return tuple(name for name in _SPEC_HALF_FIELDS if name in field_names(metadata_class))
 
 
 def _zeros_rows(like, rows: int):
@@ -978,10 +984,7 @@ HYBRID_ALIGN_CHANGED_IN = (0, 26, 0)
 def check_hybrid_prefix_caching_served(version: Optional[str] = None) -> None:
     """Refuses ``DDTREE_HYBRID_PREFIX_CACHING`` on a vLLM whose state-block accounting it does not follow (a hashed
     state block could then hold another prefix's state: silently wrong outputs)."""
-    if version is None:
-        import vllm
-
-        version = vllm.__version__
+    version = vllm_version(version)
     if not vllm_below(HYBRID_ALIGN_CHANGED_IN, version):
         raise DDTreeConfigError(
             f"{HYBRID_PREFIX_CACHING_ENV}=1 follows vLLM 0.25's state-block accounting (mamba_cache_mode 'align'); "

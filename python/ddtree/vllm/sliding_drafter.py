@@ -31,11 +31,10 @@ No vLLM import at module level: the CPU tests import it without vLLM's GPU parts
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-from ddtree.vllm.config import SLIDING_DRAFTER_ENV, env_switch
+from ddtree.vllm.config import SLIDING_DRAFTER_ENV, env_switch, field_names
 
 SLIDING = "sliding_attention"
 
@@ -149,21 +148,11 @@ def masked_metadata(per_layer: Dict[str, Any], masks: Mapping[str, LayerMask]) -
         if copy is None:
             causal, window = mask
             fields = {"causal": causal}
-            if _has_field(base, "sliding_window"):
+            if "sliding_window" in field_names(type(base)):
                 fields["sliding_window"] = flash_window(causal, window)
             copy = copies[key] = dataclasses.replace(base, **fields)
         per_layer[name] = copy
     return per_layer
-
-
-def _has_field(metadata: Any, name: str) -> bool:
-    return name in _field_names(type(metadata))
-
-
-@functools.lru_cache(maxsize=None)
-def _field_names(metadata_class: type) -> frozenset:
-    """A dataclass's field names, once per class (read at every drafter pass)."""
-    return frozenset(field.name for field in dataclasses.fields(metadata_class))
 
 
 def set_layer_windows(layers: Sequence[Any], masks: Mapping[str, LayerMask]) -> None:

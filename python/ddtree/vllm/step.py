@@ -872,9 +872,9 @@ def top_k_arrays(
             if index.shape[0] and same_values(index, np.arange(index[0], index[0] + index.shape[0])):
                 return log_probs[index[0] : index[0] + index.shape[0]], token_ids[index[0] : index[0] + index.shape[0]]
             return log_probs[index], token_ids[index]
-    width = max(r.log_probs.shape[-1] for r in records)
-    if any(r.log_probs.shape[-1] != width for r in records):
-        return _stack_padded(records, width)
+    widths = {r.log_probs.shape[-1] for r in records}
+    if len(widths) > 1:
+        return _stack_padded(records, max(widths))
     return np.stack([r.log_probs for r in records]), np.stack([r.token_ids for r in records])
 
 
