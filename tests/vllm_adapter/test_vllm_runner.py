@@ -465,6 +465,39 @@ def test_what_if_counts_a_systematic_sample_of_the_steps():
     assert stats.steps == steps and summary["chain"]["trees"] == 3 and summary["budgets"][8]["trees"] == 3
 
 
+def test_what_if_samples_device_planned_steps_more_sparsely_since_their_trees_are_built_to_count_them():
+    import copy
+
+    from ddtree.vllm.runner import WHAT_IF_EVERY, WHAT_IF_EVERY_DEVICE_PLANNED, DDTreeStats
+    from ddtree.vllm.step import TreeStore, accept, plan_verify
+
+    assert WHAT_IF_EVERY_DEVICE_PLANNED > WHAT_IF_EVERY
+    rng = np.random.default_rng(1)
+    lp = np.sort(rng.normal(size=(1, 4, 5)), axis=-1)[..., ::-1]
+    lp = (lp - np.log(np.exp(lp).sum(-1, keepdims=True))).astype(np.float32)
+    store = TreeStore(budget=20)
+    lists = store.propose(["a"], lp, np.tile(np.arange(5, dtype=np.int32), (1, 4, 1)))
+    host_plan = plan_verify(store, ["a"], np.array([4]), np.array([21]), {"a": lists[0]})
+    walked = accept(host_plan, np.zeros(host_plan.num_tokens, dtype=np.int64), 5)
+
+    class CountedBuild:  # a device-planned step's trees: built on the host only when something reads them
+        builds = 0
+        draft_depth = 4
+
+        def build(self):
+            CountedBuild.builds += 1
+            return host_plan.trees, host_plan.top1_tokens
+
+    stats = DDTreeStats(4, smaller_budgets=(8,))
+    steps = 2 * WHAT_IF_EVERY_DEVICE_PLANNED + 1
+    for _ in range(steps):
+        plan = copy.copy(host_plan)
+        plan.trees, plan.top1_tokens, plan.deferred_trees = None, None, CountedBuild()
+        stats.observe(plan, walked)
+    summary = stats.what_if.summary()
+    assert stats.steps == steps and CountedBuild.builds == 3 and summary["chain"]["trees"] == 3
+
+
 def test_smaller_budgets_are_a_ladder_below_the_largest_with_the_schedules():
     from ddtree.vllm.config import DDTreeConfig, smaller_budgets
 

@@ -123,6 +123,9 @@ logger = get_logger(__name__)
 
 #: The verify steps whose trees also count what smaller budgets and the chain would have accepted: one in this many.
 WHAT_IF_EVERY = 4
+#: ... of the device-planned steps (``DDTREE_DEVICE_PLAN``), whose trees the host builds only to count them (from
+#: the step's top-K, a Rust build of every tree): a sparser sample keeps that build off most steps' host path.
+WHAT_IF_EVERY_DEVICE_PLANNED = 16
 #: Verify steps whose tree counts ``DDTreeStats`` keeps before one numpy pass counts them (read at any time: a read
 #: counts what is pending first).
 FOLD_EVERY = 64
@@ -223,8 +226,8 @@ class DDTreeStats:
         self.precaptured_commits = 0  # ... whose commit's graphs were too (DDTREE_PRECAPTURE=all)
         self._step_mark: Tuple[int, Dict[str, float], Dict[str, float]] = (0, {}, {})
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
-        # WHAT_IF_EVERY-th verify step (a systematic sample of the traffic; the sampled steps are kept and counted
-        # 16 at a time, in one numpy pass).
+        # WHAT_IF_EVERY-th verify step, WHAT_IF_EVERY_DEVICE_PLANNED-th of device-planned ones (a systematic sample
+        # of the traffic; the sampled steps are kept and counted 16 at a time, in one numpy pass).
         self.what_if = WhatIfAcceptance(smaller_budgets)
         self.auto: Optional[AutoBudget] = None  # ``ddtree_budget: "auto"``: fed every verify step
 
@@ -266,7 +269,8 @@ class DDTreeStats:
         ``path_lengths`` ``[R]`` of them)."""
         acc = np.asarray(path_lengths, dtype=np.int64) - 1  # (a new array: kept as it is)
         self._observe_own_counts(plan, acc)
-        if (self.steps - 1) % WHAT_IF_EVERY == 0:
+        every = WHAT_IF_EVERY if plan.trees is not None else WHAT_IF_EVERY_DEVICE_PLANNED
+        if (self.steps - 1) % every == 0:
             self.what_if.observe(plan, paths, acc)
         if self.auto is not None:  # every step: its first choice should not wait for a sample of the traffic
             paths = np.asarray(paths, dtype=np.int64)
