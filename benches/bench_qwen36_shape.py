@@ -456,6 +456,7 @@ def run_engine(
                 "early_launch_steps",
                 "landed_before_launch_steps",
                 "early_output_steps",
+                "device_plan_steps",
                 "whole_tree_gdn_metadata_builds",
                 "step_graphs",
                 "step_graph_reserved_mb",
