@@ -222,6 +222,8 @@ def child(args):
             row["steps_by_budget"] = summary.get("steps_by_budget", {})
             if "auto_budget" in summary:  # ddtree_budget "auto": its choice so far and what it rests on
                 row["auto_budget"] = summary["auto_budget"]
+        if is_tree and args.host_profile:
+            row["host_profile"] = host_profile_run(llm, groups, params, b, args)
         rows.append(row)
         # The greedy outputs, so engines can be compared token by token (tests/gpu/compare_outputs.py).
         with open(os.path.join(args.out, f"outputs_{args.name}_b{b}.json"), "w") as f:
@@ -250,6 +252,19 @@ def child(args):
         with open(partial_rows_path(args.out, args.name), "w") as f:
             json.dump(rows, f)
     print("RESULT-JSON " + json.dumps(rows), flush=True)
+
+
+def host_profile_run(llm, groups, params, b: int, args) -> str:
+    """One more run of the timed requests with ddtree's timed host work under cProfile (in this engine's turn,
+    after its timed runs, which it would slow); writes and returns the file name of the profile's text."""
+    llm.collective_rpc("ddtree_host_profile_start")
+    for g, group in enumerate(groups):
+        llm.generate(group, params[g * b : g * b + len(group)] if isinstance(params, list) else params, use_tqdm=False)
+    text = llm.collective_rpc("ddtree_host_profile_stop")[0]
+    name = f"host_profile_{args.name}_b{b}.txt"
+    with open(os.path.join(args.out, name), "w") as f:
+        f.write(text)
+    return name
 
 
 def partial_rows_path(out: str, name: str) -> str:
@@ -345,6 +360,13 @@ def main():
     )
     ap.add_argument(
         "--profile-no-stacks", action="store_true", help="profiles without Python stacks (a much smaller timeline)"
+    )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="ddtree engines: after each batch size's timed runs, one more run with ddtree's timed host work under "
+        "cProfile (host_profile_<engine>_b<B>.txt: functions by their own time; slowed by the profiler, so no row "
+        "reads it)",
     )
     ap.add_argument(
         "--engines",
@@ -551,6 +573,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     cmd += ["--gpu-memory-utilization", str(memory), "--repeats", str(args.repeats), "--draft-len", str(args.draft_len)]
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]
     cmd += ["--name", name, "--out", args.out] + (["--profile-no-stacks"] if args.profile_no_stacks else [])
+    cmd += ["--host-profile"] if args.host_profile else []
     cmd += engine_arguments(gate) + (["--interleave"] if args.interleave else [])
     if args.prompts:
         cmd += ["--prompts", args.prompts]

@@ -251,6 +251,30 @@ def test_the_pair_bench_sizes_batched_tokens_by_each_engines_largest_budget():
     assert pair_bench.largest_budget({"method": "ddtree", "ddtree_budget": "auto", "ddtree_max_budget": 256}) == 256
 
 
+def test_the_host_profile_run_serves_every_group_between_start_and_stop_and_writes_the_text(tmp_path):
+    import bench_vllm_ddtree as pair_bench
+
+    calls = []
+
+    class FakeLLM:
+        def collective_rpc(self, method):
+            calls.append(method)
+            return ["profile text"] if method == "ddtree_host_profile_stop" else [None]
+
+        def generate(self, prompts, params, use_tqdm):
+            calls.append(("generate", list(prompts), params))
+
+    args = types.SimpleNamespace(name="ddtree-63", out=str(tmp_path))
+    name = pair_bench.host_profile_run(FakeLLM(), [["a", "b"], ["c"]], ["pa", "pb", "pc"], 2, args)
+    assert name == "host_profile_ddtree-63_b2.txt" and (tmp_path / name).read_text() == "profile text"
+    assert calls == [
+        "ddtree_host_profile_start",
+        ("generate", ["a", "b"], ["pa", "pb"]),  # a seeded run's own params follow its requests
+        ("generate", ["c"], ["pc"]),
+        "ddtree_host_profile_stop",
+    ]
+
+
 def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
     """A small step of bench_plan_path: the runner's late-tree plan path runs without an engine, its tensor ops are
     counted, and vLLM's runner methods are back afterwards (the bench stubs them while it measures)."""
@@ -863,18 +887,20 @@ def test_the_pair_bench_puts_every_request_under_the_regex_when_asked():
     assert bench_vllm_ddtree.timed_params(args).structured_outputs is None
 
 
-def test_the_pair_bench_passes_prefix_caching_to_every_engine_when_asked():
+def test_the_pair_bench_passes_prefix_caching_and_the_host_profile_to_every_engine_when_asked():
     import bench_vllm_ddtree
 
     args = types.SimpleNamespace(
         gpu_memory_utilization=0.5, concurrent_starts=1, target="t", drafter="d", batches="1", max_tokens=8, requests=3,
         temperature=0.0, seeded=False, regex=None, prompt_len=16, max_model_len=64, repeats=1, draft_len=4,
         profile_batches="", profile_tokens=0, out="o", profile_no_stacks=False, interleave=False, prompts=None,
-        eager=False, prefix_caching=True, kv_cache_gib=0.0,
+        eager=False, prefix_caching=True, kv_cache_gib=0.0, host_profile=True,
     )  # fmt: skip
-    assert "--prefix-caching" in bench_vllm_ddtree.child_command(args, "dflash", None, "")
-    args.prefix_caching = False
-    assert "--prefix-caching" not in bench_vllm_ddtree.child_command(args, "dflash", None, "")
+    command = bench_vllm_ddtree.child_command(args, "dflash", None, "")
+    assert "--prefix-caching" in command and "--host-profile" in command
+    args.prefix_caching = args.host_profile = False
+    command = bench_vllm_ddtree.child_command(args, "dflash", None, "")
+    assert "--prefix-caching" not in command and "--host-profile" not in command
 
 
 def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(monkeypatch):

@@ -326,6 +326,37 @@ def test_stats_count_cut_trees_against_their_proposal_and_steps_by_budget():
     assert summary["steps_by_budget"] == {6: 1}
 
 
+def _inside_a_timed_block():
+    return sum(range(10))
+
+
+def _outside_every_timed_block():
+    return sum(range(10))
+
+
+def test_the_host_profile_covers_ddtrees_timed_blocks_only_and_stops_when_read():
+    from ddtree.vllm.runner import DDTreeStats
+
+    stats = DDTreeStats(4)
+    with pytest.raises(RuntimeError, match="no host profile was started"):
+        stats.stop_host_profile()
+    stats.start_host_profile()
+    stats.steps += 3  # three verify steps inside the window
+    with stats.timed("plan"):
+        with stats.timed("plan"):  # a nested block leaves the outer one profiled
+            _inside_a_timed_block()
+        _inside_a_timed_block()
+    _outside_every_timed_block()
+    text = stats.stop_host_profile()
+    assert text.startswith("ddtree's timed host work, 3 verify steps")
+    assert "_inside_a_timed_block" in text and "_outside_every_timed_block" not in text
+    assert stats.host_seconds["plan"] > 0 and stats.profiler is None
+    with stats.timed("plan"):  # profiling stopped: a plain block again
+        _outside_every_timed_block()
+    stats.start_host_profile()
+    assert "_outside_every_timed_block" not in stats.stop_host_profile()
+
+
 def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():
     """A step in which a step graph ran a shape for the first time (a capture: tens of ms once) has its host
     seconds moved out of the per-step parts, which then average the steady steps only; the launches with them."""

@@ -174,6 +174,29 @@ class PartTimer:
         self.seconds[self.part] = self.seconds.get(self.part, 0.0) + elapsed
 
 
+class ProfiledPartTimer(PartTimer):
+    """A :class:`PartTimer` whose block also runs under the statistics' ``cProfile`` profiler
+    (:meth:`DDTreeStats.start_host_profile`): only ddtree's timed host work is profiled, nested blocks once."""
+
+    __slots__ = ("stats",)
+
+    def __init__(self, stats: "DDTreeStats", part: str):
+        super().__init__(stats.host_seconds, part)
+        self.stats = stats
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        self.stats.profiled_depth += 1
+        if self.stats.profiled_depth == 1:
+            self.stats.profiler.enable()
+
+    def __exit__(self, *exc) -> None:
+        self.stats.profiled_depth -= 1
+        if self.stats.profiled_depth == 0:
+            self.stats.profiler.disable()
+        super().__exit__(*exc)
+
+
 class DDTreeStats:
     """Counters beyond vLLM's spec-decode metrics (which stay right on their own)."""
 
@@ -230,6 +253,10 @@ class DDTreeStats:
         # of the traffic; the sampled steps are kept and counted 16 at a time, in one numpy pass).
         self.what_if = WhatIfAcceptance(smaller_budgets)
         self.auto: Optional[AutoBudget] = None  # ``ddtree_budget: "auto"``: fed every verify step
+        # ``start_host_profile``: a cProfile profiler that every timed block runs under (None: off).
+        self.profiler = None
+        self.profiled_depth = 0
+        self.profiled_from_step = 0
 
     def close_step(self, first_runs: int) -> None:
         """Called as each engine step starts, with ``ShapeGraphs.first_runs``: when the step since the last call ran
@@ -251,7 +278,38 @@ class DDTreeStats:
         """``with stats.timed(part):`` adds the block's host seconds to ``host_seconds[part]``; also a profiler range
         ("ddtree: <part>") when vLLM's custom profiling scopes are on (VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), beside
         vLLM's own "gpu_model_runner: ..." ranges."""
+        if self.profiler is not None:
+            return ProfiledPartTimer(self, part)
         return PartTimer(self.host_seconds, part)
+
+    def start_host_profile(self) -> None:
+        """Profiles every timed block from now on with ``cProfile`` (function by function, CUDA calls included),
+        until :meth:`stop_host_profile`. The profiler slows what it profiles: the host seconds of a profiled window
+        are not the engine's."""
+        import cProfile
+
+        self.profiler, self.profiled_depth, self.profiled_from_step = cProfile.Profile(), 0, self.steps
+
+    def stop_host_profile(self, limit: int = 40) -> str:
+        """The profile since :meth:`start_host_profile` as text: the verify steps it covers, then the ``limit``
+        functions with the most time of their own (``pstats``, sorted by ``tottime``); profiling stops."""
+        import io
+        import pstats
+
+        if self.profiler is None:
+            raise RuntimeError("DDTree: no host profile was started (start_host_profile)")
+        profiler, self.profiler = self.profiler, None
+        profiler.disable()
+        out = io.StringIO()
+        out.write(
+            f"ddtree's timed host work, {self.steps - self.profiled_from_step} verify steps (totals, not per step)\n"
+        )
+        profiler.create_stats()
+        if not profiler.stats:  # (pstats refuses an empty profile)
+            out.write("(no timed host work ran in the window)\n")
+            return out.getvalue()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(limit)
+        return out.getvalue()
 
     def count_full_graph(self, graph: Optional[GraphKey]) -> None:
         """One verify step and the FULL graph, (tokens, trees), that replayed it (None: none did)."""
@@ -2048,6 +2106,15 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             )
         if hasattr(self, "drafter"):
             self.drafter.warm_up()
+
+    def ddtree_host_profile_start(self) -> None:
+        """Profiles ddtree's timed host work function by function until :meth:`ddtree_host_profile_stop`
+        (``llm.collective_rpc("ddtree_host_profile_start")``; the benches' ``--host-profile``)."""
+        self.ddtree_stats.start_host_profile()
+
+    def ddtree_host_profile_stop(self, limit: int = 40) -> str:
+        """The profile since :meth:`ddtree_host_profile_start`, as text (see ``DDTreeStats.stop_host_profile``)."""
+        return self.ddtree_stats.stop_host_profile(limit)
 
     def ddtree_summary(self) -> Dict[str, object]:
         self._ddtree_count_device_steps(*self._ddtree_counts.landed(wait=True))

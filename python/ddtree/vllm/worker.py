@@ -40,3 +40,9 @@ class DDTreeWorker(Worker):
 
     def ddtree_summary(self):
         return self.model_runner.ddtree_summary()
+
+    def ddtree_host_profile_start(self):
+        return self.model_runner.ddtree_host_profile_start()
+
+    def ddtree_host_profile_stop(self, limit: int = 40):
+        return self.model_runner.ddtree_host_profile_stop(limit)
