@@ -350,11 +350,31 @@ def test_the_host_profile_covers_ddtrees_timed_blocks_only_and_stops_when_read()
     text = stats.stop_host_profile()
     assert text.startswith("ddtree's timed host work, 3 verify steps")
     assert "_inside_a_timed_block" in text and "_outside_every_timed_block" not in text
-    assert stats.host_seconds["plan"] > 0 and stats.profiler is None
+    assert stats.host_seconds["plan"] > 0 and stats.host_profile is None
     with stats.timed("plan"):  # profiling stopped: a plain block again
         _outside_every_timed_block()
     stats.start_host_profile()
     assert "_outside_every_timed_block" not in stats.stop_host_profile()
+
+
+def test_the_host_profile_counts_the_garbage_collections_inside_timed_blocks_only():
+    import gc
+
+    from ddtree.vllm.runner import DDTreeStats
+
+    stats = DDTreeStats(4)
+    callbacks = len(gc.callbacks)
+    stats.start_host_profile()
+    gc.collect(2)  # outside every block: not counted
+    with stats.timed("stats"):
+        gc.collect(1)
+    text = stats.stop_host_profile()
+    assert "garbage collections inside the timed blocks: gen0 0, gen1 1, gen2 0;" in text
+    assert len(gc.callbacks) == callbacks  # the window's callback is gone with it
+    stats.start_host_profile()
+    stats.start_host_profile()  # a window left open is ended, not leaked
+    stats.stop_host_profile()
+    assert len(gc.callbacks) == callbacks
 
 
 def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():

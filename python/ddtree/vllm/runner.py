@@ -55,6 +55,7 @@ from ddtree.vllm.context import PublishedStep, TreeAttentionInputs
 from ddtree.kernels.kv_moves import apply_kv_moves_indexed, kv_move_index
 from ddtree.vllm import device_accept, gdn_metadata, grammar
 from ddtree.vllm.counts import PathRing
+from ddtree.vllm.host_profile import HostProfile
 from ddtree.vllm.device_plan import MAX_TREE_SIZE as MAX_DEVICE_TREE_SIZE
 from ddtree.vllm.device_plan import DevicePlanner, fits_far_from_the_end
 from ddtree.vllm.min_tokens import MinTokensRequests, Pending
@@ -175,25 +176,20 @@ class PartTimer:
 
 
 class ProfiledPartTimer(PartTimer):
-    """A :class:`PartTimer` whose block also runs under the statistics' ``cProfile`` profiler
-    (:meth:`DDTreeStats.start_host_profile`): only ddtree's timed host work is profiled, nested blocks once."""
+    """A :class:`PartTimer` whose block also runs under a host profile (:meth:`DDTreeStats.start_host_profile`)."""
 
-    __slots__ = ("stats",)
+    __slots__ = ("profile",)
 
-    def __init__(self, stats: "DDTreeStats", part: str):
-        super().__init__(stats.host_seconds, part)
-        self.stats = stats
+    def __init__(self, seconds: Dict[str, float], part: str, profile: HostProfile):
+        super().__init__(seconds, part)
+        self.profile = profile
 
     def __enter__(self) -> None:
         super().__enter__()
-        self.stats.profiled_depth += 1
-        if self.stats.profiled_depth == 1:
-            self.stats.profiler.enable()
+        self.profile.enter()
 
     def __exit__(self, *exc) -> None:
-        self.stats.profiled_depth -= 1
-        if self.stats.profiled_depth == 0:
-            self.stats.profiler.disable()
+        self.profile.exit()
         super().__exit__(*exc)
 
 
@@ -253,10 +249,7 @@ class DDTreeStats:
         # of the traffic; the sampled steps are kept and counted 16 at a time, in one numpy pass).
         self.what_if = WhatIfAcceptance(smaller_budgets)
         self.auto: Optional[AutoBudget] = None  # ``ddtree_budget: "auto"``: fed every verify step
-        # ``start_host_profile``: a cProfile profiler that every timed block runs under (None: off).
-        self.profiler = None
-        self.profiled_depth = 0
-        self.profiled_from_step = 0
+        self.host_profile: Optional[HostProfile] = None  # ``start_host_profile``'s window (None: off)
 
     def close_step(self, first_runs: int) -> None:
         """Called as each engine step starts, with ``ShapeGraphs.first_runs``: when the step since the last call ran
@@ -278,38 +271,24 @@ class DDTreeStats:
         """``with stats.timed(part):`` adds the block's host seconds to ``host_seconds[part]``; also a profiler range
         ("ddtree: <part>") when vLLM's custom profiling scopes are on (VLLM_CUSTOM_SCOPES_FOR_PROFILING=1), beside
         vLLM's own "gpu_model_runner: ..." ranges."""
-        if self.profiler is not None:
-            return ProfiledPartTimer(self, part)
+        if self.host_profile is not None:
+            return ProfiledPartTimer(self.host_seconds, part, self.host_profile)
         return PartTimer(self.host_seconds, part)
 
     def start_host_profile(self) -> None:
-        """Profiles every timed block from now on with ``cProfile`` (function by function, CUDA calls included),
-        until :meth:`stop_host_profile`. The profiler slows what it profiles: the host seconds of a profiled window
-        are not the engine's."""
-        import cProfile
-
-        self.profiler, self.profiled_depth, self.profiled_from_step = cProfile.Profile(), 0, self.steps
+        """Profiles every timed block from now on (:class:`ddtree.vllm.host_profile.HostProfile`: ``cProfile``,
+        function by function, and the garbage collections inside the blocks) until :meth:`stop_host_profile`. The
+        profiler slows what it profiles: a profiled window's host seconds are not the engine's."""
+        if self.host_profile is not None:
+            self.host_profile.report(self.steps, 0)  # (a window left open: ended, its callback removed)
+        self.host_profile = HostProfile(self.steps)
 
     def stop_host_profile(self, limit: int = 40) -> str:
-        """The profile since :meth:`start_host_profile` as text: the verify steps it covers, then the ``limit``
-        functions with the most time of their own (``pstats``, sorted by ``tottime``); profiling stops."""
-        import io
-        import pstats
-
-        if self.profiler is None:
+        """The window since :meth:`start_host_profile` as text (``HostProfile.report``); profiling stops."""
+        if self.host_profile is None:
             raise RuntimeError("DDTree: no host profile was started (start_host_profile)")
-        profiler, self.profiler = self.profiler, None
-        profiler.disable()
-        out = io.StringIO()
-        out.write(
-            f"ddtree's timed host work, {self.steps - self.profiled_from_step} verify steps (totals, not per step)\n"
-        )
-        profiler.create_stats()
-        if not profiler.stats:  # (pstats refuses an empty profile)
-            out.write("(no timed host work ran in the window)\n")
-            return out.getvalue()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(limit)
-        return out.getvalue()
+        profile, self.host_profile = self.host_profile, None
+        return profile.report(self.steps, limit)
 
     def count_full_graph(self, graph: Optional[GraphKey]) -> None:
         """One verify step and the FULL graph, (tokens, trees), that replayed it (None: none did)."""
