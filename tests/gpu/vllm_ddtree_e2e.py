@@ -530,7 +530,18 @@ def run_child(
         summary = engine.collective_rpc("ddtree_summary")[0]
         return {
             k: summary.get(k, 0)
-            for k in ("trees", "partial_trees", "filler_trees", "fresh_state_trees", "verify_steps", "full_graph_steps")
+            for k in (
+                "trees",
+                "partial_trees",
+                "filler_trees",
+                "fresh_state_trees",
+                "verify_steps",
+                "full_graph_steps",
+                # How many of a scenario's steps the device plan served: requests that finish or arrive change the
+                # step's requests, and such a step is planned on the host (the pair bench's lockstep groups rarely
+                # do; served traffic does all the time).
+                "device_plan_steps",
+            )
         }
 
     def scenario(sname, fn):
@@ -825,7 +836,7 @@ def scenario_exercised(sname, trees, schedule=False):
     note = (
         f"trees {trees['trees']} (cut {trees['partial_trees']}, filler {trees.get('filler_trees', 0)}, fresh states "
         f"{trees.get('fresh_state_trees', 0)}), FULL-graph steps "
-        f"{trees['full_graph_steps']}/{trees['verify_steps']}; "
+        f"{trees['full_graph_steps']}/{trees['verify_steps']}, device-planned {trees.get('device_plan_steps', 0)}; "
     )
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
     ok = ok and (sname != "one_token_prompts" or schedule or trees.get("filler_trees", 0) > 0)
