@@ -253,6 +253,8 @@ ENGINES = {
     # ... with steady steps' trees built and laid out on the GPU, set explicitly (DDTREE_DEVICE_PLAN=1: what the
     # default, auto, does where the engine allows it; the run must show device-planned steps).
     "ddtree64-async-device-plan": async_ddtree(DDTREE_DEVICE_PLAN="1"),
+    # ... also on steps of some of a proposal's requests in any order (after a request ends; experimental, off).
+    "ddtree64-async-device-plan-subsets": async_ddtree(DDTREE_DEVICE_PLAN="1", DDTREE_DEVICE_PLAN_SUBSETS="1"),
     # ... with every step's trees built on the host (DDTREE_DEVICE_PLAN=0, the default before 9e8b443's record),
     # and FULL steps' forwards queued before their trees on every such step (DDTREE_LAUNCH_AHEAD=always: the pair's
     # drafter lands before the host reaches the step, where the default does not gate).
@@ -853,6 +855,7 @@ SWITCH_COUNTERS = {
     "DDTREE_PRECAPTURE": ("precaptured_sizes",),
     "DDTREE_TOPK_GRAPHS": ("topk_graph_steps",),
     "DDTREE_DEVICE_PLAN": ("device_plan_steps", "device_plan_resumed_steps"),
+    "DDTREE_DEVICE_PLAN_SUBSETS": ("device_plan_subset_steps",),
     "DDTREE_SLIDING_DRAFTER": ("sliding_drafter_steps",),
     "DDTREE_HYBRID_PREFIX_CACHING": ("boundary_commit_trees", "boundary_commit_steps"),
 }

@@ -101,7 +101,40 @@ def check_device_plan_equals_host_plan(device: str = "cpu") -> None:
                     np.testing.assert_array_equal(
                         got[name], expected[name], err_msg=f"{name}: batch {batch} budget {budget} step {step}"
                     )
+        if batch >= 2:  # a request ends; vLLM moves the last one into its slot: a subset step, in another order
+            on_device._ddtree_device_subsets = True
+            with bench.vllm_parts_stubbed():
+                for runner, rng in zip((host, on_device), rngs):
+                    bench.plan_step(runner, subset_step(runner, bench.defer_proposal(runner, rng)))
+            assert on_device.ddtree_stats.device_plan_subset_steps == 1 and on_device.drafter.store.deferred is not None
+            assert host.ddtree_stats.device_plan_steps == 0
+            for what in ("a subset step", "the steady step after it"):
+                if what != "a subset step":
+                    with bench.vllm_parts_stubbed():
+                        for runner, rng in zip((host, on_device), rngs):
+                            bench.plan_step(runner, bench.defer_proposal(runner, rng))
+                expected, got = _step_state(host, batch - 1, budget + 1), _step_state(on_device, batch - 1, budget + 1)
+                for name in expected:
+                    np.testing.assert_array_equal(
+                        got[name], expected[name], err_msg=f"{name}: batch {batch} budget {budget}, {what}"
+                    )
+            assert on_device.ddtree_stats.device_plan_steps == 5
     print("device plan equals host plan")
+
+
+def subset_step(runner, output):
+    """After a proposal for every request: the first request finishes (the store discards it, as the runner's
+    ``_update_states`` does) and vLLM moves the last request into its row: the step's requests are the others, the
+    last one first. Returns the step's scheduler output."""
+    gone = runner.req_ids[0]
+    runner.drafter.store.discard([gone])
+    runner.req_ids[:] = [runner.req_ids[-1], *runner.req_ids[1:-1]]
+    runner.input_batch.num_reqs = len(runner.req_ids)
+    drafts = {req_id: output.scheduled_spec_decode_tokens[req_id] for req_id in runner.req_ids}
+    size = len(next(iter(drafts.values())))
+    return type(output)(
+        total_num_scheduled_tokens=len(drafts) * (size + 1), scheduled_spec_decode_tokens=drafts, scheduled_new_reqs=[]
+    )
 
 
 def test_the_device_plan_is_the_host_plan_under_the_interpreter():
@@ -308,6 +341,64 @@ def test_a_device_planned_steps_host_trees_are_the_host_builds(settled_first):
     for name in ("parents", "depths", "tokens", "node_offsets"):
         np.testing.assert_array_equal(getattr(trees, name), getattr(expected, name))
     np.testing.assert_array_equal(top1, ids[:, :, 0])
+
+
+def _rows_in(kept):
+    return lambda req_ids: None if not set(req_ids) <= set(kept) else np.array([kept.index(r) for r in req_ids])
+
+
+def test_take_device_subset_takes_some_of_the_kept_proposals_requests_in_any_order():
+    from ddtree.vllm.step import take_device_subset
+
+    store, req_ids, spec, _ = _store_with_a_deferred_proposal(num_reqs=4)
+    kept = store.deferred.req_ids
+    store.discard(["r1"])  # finished: its record is gone, the others' are made
+    step = ["r3", "r0", "r2"]
+    assert take_device_subset(store, step, spec, None, _rows_in(kept)) is None  # no top-K kept on the device
+    assert take_device_subset(store, [*step, "new"], {**spec, "new": [PLACEHOLDER] * 15}, kept, _rows_in(kept)) is None
+    assert take_device_subset(store, step, {**spec, "r0": [PLACEHOLDER] * 10}, kept, _rows_in(kept)) is None  # cut
+    assert take_device_subset(store, ["r1", "r0"], spec, kept, _rows_in(kept)) is None  # r1 has no record
+    assert len(store.records) == 3  # nothing taken so far
+    whole, rows = take_device_subset(store, step, spec, kept, _rows_in(kept))
+    assert whole.req_ids == tuple(step) and whole.source is kept and rows.tolist() == [3, 0, 2]
+    assert whole.log_probs is None and store.records == {}
+
+
+@pytest.mark.parametrize("settled_first", [False, True])
+def test_a_subset_steps_top_k_is_its_requests_rows_and_an_unscheduled_request_keeps_its_record(settled_first):
+    import ddtree
+    from ddtree.vllm.step import DeferredTrees, take_device_subset
+
+    store, req_ids, spec, (log_probs, ids) = _store_with_a_deferred_proposal(num_reqs=4)
+    kept = store.deferred.req_ids
+    store.discard(["r1"])
+    if settled_first:
+        store.settle()
+    whole, rows = take_device_subset(store, ["r2", "r0"], spec, kept, _rows_in(kept))  # r3: not scheduled this step
+    trees, top1 = DeferredTrees(store, whole, draft_depth=4).build()  # settles now if it has not
+    expected = ddtree.build_trees(np.ascontiguousarray(log_probs[[2, 0]]), np.ascontiguousarray(ids[[2, 0]]), 15)
+    for name in ("parents", "depths", "tokens", "node_offsets"):
+        np.testing.assert_array_equal(getattr(trees, name), getattr(expected, name))
+    np.testing.assert_array_equal(top1, ids[[2, 0], :, 0])
+    (record,) = store.records.values()  # r3 keeps its record, with its own row of the proposal
+    np.testing.assert_array_equal(record.log_probs, log_probs[3])
+
+
+@pytest.mark.parametrize("switched_on", [False, True])
+def test_a_step_after_a_request_ends_is_planned_on_the_device_only_with_subsets_on(switched_on):
+    runner, rng = _device_runner(batch=3)
+    runner._ddtree_device_subsets = switched_on
+    _plan(runner, _defer(runner, rng))
+    _plan(runner, subset_step(runner, _defer(runner, rng)))
+    stats = runner.ddtree_stats
+    assert stats.device_plan_steps == 1 + switched_on and stats.device_plan_subset_steps == switched_on
+    assert (runner._ddtree_plan.trees is None) == switched_on  # device-planned: built on the host only when read
+    np.testing.assert_array_equal(runner._ddtree_plan.num_nodes, [16, 16])
+    # The steady steps after it: the first uploads its own layout (a subset step's rows are no later step's), the
+    # second resumes.
+    for step in range(2):
+        _plan(runner, _defer(runner, rng))
+        assert stats.device_plan_steps == 2 + switched_on + step and stats.device_plan_resumed_steps == step
 
 
 def test_fits_far_from_the_end():
@@ -579,7 +670,7 @@ def test_every_ddtree_setting_refuses_a_value_it_does_not_take():
 
     names = [getattr(config, n) for n in dir(config) if n.endswith("_ENV")]
     names = [name for name in names if not name.startswith("VLLM_")]  # (vLLM's own variables ddtree reads)
-    assert len(names) == 15 and all(name.startswith("DDTREE_") for name in names)
+    assert len(names) == 16 and all(name.startswith("DDTREE_") for name in names)
     assert config.check_environment({}) == []
     for name in names:
         with pytest.raises(config.DDTreeConfigError, match=name):

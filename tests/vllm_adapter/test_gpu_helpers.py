@@ -736,3 +736,13 @@ def test_the_structured_scenario_must_show_the_tree_masks_ran():
     assert harness.tree_masks_ran({"grammar_tree_steps": 12, "grammar_trees": 30})
     assert not harness.tree_masks_ran({"grammar_tree_steps": 0, "grammar_trees": 0})
     assert not harness.tree_masks_ran({})  # a summary from before the counters: not evidence
+
+
+def test_the_subsets_engine_must_show_subset_steps_planned_on_the_device():
+    from vllm_ddtree_e2e import ENGINES, switched_paths_exercised
+
+    env = ENGINES["ddtree64-async-device-plan-subsets"]["env"]
+    assert env["DDTREE_DEVICE_PLAN"] == "1" and env["DDTREE_DEVICE_PLAN_SUBSETS"] == "1"
+    ran = {"device_plan_steps": 9, "device_plan_resumed_steps": 5, "precaptured_device_plans": 1}
+    assert ("device_plan_subset_steps", False) in switched_paths_exercised(env, ran)
+    assert ("device_plan_subset_steps", True) in switched_paths_exercised(env, dict(ran, device_plan_subset_steps=2))

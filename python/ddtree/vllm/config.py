@@ -70,6 +70,9 @@ LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
 #: "auto" (default) / "1" build and lay out a steady whole-tree step's trees on the device; "0" on the host.
 DEVICE_PLAN_ENV = "DDTREE_DEVICE_PLAN"
+#: "1" plans on the device too the steps of some of the last proposal's requests, in any order (requests finished
+#: or reordered since it: a gather of their top-K rows); "0" (the default until a GPU run) plans those on the host.
+DEVICE_PLAN_SUBSETS_ENV = "DDTREE_DEVICE_PLAN_SUBSETS"
 #: "1" runs a drafter that mixes sliding-window and full-attention layers (experimental, off: refused).
 SLIDING_DRAFTER_ENV = "DDTREE_SLIDING_DRAFTER"
 #: "1" serves structured outputs (xgrammar) with per-node grammar masks (experimental, off: refused at admission).
@@ -561,6 +564,7 @@ def check_environment(environ: Mapping[str, str] = os.environ) -> List[str]:
         LAUNCH_AHEAD_ENV: launch_ahead_mode,
         TOPK_GRAPHS_ENV: topk_graphs_enabled,
         DEVICE_PLAN_ENV: device_plan_mode,
+        DEVICE_PLAN_SUBSETS_ENV: device_plan_subsets_enabled,
         SLIDING_DRAFTER_ENV: sliding_drafter_enabled,
         STRUCTURED_OUTPUTS_ENV: structured_outputs_enabled,
         HYBRID_PREFIX_CACHING_ENV: hybrid_prefix_caching_enabled,
@@ -663,6 +667,17 @@ def device_plan_mode(environ: Mapping[str, str] = os.environ) -> str:
     ``"1"``: on, and refused at start-up where the engine lacks any of it; ``"0"``: every step planned on the host.
     The default since ``gpu-h200-device-plan-9e8b443``: exact in every e2e scenario, less host work a step."""
     return env_choice(environ, DEVICE_PLAN_ENV, "auto", DEVICE_PLAN_MODES)
+
+
+def device_plan_subsets_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """DDTREE_DEVICE_PLAN_SUBSETS: whether the device plan also takes a step whose requests are some of the last
+    proposal's, in any order, each verifying its whole tree (requests finished since the proposal, and vLLM moved
+    others into their slots: one step each time a request ends). Their top-K rows are
+    gathered on the device by an uploaded row index. Off by default (experimental: exact against the host plan on
+    CPU under Triton's interpreter, not yet run on a GPU)."""
+    return env_switch(
+        environ, DEVICE_PLAN_SUBSETS_ENV, "0", {"1": "subset steps planned on the device", "0": "on the host"}
+    )
 
 
 DEVICE_PLAN_MODES = {

@@ -21,6 +21,11 @@ exactly) from a device copy of the drafter's top-K, inside one CUDA graph per st
   built on the host only when the statistics read them, from the same top-K once it has landed
   (``ddtree.vllm.step.DeferredTrees``).
 
+With ``DDTREE_DEVICE_PLAN_SUBSETS=1`` (experimental, off) a step of some of the kept proposal's requests, in any
+order (after a request ends, vLLM moves another into its slot), is planned here too: its rows of the kept top-K are
+gathered by an uploaded row index before the build (:meth:`DevicePlanner.rows_in_kept`), in a layout and graph of
+their own; such a step uploads every time and no step resumes from it.
+
 The host neither waits for the top-K nor builds trees on such a step. What it still reads of the trees: the
 drafter's fit test below ``max_model_len`` takes the drafter's depth as every tree's deepest node, so only steps
 far from that limit are planned here (:func:`fits_far_from_the_end`); everything else (mixed steps, cut trees, filler
@@ -68,6 +73,10 @@ class DevicePlanner:
         self.serial = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         # After a device-planned step: (its shape, the staging's layout key and uploads, the next serial).
         self._resume: Optional[tuple] = None
+        # The kept proposal's row of each of its requests (made on the first subset step of that proposal).
+        self._rows_of: Optional[Tuple[tuple, Dict[str, int]]] = None
+        # By number of requests: a subset step's top-K rows, gathered from the kept buffer (fixed addresses).
+        self._gathered: Dict[int, torch.Tensor] = {}
 
     def pack_target(self, rows: int) -> Optional[torch.Tensor]:
         """Where the proposer packs a drafter pass's ``rows`` top-K rows (the buffer's leading rows: no copy at
@@ -90,6 +99,24 @@ class DevicePlanner:
     def holds(self, req_ids: tuple) -> bool:
         """Whether the buffer holds the top-K of the proposal of ``req_ids`` (that very tuple)."""
         return self._kept_for is req_ids
+
+    @property
+    def kept_for(self) -> Optional[tuple]:
+        """The request ids of the proposal whose top-K the buffer holds (None: none)."""
+        return self._kept_for
+
+    def rows_in_kept(self, req_ids) -> Optional[np.ndarray]:
+        """``[R]`` int64: the row of each of ``req_ids`` in the kept proposal (a subset step: requests finished or
+        reordered since it); None if one of them is not in it."""
+        kept = self._kept_for
+        if kept is None:
+            return None
+        if self._rows_of is None or self._rows_of[0] is not kept:
+            self._rows_of = (kept, {req_id: row for row, req_id in enumerate(kept)})
+        rows = self._rows_of[1]
+        if not all(req_id in rows for req_id in req_ids):
+            return None
+        return np.fromiter((rows[req_id] for req_id in req_ids), dtype=np.int64, count=len(req_ids))
 
     def forget(self) -> None:
         """The buffer's top-K is no longer any pending proposal's (e.g. a drafter pass that did not keep its own)."""
@@ -117,6 +144,10 @@ class DevicePlanner:
         """A device-planned step of ``serial`` ran (its graph replayed: the device's serial is ``serial + 1``)."""
         self._resume = (num_requests, tree_size, staging.layout_key(), staging.uploads, serial + 1)
 
+    def not_resumable(self) -> None:
+        """After a device-planned step whose upload the next step cannot run on (a subset step's row index)."""
+        self._resume = None
+
     def build_and_lay_out(self, out: Mapping[str, torch.Tensor], num_requests: int, tree_size: int) -> None:
         """The step's trees from the kept top-K, laid out into ``out`` (the plan upload's device views, every
         ``tree_layout_triton.KERNEL_OUTPUTS`` array), and the step's serial from the device's into ``out``'s
@@ -129,7 +160,16 @@ class DevicePlanner:
             self.serial.add_(1)
 
         depth, k = self.draft_len, self.top_k
-        packed = self.top_k_buffer[: num_requests * depth].view(num_requests, depth, 2 * k)
+        if "proposal_rows" in out:  # a subset step: its requests' rows of the kept proposal, in the step's order
+            packed = self._gathered.get(num_requests)
+            if packed is None:
+                packed = self._gathered[num_requests] = torch.empty(
+                    (num_requests, depth, 2 * k), dtype=torch.float32, device=self.device
+                )
+            kept = self.top_k_buffer.view(self.max_requests, depth, 2 * k)
+            torch.index_select(kept, 0, out["proposal_rows"], out=packed)
+        else:
+            packed = self.top_k_buffer[: num_requests * depth].view(num_requests, depth, 2 * k)
         log_probs, token_ids = packed[..., :k], packed[..., k:].view(torch.int32)
         scratch, starts, query_starts = self._shape(num_requests, tree_size)
         trees = build_trees_triton(log_probs, token_ids, tree_size - 1, out=scratch)

@@ -72,6 +72,7 @@ from ddtree.vllm.config import (
     device_accept_enabled,
     device_plan_mode,
     device_plan_lacks,
+    device_plan_subsets_enabled,
     late_trees_enabled,
     launch_ahead_enabled,
     launch_ahead_mode,
@@ -112,6 +113,7 @@ from ddtree.vllm.step import (
     plan_verify,
     same_values,
     take_device_plannable,
+    take_device_subset,
     tree_token_layout,
     whole_tree_counts,
 )
@@ -216,6 +218,9 @@ class DDTreeStats:
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
         self.device_plan_steps = 0  # late tree steps whose trees were built and laid out on the device
         self.device_plan_resumed_steps = 0  # ... of them, steps that uploaded nothing (the device held all they read)
+        self.device_plan_subset_steps = (
+            0  # ... of them, steps of some of the proposal's requests (DDTREE_DEVICE_PLAN_SUBSETS)
+        )
         self.precaptured_device_plans = 0  # sizes whose device-plan graph DDTREE_PRECAPTURE captured at start-up
         self.sliding_drafter_steps = 0  # drafter passes whose sliding-window layers got their own metadata
         # The tree counters (read through the properties below: ``trees``, ``partial_trees`` (verified with fewer
@@ -391,6 +396,7 @@ class DDTreeStats:
             "early_output_steps": self.early_output_steps,
             "device_plan_steps": self.device_plan_steps,
             "device_plan_resumed_steps": self.device_plan_resumed_steps,
+            "device_plan_subset_steps": self.device_plan_subset_steps,
             "precaptured_device_plans": self.precaptured_device_plans,
             "sliding_drafter_steps": self.sliding_drafter_steps,
             "trees": self.trees,
@@ -524,6 +530,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     # decided, for the summary: "on", or "off: " and why (an engine that cannot run it is not an error under auto).
     _ddtree_device_planner: Optional[DevicePlanner] = None
     _ddtree_device_plan_state = "off: not decided"
+    _ddtree_device_subsets = False  # DDTREE_DEVICE_PLAN_SUBSETS, read with the planner
     _ddtree_draftless_logits_indices: Optional[torch.Tensor] = None  # a step without drafts: its logits rows' tokens
 
     def __init__(self, vllm_config, device):
@@ -697,6 +704,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_device_plan_state = "on"
         drafter = self.drafter
         logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=%s)", mode)
+        self._ddtree_device_subsets = device_plan_subsets_enabled()
+        if self._ddtree_device_subsets:
+            logger.info("DDTree: steps of some of a proposal's requests too (DDTREE_DEVICE_PLAN_SUBSETS=1)")
         too_big = [b for b in self.ddtree_cfg.budgets if b + 1 > MAX_DEVICE_TREE_SIZE]
         if too_big:
             logger.info(
@@ -827,21 +837,24 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
             if not fits_far_from_the_end(computed, size, planner.draft_len, limit):
                 return False
-            whole = take_device_plannable(
-                self.drafter.store,
-                self.input_batch.req_ids[:num_reqs],
-                scheduler_output.scheduled_spec_decode_tokens,
-                top_k_kept=planner.holds,
-            )
+            req_ids = self.input_batch.req_ids[:num_reqs]
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            whole = take_device_plannable(self.drafter.store, req_ids, spec, top_k_kept=planner.holds)
+            rows = None
+            if whole is None and self._ddtree_device_subsets:
+                subset = take_device_subset(self.drafter.store, req_ids, spec, planner.kept_for, planner.rows_in_kept)
+                if subset is not None:
+                    whole, rows = subset
             if whole is None:
                 return False
-            self._ddtree_device_prepare(whole, num_reqs, size, scheduler_output.total_num_scheduled_tokens)
+            self._ddtree_device_prepare(whole, num_reqs, size, scheduler_output.total_num_scheduled_tokens, rows)
         return True
 
-    def _ddtree_device_prepare(self, whole, num_reqs: int, size: int, total: int) -> None:
+    def _ddtree_device_prepare(self, whole, num_reqs: int, size: int, total: int, rows=None) -> None:
         """The device-planned step: the shape's constants and the step's serial uploaded, then one graph (per step
         shape) of the tree build, the layout into the upload's device views and the placement; the plan object is
-        the shape's, with this step's serial and its trees deferred to the host's first read."""
+        the shape's, with this step's serial and its trees deferred to the host's first read. ``rows``: a subset
+        step's rows of the kept top-K (``take_device_subset``), uploaded with it; None: the kept proposal whole."""
         planner = self._ddtree_device_planner
         template = self._ddtree_device_template(num_reqs, size, total)[0]
         published, self._ddtree_early_token_index = self._ddtree_early_token_index, None
@@ -851,7 +864,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_check_spec_rows(template, num_reqs)
         serial = self._ddtree_step_serial
         self._ddtree_step_serial = serial + 1
-        gpu, placed = self._ddtree_device_upload_and_place(num_reqs, size, total, serial)
+        gpu, placed = self._ddtree_device_upload_and_place(num_reqs, size, total, serial, rows)
+        self.ddtree_stats.device_plan_subset_steps += rows is not None
         plan = shallow_copy(template)
         plan.step_serial = serial
         plan.deferred_trees = DeferredTrees(self.drafter.store, whole, planner.draft_len)
@@ -863,32 +877,40 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self.ddtree_stats.late_tree_steps += 1
         self.ddtree_stats.device_plan_steps += 1
 
-    def _ddtree_device_upload_and_place(self, num_reqs: int, size: int, total: int, serial: int):
+    def _ddtree_device_upload_and_place(self, num_reqs: int, size: int, total: int, serial: int, rows=None):
         """A device-planned step's upload (the shape's constants, written into the staging when its buffer may
         hold another layout's bytes, and ``serial``, which the device's serial then takes) and its graph; returns
         the upload's device views and the placement's outputs. Right after a device-planned step of its shape,
         with nothing uploaded and no host-planned step since, nothing is uploaded: the device holds the constants
-        and the serial already (``DevicePlanner.resumes``)."""
+        and the serial already (``DevicePlanner.resumes``). A subset step (``rows``) uploads its rows every time,
+        in a layout of its own (so a graph of its own)."""
         planner = self._ddtree_device_planner
         staging = self._ddtree_plan_staging
-        if planner.resumes(num_reqs, size, staging, serial):
+        if rows is None and planner.resumes(num_reqs, size, staging, serial):
             gpu = staging.device_views()
             self.ddtree_stats.device_plan_resumed_steps += 1
         else:
             constants = self._ddtree_device_template(num_reqs, size, total)[1]
             specs = plan_specs(num_reqs, num_reqs, total, self._ddtree_buffers.words, self._ddtree_conv_window, True)
-            views = staging.host_arrays(self._ddtree_staged_plan_specs(specs, total, self._ddtree_conv_window > 0)[0])
+            staged = self._ddtree_staged_plan_specs(specs, total, self._ddtree_conv_window > 0, rows is not None)
+            views = staging.host_arrays(staged[0])
             if planner.constants_stale(staging):
                 for name, view in views.items():
-                    view[...] = constants[name]
+                    if name in constants:  # (a subset layout's row index is the step's own, below)
+                        view[...] = constants[name]
                 planner.wrote_constants(staging)
             views["step_serial"][0] = serial
+            if rows is not None:
+                views["proposal_rows"][...] = rows
             gpu = staging.upload_host()
             planner.serial.copy_(gpu["step_serial"])  # (the graph takes the step's serial from the device's)
         key = (staging.layout_key(), total, "device plan")
         work = functools.partial(self._ddtree_device_place, gpu, total, num_reqs, size)
         placed = self._ddtree_plan_graphs.run(key, work)
-        planner.planned(num_reqs, size, staging, serial)
+        if rows is None:
+            planner.planned(num_reqs, size, staging, serial)
+        else:  # its rows are this step's: the next step uploads its own layout
+            planner.not_resumable()
         return gpu, placed
 
     def _ddtree_device_place(self, gpu: Dict[str, torch.Tensor], total: int, num_reqs: int, size: int):
@@ -1232,15 +1254,21 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             extras[name] = views.pop(name)
         return views
 
-    def _ddtree_staged_plan_specs(self, specs, total: int, hybrid: bool) -> Tuple[Mapping[str, tuple], List[str]]:
+    def _ddtree_staged_plan_specs(
+        self, specs, total: int, hybrid: bool, subset: bool = False
+    ) -> Tuple[Mapping[str, tuple], List[str]]:
         """:meth:`_ddtree_plan_specs` as a read-only mapping (which the staging recognises by identity) and the
         names of the runner's own arrays in it, made once per step shape: ``specs`` from :func:`plan_specs` is one
-        object per shape (made anew, e.g. by a test's allocator, it is only not found here)."""
-        key = (id(specs), total, hybrid, self.uses_mrope, self.use_async_scheduling, self._ddtree_device_accept)
+        object per shape (made anew, e.g. by a test's allocator, it is only not found here). ``subset``: with a
+        device-planned subset step's row index (``proposal_rows``)."""
+        key = (id(specs), total, hybrid, self.uses_mrope, self.use_async_scheduling, self._ddtree_device_accept, subset)
         known = _STAGED_PLAN_SPECS.get(key)
         if known is not None and known[0] is specs:
             return known[1], known[2]
         full_specs, extra_names = self._ddtree_plan_specs(specs, total, hybrid)
+        if subset:
+            full_specs["proposal_rows"] = (np.int64, (specs["batch_index"][1][0],))
+            extra_names.append("proposal_rows")
         runner_names = [name for name in extra_names if name not in NODE_OUTPUTS]
         # ``specs`` is kept with its entry: its id cannot be reused by another object while the entry lives.
         entry = keep(

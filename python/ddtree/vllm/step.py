@@ -71,6 +71,10 @@ class WholeProposal:
     size: int  # the placeholder drafts each request was given (the tree's size)
     log_probs: Optional[np.ndarray] = None  # [R, L, K] float32, once settled
     token_ids: Optional[np.ndarray] = None  # [R, L, K] int32, once settled
+    # A device-planned subset step's (``take_subset_unsettled``): the proposal it came from (its request ids, the
+    # tuple) and each of its requests' row there; None: the proposal itself.
+    source: Optional[Tuple[str, ...]] = None
+    rows: Optional[np.ndarray] = None
 
 
 class TreeStore:
@@ -150,6 +154,30 @@ class TreeStore:
             self._taken_whole = whole
         return whole
 
+    def take_subset_unsettled(self, req_ids: Tuple[str, ...], rows: np.ndarray, source: Tuple[str, ...], size: int):
+        """For a device-planned step of some of the last deferred proposal's requests (others finished, or the
+        order changed: ``rows`` are theirs in the proposal of ``source``): takes their records and returns them as
+        one :class:`WholeProposal` of the step's order (trees of ``size`` nodes), whose top-K arrays come at
+        :meth:`settle` (or now, from the records, if that proposal has settled). None, and nothing taken, unless
+        every request has a record of that proposal, of one budget."""
+        self._record_whole()
+        records = [self._records.get(req_id) for req_id in req_ids]
+        if not records or any(r is None for r in records) or {r.budget for r in records} != {size}:
+            return None  # (a request without a record, or trees not whole at their budget: the device builds those)
+        deferred = self.deferred
+        pending = deferred is not None and deferred.req_ids is source
+        if not pending and any(r.log_probs is None for r in records):
+            return None  # (records of another proposal's copy still on its way: not this one's)
+        for req_id in req_ids:
+            del self._records[req_id]
+        taken = WholeProposal(tuple(req_ids), records[0].budget, size, source=source, rows=rows)
+        if pending:
+            self._taken_whole = taken
+        else:
+            taken.log_probs = np.stack([r.log_probs for r in records])
+            taken.token_ids = np.stack([r.token_ids for r in records])
+        return taken
+
     def defer(
         self, req_ids: Sequence[str], proposal: "DeferredProposal", budget: Optional[int] = None
     ) -> List[List[int]]:
@@ -192,7 +220,9 @@ class TreeStore:
         log_probs = np.array(proposal.host[..., :k])
         token_ids = np.array(proposal.host[..., k:].view(np.int32))
         taken, self._taken_whole = self._taken_whole, None
-        if taken is not None and taken.req_ids is proposal.req_ids:  # taken by a device-planned step
+        if taken is not None and taken.source is proposal.req_ids:  # a subset taken by a device-planned step
+            taken.log_probs, taken.token_ids = log_probs[taken.rows], token_ids[taken.rows]
+        elif taken is not None and taken.req_ids is proposal.req_ids:  # taken whole by a device-planned step
             taken.log_probs, taken.token_ids = log_probs, token_ids
             self.settled = self.settled_in_order = None
             return
@@ -425,6 +455,31 @@ def take_device_plannable(
     if whole is None or whole.size != whole.budget or not top_k_kept(whole.req_ids):
         return None
     return store.take_unsettled()
+
+
+def take_device_subset(
+    store: TreeStore,
+    req_ids: Sequence[str],
+    scheduled_spec_tokens: Mapping[str, Sequence[int]],
+    kept: Optional[Tuple[str, ...]],
+    rows_in_kept: Callable[[Sequence[str]], Optional[np.ndarray]],
+) -> Optional[Tuple[WholeProposal, np.ndarray]]:
+    """For ``DDTREE_DEVICE_PLAN_SUBSETS``: when this step's requests are some of the proposal whose top-K the device
+    keeps (``kept``: its request ids), in any order, each verifying its whole tree (placeholders of its budget, all
+    of them), their records taken as one proposal of the step's order and their rows in ``kept``
+    (``rows_in_kept``); None otherwise, and nothing is taken. The step the device plan's whole-proposal test
+    (:func:`take_device_plannable`) turns down after a request ends: vLLM moves another into its slot."""
+    if kept is None or not req_ids:
+        return None
+    scheduled = list(map(scheduled_spec_tokens.get, req_ids))
+    if not all(scheduled):
+        return None
+    size = _late_uniform_budget(scheduled, (), True)
+    rows = rows_in_kept(req_ids) if size is not None else None
+    if rows is None:
+        return None
+    taken = store.take_subset_unsettled(tuple(req_ids), rows, kept, size)
+    return None if taken is None else (taken, rows)
 
 
 def plan_verify(
