@@ -358,22 +358,20 @@ def test_take_device_subset_takes_some_of_the_kept_proposals_requests_in_any_ord
     assert take_device_subset(store, [*step, "new"], {**spec, "new": [PLACEHOLDER] * 15}, kept, _rows_in(kept)) is None
     assert take_device_subset(store, step, {**spec, "r0": [PLACEHOLDER] * 10}, kept, _rows_in(kept)) is None  # cut
     assert take_device_subset(store, ["r1", "r0"], spec, kept, _rows_in(kept)) is None  # r1 has no record
+    assert take_device_subset(store, step, spec, tuple(list(kept)), _rows_in(kept)) is None  # an equal tuple, not it
     assert len(store.records) == 3  # nothing taken so far
     whole, rows = take_device_subset(store, step, spec, kept, _rows_in(kept))
     assert whole.req_ids == tuple(step) and whole.source is kept and rows.tolist() == [3, 0, 2]
     assert whole.log_probs is None and store.records == {}
 
 
-@pytest.mark.parametrize("settled_first", [False, True])
-def test_a_subset_steps_top_k_is_its_requests_rows_and_an_unscheduled_request_keeps_its_record(settled_first):
+def test_a_subset_steps_top_k_is_its_requests_rows_and_an_unscheduled_request_keeps_its_record():
     import ddtree
     from ddtree.vllm.step import DeferredTrees, take_device_subset
 
     store, req_ids, spec, (log_probs, ids) = _store_with_a_deferred_proposal(num_reqs=4)
     kept = store.deferred.req_ids
     store.discard(["r1"])
-    if settled_first:
-        store.settle()
     whole, rows = take_device_subset(store, ["r2", "r0"], spec, kept, _rows_in(kept))  # r3: not scheduled this step
     trees, top1 = DeferredTrees(store, whole, draft_depth=4).build()  # settles now if it has not
     expected = ddtree.build_trees(np.ascontiguousarray(log_probs[[2, 0]]), np.ascontiguousarray(ids[[2, 0]]), 15)
@@ -382,6 +380,19 @@ def test_a_subset_steps_top_k_is_its_requests_rows_and_an_unscheduled_request_ke
     np.testing.assert_array_equal(top1, ids[[2, 0], :, 0])
     (record,) = store.records.values()  # r3 keeps its record, with its own row of the proposal
     np.testing.assert_array_equal(record.log_probs, log_probs[3])
+
+
+def test_a_subset_of_a_settled_proposal_is_left_to_the_host_plan():
+    """Once the proposal's copy has settled, a record need not be the kept top-K's (a later proposal built on the
+    host, say): the subset is not taken."""
+    from ddtree.vllm.step import take_device_subset
+
+    store, req_ids, spec, _ = _store_with_a_deferred_proposal(num_reqs=3)
+    kept = store.deferred.req_ids
+    store.discard(["r1"])
+    store.settle()
+    assert take_device_subset(store, ["r2", "r0"], spec, kept, _rows_in(kept)) is None
+    assert sorted(store.records) == ["r0", "r2"]
 
 
 @pytest.mark.parametrize("switched_on", [False, True])

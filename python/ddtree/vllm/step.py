@@ -155,28 +155,23 @@ class TreeStore:
         return whole
 
     def take_subset_unsettled(self, req_ids: Tuple[str, ...], rows: np.ndarray, source: Tuple[str, ...], size: int):
-        """For a device-planned step of some of the last deferred proposal's requests (others finished, or the
-        order changed: ``rows`` are theirs in the proposal of ``source``): takes their records and returns them as
-        one :class:`WholeProposal` of the step's order (trees of ``size`` nodes), whose top-K arrays come at
-        :meth:`settle` (or now, from the records, if that proposal has settled). None, and nothing taken, unless
-        every request has a record of that proposal, of one budget."""
+        """For a device-planned step of some of the deferred proposal's requests (others finished, or the order
+        changed: ``rows`` are theirs in that proposal, whose request ids are ``source``): takes their records and
+        returns them as one :class:`WholeProposal` of the step's order (trees of ``size`` nodes), whose top-K arrays
+        come at :meth:`settle`. None, and nothing taken, unless that proposal's copy is still on its way (so every
+        record of its requests is its own and the device still keeps its top-K) and each request has a record of
+        its budget, ``size``."""
+        deferred = self.deferred
+        if deferred is None or deferred.req_ids is not source:
+            return None  # (settled, or another proposal's: a record could be a later proposal's than the kept rows)
         self._record_whole()
         records = [self._records.get(req_id) for req_id in req_ids]
         if not records or any(r is None for r in records) or {r.budget for r in records} != {size}:
             return None  # (a request without a record, or trees not whole at their budget: the device builds those)
-        deferred = self.deferred
-        pending = deferred is not None and deferred.req_ids is source
-        if not pending and any(r.log_probs is None for r in records):
-            return None  # (records of another proposal's copy still on its way: not this one's)
         for req_id in req_ids:
             del self._records[req_id]
-        taken = WholeProposal(tuple(req_ids), records[0].budget, size, source=source, rows=rows)
-        if pending:
-            self._taken_whole = taken
-        else:
-            taken.log_probs = np.stack([r.log_probs for r in records])
-            taken.token_ids = np.stack([r.token_ids for r in records])
-        return taken
+        self._taken_whole = WholeProposal(tuple(req_ids), size, size, source=source, rows=rows)
+        return self._taken_whole
 
     def defer(
         self, req_ids: Sequence[str], proposal: "DeferredProposal", budget: Optional[int] = None
