@@ -64,13 +64,8 @@ def _step_state(runner, batch: int, size: int) -> dict:
     }
 
 
-def check_device_plan_equals_host_plan(device: str = "cpu") -> None:
-    """For each shape, three steps planned both ways from the same proposals; every array equal, and the device side
-    really planned (and never waited for the top-K). On ``cpu`` in a child under TRITON_INTERPRET=1 (graph
-    stand-ins that run their work at every replay); on ``cuda`` compiled, each side's work in real CUDA graphs."""
-    from ddtree.vllm.graphs import cuda_graph_capture
-
-    capture = cuda_graph_capture(torch.device(device)) if device == "cuda" else bench.placement_stand_in(True)
+def device_plan_cases() -> list:
+    """``(batch, budget, depth, top_k, conv_window)`` of :func:`check_device_plan_equals_host_plan`."""
     cases = [(1, 15, 4, 8, 3), (3, 31, 6, 16, 0), (2, 63, 15, 63, 3), (4, 127, 15, 64, 3)]
     # Small random shapes too: a budget of 1, a depth of 1 under a wider conv window, top-K rows barely enough.
     rng = np.random.default_rng(7)
@@ -80,7 +75,19 @@ def check_device_plan_equals_host_plan(device: str = "cpu") -> None:
         budget = int(rng.integers(1, min(40, reachable) + 1))
         cases.append((int(rng.integers(1, 5)), budget, depth, top_k, int(rng.integers(0, 5))))
     cases.append((2, 1, 1, 2, 4))
-    for batch, budget, depth, top_k, window in cases:
+    return cases
+
+
+def check_device_plan_equals_host_plan(device: str = "cpu", cases=None) -> None:
+    """For each shape (``cases``, default :func:`device_plan_cases`), three steps planned both ways from the same
+    proposals, then (two requests or more) a subset step and the steady step after it; every array equal, and the
+    device side really planned (and never waited for the top-K). On ``cpu`` in a child under TRITON_INTERPRET=1
+    (graph stand-ins that run their work at every replay); on ``cuda`` compiled, each side's work in real CUDA
+    graphs."""
+    from ddtree.vllm.graphs import cuda_graph_capture
+
+    capture = cuda_graph_capture(torch.device(device)) if device == "cuda" else bench.placement_stand_in(True)
+    for batch, budget, depth, top_k, window in cases or device_plan_cases():
         host = bench.build_runner(batch, budget, depth, top_k, conv_window=window, device=device)
         host._ddtree_plan_graphs = ShapeGraphs(capture)
         host._ddtree_step_graphs_on = True
