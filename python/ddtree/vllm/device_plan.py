@@ -75,8 +75,8 @@ class DevicePlanner:
         self._resume: Optional[tuple] = None
         # The kept proposal's row of each of its requests (made on the first subset step of that proposal).
         self._rows_of: Optional[Tuple[tuple, Dict[str, int]]] = None
-        # By number of requests: a subset step's top-K rows, gathered from the kept buffer (fixed addresses).
-        self._gathered: Dict[int, torch.Tensor] = {}
+        # A subset step's top-K rows, gathered from the kept buffer (its leading rows; made at the first such step).
+        self._gathered: Optional[torch.Tensor] = None
 
     def pack_target(self, rows: int) -> Optional[torch.Tensor]:
         """Where the proposer packs a drafter pass's ``rows`` top-K rows (the buffer's leading rows: no copy at
@@ -161,11 +161,9 @@ class DevicePlanner:
 
         depth, k = self.draft_len, self.top_k
         if "proposal_rows" in out:  # a subset step: its requests' rows of the kept proposal, in the step's order
-            packed = self._gathered.get(num_requests)
-            if packed is None:
-                packed = self._gathered[num_requests] = torch.empty(
-                    (num_requests, depth, 2 * k), dtype=torch.float32, device=self.device
-                )
+            if self._gathered is None:
+                self._gathered = torch.empty_like(self.top_k_buffer).view(self.max_requests, depth, 2 * k)
+            packed = self._gathered[:num_requests]
             kept = self.top_k_buffer.view(self.max_requests, depth, 2 * k)
             torch.index_select(kept, 0, out["proposal_rows"], out=packed)
         else:
