@@ -373,6 +373,59 @@ def measure(
     }
 
 
+def subset_step(runner, output):
+    """After a proposal for every request: the first request finishes (the store discards it, as the runner's
+    ``_update_states`` does) and vLLM moves the last request into its row: the step's requests are the others, the
+    last one first. Returns the step's scheduler output (the runner's request list now the step's)."""
+    gone = runner.req_ids[0]
+    runner.drafter.store.discard([gone])
+    runner.req_ids[:] = [runner.req_ids[-1], *runner.req_ids[1:-1]]
+    runner.input_batch.num_reqs = len(runner.req_ids)
+    drafts = {req_id: output.scheduled_spec_decode_tokens[req_id] for req_id in runner.req_ids}
+    size = len(next(iter(drafts.values())))
+    return type(output)(
+        total_num_scheduled_tokens=len(drafts) * (size + 1), scheduled_spec_decode_tokens=drafts, scheduled_new_reqs=[]
+    )
+
+
+def measure_subset_steps(
+    batch: int, budget: int, depth: int, top_k: int, steps: int, rounds: int = 5, seed: int = 0, sweep=None
+) -> dict:
+    """The step after a request ends (:func:`subset_step`), its plan's host ms two ways in one process, step by step
+    in turn: planned on the host (what the device plan leaves such a step to), and on the device with
+    ``DDTREE_DEVICE_PLAN_SUBSETS`` (its graph's replay a no-op: the host's side of it). The best of ``rounds``
+    rounds' medians each; ``sweep`` before every timed step, untimed."""
+    if batch < 2:
+        raise ValueError("a subset step needs a batch of 2 or more")
+    runners = {}
+    for name, subsets in (("host_plan", False), ("device_subset", True)):
+        runner = build_runner(batch, budget, depth, top_k)
+        prepare_device_plan(runner, run_kernels=False)
+        runner._ddtree_device_subsets = subsets
+        runners[name] = runner
+    rng = np.random.default_rng(seed)
+    times: Dict[str, List[float]] = {name: [] for name in runners}
+    with vllm_parts_stubbed():
+        for _ in range(5 + rounds * steps):
+            for name, runner in runners.items():
+                everyone = list(runner.req_ids)
+                output = subset_step(runner, defer_proposal(runner, rng))
+                if sweep is not None:
+                    sweep()
+                start = time.perf_counter()
+                plan_step(runner, output)
+                times[name].append(time.perf_counter() - start)
+                runner.req_ids[:] = everyone
+                runner.input_batch.num_reqs = len(everyone)
+    row = {"batch": batch, "budget": budget, "cold": sweep is not None}
+    for name, seconds in times.items():
+        rounds_ = [seconds[5 + r * steps : 5 + (r + 1) * steps] for r in range(rounds)]
+        row[f"{name}_ms"] = 1e3 * min(float(np.median(t)) for t in rounds_)
+    row["device_subset_steps"] = runners["device_subset"].ddtree_stats.device_plan_subset_steps
+    row["host_plan_device_steps"] = runners["host_plan"].ddtree_stats.device_plan_steps
+    return row
+
+
 def _ours(name: str) -> bool:
     return name == "ddtree" or name.startswith("ddtree.") or name == "bench_plan_path"
 
@@ -567,8 +620,24 @@ def main() -> None:
     parser.add_argument(
         "--cold", action="store_true", help="a CacheSweep before every timed step: ddtree's code runs cold, as in vLLM"
     )
+    parser.add_argument(
+        "--subset",
+        action="store_true",
+        help="the step after a request ends instead: planned on the host against DDTREE_DEVICE_PLAN_SUBSETS, in turn",
+    )
     args = parser.parse_args()
     sweep = CacheSweep() if args.cold else None
+    if args.subset:
+        rows = [
+            measure_subset_steps(b, args.budget, args.depth, args.top_k, args.steps, sweep=sweep) for b in args.batches
+        ]
+        for row in rows:
+            print(
+                f"subset step: budget {row['budget']:4d} batch {row['batch']:3d}: host plan {row['host_plan_ms']:.3f} "
+                f"ms, device subset {row['device_subset_ms']:.3f} ms ({row['device_subset_steps']} device-planned)",
+                flush=True,
+            )
+        args.batches = []
     if args.path != "plan" and not args.baseline:
         parser.error(f"--path {args.path} is an A/B: give --baseline")
     torch.set_num_threads(1)

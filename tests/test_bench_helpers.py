@@ -275,6 +275,16 @@ def test_the_host_profile_run_serves_every_group_between_start_and_stop_and_writ
     ]
 
 
+def test_the_subset_step_bench_times_the_host_plan_against_the_device_subset_plan():
+    import bench_plan_path
+
+    row = bench_plan_path.measure_subset_steps(3, 15, 4, 8, steps=2, rounds=1)
+    assert row["device_subset_steps"] == 5 + 2 and row["host_plan_device_steps"] == 0  # each side took its path
+    assert row["host_plan_ms"] > 0 and row["device_subset_ms"] > 0
+    with pytest.raises(ValueError, match="a batch of 2 or more"):
+        bench_plan_path.measure_subset_steps(1, 15, 4, 8, steps=2)
+
+
 def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
     """A small step of bench_plan_path: the runner's late-tree plan path runs without an engine, its tensor ops are
     counted, and vLLM's runner methods are back afterwards (the bench stubs them while it measures)."""

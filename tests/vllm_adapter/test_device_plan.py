@@ -112,7 +112,7 @@ def check_device_plan_equals_host_plan(device: str = "cpu", cases=None) -> None:
             on_device._ddtree_device_subsets = True
             with bench.vllm_parts_stubbed():
                 for runner, rng in zip((host, on_device), rngs):
-                    bench.plan_step(runner, subset_step(runner, bench.defer_proposal(runner, rng)))
+                    bench.plan_step(runner, bench.subset_step(runner, bench.defer_proposal(runner, rng)))
             assert on_device.ddtree_stats.device_plan_subset_steps == 1 and on_device.drafter.store.deferred is not None
             assert host.ddtree_stats.device_plan_steps == 0
             for what in ("a subset step", "the steady step after it"):
@@ -127,21 +127,6 @@ def check_device_plan_equals_host_plan(device: str = "cpu", cases=None) -> None:
                     )
             assert on_device.ddtree_stats.device_plan_steps == 5
     print("device plan equals host plan")
-
-
-def subset_step(runner, output):
-    """After a proposal for every request: the first request finishes (the store discards it, as the runner's
-    ``_update_states`` does) and vLLM moves the last request into its row: the step's requests are the others, the
-    last one first. Returns the step's scheduler output."""
-    gone = runner.req_ids[0]
-    runner.drafter.store.discard([gone])
-    runner.req_ids[:] = [runner.req_ids[-1], *runner.req_ids[1:-1]]
-    runner.input_batch.num_reqs = len(runner.req_ids)
-    drafts = {req_id: output.scheduled_spec_decode_tokens[req_id] for req_id in runner.req_ids}
-    size = len(next(iter(drafts.values())))
-    return type(output)(
-        total_num_scheduled_tokens=len(drafts) * (size + 1), scheduled_spec_decode_tokens=drafts, scheduled_new_reqs=[]
-    )
 
 
 def test_the_device_plan_is_the_host_plan_under_the_interpreter():
@@ -407,7 +392,7 @@ def test_a_step_after_a_request_ends_is_planned_on_the_device_only_with_subsets_
     runner, rng = _device_runner(batch=3)
     runner._ddtree_device_subsets = switched_on
     _plan(runner, _defer(runner, rng))
-    _plan(runner, subset_step(runner, _defer(runner, rng)))
+    _plan(runner, bench.subset_step(runner, _defer(runner, rng)))
     stats = runner.ddtree_stats
     assert stats.device_plan_steps == 1 + switched_on and stats.device_plan_subset_steps == switched_on
     assert (runner._ddtree_plan.trees is None) == switched_on  # device-planned: built on the host only when read
