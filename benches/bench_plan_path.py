@@ -627,8 +627,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     sweep = CacheSweep() if args.cold else None
+    if args.path != "plan" and not args.baseline:
+        parser.error(f"--path {args.path} is an A/B: give --baseline")
+    torch.set_num_threads(1)
+    print(f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}", flush=True)
+    rows = []
     if args.subset:
-        rows = [
+        rows += [
             measure_subset_steps(b, args.budget, args.depth, args.top_k, args.steps, sweep=sweep) for b in args.batches
         ]
         for row in rows:
@@ -638,11 +643,6 @@ def main() -> None:
                 flush=True,
             )
         args.batches = []
-    if args.path != "plan" and not args.baseline:
-        parser.error(f"--path {args.path} is an A/B: give --baseline")
-    torch.set_num_threads(1)
-    print(f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}", flush=True)
-    rows = []
     if args.baseline:
         for batch in args.batches:
             row = compare(
