@@ -132,6 +132,9 @@ def child(args):
                 for _ in range(args.requests)
             ]
         groups = [all_prompts[i : i + b] for i in range(0, len(all_prompts), b)]
+        if args.churn:  # every request at once, at most b running: they end and join all the time
+            groups = [all_prompts]
+            limit_running_requests(llm, b)
         prompts = groups[0]
         params = timed_params(args)
         is_tree = spec is not None and spec.get("method") == "ddtree"
@@ -181,6 +184,7 @@ def child(args):
             "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
             "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
             "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
+            "churn": bool(args.churn),  # every request at once, at most b running, lengths of their own
             "profiling_scopes": scopes_on(),  # on with --profile-batches: the timed runs pay for vLLM's ranges
             "engine_start_s": round(init_s, 1),
             # Which threads of the engine's processes were busy over all timed runs (seconds of wall: sum of
@@ -362,6 +366,14 @@ def main():
         "--profile-no-stacks", action="store_true", help="profiles without Python stacks (a much smaller timeline)"
     )
     ap.add_argument(
+        "--churn",
+        action="store_true",
+        help="each request its own max_tokens, drawn from [max_tokens / 4, 7 max_tokens / 4] by its index, and each "
+        "batch size b's run submits every request at once with at most b running (vLLM admits the next as one "
+        "ends): requests end and join all the time, as in served traffic, where the default serves b at a time in "
+        "lockstep",
+    )
+    ap.add_argument(
         "--host-profile",
         action="store_true",
         help="ddtree engines: after each batch size's timed runs, one more run with ddtree's timed host work under "
@@ -536,21 +548,38 @@ def timed_params(args):
 
         structured = StructuredOutputsParams(regex=args.regex)
 
-    def params(seed=None):
+    def params(seed=None, max_tokens=args.max_tokens):
         return SamplingParams(
             temperature=args.temperature,
             seed=seed,
-            max_tokens=args.max_tokens,
+            max_tokens=max_tokens,
             ignore_eos=True,
             detokenize=False,
             structured_outputs=structured,
         )
 
+    if args.seeded and args.temperature <= 0:
+        raise SystemExit("--seeded needs --temperature > 0 (greedy decoding draws no noise)")
+    if getattr(args, "churn", False):
+        lengths = churn_lengths(args.requests, args.max_tokens)
+        return [params(i if args.seeded else None, int(n)) for i, n in enumerate(lengths)]
     if args.seeded:
-        if args.temperature <= 0:
-            raise SystemExit("--seeded needs --temperature > 0 (greedy decoding draws no noise)")
         return [params(i) for i in range(args.requests)]
     return params()
+
+
+def churn_lengths(requests: int, max_tokens: int) -> list:
+    """``--churn``: request ``i``'s max_tokens, uniform in ``[max_tokens / 4, 7 max_tokens / 4]`` (mean
+    ``max_tokens``), the same for every engine and run."""
+    rnd = random.Random(1)
+    low, high = max(1, max_tokens // 4), max(1, 7 * max_tokens // 4)
+    return [rnd.randint(low, high) for _ in range(requests)]
+
+
+def limit_running_requests(llm, limit: int) -> None:
+    """``--churn``: at most ``limit`` requests run at once in the in-process engine (vLLM's scheduler admits a
+    waiting request as a running one ends); the engine's ``max_num_seqs`` sized its buffers for the largest."""
+    llm.llm_engine.engine_core.engine_core.scheduler.max_num_running_reqs = limit
 
 
 def child_command(args, name: str, spec, gate: str) -> list:
@@ -574,6 +603,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]
     cmd += ["--name", name, "--out", args.out] + (["--profile-no-stacks"] if args.profile_no_stacks else [])
     cmd += ["--host-profile"] if args.host_profile else []
+    cmd += ["--churn"] if args.churn else []
     cmd += engine_arguments(gate) + (["--interleave"] if args.interleave else [])
     if args.prompts:
         cmd += ["--prompts", args.prompts]

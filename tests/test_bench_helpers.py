@@ -285,6 +285,30 @@ def test_the_subset_step_bench_times_the_host_plan_against_the_device_subset_pla
         bench_plan_path.measure_subset_steps(1, 15, 4, 8, steps=2)
 
 
+def test_churn_gives_each_request_its_own_length_and_runs_at_most_b_at_once():
+    import bench_vllm_ddtree as pair_bench
+
+    lengths = pair_bench.churn_lengths(64, 128)
+    assert lengths == pair_bench.churn_lengths(64, 128)  # the same for every engine and run
+    assert all(32 <= n <= 224 for n in lengths) and len(set(lengths)) > 16 and 96 < sum(lengths) / 64 < 160
+    args = types.SimpleNamespace(regex=None, temperature=0.0, seeded=False, churn=True, requests=64, max_tokens=128)
+    params = pair_bench.timed_params(args)
+    assert [p.max_tokens for p in params] == lengths and all(p.seed is None for p in params)
+    args.temperature, args.seeded = 1.0, True
+    assert [p.seed for p in pair_bench.timed_params(args)] == list(range(64))
+    args.churn = False
+    assert [p.max_tokens for p in pair_bench.timed_params(args)] == [128] * 64
+
+    scheduler = types.SimpleNamespace(max_num_running_reqs=32)
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(
+            engine_core=types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=scheduler))
+        )
+    )
+    pair_bench.limit_running_requests(llm, 8)
+    assert scheduler.max_num_running_reqs == 8
+
+
 def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
     """A small step of bench_plan_path: the runner's late-tree plan path runs without an engine, its tensor ops are
     counted, and vLLM's runner methods are back afterwards (the bench stubs them while it measures)."""
@@ -897,20 +921,20 @@ def test_the_pair_bench_puts_every_request_under_the_regex_when_asked():
     assert bench_vllm_ddtree.timed_params(args).structured_outputs is None
 
 
-def test_the_pair_bench_passes_prefix_caching_and_the_host_profile_to_every_engine_when_asked():
+def test_the_pair_bench_passes_prefix_caching_the_host_profile_and_churn_to_every_engine_when_asked():
     import bench_vllm_ddtree
 
     args = types.SimpleNamespace(
         gpu_memory_utilization=0.5, concurrent_starts=1, target="t", drafter="d", batches="1", max_tokens=8, requests=3,
         temperature=0.0, seeded=False, regex=None, prompt_len=16, max_model_len=64, repeats=1, draft_len=4,
         profile_batches="", profile_tokens=0, out="o", profile_no_stacks=False, interleave=False, prompts=None,
-        eager=False, prefix_caching=True, kv_cache_gib=0.0, host_profile=True,
+        eager=False, prefix_caching=True, kv_cache_gib=0.0, host_profile=True, churn=True,
     )  # fmt: skip
     command = bench_vllm_ddtree.child_command(args, "dflash", None, "")
-    assert "--prefix-caching" in command and "--host-profile" in command
-    args.prefix_caching = args.host_profile = False
+    assert "--prefix-caching" in command and "--host-profile" in command and "--churn" in command
+    args.prefix_caching = args.host_profile = args.churn = False
     command = bench_vllm_ddtree.child_command(args, "dflash", None, "")
-    assert "--prefix-caching" not in command and "--host-profile" not in command
+    assert "--prefix-caching" not in command and "--host-profile" not in command and "--churn" not in command
 
 
 def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(monkeypatch):
