@@ -394,7 +394,8 @@ def main():
         "ddtree-B-precapture-all: DDTREE_PRECAPTURE=all, the commit's graphs at start-up too; "
         "ddtree-B-device-plan: DDTREE_DEVICE_PLAN=1, steady steps' trees built and laid out on the GPU (the "
         "default where the engine allows it), set explicitly; ddtree-B-host-plan: DDTREE_DEVICE_PLAN=0, every "
-        "step's trees built on the host; "
+        "step's trees built on the host; ddtree-B-subsets: DDTREE_DEVICE_PLAN_SUBSETS=1, the step after a request "
+        "ends planned on the device too; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -455,6 +456,8 @@ def main():
         # engine allows it), and with every step's trees built on the host (DDTREE_DEVICE_PLAN=0).
         engines.append((f"ddtree-{b}-device-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "1"})))
         engines.append((f"ddtree-{b}-host-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "0"})))
+        # ... and with the step after a request ends planned on the device too (experimental, off by default).
+        engines.append((f"ddtree-{b}-subsets", dict(tree, env={"DDTREE_DEVICE_PLAN_SUBSETS": "1"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}
