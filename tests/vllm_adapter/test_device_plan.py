@@ -374,6 +374,22 @@ def test_a_subset_steps_top_k_is_its_requests_rows_and_an_unscheduled_request_ke
     np.testing.assert_array_equal(record.log_probs, log_probs[3])
 
 
+def test_a_subset_take_that_cannot_happen_leaves_the_whole_proposal_and_a_second_take_is_refused():
+    from ddtree.vllm.step import take_device_subset
+
+    # K^L = 6 prefixes for a budget of 15: trees the device does not build; the host plan keeps its whole path.
+    store, req_ids, spec, _ = _store_with_a_deferred_proposal(budget=15, depth=2, top_k=2)
+    kept = store.deferred.req_ids
+    assert take_device_subset(store, req_ids[::-1], spec, kept, _rows_in(kept)) is None
+    assert store.whole_proposal_of(req_ids, settled=False) is not None
+    # One subset step per drafter pass: a second take from the same copy would leave the first without its arrays.
+    store, req_ids, spec, _ = _store_with_a_deferred_proposal(num_reqs=4)
+    kept = store.deferred.req_ids
+    assert take_device_subset(store, ["r1", "r0"], spec, kept, _rows_in(kept)) is not None
+    assert take_device_subset(store, ["r3", "r2"], spec, kept, _rows_in(kept)) is None
+    assert sorted(store.records) == ["r2", "r3"]
+
+
 def test_a_subset_of_a_settled_proposal_is_left_to_the_host_plan():
     """Once the proposal's copy has settled, a record need not be the kept top-K's (a later proposal built on the
     host, say): the subset is not taken."""

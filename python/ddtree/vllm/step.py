@@ -164,7 +164,13 @@ class TreeStore:
         deferred = self.deferred
         if deferred is None or deferred.req_ids is not source:
             return None  # (settled, or another proposal's: a record could be a later proposal's than the kept rows)
-        self._record_whole()
+        if self._taken_whole is not None:
+            return None  # (a step took from this copy already: one device-planned step per drafter pass)
+        whole = self._whole
+        if whole is not None:
+            if whole.budget != size:
+                return None  # (checked before the records are made: the host plan keeps its whole-step path)
+            self._record_whole()
         records = [self._records.get(req_id) for req_id in req_ids]
         if not records or any(r is None for r in records) or {r.budget for r in records} != {size}:
             return None  # (a request without a record, or trees not whole at their budget: the device builds those)
