@@ -373,13 +373,17 @@ def measure(
     }
 
 
-def subset_step(runner, output):
+def subset_step(runner, output, finished: bool = True):
     """After a proposal for every request: the first request finishes (the store discards it, as the runner's
     ``_update_states`` does) and vLLM moves the last request into its row: the step's requests are the others, the
-    last one first. Returns the step's scheduler output (the runner's request list now the step's)."""
-    gone = runner.req_ids[0]
-    runner.drafter.store.discard([gone])
-    runner.req_ids[:] = [runner.req_ids[-1], *runner.req_ids[1:-1]]
+    last one first (``finished=False``: nothing finishes, the last request moves to the front). Returns the step's
+    scheduler output (the runner's request list now the step's)."""
+    req_ids = runner.req_ids
+    if finished:
+        runner.drafter.store.discard([req_ids[0]])
+        req_ids[:] = [req_ids[-1], *req_ids[1:-1]]
+    else:
+        req_ids[:] = [req_ids[-1], *req_ids[:-1]]
     runner.input_batch.num_reqs = len(runner.req_ids)
     drafts = {req_id: output.scheduled_spec_decode_tokens[req_id] for req_id in runner.req_ids}
     size = len(next(iter(drafts.values())))

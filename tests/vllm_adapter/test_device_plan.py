@@ -115,17 +115,22 @@ def check_device_plan_equals_host_plan(device: str = "cpu", cases=None) -> None:
                     bench.plan_step(runner, bench.subset_step(runner, bench.defer_proposal(runner, rng)))
             assert on_device.ddtree_stats.device_plan_subset_steps == 1 and on_device.drafter.store.deferred is not None
             assert host.ddtree_stats.device_plan_steps == 0
-            for what in ("a subset step", "the steady step after it"):
+            # Then a steady step, and two steps in which only the order changes (consecutive subset layouts).
+            for what in ("a subset step", "the steady step after it", "a reordered step", "another reordered step"):
                 if what != "a subset step":
                     with bench.vllm_parts_stubbed():
                         for runner, rng in zip((host, on_device), rngs):
-                            bench.plan_step(runner, bench.defer_proposal(runner, rng))
+                            output = bench.defer_proposal(runner, rng)
+                            if "reordered" in what:
+                                output = bench.subset_step(runner, output, finished=False)
+                            bench.plan_step(runner, output)
                 expected, got = _step_state(host, batch - 1, budget + 1), _step_state(on_device, batch - 1, budget + 1)
                 for name in expected:
                     np.testing.assert_array_equal(
                         got[name], expected[name], err_msg=f"{name}: batch {batch} budget {budget}, {what}"
                     )
-            assert on_device.ddtree_stats.device_plan_steps == 5
+            assert on_device.ddtree_stats.device_plan_steps == 7
+            assert on_device.ddtree_stats.device_plan_subset_steps == 1 + 2 * (batch >= 3)  # (one request: no order)
     print("device plan equals host plan")
 
 
