@@ -929,6 +929,8 @@ def switched_paths_exercised(env, summary, full_graphs: bool = True):
     if env.get("DDTREE_DEVICE_PLAN") == "1" and env.get("DDTREE_PRECAPTURE", "1") != "0":
         # The device plan's graphs are captured at start-up with the placement's (the default precapture).
         checks.append(("precaptured_device_plans", summary.get("precaptured_device_plans", 0) > 0))
+        if env.get("DDTREE_DEVICE_PLAN_SUBSETS") == "1":  # ... and the subset layout's with them
+            checks.append(("precaptured_subset_plans", summary.get("precaptured_subset_plans", 0) > 0))
     default_plan = "DDTREE_DEVICE_PLAN" not in env and env.get("DDTREE_PRECAPTURE") != "0"
     if env.get("DDTREE_ASYNC_SCHEDULING") == "1" and default_plan and full_graphs:
         # The default (auto) turns the device plan on for every such engine of the harness (one GPU, budgets of at

@@ -456,10 +456,12 @@ def test_a_top_k_that_does_not_fit_the_buffer_is_refused():
 
 
 @pytest.mark.parametrize("precapture", [True, False])
-def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monkeypatch, precapture):
+@pytest.mark.parametrize("subsets", [False, True])
+def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monkeypatch, precapture, subsets):
     """DDTREE_PRECAPTURE with DDTREE_DEVICE_PLAN: the device plan's graph of each FULL size (whose first run would
-    compile the Triton kernels while serving) and the walk's graph of its outputs are captured at start-up; a
-    steady step of that size then runs no graph for the first time."""
+    compile the Triton kernels while serving) and the walk's graph of its outputs are captured at start-up, and with
+    DDTREE_DEVICE_PLAN_SUBSETS the subset layout's too; a steady step of that size, and a reordered one, then run no
+    graph for the first time."""
     from ddtree.vllm.graphs import WalkGraphs
 
     monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
@@ -468,17 +470,25 @@ def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monke
     bench.prepare_device_plan(runner, run_kernels=False)
     runner._ddtree_walk_graphs = WalkGraphs(bench.placement_stand_in(False))
     runner._ddtree_late_trees = True
+    runner._ddtree_device_subsets = subsets
     if precapture:
         runner._ddtree_precapture_step_graphs(batch, budget + 1)
-        # The host plan's placement and walk, the device plan's graph and the walk of its outputs.
-        assert ShapeGraphs.first_runs == 4 and runner.ddtree_stats.precaptured_device_plans == 1
-    before = ShapeGraphs.first_runs
-    _plan(runner, _defer(runner, np.random.default_rng(0)))
-    plan = runner._ddtree_plan
-    assert runner.ddtree_stats.device_plan_steps == 1
-    target = torch.zeros(plan.num_tokens, dtype=torch.int64)
-    runner._ddtree_walk_graphs.walk(plan.device_trees, target, budget + 1, 4, plan.num_tokens, plan.conv_window)
-    assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
+        # The host plan's placement and walk, the device plan's graph and the walk of its outputs (and the subset
+        # layout's graph and walk).
+        assert ShapeGraphs.first_runs == 4 + 2 * subsets and runner.ddtree_stats.precaptured_device_plans == 1
+        assert runner.ddtree_stats.precaptured_subset_plans == subsets
+    rng = np.random.default_rng(0)
+    steps = [False, True] if subsets else [False]  # a steady step, then one in another order
+    for step, reordered in enumerate(steps):
+        before = ShapeGraphs.first_runs
+        output = _defer(runner, rng)
+        _plan(runner, bench.subset_step(runner, output, finished=False) if reordered else output)
+        plan = runner._ddtree_plan
+        assert runner.ddtree_stats.device_plan_steps == step + 1
+        assert runner.ddtree_stats.device_plan_subset_steps == reordered
+        target = torch.zeros(plan.num_tokens, dtype=torch.int64)
+        runner._ddtree_walk_graphs.walk(plan.device_trees, target, budget + 1, 4, plan.num_tokens, plan.conv_window)
+        assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
 
 
 @pytest.mark.parametrize("setting", [None, "1"])

@@ -739,10 +739,17 @@ def test_the_structured_scenario_must_show_the_tree_masks_ran():
 
 
 def test_the_subsets_engine_must_show_subset_steps_planned_on_the_device():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
     from vllm_ddtree_e2e import ENGINES, switched_paths_exercised
 
     env = ENGINES["ddtree64-async-device-plan-subsets"]["env"]
     assert env["DDTREE_DEVICE_PLAN"] == "1" and env["DDTREE_DEVICE_PLAN_SUBSETS"] == "1"
     ran = {"device_plan_steps": 9, "device_plan_resumed_steps": 5, "precaptured_device_plans": 1}
+    ran.update(async_scheduling=True, late_tree_steps=9, device_accept_steps=9)  # (DDTREE_ASYNC_SCHEDULING=1's)
     assert ("device_plan_subset_steps", False) in switched_paths_exercised(env, ran)
-    assert ("device_plan_subset_steps", True) in switched_paths_exercised(env, dict(ran, device_plan_subset_steps=2))
+    assert ("precaptured_subset_plans", False) in switched_paths_exercised(env, ran)
+    ran.update(device_plan_subset_steps=2, precaptured_subset_plans=3)
+    assert all(passed for _, passed in switched_paths_exercised(env, ran))

@@ -222,6 +222,7 @@ class DDTreeStats:
             0  # ... of them, steps of some of the proposal's requests (DDTREE_DEVICE_PLAN_SUBSETS)
         )
         self.precaptured_device_plans = 0  # sizes whose device-plan graph DDTREE_PRECAPTURE captured at start-up
+        self.precaptured_subset_plans = 0  # ... and whose subset steps' graph too (DDTREE_DEVICE_PLAN_SUBSETS)
         self.sliding_drafter_steps = 0  # drafter passes whose sliding-window layers got their own metadata
         # The tree counters (read through the properties below: ``trees``, ``partial_trees`` (verified with fewer
         # nodes than proposed: max_model_len, token budget), ``filler_trees`` (placeholders without a proposal,
@@ -397,6 +398,7 @@ class DDTreeStats:
             "device_plan_steps": self.device_plan_steps,
             "device_plan_resumed_steps": self.device_plan_resumed_steps,
             "device_plan_subset_steps": self.device_plan_subset_steps,
+            "precaptured_subset_plans": self.precaptured_subset_plans,
             "precaptured_device_plans": self.precaptured_device_plans,
             "sliding_drafter_steps": self.sliding_drafter_steps,
             "trees": self.trees,
@@ -1582,6 +1584,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 return
             self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
             self.ddtree_stats.precaptured_device_plans += 1
+            if self._ddtree_device_subsets:
+                # DDTREE_DEVICE_PLAN_SUBSETS: the subset layout's graph of the size (and its walk's), on rows
+                # 0 .. num_trees - 1, so a size's first subset step replays instead of capturing while serving.
+                rows = np.arange(num_trees, dtype=np.int64)
+                self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)  # run, then captured
+                gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)
+                self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
+                self.ddtree_stats.precaptured_subset_plans += 1
 
     def _ddtree_device_plan_failed(self, error: Exception, shape: Tuple[int, int]) -> None:
         """The device plan's kernels failed at start-up (their first run, which compiles them): under the default
