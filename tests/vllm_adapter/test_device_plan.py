@@ -491,6 +491,34 @@ def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monke
         assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
 
 
+def test_subset_graphs_that_fail_at_start_up_leave_those_steps_to_the_host(monkeypatch):
+    """The subset layout's precapture failing (a gather a GPU cannot capture, say) turns subset steps off, with a
+    warning; start-up goes on, and whole steps keep the device plan."""
+    from ddtree.vllm.graphs import WalkGraphs
+
+    monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
+    runner = bench.build_runner(3, 8, 3, 4)
+    bench.prepare_device_plan(runner, run_kernels=False)
+    runner._ddtree_walk_graphs = WalkGraphs(bench.placement_stand_in(False))
+    runner._ddtree_late_trees = True
+    runner._ddtree_device_subsets = True
+    upload_and_place = runner._ddtree_device_upload_and_place
+
+    def failing_subsets(num_reqs, size, total, serial, rows=None):
+        if rows is not None:
+            raise RuntimeError("no gather here")
+        return upload_and_place(num_reqs, size, total, serial, rows)
+
+    runner._ddtree_device_upload_and_place = failing_subsets
+    runner._ddtree_precapture_step_graphs(3, 9)
+    assert runner._ddtree_device_subsets is False and runner.ddtree_stats.precaptured_subset_plans == 0
+    assert runner._ddtree_device_planner is not None and runner.ddtree_stats.precaptured_device_plans == 1
+    rng = np.random.default_rng(0)
+    _plan(runner, _defer(runner, rng))
+    _plan(runner, bench.subset_step(runner, _defer(runner, rng), finished=False))
+    assert runner.ddtree_stats.device_plan_steps == 1 and runner.ddtree_stats.device_plan_subset_steps == 0
+
+
 @pytest.mark.parametrize("setting", [None, "1"])
 def test_kernels_that_fail_at_start_up_leave_the_host_plan_under_the_default(monkeypatch, setting):
     """A GPU whose Triton cannot compile or fit the device plan's kernels (their first run, at start-up's

@@ -1585,13 +1585,29 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
             self.ddtree_stats.precaptured_device_plans += 1
             if self._ddtree_device_subsets:
-                # DDTREE_DEVICE_PLAN_SUBSETS: the subset layout's graph of the size (and its walk's), on rows
-                # 0 .. num_trees - 1, so a size's first subset step replays instead of capturing while serving.
-                rows = np.arange(num_trees, dtype=np.int64)
-                self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)  # run, then captured
-                gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)
-                self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
-                self.ddtree_stats.precaptured_subset_plans += 1
+                self._ddtree_precapture_subset_plan(plan, num_trees, tree_tokens, total)
+
+    def _ddtree_precapture_subset_plan(self, plan: VerifyPlan, num_trees: int, tree_tokens: int, total: int) -> None:
+        """DDTREE_DEVICE_PLAN_SUBSETS: the subset layout's graph of a size (and its walk's), on rows 0 .. num_trees -
+        1, so that the size's first subset step replays it instead of capturing while serving. Should it fail, subset
+        steps are planned on the host from then on (with a warning); the whole steps' device plan stays."""
+        rows = np.arange(num_trees, dtype=np.int64)
+        try:
+            self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)  # run, then captured
+            gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)
+            self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
+        except Exception as error:  # (a GPU whose gather cannot be captured, say)
+            self._ddtree_device_subsets = False
+            logger.warning(
+                "DDTree: the device plan's subset steps failed at start-up on %d trees of %d tokens (%s: %s): "
+                "such steps are planned on the host",
+                num_trees,
+                tree_tokens,
+                type(error).__name__,
+                error,
+            )
+            return
+        self.ddtree_stats.precaptured_subset_plans += 1
 
     def _ddtree_device_plan_failed(self, error: Exception, shape: Tuple[int, int]) -> None:
         """The device plan's kernels failed at start-up (their first run, which compiles them): under the default
