@@ -318,21 +318,26 @@ AB_SWITCHES = {
 }
 
 
-def ab_timings(llm, prompts, ab: str, prefill_seconds: float) -> list:
+def ab_timings(llm, prompts, ab: str, prefill_seconds: float, rounds: int = 1) -> list:
     """ms per decode step with each switch of ``ab`` turned in turn (cumulatively), then every switch restored and
     the engine's own settings timed once more (``"again": true``): later runs of one process tend to be faster (a
-    warmer host), and this last row shows by how much, beside the first timing of the same settings."""
-    rows, restore = [], []
+    warmer host), and this last row shows by how much, beside the first timing of the same settings. ``rounds``:
+    the whole sequence that many times (each row says its ``round``), so that a difference of a few tenths of a ms
+    between settings can be told from one run's spread."""
+    rows = []
     names = ab.split(",")
-    try:
-        for name in names:
-            setter, setting = AB_SWITCHES[name]
-            restore.append((setter, llm.collective_rpc(setter, args=(setting,))[0]))
-            rows.append(_switched_row(llm, prompts, prefill_seconds, names[: len(rows) + 1]))
-    finally:
-        for setter, previous in reversed(restore):
-            llm.collective_rpc(setter, args=(previous,))
-    rows.append(dict(_switched_row(llm, prompts, prefill_seconds, []), again=True))
+    for round_ in range(rounds):
+        restore, turned = [], 0
+        try:
+            for name in names:
+                setter, setting = AB_SWITCHES[name]
+                restore.append((setter, llm.collective_rpc(setter, args=(setting,))[0]))
+                turned += 1
+                rows.append(dict(_switched_row(llm, prompts, prefill_seconds, names[:turned]), round=round_))
+        finally:
+            for setter, previous in reversed(restore):
+                llm.collective_rpc(setter, args=(previous,))
+        rows.append(dict(_switched_row(llm, prompts, prefill_seconds, []), again=True, round=round_))
     return rows
 
 
@@ -368,6 +373,7 @@ def run_engine(
     ab: str = "",
     profile_stacks: bool = True,
     gpu_memory_utilization: float = 0.85,
+    ab_rounds: int = 1,
 ) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -470,7 +476,7 @@ def run_engine(
         if ab and before is not None:
             # The same engine and prompts with switches turned: an A/B in one process, so the difference is the
             # switches' and not the host's or the run's.
-            row["ab"] = ab_timings(llm, prompts, ab, prefill_seconds)
+            row["ab"] = ab_timings(llm, prompts, ab, prefill_seconds, ab_rounds)
         res["steps"][bs] = row
         print(f"{name} bs={bs}: {row}", flush=True)
         write_partial(profile_dir, name, res)  # the parent keeps these rows if a later batch runs out of time
@@ -521,6 +527,12 @@ def main() -> None:
     )
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=1,
+        help="with --ab: the whole sequence of switched rows (and the again row) this many times, in turn",
+    )
+    ap.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.85,
@@ -567,6 +579,7 @@ def main() -> None:
             args.ab,
             not args.profile_no_stacks,
             args.gpu_memory_utilization,
+            args.ab_rounds,
         )
         print("RESULT-JSON " + json.dumps(result), flush=True)
         return
@@ -594,6 +607,8 @@ def main() -> None:
                         args.profile_batches,
                         "--gpu-memory-utilization",
                         str(args.gpu_memory_utilization),
+                        "--ab-rounds",
+                        str(args.ab_rounds),
                     ]
                     + (["--profile-no-stacks"] if args.profile_no_stacks else [])
                     + (["--eager"] if args.eager else [])

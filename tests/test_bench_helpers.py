@@ -965,6 +965,16 @@ def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(
     assert rows[0]["verify_steps"] == bench.OUT_TOKENS and rows[0]["host_ms_per_verify_step"] == pytest.approx(
         {"commit": 0.1}
     )
+    timed_with.clear()
+    rows = bench.ab_timings(Engine(), ["p"], "commit-in-place", prefill_seconds=0.0, rounds=2)
+    assert [(row["switches"], row["round"]) for row in rows] == [
+        (["commit-in-place"], 0),
+        ([], 0),
+        (["commit-in-place"], 1),
+        ([], 1),
+    ]
+    assert [on for tokens, on in timed_with if tokens == bench.OUT_TOKENS] == [True, False, True, False]
+    assert runner._ddtree_commit_in_place is False
 
 
 def test_commit_in_place_is_a_switch_of_the_in_engine_ab():
