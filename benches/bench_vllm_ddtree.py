@@ -219,6 +219,13 @@ def child(args):
             # uploaded nothing (gpu-h200-device-plan-9e8b443's rows could not say how many there were).
             row["device_plan_steps"] = summary.get("device_plan_steps", 0)
             row["device_plan_resumed_steps"] = summary.get("device_plan_resumed_steps", 0)
+            # The same over the timed runs alone, with the subset steps (DDTREE_DEVICE_PLAN_SUBSETS): how much of the
+            # traffic the device plan served (--churn's requests end and join all the time).
+            row["timed_runs"] = timed_window_counts(
+                window_start,
+                summary,
+                ("verify_steps", "device_plan_steps", "device_plan_subset_steps", "landed_before_launch_steps"),
+            )
             # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (engine life so
             # far, warm-ups included): the chain's figure beside the dflash engine's own measured one.
             row["acceptance_length_if_budget"] = summary.get("acceptance_length_if_budget", {})
@@ -256,6 +263,15 @@ def child(args):
         with open(partial_rows_path(args.out, args.name), "w") as f:
             json.dump(rows, f)
     print("RESULT-JSON " + json.dumps(rows), flush=True)
+
+
+def timed_window_counts(before: dict, after: dict, names) -> dict:
+    """``{name: after - before}`` of the summary counters ``names`` (absent: 0), and, when both are there,
+    ``device_plan_share``: device-planned verify steps over all of them."""
+    counts = {name: after.get(name, 0) - before.get(name, 0) for name in names}
+    if counts.get("verify_steps") and "device_plan_steps" in counts:
+        counts["device_plan_share"] = round(counts["device_plan_steps"] / counts["verify_steps"], 4)
+    return counts
 
 
 def host_profile_run(llm, groups, params, b: int, args) -> str:

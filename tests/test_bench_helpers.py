@@ -309,6 +309,25 @@ def test_churn_gives_each_request_its_own_length_and_runs_at_most_b_at_once():
     assert scheduler.max_num_running_reqs == 8
 
 
+def test_the_timed_window_counts_are_the_counters_differences_with_the_device_plans_share():
+    import bench_vllm_ddtree as pair_bench
+
+    before = {"verify_steps": 100, "device_plan_steps": 40}
+    after = {"verify_steps": 300, "device_plan_steps": 190, "device_plan_subset_steps": 30}
+    counts = pair_bench.timed_window_counts(
+        before, after, ("verify_steps", "device_plan_steps", "device_plan_subset_steps")
+    )
+    assert counts == {
+        "verify_steps": 200,
+        "device_plan_steps": 150,
+        "device_plan_subset_steps": 30,
+        "device_plan_share": 0.75,
+    }
+    assert "device_plan_share" not in pair_bench.timed_window_counts(
+        before, before, ("verify_steps", "device_plan_steps")
+    )
+
+
 def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():
     """A small step of bench_plan_path: the runner's late-tree plan path runs without an engine, its tensor ops are
     counted, and vLLM's runner methods are back afterwards (the bench stubs them while it measures)."""
