@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from gpu_profile import enable_scopes, family_comparison, host_ms_fields, profile_generate, scopes_on
+from gpu_profile import counter_deltas, enable_scopes, family_comparison, host_ms_fields, profile_generate, scopes_on
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -327,13 +327,12 @@ def ab_timings(llm, prompts, ab: str, prefill_seconds: float, rounds: int = 1) -
     rows = []
     names = ab.split(",")
     for round_ in range(rounds):
-        restore, turned = [], 0
+        restore = []
         try:
             for name in names:
                 setter, setting = AB_SWITCHES[name]
                 restore.append((setter, llm.collective_rpc(setter, args=(setting,))[0]))
-                turned += 1
-                rows.append(dict(_switched_row(llm, prompts, prefill_seconds, names[:turned]), round=round_))
+                rows.append(dict(_switched_row(llm, prompts, prefill_seconds, names[: len(restore)]), round=round_))
         finally:
             for setter, previous in reversed(restore):
                 llm.collective_rpc(setter, args=(previous,))
@@ -357,8 +356,7 @@ def _switched_row(llm, prompts, prefill_seconds: float, switches: list) -> dict:
         "full_graph_steps",
         "device_plan_steps",
     )
-    for counter in (*counters, "commit_in_place_steps"):
-        row[counter] = after.get(counter, 0) - before.get(counter, 0)
+    row.update(counter_deltas(before, after, (*counters, "commit_in_place_steps")))
     row.update(host_ms_fields(before, after, vllm_parts=False))  # (the A/B rows leave out vLLM's launch)
     return row
 
@@ -450,7 +448,7 @@ def run_engine(
             row["verify_steps"] = steps
             row["mean_acceptance_length"] = after["mean_acceptance_length"]
             row.update(host_ms_fields(before, after))
-            for counter in (
+            counters = (
                 "full_graph_steps",
                 "commit_graph_steps",
                 "commit_in_place_steps",
@@ -466,8 +464,8 @@ def run_engine(
                 "whole_tree_gdn_metadata_builds",
                 "step_graphs",
                 "step_graph_reserved_mb",
-            ):
-                row[counter] = after.get(counter, 0) - before.get(counter, 0)
+            )
+            row.update(counter_deltas(before, after, counters))
             by_tree, then = (
                 after.get("full_graph_steps_by_tree_tokens", {}),
                 before.get("full_graph_steps_by_tree_tokens", {}),

@@ -55,7 +55,15 @@ from engine_turns import (
     run_in_turns,
     wait_for_turn,
 )
-from gpu_profile import GRAPH_LAUNCH_MS, enable_scopes, first_run_steps, host_ms_fields, profile_generate, scopes_on
+from gpu_profile import (
+    GRAPH_LAUNCH_MS,
+    counter_deltas,
+    enable_scopes,
+    first_run_steps,
+    host_ms_fields,
+    profile_generate,
+    scopes_on,
+)
 
 
 def child(args):
@@ -268,7 +276,7 @@ def child(args):
 def timed_window_counts(before: dict, after: dict, names) -> dict:
     """``{name: after - before}`` of the summary counters ``names`` (absent: 0), and, when both are there,
     ``device_plan_share``: device-planned verify steps over all of them."""
-    counts = {name: after.get(name, 0) - before.get(name, 0) for name in names}
+    counts = counter_deltas(before, after, names)
     if counts.get("verify_steps") and "device_plan_steps" in counts:
         counts["device_plan_share"] = round(counts["device_plan_steps"] / counts["verify_steps"], 4)
     return counts

@@ -284,6 +284,11 @@ def compress(path: str) -> str:
 GRAPH_LAUNCH_MS = "graph_launch_ms_per_verify_step"
 
 
+def counter_deltas(before: dict, after: dict, names) -> dict:
+    """``{name: after - before}`` of the ``ddtree_summary`` counters ``names`` between two snapshots (absent: 0)."""
+    return {name: after.get(name, 0) - before.get(name, 0) for name in names}
+
+
 def timed_host_ms(before: dict, after: dict, key: str = "host_ms_per_verify_step") -> dict:
     """Host ms per verify step, by part, over the steps between two ``ddtree_summary`` snapshots.
 

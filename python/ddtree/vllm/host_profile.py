@@ -48,11 +48,16 @@ class HostProfile:
             self.collections[min(int(info.get("generation", 0)), 2)] += 1
             self._gc_started = None
 
+    def close(self) -> None:
+        """Ends the window: profiling and collection counting stop."""
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+        self.profiler.disable()
+
     def report(self, steps: int, limit: int) -> str:
         """Ends the window; its text: the verify steps it covers, the collections inside the blocks, then the
         ``limit`` functions with the most time of their own (``pstats``, by ``tottime``)."""
-        gc.callbacks.remove(self._on_collection)
-        self.profiler.disable()
+        self.close()
         out = io.StringIO()
         out.write(f"ddtree's timed host work, {steps - self.first_step} verify steps (totals, not per step)\n")
         gen0, gen1, gen2 = self.collections

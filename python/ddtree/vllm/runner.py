@@ -286,7 +286,7 @@ class DDTreeStats:
         function by function, and the garbage collections inside the blocks) until :meth:`stop_host_profile`. The
         profiler slows what it profiles: a profiled window's host seconds are not the engine's."""
         if self.host_profile is not None:
-            self.host_profile.report(self.steps, 0)  # (a window left open: ended, its callback removed)
+            self.host_profile.close()  # (a window left open: ended, its callback removed)
         self.host_profile = HostProfile(self.steps)
 
     def stop_host_profile(self, limit: int = 40) -> str:
@@ -1577,8 +1577,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             # DDTREE_DEVICE_PLAN: the device plan's graph of the size (its first run compiles the Triton kernels),
             # and the walk's graphs of its outputs; the kernels build trees from whatever the top-K buffer holds.
             try:
-                self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)  # run, then captured
-                gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1)
+                gpu, placed = self._ddtree_capture_device_plan(num_trees, tree_tokens, total)
             except Exception as error:  # (a GPU whose Triton cannot compile or fit the kernels, say)
                 self._ddtree_device_plan_failed(error, (num_trees, tree_tokens))
                 return
@@ -1591,10 +1590,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         """DDTREE_DEVICE_PLAN_SUBSETS: the subset layout's graph of a size (and its walk's), on rows 0 .. num_trees -
         1, so that the size's first subset step replays it instead of capturing while serving. Should it fail, subset
         steps are planned on the host from then on (with a warning); the whole steps' device plan stays."""
-        rows = np.arange(num_trees, dtype=np.int64)
         try:
-            self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)  # run, then captured
-            gpu, placed = self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)
+            gpu, placed = self._ddtree_capture_device_plan(num_trees, tree_tokens, total, np.arange(num_trees))
             self._ddtree_precapture_walk(gpu, placed, plan, num_trees, tree_tokens)
         except Exception as error:  # (a GPU whose gather cannot be captured, say)
             self._ddtree_device_subsets = False
@@ -1608,6 +1605,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             )
             return
         self.ddtree_stats.precaptured_subset_plans += 1
+
+    def _ddtree_capture_device_plan(self, num_trees: int, tree_tokens: int, total: int, rows=None):
+        """A device-planned step's graph of a size (``rows``: a subset step's layout) run once, then captured; returns
+        its upload's views and placement outputs, as serving's steps get them. The kernels build trees from whatever
+        the top-K buffer holds."""
+        self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)  # run, then captured
+        return self._ddtree_device_upload_and_place(num_trees, tree_tokens, total, -1, rows)
 
     def _ddtree_device_plan_failed(self, error: Exception, shape: Tuple[int, int]) -> None:
         """The device plan's kernels failed at start-up (their first run, which compiles them): under the default
