@@ -232,7 +232,14 @@ def child(args):
             row["timed_runs"] = timed_window_counts(
                 window_start,
                 summary,
-                ("verify_steps", "device_plan_steps", "device_plan_subset_steps", "landed_before_launch_steps"),
+                (
+                    "verify_steps",
+                    "full_graph_steps",
+                    "device_plan_steps",
+                    "device_plan_subset_steps",
+                    "mixed_walk_graph_steps",
+                    "landed_before_launch_steps",
+                ),
             )
             # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (engine life so
             # far, warm-ups included): the chain's figure beside the dflash engine's own measured one.
@@ -418,8 +425,9 @@ def main():
         "ddtree-B-precapture-all: DDTREE_PRECAPTURE=all, the commit's graphs at start-up too; "
         "ddtree-B-device-plan: DDTREE_DEVICE_PLAN=1, steady steps' trees built and laid out on the GPU (the "
         "default where the engine allows it), set explicitly; ddtree-B-host-plan: DDTREE_DEVICE_PLAN=0, every "
-        "step's trees built on the host; ddtree-B-subsets: DDTREE_DEVICE_PLAN_SUBSETS=1, the step after a request "
-        "ends planned on the device too; "
+        "step's trees built on the host; ddtree-B-no-subsets: DDTREE_DEVICE_PLAN_SUBSETS=0, the step after a "
+        "request ends planned on the host (the default plans it on the device); ddtree-B-mixed-walk: "
+        "DDTREE_MIXED_WALK_GRAPHS=1, a step with a prefill beside its trees walked by a graph too; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -480,8 +488,10 @@ def main():
         # engine allows it), and with every step's trees built on the host (DDTREE_DEVICE_PLAN=0).
         engines.append((f"ddtree-{b}-device-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "1"})))
         engines.append((f"ddtree-{b}-host-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "0"})))
-        # ... and with the step after a request ends planned on the device too (experimental, off by default).
-        engines.append((f"ddtree-{b}-subsets", dict(tree, env={"DDTREE_DEVICE_PLAN_SUBSETS": "1"})))
+        # ... and with the step after a request ends left to the host plan (the default plans it on the device).
+        engines.append((f"ddtree-{b}-no-subsets", dict(tree, env={"DDTREE_DEVICE_PLAN_SUBSETS": "0"})))
+        # ... and with the walk of a step with a prefill beside its trees as a graph too (experimental, off).
+        engines.append((f"ddtree-{b}-mixed-walk", dict(tree, env={"DDTREE_MIXED_WALK_GRAPHS": "1"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}

@@ -253,8 +253,11 @@ ENGINES = {
     # ... with steady steps' trees built and laid out on the GPU, set explicitly (DDTREE_DEVICE_PLAN=1: what the
     # default, auto, does where the engine allows it; the run must show device-planned steps).
     "ddtree64-async-device-plan": async_ddtree(DDTREE_DEVICE_PLAN="1"),
-    # ... also on steps of some of a proposal's requests in any order (after a request ends; experimental, off).
-    "ddtree64-async-device-plan-subsets": async_ddtree(DDTREE_DEVICE_PLAN="1", DDTREE_DEVICE_PLAN_SUBSETS="1"),
+    # ... with steps of some of a proposal's requests in any order (after a request ends) left to the host plan
+    # (DDTREE_DEVICE_PLAN_SUBSETS=0; on by default since gpu-h100-e2e-subsets-0cecefa).
+    "ddtree64-async-no-subsets": async_ddtree(DDTREE_DEVICE_PLAN="1", DDTREE_DEVICE_PLAN_SUBSETS="0"),
+    # ... with the walk of a step with a prefill beside the trees replayed as a graph too (experimental, off).
+    "ddtree64-async-mixed-walk-graphs": async_ddtree(DDTREE_MIXED_WALK_GRAPHS="1"),
     # ... with every step's trees built on the host (DDTREE_DEVICE_PLAN=0, the default before 9e8b443's record),
     # and FULL steps' forwards queued before their trees on every such step (DDTREE_LAUNCH_AHEAD=always: the pair's
     # drafter lands before the host reaches the step, where the default does not gate).
@@ -855,7 +858,7 @@ SWITCH_COUNTERS = {
     "DDTREE_PRECAPTURE": ("precaptured_sizes",),
     "DDTREE_TOPK_GRAPHS": ("topk_graph_steps",),
     "DDTREE_DEVICE_PLAN": ("device_plan_steps", "device_plan_resumed_steps"),
-    "DDTREE_DEVICE_PLAN_SUBSETS": ("device_plan_subset_steps",),
+    "DDTREE_MIXED_WALK_GRAPHS": ("mixed_walk_graph_steps",),
     "DDTREE_SLIDING_DRAFTER": ("sliding_drafter_steps",),
     "DDTREE_HYBRID_PREFIX_CACHING": ("boundary_commit_trees", "boundary_commit_steps"),
 }
@@ -929,7 +932,7 @@ def switched_paths_exercised(env, summary, full_graphs: bool = True):
     if env.get("DDTREE_DEVICE_PLAN") == "1" and env.get("DDTREE_PRECAPTURE", "1") != "0":
         # The device plan's graphs are captured at start-up with the placement's (the default precapture).
         checks.append(("precaptured_device_plans", summary.get("precaptured_device_plans", 0) > 0))
-        if env.get("DDTREE_DEVICE_PLAN_SUBSETS") == "1":  # ... and the subset layout's with them
+        if subsets_on(env):  # ... and the subset layout's with them
             checks.append(("precaptured_subset_plans", summary.get("precaptured_subset_plans", 0) > 0))
     default_plan = "DDTREE_DEVICE_PLAN" not in env and env.get("DDTREE_PRECAPTURE") != "0"
     if env.get("DDTREE_ASYNC_SCHEDULING") == "1" and default_plan and full_graphs:
@@ -938,7 +941,17 @@ def switched_paths_exercised(env, summary, full_graphs: bool = True):
         # have run it, not fallen back to the host plan.
         checks.append(("device_plan_on", summary.get("device_plan") == "on"))
         checks.append(("device_plan_steps", summary.get("device_plan_steps", 0) > 0))
+    plan_on = env.get("DDTREE_DEVICE_PLAN") == "1" or (env.get("DDTREE_ASYNC_SCHEDULING") == "1" and default_plan)
+    if plan_on and full_graphs and subsets_on(env):
+        # (On by default: every multi-request scenario has requests that end before others.)
+        checks.append(("device_plan_subset_steps", summary.get("device_plan_subset_steps", 0) > 0))
     return checks
+
+
+def subsets_on(env) -> bool:
+    """Whether an engine's device plan also takes the step after a request ends (DDTREE_DEVICE_PLAN_SUBSETS, on by
+    default)."""
+    return env.get("DDTREE_DEVICE_PLAN_SUBSETS", "1") == "1"
 
 
 def identical_outputs(rows, other_rows) -> bool:

@@ -543,6 +543,8 @@ def test_the_docs_list_every_switch_with_its_default():
         "DDTREE_WHOLE_TREE_GDN_METADATA": (config.whole_tree_gdn_metadata_enabled({}),) * 2,
         "DDTREE_STRUCTURED_OUTPUTS": (config.structured_outputs_enabled({}),) * 2,
         "DDTREE_HYBRID_PREFIX_CACHING": (config.hybrid_prefix_caching_enabled({}),) * 2,
+        "DDTREE_DEVICE_PLAN_SUBSETS": (config.device_plan_subsets_enabled({}),) * 2,
+        "DDTREE_MIXED_WALK_GRAPHS": (config.mixed_walk_graphs_enabled({}),) * 2,
     }
     for name, (one_gpu, tensor_parallel) in defaults.items():
         doc = table[name].strip()

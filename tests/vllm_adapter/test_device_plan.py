@@ -732,7 +732,7 @@ def test_every_ddtree_setting_refuses_a_value_it_does_not_take():
 
     names = [getattr(config, n) for n in dir(config) if n.endswith("_ENV")]
     names = [name for name in names if not name.startswith("VLLM_")]  # (vLLM's own variables ddtree reads)
-    assert len(names) == 16 and all(name.startswith("DDTREE_") for name in names)
+    assert len(names) == 17 and all(name.startswith("DDTREE_") for name in names)
     assert config.check_environment({}) == []
     for name in names:
         with pytest.raises(config.DDTreeConfigError, match=name):

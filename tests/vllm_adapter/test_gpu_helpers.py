@@ -738,18 +738,25 @@ def test_the_structured_scenario_must_show_the_tree_masks_ran():
     assert not harness.tree_masks_ran({})  # a summary from before the counters: not evidence
 
 
-def test_the_subsets_engine_must_show_subset_steps_planned_on_the_device():
+def test_engines_with_the_default_subsets_must_show_subset_steps_and_the_no_subsets_engine_need_not():
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
     from vllm_ddtree_e2e import ENGINES, switched_paths_exercised
 
-    env = ENGINES["ddtree64-async-device-plan-subsets"]["env"]
-    assert env["DDTREE_DEVICE_PLAN"] == "1" and env["DDTREE_DEVICE_PLAN_SUBSETS"] == "1"
-    ran = {"device_plan_steps": 9, "device_plan_resumed_steps": 5, "precaptured_device_plans": 1}
+    ran = {"device_plan_steps": 9, "device_plan_resumed_steps": 5, "precaptured_device_plans": 1, "device_plan": "on"}
     ran.update(async_scheduling=True, late_tree_steps=9, device_accept_steps=9)  # (DDTREE_ASYNC_SCHEDULING=1's)
-    assert ("device_plan_subset_steps", False) in switched_paths_exercised(env, ran)
+    ran.update(commit_in_place_steps=9, precaptured_sizes=4)  # (the default engine's explicit switches)
+    for name in ("ddtree64-async", "ddtree64-async-device-plan"):  # the default device plan, and it set explicitly
+        env = ENGINES[name]["env"]
+        assert "DDTREE_DEVICE_PLAN_SUBSETS" not in env
+        assert ("device_plan_subset_steps", False) in switched_paths_exercised(env, ran), name
+    env = ENGINES["ddtree64-async-device-plan"]["env"]
     assert ("precaptured_subset_plans", False) in switched_paths_exercised(env, ran)
+    off = ENGINES["ddtree64-async-no-subsets"]["env"]
+    assert off["DDTREE_DEVICE_PLAN"] == "1" and off["DDTREE_DEVICE_PLAN_SUBSETS"] == "0"
+    assert all(passed for _, passed in switched_paths_exercised(off, ran))
     ran.update(device_plan_subset_steps=2, precaptured_subset_plans=3)
-    assert all(passed for _, passed in switched_paths_exercised(env, ran))
+    for name in ("ddtree64-async", "ddtree64-async-device-plan"):
+        assert all(passed for _, passed in switched_paths_exercised(ENGINES[name]["env"], ran)), name

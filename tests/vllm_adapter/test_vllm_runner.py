@@ -164,8 +164,9 @@ def _tree_lists(store, req_ids, seed=0):
     return store.propose(req_ids, log_probs.astype(np.float32), ids.astype(np.int64))
 
 
-def _mixed_hybrid_step(mrope=False, device_accept=False):
-    """A runner (no vLLM engine) about to prepare a prefill, a whole tree and a cut tree of a hybrid target."""
+def _mixed_hybrid_step(mrope=False, device_accept=False, cut=True):
+    """A runner (no vLLM engine) about to prepare a prefill, a whole tree and a cut tree of a hybrid target (``cut``
+    False: two whole trees). The step's scheduled tokens per request are ``_mixed_step_tokens(cut)``."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import TreeStepBuffers
     from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
@@ -178,7 +179,7 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     runner.drafter = SimpleNamespace(store=TreeStore(6), draft_len=3, top_k=4)
     lists = _tree_lists(runner.drafter.store, ["a", "b"])
     runner.input_batch = SimpleNamespace(req_ids=["p", "a", "b"], num_computed_tokens_cpu=np.array([0, 20, 30]))
-    runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([-1, 6, 4]))
+    runner.num_decode_draft_tokens = SimpleNamespace(np=np.array([-1, 6, 4 if cut else 6]))
     runner._ddtree_conv_window = 3
     runner._ddtree_buffers = TreeStepBuffers(cpu, max_requests=4, max_tokens=40, tree_size=7, conv_width=4)
     runner._ddtree_trees_by_tensors = {}
@@ -189,15 +190,22 @@ def _mixed_hybrid_step(mrope=False, device_accept=False):
     runner._ddtree_full_graph, runner._ddtree_step_graphs_on, runner._ddtree_walk_graphs = None, True, None
     runner._ddtree_plan_graphs, runner.device = None, cpu
     runner.ddtree_stats = DDTreeStats(3)
-    runner.positions = torch.arange(17)
+    total = int(_mixed_step_tokens(cut).sum())
+    runner.positions = torch.arange(total)
     runner.uses_mrope = mrope
     if mrope:
-        runner.mrope_positions = SimpleNamespace(gpu=torch.stack([torch.arange(17) * k for k in (1, 2, 3)]))
-    scheduled = {"a": lists[0], "b": lists[1][:4]}  # b's tree cut to 4 drafts by the scheduler
+        runner.mrope_positions = SimpleNamespace(gpu=torch.stack([torch.arange(total) * k for k in (1, 2, 3)]))
+    scheduled = {"a": lists[0], "b": lists[1][:4] if cut else lists[1]}  # b's tree cut to 4 drafts by the scheduler
     output = SimpleNamespace(
-        total_num_scheduled_tokens=17, scheduled_spec_decode_tokens=scheduled, scheduled_new_reqs=[]
+        total_num_scheduled_tokens=total, scheduled_spec_decode_tokens=scheduled, scheduled_new_reqs=[]
     )
     return runner, scheduled, output
+
+
+def _mixed_step_tokens(cut=True):
+    """Scheduled tokens of ``_mixed_hybrid_step``'s requests: a 5-token prefill, a whole tree of 7, then b's tree (cut
+    to 5, or whole)."""
+    return np.array([5, 7, 5 if cut else 7])
 
 
 @pytest.mark.parametrize("mrope", [False, True])
@@ -334,6 +342,10 @@ def _outside_every_timed_block():
     return sum(range(10))
 
 
+def _inside_another_part():
+    return sum(range(10))
+
+
 def test_the_host_profile_covers_ddtrees_timed_blocks_only_and_stops_when_read():
     from ddtree.vllm.runner import DDTreeStats
 
@@ -347,9 +359,16 @@ def test_the_host_profile_covers_ddtrees_timed_blocks_only_and_stops_when_read()
             _inside_a_timed_block()
         _inside_a_timed_block()
     _outside_every_timed_block()
+    with stats.timed("accept"):
+        _inside_another_part()
     text = stats.stop_host_profile()
     assert text.startswith("ddtree's timed host work, 3 verify steps")
     assert "_inside_a_timed_block" in text and "_outside_every_timed_block" not in text
+    # One profile per part, each by time with callees, then by own time: a function shows under its part only.
+    accept, plan = text.split("=== plan: by cumulative time ===")
+    assert "=== accept: by cumulative time ===" in accept and "=== accept: by tottime time ===" in accept
+    assert "_inside_another_part" in accept and "_inside_a_timed_block" not in accept
+    assert "=== plan: by tottime time ===" in plan and "_inside_another_part" not in plan
     assert stats.host_seconds["plan"] > 0 and stats.host_profile is None
     with stats.timed("plan"):  # profiling stopped: a plain block again
         _outside_every_timed_block()
@@ -588,13 +607,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     runner._ddtree_device_accept = False  # switched off after planning (an in-process A/B): the host walks
     assert not runner.ddtree_device_accepts(plan)
     runner._ddtree_device_accept = True
-    # Each node's target token: the first child's draft token where it has one (deep acceptance), else a miss.
-    target = np.full(plan.num_tree_tokens, 999, dtype=np.int64)
-    trees = plan.trees
-    for j in range(2):
-        lo = int(trees.node_offsets[j])
-        for i in range(int(trees.node_offsets[j + 1]) - 1, lo, -1):  # later children first: the first one wins
-            target[lo + trees.parents[i]] = trees.tokens[trees.token_offsets[j] + i - lo - 1]
+    target = _deep_targets(plan)
     host = accept(plan, target, 7)
     gpu = runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
     assert runner._ddtree_accept is None and runner._ddtree_accept_gpu is gpu
@@ -632,6 +645,79 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     runner.use_async_scheduling = False
     summary = runner.ddtree_summary()
     assert summary["device_accept_steps"] == 2 and summary["verify_steps"] == 2 and not summary["async_scheduling"]
+
+
+def _deep_targets(plan) -> np.ndarray:
+    """Each node's target token: the first child's draft token where it has one (deep acceptance), else a miss."""
+    target = np.full(plan.num_tree_tokens, 999, dtype=np.int64)
+    trees = plan.trees
+    for j in range(len(trees.node_offsets) - 1):
+        lo = int(trees.node_offsets[j])
+        for i in range(int(trees.node_offsets[j + 1]) - 1, lo, -1):  # later children first: the first one wins
+            target[lo + trees.parents[i]] = trees.tokens[trees.token_offsets[j] + i - lo - 1]
+    return target
+
+
+def _device_walked_mixed_step(cut: bool):
+    """``_mixed_hybrid_step`` prepared with the device walk's inputs and a stand-in walk graph capture (each replay
+    runs the work again), DDTREE_MIXED_WALK_GRAPHS on over a token budget of 64; returns the runner and its plan."""
+    from ddtree.vllm import context
+    from ddtree.vllm.counts import PathRing
+    from ddtree.vllm.graphs import WalkGraphs
+
+    runner, _, output = _mixed_hybrid_step(device_accept=True, cut=cut)
+    runner.max_num_reqs, runner.device = 4, torch.device("cpu")
+    runner._ddtree_counts = PathRing(runner.device, 4, width=3 + 2)
+    try:
+        runner._ddtree_prepare(output, _mixed_step_tokens(cut), "indices", "metadata", 3)
+    finally:
+        context.withdraw()
+    runner._ddtree_walk_graphs = WalkGraphs(lambda work: work, runner._ddtree_counts)
+    runner._ddtree_mixed_walk_graphs, runner._ddtree_mixed_walk_tokens = True, 64
+    return runner, runner._ddtree_plan
+
+
+def test_a_mixed_step_of_whole_trees_walks_through_one_walk_graph_whatever_its_prefill():
+    """DDTREE_MIXED_WALK_GRAPHS: a step with a prefill beside trees of one size (not a FULL graph's) walks through
+    the walk graphs, its first walk eagerly, then by replay, also when the prefill beside the trees is longer (the
+    drafter's row order is laid out over the scheduler's token budget, so the step's own token count is not part of
+    the graph's shape); the chain rows, the commit's conv rows and the first ``num_tokens`` rows of the order (what
+    the drafter reads) equal the host walk's every time."""
+    import copy
+
+    from ddtree.vllm.step import accept
+
+    runner, plan = _device_walked_mixed_step(cut=False)
+    assert plan.num_tokens == 19 and runner._ddtree_full_graph is None
+    longer = copy.copy(plan)  # the same trees after a prefill three tokens longer (its order: identity there)
+    longer.num_tokens += 3
+    target = _deep_targets(plan)
+    for rounds, (step, target_now) in enumerate([(plan, target), (plan, np.full_like(target, 999)), (longer, target)]):
+        walked = runner.ddtree_accept_on_device(step, torch.from_numpy(target_now), 7)
+        want = accept(step, target_now, 7)
+        assert np.array_equal(walked["output_tokens"].numpy(), want.output_tokens)
+        assert np.array_equal(walked["commit_conv_index"].numpy(), want.commit_conv_index)
+        order = walked["context_order"]
+        assert order.shape[0] == 64
+        assert np.array_equal(order[: step.num_tokens].numpy(), want.context_order)
+        assert runner.ddtree_stats.walk_graph_steps == rounds == runner.ddtree_stats.mixed_walk_graph_steps
+        assert runner._ddtree_walk_replayed == (rounds > 0)
+    runner._ddtree_mixed_walk_graphs = False  # off: op by op, over the step's own tokens
+    walked = runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
+    assert walked["context_order"].shape[0] == plan.num_tokens and runner.ddtree_stats.walk_graph_steps == 2
+
+
+def test_a_mixed_step_with_trees_of_two_sizes_walks_op_by_op():
+    """A cut tree beside a whole one: every new mix of sizes would be a new graph, so such a step walks op by op,
+    over its own tokens, with the switch on."""
+    from ddtree.vllm.step import accept
+
+    runner, plan = _device_walked_mixed_step(cut=True)
+    target = _deep_targets(plan)
+    for _ in range(2):
+        walked = runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
+        assert np.array_equal(walked["context_order"].numpy(), accept(plan, target, 7).context_order)
+    assert runner.ddtree_stats.walk_graph_steps == 0 and runner._ddtree_walk_graphs.replayed == 0
 
 
 def _proposers_runner(late: bool, req_ids):

@@ -70,9 +70,12 @@ LAUNCH_AHEAD_ENV = "DDTREE_LAUNCH_AHEAD"
 TOPK_GRAPHS_ENV = "DDTREE_TOPK_GRAPHS"
 #: "auto" (default) / "1" build and lay out a steady whole-tree step's trees on the device; "0" on the host.
 DEVICE_PLAN_ENV = "DDTREE_DEVICE_PLAN"
-#: "1" plans on the device too the steps of some of the last proposal's requests, in any order (requests finished
-#: or reordered since it: a gather of their top-K rows); "0" (the default until a GPU run) plans those on the host.
+#: "1" (the default) plans on the device too the steps of some of the last proposal's requests, in any order
+#: (requests finished or reordered since it: a gather of their top-K rows); "0" plans those on the host.
 DEVICE_PLAN_SUBSETS_ENV = "DDTREE_DEVICE_PLAN_SUBSETS"
+#: "1" replays the device walk (and its K/V moves) of a step with a prefill beside whole trees as a CUDA graph too
+#: (experimental, off until a GPU run); "0" walks such steps op by op.
+MIXED_WALK_GRAPHS_ENV = "DDTREE_MIXED_WALK_GRAPHS"
 #: "1" runs a drafter that mixes sliding-window and full-attention layers (experimental, off: refused).
 SLIDING_DRAFTER_ENV = "DDTREE_SLIDING_DRAFTER"
 #: "1" serves structured outputs (xgrammar) with per-node grammar masks (experimental, off: refused at admission).
@@ -565,6 +568,7 @@ def check_environment(environ: Mapping[str, str] = os.environ) -> List[str]:
         TOPK_GRAPHS_ENV: topk_graphs_enabled,
         DEVICE_PLAN_ENV: device_plan_mode,
         DEVICE_PLAN_SUBSETS_ENV: device_plan_subsets_enabled,
+        MIXED_WALK_GRAPHS_ENV: mixed_walk_graphs_enabled,
         SLIDING_DRAFTER_ENV: sliding_drafter_enabled,
         STRUCTURED_OUTPUTS_ENV: structured_outputs_enabled,
         HYBRID_PREFIX_CACHING_ENV: hybrid_prefix_caching_enabled,
@@ -606,6 +610,19 @@ def step_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     vLLM's input ids), the KV moves two per attention layer.
     """
     return env_switch(environ, STEP_GRAPHS_ENV, "1", {"1": "step graphs", "0": "launch by launch"})
+
+
+def mixed_walk_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """DDTREE_MIXED_WALK_GRAPHS: whether a step that is not a FULL graph's (a request's prefill beside the trees)
+    also walks its trees through the walk graphs (with the step graphs on), when its trees are all of one size.
+
+    Such a step's walk ran op by op: ~1.5 ms of host launches on an H100's host, on 15% of the verify steps of the
+    pair under churn at batch 8, where they doubled ddtree's host work a step (0.91 ms against 0.47 with full
+    batches, ``gpu-h100-pair-churn-subsets-0cecefa``). Its shapes are the trees' (``R`` trees of one size) once the
+    drafter's row order is laid out over a fixed number of tokens (the scheduler's token budget) rather than the
+    step's: the graphs are few, one per tree count and size. Off by default (experimental: CPU-tested with a
+    stand-in capture, not yet run on a GPU)."""
+    return env_switch(environ, MIXED_WALK_GRAPHS_ENV, "0", {"1": "mixed steps' walks as graphs", "0": "op by op"})
 
 
 def precapture_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -672,11 +689,12 @@ def device_plan_mode(environ: Mapping[str, str] = os.environ) -> str:
 def device_plan_subsets_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """DDTREE_DEVICE_PLAN_SUBSETS: whether the device plan also takes a step whose requests are some of the last
     proposal's, in any order, each verifying its whole tree (requests finished since the proposal, and vLLM moved
-    others into their slots: one step each time a request ends). Their top-K rows are
-    gathered on the device by an uploaded row index. Off by default (experimental: exact against the host plan on
-    CPU under Triton's interpreter, not yet run on a GPU)."""
+    others into their slots: one step each time a request ends). Their top-K rows are gathered on the device by an
+    uploaded row index. On by default since ``gpu-h100-e2e-subsets-0cecefa`` and
+    ``gpu-h100-pair-churn-subsets-0cecefa``: exact in every e2e scenario and under churn, equal to the host plan
+    compiled, and not slower; ``"0"`` leaves those steps to the host plan."""
     return env_switch(
-        environ, DEVICE_PLAN_SUBSETS_ENV, "0", {"1": "subset steps planned on the device", "0": "on the host"}
+        environ, DEVICE_PLAN_SUBSETS_ENV, "1", {"1": "subset steps planned on the device", "0": "on the host"}
     )
 
 

@@ -21,7 +21,7 @@ exactly) from a device copy of the drafter's top-K, inside one CUDA graph per st
   built on the host only when the statistics read them, from the same top-K once it has landed
   (``ddtree.vllm.step.DeferredTrees``).
 
-With ``DDTREE_DEVICE_PLAN_SUBSETS=1`` (experimental, off) a step of some of the kept proposal's requests, in any
+With ``DDTREE_DEVICE_PLAN_SUBSETS`` (on by default; ``0`` turns it off) a step of some of the kept proposal's requests, in any
 order (after a request ends, vLLM moves another into its slot), is planned here too: its rows of the kept top-K are
 gathered by an uploaded row index before the build (:meth:`DevicePlanner.rows_in_kept`), in a layout and graph of
 their own; such a step uploads every time and no step resumes from it.

@@ -2,9 +2,11 @@
 
 The runner's host timers say how long each part of a step takes; on a GPU host they read 2-4x what the same code
 takes on a development CPU, and grow with the batch where the CPU's do not (``gpu-h100-pair-ffefa8b``). This says
-where: every function called inside a timed block, by its own time, and the garbage collections that ran inside
-the blocks (a collection's cost grows with the objects the engine loop allocates, and lands on whatever code
-allocated when it triggered). Outside the blocks nothing is profiled. No vLLM import: CI tests it on CPU.
+where: one profile per timed part (plan, accept, commit, ...; a nested block counts in the outer one's), each
+function by the time spent inside it with its callees (what a part's time is made of) and by its own time, and
+the garbage collections that ran inside the blocks (a collection's cost grows with the objects the engine loop
+allocates, and lands on whatever code allocated when it triggered). Outside the blocks nothing is profiled. No
+vLLM import: CI tests it on CPU.
 """
 
 from __future__ import annotations
@@ -14,31 +16,38 @@ import gc
 import io
 import pstats
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 
 class HostProfile:
-    """One profiling window: a ``cProfile`` profiler on while a timed block runs (nested blocks once), and the
-    garbage collections that started inside one, by generation, with their seconds."""
+    """One profiling window: a ``cProfile`` profiler per timed part, on while a block of that part runs (nested
+    blocks once, in the outer block's part), and the garbage collections that started inside one, by generation,
+    with their seconds."""
 
     def __init__(self, first_step: int):
         self.first_step = first_step
-        self.profiler = cProfile.Profile()
+        self.profilers: Dict[str, cProfile.Profile] = {}
+        self._running: Optional[cProfile.Profile] = None
         self.depth = 0
         self.collections = [0, 0, 0]
         self.gc_seconds = 0.0
         self._gc_started: Optional[float] = None
         gc.callbacks.append(self._on_collection)
 
-    def enter(self) -> None:
+    def enter(self, part: str) -> None:
         self.depth += 1
         if self.depth == 1:
-            self.profiler.enable()
+            profiler = self.profilers.get(part)
+            if profiler is None:
+                profiler = self.profilers[part] = cProfile.Profile()
+            self._running = profiler
+            profiler.enable()
 
     def exit(self) -> None:
         self.depth -= 1
-        if self.depth == 0:
-            self.profiler.disable()
+        if self.depth == 0 and self._running is not None:
+            self._running.disable()
+            self._running = None
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -52,11 +61,14 @@ class HostProfile:
         """Ends the window: profiling and collection counting stop."""
         if self._on_collection in gc.callbacks:
             gc.callbacks.remove(self._on_collection)
-        self.profiler.disable()
+        if self._running is not None:
+            self._running.disable()
+            self._running = None
 
     def report(self, steps: int, limit: int) -> str:
-        """Ends the window; its text: the verify steps it covers, the collections inside the blocks, then the
-        ``limit`` functions with the most time of their own (``pstats``, by ``tottime``)."""
+        """Ends the window; its text: the verify steps it covers, the collections inside the blocks, then for each
+        part the ``limit`` functions with the most time including their callees (``pstats``' ``cumulative``) and
+        the ``limit`` with the most of their own (``tottime``)."""
         self.close()
         out = io.StringIO()
         out.write(f"ddtree's timed host work, {steps - self.first_step} verify steps (totals, not per step)\n")
@@ -65,9 +77,15 @@ class HostProfile:
             f"garbage collections inside the timed blocks: gen0 {gen0}, gen1 {gen1}, gen2 {gen2}; "
             f"{1e3 * self.gc_seconds:.3f} ms\n"
         )
-        self.profiler.create_stats()
-        if not self.profiler.stats:  # (pstats refuses an empty profile)
+        ran = False
+        for part, profiler in sorted(self.profilers.items()):
+            profiler.create_stats()
+            if not profiler.stats:  # (pstats refuses an empty profile)
+                continue
+            ran = True
+            for order in ("cumulative", "tottime"):
+                out.write(f"\n=== {part}: by {order} time ===\n")
+                pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(limit)
+        if not ran:
             out.write("(no timed host work ran in the window)\n")
-            return out.getvalue()
-        pstats.Stats(self.profiler, stream=out).sort_stats("tottime").print_stats(limit)
         return out.getvalue()

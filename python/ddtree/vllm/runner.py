@@ -76,6 +76,7 @@ from ddtree.vllm.config import (
     late_trees_enabled,
     launch_ahead_enabled,
     launch_ahead_mode,
+    mixed_walk_graphs_enabled,
     precapture_commits,
     precapture_enabled,
     schedule_tree_graphs,
@@ -188,7 +189,7 @@ class ProfiledPartTimer(PartTimer):
 
     def __enter__(self) -> None:
         super().__enter__()
-        self.profile.enter()
+        self.profile.enter(self.part)
 
     def __exit__(self, *exc) -> None:
         self.profile.exit()
@@ -209,7 +210,8 @@ class DDTreeStats:
         self.boundary_commit_trees = 0
         self.boundary_commit_steps = 0
         self.fresh_state_trees = 0  # new requests whose first step verified a tree from zeroed states
-        self.walk_graph_steps = 0  # FULL steps whose device walk replayed a walk graph
+        self.walk_graph_steps = 0  # steps whose device walk replayed a walk graph (FULL steps, and mixed ones)
+        self.mixed_walk_graph_steps = 0  # ... of them, steps with a prefill beside the trees (not a FULL graph's)
         self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
@@ -389,6 +391,7 @@ class DDTreeStats:
             "fresh_state_trees": self.fresh_state_trees,
             "boundary_commit_steps": self.boundary_commit_steps,
             "walk_graph_steps": self.walk_graph_steps,
+            "mixed_walk_graph_steps": self.mixed_walk_graph_steps,
             "walk_copied_steps": self.walk_copied_steps,
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,
@@ -533,6 +536,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_device_planner: Optional[DevicePlanner] = None
     _ddtree_device_plan_state = "off: not decided"
     _ddtree_device_subsets = False  # DDTREE_DEVICE_PLAN_SUBSETS, read with the planner
+    _ddtree_mixed_walk_graphs = False  # DDTREE_MIXED_WALK_GRAPHS, read with the step graphs' switch
+    _ddtree_mixed_walk_tokens = 0  # the tokens a mixed step's walk graph lays the drafter's row order over
     _ddtree_draftless_logits_indices: Optional[torch.Tensor] = None  # a step without drafts: its logits rows' tokens
 
     def __init__(self, vllm_config, device):
@@ -585,6 +590,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # The device walk, the plan's device side and the KV moves of FULL steps as CUDA graphs (DDTREE_STEP_GRAPHS;
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
+        # ... and the walk of a step with a prefill beside whole trees of one size (DDTREE_MIXED_WALK_GRAPHS), over
+        # the scheduler's token budget: its shapes are then the trees' alone.
+        self._ddtree_mixed_walk_graphs = mixed_walk_graphs_enabled()
+        self._ddtree_mixed_walk_tokens = int(self.max_num_tokens)
         self._ddtree_precapture = precapture_enabled()  # DDTREE_PRECAPTURE: those of whole-tree steps at start-up
         self._ddtree_precapture_commits = precapture_commits()  # ... and the commit's (DDTREE_PRECAPTURE=all)
         on_gpu = self.device.type == "cuda"
@@ -707,8 +716,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         drafter = self.drafter
         logger.info("DDTree: steady steps' trees built and laid out on the device (DDTREE_DEVICE_PLAN=%s)", mode)
         self._ddtree_device_subsets = device_plan_subsets_enabled()
-        if self._ddtree_device_subsets:
-            logger.info("DDTree: steps of some of a proposal's requests too (DDTREE_DEVICE_PLAN_SUBSETS=1)")
+        if not self._ddtree_device_subsets:
+            logger.info(
+                "DDTree: steps of some of a proposal's requests planned on the host (DDTREE_DEVICE_PLAN_SUBSETS=0)"
+            )
         too_big = [b for b in self.ddtree_cfg.budgets if b + 1 > MAX_DEVICE_TREE_SIZE]
         if too_big:
             logger.info(
@@ -1848,15 +1859,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     ) -> Dict[str, torch.Tensor]:
         """:meth:`ddtree_accept` without the host: the walk and its layout as device tensors
         (:func:`ddtree.vllm.device_accept.accept_on_device`). Called by the rejection sampler."""
-        walk_args = (width, plan.draft_depth + 1, plan.num_tokens, plan.conv_window)
         with self.ddtree_stats.timed("accept"):
-            graphs = self._ddtree_walk_graphs_for_step()
+            graphs, num_tokens = self._ddtree_walk_graphs_for_step(plan)
+            walk_args = (width, plan.draft_depth + 1, num_tokens, plan.conv_window)
             self._ddtree_walk_replayed = False
             if graphs is not None:
                 before, copied = graphs.replayed, graphs.copied_walks
                 gpu = graphs.walk(plan.device_trees, node_tokens, *walk_args)
                 self._ddtree_walk_replayed = graphs.replayed > before
                 self.ddtree_stats.walk_graph_steps += self._ddtree_walk_replayed
+                self.ddtree_stats.mixed_walk_graph_steps += self._ddtree_walk_replayed and not self._ddtree_full_graph
                 self.ddtree_stats.walk_copied_steps += graphs.copied_walks > copied
             else:
                 gpu = device_accept.accept_on_device(
@@ -1866,12 +1878,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept_gpu = gpu
         return gpu
 
-    def _ddtree_walk_graphs_for_step(self) -> Optional[WalkGraphs]:
-        """The walk graphs for a step a FULL graph replayed, on a GPU, unless DDTREE_STEP_GRAPHS=0 (None: the walk
-        op by op; other steps' shapes vary too much to keep a graph of each)."""
-        if self._ddtree_full_graph is None or not self._ddtree_step_graphs_on:
-            return None
-        return self._ddtree_walk_graphs
+    def _ddtree_walk_graphs_for_step(self, plan: VerifyPlan) -> Tuple[Optional[WalkGraphs], int]:
+        """The walk graphs for this step (None: the walk op by op) and the tokens its walk lays the drafter's row
+        order over. On a GPU with DDTREE_STEP_GRAPHS on: a step a FULL graph replayed, over its own tokens; with
+        DDTREE_MIXED_WALK_GRAPHS, a step with a prefill beside trees that are all of one size, over the
+        scheduler's token budget (the drafter reads the first ``num_tokens`` rows of the order), so that its
+        graph is one per tree count and size, not per prefill length. Trees of mixed sizes (cut near
+        ``max_model_len``) would make a new shape nearly every step: op by op."""
+        graphs = self._ddtree_walk_graphs if self._ddtree_step_graphs_on else None
+        if graphs is None or self._ddtree_full_graph is not None:
+            return graphs, plan.num_tokens
+        nodes = plan.num_nodes
+        if self._ddtree_mixed_walk_graphs and nodes.shape[0] and nodes.min() == nodes.max():
+            return graphs, max(plan.num_tokens, self._ddtree_mixed_walk_tokens)
+        return None, plan.num_tokens
 
     def _ddtree_path_ring(self) -> PathRing:
         """The ring the device walk writes its accepted paths into, for the statistics: four slots, copied to the
