@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from gpu_profile import counter_deltas, enable_scopes, family_comparison, host_ms_fields, profile_generate, scopes_on
 
@@ -207,6 +208,30 @@ def write_partial(out: str, name: str, res: dict) -> None:
     if out:
         with open(partial_path(out, name), "w") as f:
             json.dump(res, f, indent=1)
+
+
+class RunningPeak:
+    """The most requests vLLM's scheduler had running at once, read after each of its ``schedule`` calls (an
+    in-process engine core; None elsewhere). A batch larger than the KV cache holds runs in waves: vLLM's chain on
+    an 80 GB H100 held 3.84 requests of 4096 tokens at this shape (1 + 15 state slots a request) and ran batch 8 as
+    two waves of 4, its "batch-8 step" twice a batch-4 step (``gpu-h100-27b-ab-chain-0cecefa``)."""
+
+    def __init__(self, llm):
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        self.scheduler = getattr(core, "scheduler", None)
+        self.peak: Optional[int] = None
+        if self.scheduler is not None:
+            schedule = self.scheduler.schedule
+
+            def counted(*args, **kwargs):
+                out = schedule(*args, **kwargs)
+                self.peak = max(self.peak or 0, len(self.scheduler.running))
+                return out
+
+            self.scheduler.schedule = counted
+
+    def reset(self) -> None:
+        self.peak = None
 
 
 def timed_generate(llm, prompts, max_tokens: int):
@@ -418,6 +443,7 @@ def run_engine(
     res["kv_cache"] = {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}
     res["state_memory"] = llm.collective_rpc(state_memory)[0]
     write_partial(profile_dir, name, res)
+    running = RunningPeak(llm)
     gen = torch.Generator().manual_seed(0)
     for bs in batches:
         prompts = [
@@ -432,6 +458,7 @@ def run_engine(
         # timed run prefills again): subtracted from the timed run, it leaves the decode steps' cost.
         prefill_seconds, _ = timed_generate(llm, prompts, 1)
         before = llm.collective_rpc("ddtree_summary")[0] if name.startswith("ddtree") else None
+        running.reset()
         seconds, outs = timed_generate(llm, prompts, OUT_TOKENS)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row = {
@@ -441,6 +468,8 @@ def run_engine(
             "prefill_seconds": round(prefill_seconds, 3),
             "ms_per_decode_step": round(1e3 * (seconds - prefill_seconds) / (OUT_TOKENS - 1), 2),
             "tokens_per_s": round(tokens / seconds, 1),
+            # Fewer than the batch: the KV cache held only that many at once, and the batch ran in waves.
+            "most_running": running.peak,
         }
         if before is not None:
             after = llm.collective_rpc("ddtree_summary")[0]
@@ -490,14 +519,23 @@ def run_engine(
     return res
 
 
-def step_summary(row: dict, chain_row) -> str:
+def step_summary(row: dict, chain_row, batch: Optional[int] = None) -> str:
     """``ms/step (ms/decode step, x the chain's decode step)`` of one batch size; the ratio needs the chain's row
-    of the same run."""
+    of the same run. A row whose batch ran in waves (``most_running`` below ``batch``) says so, and so does a ratio
+    to such a chain row: it is not a step against a step."""
     decode = row.get("ms_per_decode_step")
     ratio = ""
     if decode and chain_row and chain_row.get("ms_per_decode_step"):
         ratio = f", {decode / chain_row['ms_per_decode_step']:.2f}x"
-    return f"{row['ms_per_step']} ({decode}{ratio})"
+        ratio += " the chain's waves" if in_waves(chain_row, batch) else ""
+    waves = f" [in waves: {row['most_running']} of {batch} at once]" if in_waves(row, batch) else ""
+    return f"{row['ms_per_step']} ({decode}{ratio}){waves}"
+
+
+def in_waves(row: dict, batch: Optional[int]) -> bool:
+    """Whether a row's batch ran in waves: fewer requests ran at once than the batch (unknown: no)."""
+    most = row.get("most_running")
+    return batch is not None and most is not None and most < int(batch)
 
 
 def keep_partial(out: str, name: str, results: dict, how: str) -> None:
@@ -637,7 +675,7 @@ def main() -> None:
     chain = results.get("dflash", {}).get("steps", {})
     for name, res in results.items():
         mem = res["state_memory"]
-        steps = "  ".join(f"bs{bs}: {step_summary(row, chain.get(bs))}" for bs, row in res["steps"].items())
+        steps = "  ".join(f"bs{bs}: {step_summary(row, chain.get(bs), bs)}" for bs, row in res["steps"].items())
         host = {bs: row.get("host_ms_per_verify_step") for bs, row in res["steps"].items()}
         print(
             f"{name:<11}{mem['reserved_bytes'] / 2**20:>13.1f}{mem['state_blocks_per_request']:>7}"

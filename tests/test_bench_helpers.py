@@ -56,6 +56,38 @@ def test_step_summary_gives_the_ratio_to_the_chain_of_the_same_run():
     assert bench.step_summary({"ms_per_step": 41.06}, None) == "41.06 (None)"  # a record from before decode timing
 
 
+def test_a_batch_that_ran_in_waves_says_so_and_so_does_a_ratio_to_it():
+    chain = {"ms_per_step": 65.45, "ms_per_decode_step": 60.35, "most_running": 4}
+    tree = {"ms_per_step": 36.51, "ms_per_decode_step": 30.88, "most_running": 8}
+    assert bench.step_summary(tree, chain, 8) == "36.51 (30.88, 0.51x the chain's waves)"
+    assert bench.step_summary(chain, chain, "8") == "65.45 (60.35, 1.00x the chain's waves) [in waves: 4 of 8 at once]"
+    assert bench.step_summary(chain, None, 4) == "65.45 (60.35)"  # 4 at once at batch 4: no waves
+    assert not bench.in_waves({"ms_per_step": 1.0}, 8)  # a record from before the count: not known, not claimed
+
+
+def test_the_running_peak_is_the_most_requests_the_scheduler_ran_at_once():
+    from types import SimpleNamespace
+
+    running = []
+    plan = iter([3, 4, 2, 0])
+
+    def schedule():
+        running[:] = range(next(plan))
+        return "output"
+
+    scheduler = SimpleNamespace(running=running, schedule=schedule)
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)))
+    )
+    peak = bench.RunningPeak(llm)
+    assert peak.peak is None
+    assert [scheduler.schedule() for _ in range(3)] == ["output"] * 3 and peak.peak == 4
+    peak.reset()
+    scheduler.schedule()
+    assert peak.peak == 0
+    assert bench.RunningPeak(SimpleNamespace(llm_engine=SimpleNamespace())).peak is None  # a client in another process
+
+
 def test_syncing_ops_are_listed_with_the_python_line_that_made_them():
     torch = pytest.importorskip("torch")
     import gpu_profile
