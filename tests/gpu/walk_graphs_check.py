@@ -4,7 +4,9 @@
 
 For random steps (trees cut by a scheduler or whole, with and without a GDN conv window, 1 to 32 trees), the walk
 through ``WalkGraphs`` with real CUDA-graph capture must equal ``accept_on_device`` run op by op on the same
-inputs, field by field, for the walk that captures and for replays on new target tokens. It also times the host
+inputs, field by field, for the walk that captures and for replays on new target tokens; a step with a prefill
+before its trees, walked by one graph over a fixed token budget whatever the prefill's length
+(``DDTREE_MIXED_WALK_GRAPHS``), must equal the same walk op by op over the step's own tokens. It also times the host
 side of one walk both ways in the same run (median microseconds over repeats). Then a plan's placement as the
 runner does it for a whole-tree step (``runner._ddtree_place_plan``: the layout from a pinned staging upload into
 the fixed buffers, the positions written in place), replayed through ``ShapeGraphs`` on each new step's upload,
@@ -104,6 +106,43 @@ def check_case(rng, device, num_trees, depth, width, budget, conv_window, cut) -
         nodes=int(plan.num_tree_tokens),
         conv_window=conv_window,
         cut=cut,
+        replays=graphs.replayed,
+        mismatches=mismatches,
+        host_us_op_by_op=round(eager, 1),
+        host_us_graph=round(graph, 1),
+    )
+
+
+def check_mixed_case(rng, device, num_trees, depth, width, budget, conv_window, token_budget=8192) -> dict:
+    """A step with a prefill before its whole trees (not a FULL graph's; ``DDTREE_MIXED_WALK_GRAPHS``): the walk
+    graph over the scheduler's ``token_budget`` must equal the walk op by op over the step's own tokens (the
+    drafter's row order: its first ``num_tokens`` rows), for prefills of several lengths, all replaying one graph
+    (the trees' tensors rewritten in place, as the staging upload's views are). Times the host side both ways."""
+    plan = make_step(rng, num_trees, depth, width, budget, conv_window, cut=False)
+    trees = on_device(plan, device)
+    index, starts = trees.token_index.clone(), trees.query_starts.clone()
+    walk = (depth + 2, int(plan.trees.draft_depth) + 1)
+    graphs = WalkGraphs(cuda_graph_capture(device))
+    mismatches = []
+    for round_, prefill in enumerate((5, 37, 300, 5)):  # round 0 captures, the others replay
+        trees.token_index.copy_(index + prefill)
+        trees.query_starts.copy_(starts + prefill)
+        num_tokens = plan.num_tokens + prefill
+        target = targets(rng, plan, device)
+        got = {k: v.clone() for k, v in graphs.walk(trees, target, *walk, token_budget, conv_window).items()}
+        got["context_order"] = got["context_order"][:num_tokens]
+        want = device_accept.accept_on_device(trees, target, *walk, num_tokens, conv_window)
+        mismatches += [f"round {round_} {k}" for k in want if not torch.equal(got[k], want[k])]
+    torch.cuda.synchronize()
+    target = targets(rng, plan, device)
+    eager = host_us(lambda: device_accept.accept_on_device(trees, target, *walk, num_tokens, conv_window))
+    graph = host_us(lambda: graphs.walk(trees, target, *walk, token_budget, conv_window))
+    return dict(
+        mixed_step=True,
+        trees=num_trees,
+        nodes=int(plan.num_tree_tokens),
+        conv_window=conv_window,
+        token_budget=token_budget,
         replays=graphs.replayed,
         mismatches=mismatches,
         host_us_op_by_op=round(eager, 1),
@@ -236,6 +275,10 @@ def main() -> int:
     results = []
     for case in cases:
         result = check_case(rng, device, *case)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    for case in [(1, 15, 8, 64, 3), (8, 15, 8, 64, 3), (32, 7, 4, 31, 0)]:
+        result = check_mixed_case(rng, device, *case)
         results.append(result)
         print(json.dumps(result), flush=True)
     for num_trees in (1, 8):
