@@ -101,15 +101,19 @@ def check_case(rng, device, num_trees, depth, width, budget, conv_window, cut) -
     target = targets(rng, plan, device)
     eager = host_us(lambda: device_accept.accept_on_device(trees, target, *args))
     graph = host_us(lambda: graphs.walk(trees, target, *args))
+    return walk_result(plan, graphs, mismatches, eager, graph, conv_window=conv_window, cut=cut)
+
+
+def walk_result(plan, graphs, mismatches, eager_us, graph_us, **case) -> dict:
+    """One walk case's line: its trees, what it was, the graph's replays, the mismatches and both host times."""
     return dict(
-        trees=num_trees,
+        trees=int(plan.batch_index.shape[0]),
         nodes=int(plan.num_tree_tokens),
-        conv_window=conv_window,
-        cut=cut,
+        **case,
         replays=graphs.replayed,
         mismatches=mismatches,
-        host_us_op_by_op=round(eager, 1),
-        host_us_graph=round(graph, 1),
+        host_us_op_by_op=round(eager_us, 1),
+        host_us_graph=round(graph_us, 1),
     )
 
 
@@ -137,17 +141,8 @@ def check_mixed_case(rng, device, num_trees, depth, width, budget, conv_window, 
     target = targets(rng, plan, device)
     eager = host_us(lambda: device_accept.accept_on_device(trees, target, *walk, num_tokens, conv_window))
     graph = host_us(lambda: graphs.walk(trees, target, *walk, token_budget, conv_window))
-    return dict(
-        mixed_step=True,
-        trees=num_trees,
-        nodes=int(plan.num_tree_tokens),
-        conv_window=conv_window,
-        token_budget=token_budget,
-        replays=graphs.replayed,
-        mismatches=mismatches,
-        host_us_op_by_op=round(eager, 1),
-        host_us_graph=round(graph, 1),
-    )
+    case = dict(mixed_step=True, conv_window=conv_window, token_budget=token_budget)
+    return walk_result(plan, graphs, mismatches, eager, graph, **case)
 
 
 def place(buffers, positions, gpu, total):
