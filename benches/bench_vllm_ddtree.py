@@ -57,6 +57,7 @@ from engine_turns import (
 )
 from gpu_profile import (
     GRAPH_LAUNCH_MS,
+    HOST_DETAIL_MS,
     counter_deltas,
     enable_scopes,
     first_run_steps,
@@ -548,6 +549,11 @@ def main():
             f"{row['ms_per_step']:>10.2f}{(f'{host:.2f}' if host is not None else '-'):>9}"
             f"{(f'{launches:.2f}' if launches is not None else '-'):>10}{row.get('first_runs', '-'):>12}"
         )
+    pieces = host_pieces(table)
+    if pieces:
+        print("\nddtree's host ms a verify step, by part and the pieces measured inside it:")
+        for line in pieces:
+            print("  " + line)
     busy = busiest_threads(table)
     if busy:
         print("\nBusiest threads over each row's timed runs, CPU s (wall s):")
@@ -559,6 +565,26 @@ def main():
         for engine, batch, estimate, measured in checks:
             print(f"  {engine} batch {batch}: {estimate:.3f} estimated, {measured:.3f} measured")
     json.dump(table, open(os.path.join(args.out, "bench_vllm_ddtree.json"), "w"), indent=1)
+
+
+def host_pieces(rows) -> list:
+    """One line per ddtree row: each host part's ms a verify step, then the pieces timed inside it
+    (``host_detail_ms_per_verify_step``: "plan: device upload" is a piece of "plan"), largest first."""
+    lines = []
+    for row in rows:
+        parts, pieces = row.get("host_ms_per_verify_step"), row.get(HOST_DETAIL_MS)
+        if not parts:
+            continue
+        text = []
+        for part, ms in sorted(parts.items(), key=lambda item: -item[1]):
+            inside = sorted(
+                ((name.split(": ", 1)[1], v) for name, v in (pieces or {}).items() if name.startswith(part + ": ")),
+                key=lambda item: -item[1],
+            )
+            detail = f" ({', '.join(f'{name} {v:.3f}' for name, v in inside)})" if inside else ""
+            text.append(f"{part} {ms:.3f}{detail}")
+        lines.append(f"{row['engine']} batch {row['batch']}: " + "; ".join(text))
+    return lines
 
 
 def busiest_threads(rows, most: int = 3) -> list:

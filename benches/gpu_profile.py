@@ -282,6 +282,8 @@ def compress(path: str) -> str:
 
 #: The summary's host ms inside ddtree's own graph replays, by graph (a part of ``host_ms_per_verify_step``).
 GRAPH_LAUNCH_MS = "graph_launch_ms_per_verify_step"
+#: ... and of named pieces of the parts (``DDTreeStats.detail``), also a part of them, over the same steady steps.
+HOST_DETAIL_MS = "host_detail_ms_per_verify_step"
 
 
 def counter_deltas(before: dict, after: dict, names) -> dict:
@@ -317,6 +319,8 @@ def host_ms_fields(before: dict, after: dict, vllm_parts: bool = True) -> dict:
     if vllm_parts:
         fields["vllm_host_ms_per_verify_step"] = timed_host_ms(before, after, "vllm_host_ms_per_verify_step")
     fields[GRAPH_LAUNCH_MS] = timed_host_ms(before, after, GRAPH_LAUNCH_MS)
+    # What the parts are made of (``DDTreeStats.detail``: "plan: device upload", "defer: copy", ...).
+    fields[HOST_DETAIL_MS] = timed_host_ms(before, after, HOST_DETAIL_MS)
     fields.update(first_run_steps(before, after))
     return fields
 

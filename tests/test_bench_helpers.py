@@ -206,6 +206,28 @@ def test_host_ms_cover_only_the_timed_steps():
     }
 
 
+def test_each_ddtree_row_lists_its_host_parts_with_the_pieces_inside_them_largest_first():
+    import bench_vllm_ddtree as pair_bench
+
+    rows = [
+        {"engine": "dflash", "batch": 8},
+        {
+            "engine": "ddtree-63",
+            "batch": 8,
+            "host_ms_per_verify_step": {"plan": 0.3, "defer": 0.1, "commit": 0.05},
+            "host_detail_ms_per_verify_step": {
+                "plan: device upload": 0.02,
+                "plan: device graph": 0.1,
+                "defer: copy": 0.04,
+            },
+        },
+    ]
+    assert pair_bench.host_pieces(rows) == [
+        "ddtree-63 batch 8: plan 0.300 (device graph 0.100, device upload 0.020); defer 0.100 (copy 0.040); "
+        "commit 0.050"
+    ]
+
+
 def test_host_ms_average_the_steady_steps_and_count_first_runs_apart():
     """Summaries with the first-run split: ddtree's parts over the steady steps, vLLM's over all verify steps, and
     the window's first runs with their mean host ms."""
@@ -218,7 +240,10 @@ def test_host_ms_average_the_steady_steps_and_count_first_runs_apart():
     after["first_run_host_ms"] = {"plan": 70.0, "accept": 10.0}
     after.update(host_ms_per_verify_step={"plan": 26 * 0.4 / 26 + (8 * 0.1) / 26})  # 0.5 over 8, then 0.4 over 18
     after.update(vllm_host_ms_per_verify_step={"forward launch": 0.3}, graph_launch_ms_per_verify_step={"walk": 0.02})
+    before["host_detail_ms_per_verify_step"] = {"plan: device upload": 0.2}
+    after["host_detail_ms_per_verify_step"] = {"plan: device upload": (8 * 0.2 + 18 * 0.1) / 26}
     fields = gpu_profile.host_ms_fields(before, after)
+    assert fields["host_detail_ms_per_verify_step"]["plan: device upload"] == pytest.approx(0.1)  # the window's
     assert fields["host_ms_per_verify_step"]["plan"] == pytest.approx((26 * 0.4 + 0.8 - 8 * 0.5) / 18)
     assert fields["vllm_host_ms_per_verify_step"]["forward launch"] == pytest.approx(0.3)  # over all 20 steps
     assert fields["graph_launch_ms_per_verify_step"]["walk"] == pytest.approx(0.02)

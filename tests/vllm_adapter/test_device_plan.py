@@ -199,6 +199,26 @@ def test_a_steady_step_is_planned_on_the_device_without_waiting_for_the_top_k():
         assert plan.filler_mask is None and plan.num_cut_trees == 0
 
 
+def test_the_plans_pieces_are_timed_apart_inside_its_part():
+    """The summary's ``host_detail_ms_per_verify_step``: a device-planned step's checks, template, upload, graph and
+    plan object, a host-planned step's whole plan and the published counts, each a piece of the plan part (their sum
+    within it), and the proposer's copy, store and kept top-K inside its defer part."""
+    runner, rng = _device_runner(batch=3)
+    for _ in range(2):
+        _plan(runner, _defer(runner, rng))
+    _plan(runner, bench.subset_step(runner, _defer(runner, rng)))  # subsets off here: the host plan
+    stats = runner.ddtree_stats
+    assert stats.device_plan_steps == 2
+    pieces = stats.detail_seconds
+    device = {"device checks", "device template", "device upload", "device graph", "device bookkeeping"}
+    plan = {name for name in pieces if name.startswith("plan: ")}
+    assert {f"plan: {name}" for name in device} | {"plan: host plan", "plan: publish counts"} <= plan
+    assert sum(pieces[name] for name in plan) <= stats.host_seconds["plan"]
+    assert {"defer: copy", "defer: store", "defer: keep top-K"} <= set(pieces)
+    summary = stats.summary()["host_detail_ms_per_verify_step"]
+    assert set(summary) == set(pieces) and all(ms > 0 for ms in summary.values())
+
+
 @pytest.mark.parametrize(
     "why",
     ["near max_model_len", "trees over 128 nodes", "a cut tree", "top-K not kept", "another request order"],

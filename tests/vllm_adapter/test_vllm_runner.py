@@ -408,8 +408,10 @@ def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():
         stats.close_step(first_runs)
         stats.host_seconds["plan"] = stats.host_seconds.get("plan", 0.0) + plan_s
         stats.graph_launch_seconds["walk"] = stats.graph_launch_seconds.get("walk", 0.0) + launch_s
+        stats.detail_seconds["plan: upload"] = stats.detail_seconds.get("plan: upload", 0.0) + plan_s / 2
         stats.observe_counts(plan, np.array([1]))
 
+    stats.detail_seconds["plan: upload"] = 0.5  # a start-up capture's piece: no step's, dropped
     stats.close_step(2)  # start-up captures (DDTREE_PRECAPTURE): first runs without a step's host work, no step
     step(2, 0.001, 0.0001)  # steady
     step(2, 0.020, 0.0050)  # ran a new shape: first_runs goes 2 -> 3 before the next step starts
@@ -420,6 +422,7 @@ def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():
     assert summary["verify_steps"] == 4 and summary["first_run_steps"] == 1 and summary["steady_verify_steps"] == 3
     assert summary["host_ms_per_verify_step"]["plan"] == pytest.approx(1.0)
     assert summary["graph_launch_ms_per_verify_step"]["walk"] == pytest.approx(0.1)
+    assert summary["host_detail_ms_per_verify_step"]["plan: upload"] == pytest.approx(0.5)  # the steady steps'
     assert summary["first_run_host_ms"] == {"plan": pytest.approx(20.0)}
 
 

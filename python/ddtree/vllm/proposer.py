@@ -261,13 +261,17 @@ class DDTreeProposer(DFlashProposer):
                 host.numpy().reshape(batch_size, self.draft_len, width),
                 self._late_drafts[:batch_size],
             )
-        views[0].copy_(self._capture, non_blocking=True)
-        if self._late_landed is not None:
-            self._late_landed.record()
+        stats = self.runner.ddtree_stats
+        with stats.detail("defer: copy"):
+            views[0].copy_(self._capture, non_blocking=True)
+            if self._late_landed is not None:
+                self._late_landed.record()
         packed, self._capture = self._capture, None
-        proposal = DeferredProposal(views[1], self.top_k, self._late_landed)
-        self.last_drafts = self.store.defer(req_ids, proposal, budget=self.runner.ddtree_budget_for(batch_size))
+        with stats.detail("defer: store"):
+            proposal = DeferredProposal(views[1], self.top_k, self._late_landed)
+            self.last_drafts = self.store.defer(req_ids, proposal, budget=self.runner.ddtree_budget_for(batch_size))
         planner = self._device_planner()
         if planner is not None:  # DDTREE_DEVICE_PLAN: the next step may build these trees on the device
-            planner.keep_top_k(packed, proposal.req_ids)
+            with stats.detail("defer: keep top-K"):
+                planner.keep_top_k(packed, proposal.req_ids)
         return views[2]

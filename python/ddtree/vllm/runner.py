@@ -178,6 +178,22 @@ class PartTimer:
         self.seconds[self.part] = self.seconds.get(self.part, 0.0) + elapsed
 
 
+class DetailTimer:
+    """One block of :meth:`DDTreeStats.detail`: its host seconds added to ``seconds[name]``, nothing else (no
+    profiler range: a part's details run several times a step, ~0.3 us each)."""
+
+    __slots__ = ("seconds", "name", "start")
+
+    def __init__(self, seconds: Dict[str, float], name: str):
+        self.seconds, self.name = seconds, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.seconds[self.name] = self.seconds.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
 class ProfiledPartTimer(PartTimer):
     """A :class:`PartTimer` whose block also runs under a host profile (:meth:`DDTreeStats.start_host_profile`)."""
 
@@ -243,6 +259,9 @@ class DDTreeStats:
         # Host seconds inside the replays of ddtree's own step graphs, by graph (walk, plan, kv moves, commit): part
         # of the timed parts above; a launch waits there when the GPU's queue is full (a GPU-bound step).
         self.graph_launch_seconds: Dict[str, float] = {}
+        # Host seconds of named pieces inside the timed parts ("plan: upload", "defer: copy", ...: :meth:`detail`):
+        # what a part is made of, measured without a profiler's overhead (part of the parts, not added to them).
+        self.detail_seconds: Dict[str, float] = {}
         # Steps that ran one of ddtree's step-graph shapes for the first time (``ShapeGraphs.first_runs``: compiles,
         # allocations, a capture that synchronizes the device; tens of ms, once per shape) keep their host seconds
         # here, by part, instead of in the two dicts above, whose per-step figures are then the steady state's. At
@@ -251,7 +270,7 @@ class DDTreeStats:
         self.first_run_host_seconds: Dict[str, float] = {}
         self.precaptured_sizes = 0  # FULL sizes whose step graphs were captured at start-up (DDTREE_PRECAPTURE)
         self.precaptured_commits = 0  # ... whose commit's graphs were too (DDTREE_PRECAPTURE=all)
-        self._step_mark: Tuple[int, Dict[str, float], Dict[str, float]] = (0, {}, {})
+        self._step_mark: Tuple[int, Dict[str, float], Dict[str, float], Dict[str, float]] = (0, {}, {}, {})
         # What smaller budgets and vLLM's DFlash chain would have accepted on the same trees (``what_if``), on every
         # WHAT_IF_EVERY-th verify step, WHAT_IF_EVERY_DEVICE_PLANNED-th of device-planned ones (a systematic sample
         # of the traffic; the sampled steps are kept and counted 16 at a time, in one numpy pass).
@@ -263,7 +282,10 @@ class DDTreeStats:
         """Called as each engine step starts, with ``ShapeGraphs.first_runs``: when the step since the last call ran
         a graph shape for the first time, its host seconds move to ``first_run_host_seconds`` (its launch seconds,
         part of them, are dropped with it) and it counts in ``first_run_steps``."""
-        runs, host, launches = self._step_mark
+        runs, host, launches, details = self._step_mark
+        if first_runs != runs:  # (start-up captures too: their pieces are no step's)
+            self.detail_seconds.clear()
+            self.detail_seconds.update(details)
         # (First runs without any host work since the mark are start-up captures, DDTREE_PRECAPTURE: no step.)
         if first_runs != runs and self.host_seconds != host:
             self.first_run_steps += 1
@@ -273,7 +295,12 @@ class DDTreeStats:
                 self.first_run_host_seconds[part] = self.first_run_host_seconds.get(part, 0.0) + moved
             self.graph_launch_seconds.clear()
             self.graph_launch_seconds.update(launches)
-        self._step_mark = (first_runs, dict(self.host_seconds), dict(self.graph_launch_seconds))
+        self._step_mark = (
+            first_runs,
+            dict(self.host_seconds),
+            dict(self.graph_launch_seconds),
+            dict(self.detail_seconds),
+        )
 
     def timed(self, part: str) -> "PartTimer":
         """``with stats.timed(part):`` adds the block's host seconds to ``host_seconds[part]``; also a profiler range
@@ -282,6 +309,12 @@ class DDTreeStats:
         if self.host_profile is not None:
             return ProfiledPartTimer(self.host_seconds, part, self.host_profile)
         return PartTimer(self.host_seconds, part)
+
+    def detail(self, name: str) -> DetailTimer:
+        """``with stats.detail(name):`` adds the block's host seconds to ``detail_seconds[name]``, a piece of the
+        timed part around it (``host_detail_ms_per_verify_step`` in the summary; a first-run step's are dropped
+        with its launches)."""
+        return DetailTimer(self.detail_seconds, name)
 
     def start_host_profile(self) -> None:
         """Profiles every timed block from now on (:class:`ddtree.vllm.host_profile.HostProfile`: ``cProfile``,
@@ -419,6 +452,7 @@ class DDTreeStats:
             "host_ms_per_verify_step": self._per_verify_step_ms(self.host_seconds, self.steady_steps),
             "vllm_host_ms_per_verify_step": self._per_verify_step_ms(self.vllm_host_seconds, self.steps),
             "graph_launch_ms_per_verify_step": self._per_verify_step_ms(self.graph_launch_seconds, self.steady_steps),
+            "host_detail_ms_per_verify_step": self._per_verify_step_ms(self.detail_seconds, self.steady_steps),
             "first_run_steps": self.first_run_steps,
             "precaptured_sizes": self.precaptured_sizes,
             "precaptured_commits": self.precaptured_commits,
@@ -810,7 +844,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             stale.release()
         if late is not None and not self._ddtree_plan_on_device(late):
             # Timed with the plan: queueing the early launch is the step's host work too.
-            with self.ddtree_stats.timed("plan"):
+            with self.ddtree_stats.timed("plan"), self.ddtree_stats.detail("plan: early launch"):
                 queued = self._ddtree_queue_early(late)
             if not queued:
                 # Asynchronous scheduling: the trees arrive now, after vLLM's metadata builds and before the input
@@ -823,7 +857,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         try:
             with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
                 self.drafter.store.settle()
-            with self.ddtree_stats.timed("plan"):
+            with self.ddtree_stats.timed("plan"), self.ddtree_stats.detail("plan: host plan"):
                 self._ddtree_prepare(*late, early=early)
         finally:
             if early is not None:
@@ -845,40 +879,58 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return False
         if getattr(scheduler_output, "has_structured_output_requests", False):
             return False  # the grammar masks read the trees at once: the host builds the ones the GPU verifies
-        with self.ddtree_stats.timed("plan"):  # (the tests too: a declined step's are its plan's host work)
-            limit = min(self.max_model_len, getattr(self, "effective_drafter_max_model_len", self.max_model_len))
-            computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
-            if not fits_far_from_the_end(computed, size, planner.draft_len, limit):
-                return False
-            req_ids = self.input_batch.req_ids[:num_reqs]
-            spec = scheduler_output.scheduled_spec_decode_tokens
-            whole = take_device_plannable(self.drafter.store, req_ids, spec, top_k_kept=planner.holds)
-            rows = None
-            if whole is None and self._ddtree_device_subsets:
-                subset = take_device_subset(self.drafter.store, req_ids, spec, planner.kept_for, planner.rows_in_kept)
-                if subset is not None:
-                    whole, rows = subset
+        stats = self.ddtree_stats
+        with stats.timed("plan"):  # (the tests too: a declined step's are its plan's host work)
+            with stats.detail("plan: device checks"):
+                whole, rows = self._ddtree_device_plannable(scheduler_output, num_reqs, size)
             if whole is None:
                 return False
             self._ddtree_device_prepare(whole, num_reqs, size, scheduler_output.total_num_scheduled_tokens, rows)
         return True
+
+    def _ddtree_device_plannable(self, scheduler_output, num_reqs: int, size: int):
+        """``(whole, rows)``: the step's proposal records taken for the device plan (``rows``: a subset step's rows of
+        the kept top-K, else None), or ``(None, None)`` when the step goes to the host plan (near the end of the
+        context, other requests or trees, top-K not kept)."""
+        planner = self._ddtree_device_planner
+        limit = min(self.max_model_len, getattr(self, "effective_drafter_max_model_len", self.max_model_len))
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        if not fits_far_from_the_end(computed, size, planner.draft_len, limit):
+            return None, None
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        whole = take_device_plannable(self.drafter.store, req_ids, spec, top_k_kept=planner.holds)
+        if whole is not None or not self._ddtree_device_subsets:
+            return whole, None
+        subset = take_device_subset(self.drafter.store, req_ids, spec, planner.kept_for, planner.rows_in_kept)
+        return subset if subset is not None else (None, None)
 
     def _ddtree_device_prepare(self, whole, num_reqs: int, size: int, total: int, rows=None) -> None:
         """The device-planned step: the shape's constants and the step's serial uploaded, then one graph (per step
         shape) of the tree build, the layout into the upload's device views and the placement; the plan object is
         the shape's, with this step's serial and its trees deferred to the host's first read. ``rows``: a subset
         step's rows of the kept top-K (``take_device_subset``), uploaded with it; None: the kept proposal whole."""
-        planner = self._ddtree_device_planner
-        template = self._ddtree_device_template(num_reqs, size, total)[0]
-        published, self._ddtree_early_token_index = self._ddtree_early_token_index, None
-        if published is not None and not same_values(template.token_index, published):
-            raise RuntimeError("DDTree: a device-planned step's tokens differ from the counts it was published with")
-        if self._ddtree_conv_window > 0:
-            self._ddtree_check_spec_rows(template, num_reqs)
+        stats = self.ddtree_stats
+        with stats.detail("plan: device template"):
+            template = self._ddtree_device_template(num_reqs, size, total)[0]
+            published, self._ddtree_early_token_index = self._ddtree_early_token_index, None
+            if published is not None and not same_values(template.token_index, published):
+                raise RuntimeError(
+                    "DDTree: a device-planned step's tokens differ from the counts it was published with"
+                )
+            if self._ddtree_conv_window > 0:
+                self._ddtree_check_spec_rows(template, num_reqs)
         serial = self._ddtree_step_serial
         self._ddtree_step_serial = serial + 1
         gpu, placed = self._ddtree_device_upload_and_place(num_reqs, size, total, serial, rows)
         self.ddtree_stats.device_plan_subset_steps += rows is not None
+        with stats.detail("plan: device bookkeeping"):
+            self._ddtree_device_plan_object(template, serial, whole, gpu, placed)
+
+    def _ddtree_device_plan_object(self, template: VerifyPlan, serial: int, whole, gpu, placed) -> None:
+        """The device-planned step's plan object: the shape's template with this step's serial, trees deferred to the
+        host's first read, and the upload's and placement's device tensors."""
+        planner = self._ddtree_device_planner
         plan = shallow_copy(template)
         plan.step_serial = serial
         plan.deferred_trees = DeferredTrees(self.drafter.store, whole, planner.draft_len)
@@ -899,6 +951,22 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         in a layout of its own (so a graph of its own)."""
         planner = self._ddtree_device_planner
         staging = self._ddtree_plan_staging
+        with self.ddtree_stats.detail("plan: device upload"):
+            gpu = self._ddtree_device_upload(num_reqs, size, total, serial, rows)
+        key = (staging.layout_key(), total, "device plan")
+        work = functools.partial(self._ddtree_device_place, gpu, total, num_reqs, size)
+        with self.ddtree_stats.detail("plan: device graph"):
+            placed = self._ddtree_plan_graphs.run(key, work)
+        if rows is None:
+            planner.planned(num_reqs, size, staging, serial)
+        else:  # its rows are this step's: the next step uploads its own layout
+            planner.not_resumable()
+        return gpu, placed
+
+    def _ddtree_device_upload(self, num_reqs: int, size: int, total: int, serial: int, rows=None):
+        """The device-planned step's upload (see :meth:`_ddtree_device_upload_and_place`); its device views."""
+        planner = self._ddtree_device_planner
+        staging = self._ddtree_plan_staging
         if rows is None and planner.resumes(num_reqs, size, staging, serial):
             gpu = staging.device_views()
             self.ddtree_stats.device_plan_resumed_steps += 1
@@ -917,14 +985,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 views["proposal_rows"][...] = rows
             gpu = staging.upload_host()
             planner.serial.copy_(gpu["step_serial"])  # (the graph takes the step's serial from the device's)
-        key = (staging.layout_key(), total, "device plan")
-        work = functools.partial(self._ddtree_device_place, gpu, total, num_reqs, size)
-        placed = self._ddtree_plan_graphs.run(key, work)
-        if rows is None:
-            planner.planned(num_reqs, size, staging, serial)
-        else:  # its rows are this step's: the next step uploads its own layout
-            planner.not_resumable()
-        return gpu, placed
+        return gpu
 
     def _ddtree_device_place(self, gpu: Dict[str, torch.Tensor], total: int, num_reqs: int, size: int):
         """The device-planned step's device side (captured as one graph): the trees built and laid out into the
@@ -1069,7 +1130,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if self._ddtree_conv_window and scheduler_output.scheduled_new_reqs:
             self._ddtree_clear_fresh_states(scheduler_output.scheduled_new_reqs, spec)
         if self.use_async_scheduling:
-            with self.ddtree_stats.timed("plan"):
+            with self.ddtree_stats.timed("plan"), self.ddtree_stats.detail("plan: publish counts"):
                 published = self._ddtree_publish_counts(scheduler_output, num_scheduled_tokens, num_reqs)
             if published:
                 self._ddtree_late_step = (
@@ -1084,7 +1145,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # ran while the drafter did (a no-op otherwise).
         with record_function_or_nullcontext("ddtree: wait for the drafter's top-K"):
             self.drafter.store.settle()
-        with self.ddtree_stats.timed("plan"):
+        with self.ddtree_stats.timed("plan"), self.ddtree_stats.detail("plan: host plan"):
             self._ddtree_prepare(scheduler_output, num_scheduled_tokens, logits_indices, spec_decode_metadata, num_reqs)
 
     def _ddtree_prepare(
@@ -1750,10 +1811,14 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         if plan is not None and gpu is not None:
             # Host time of the commit's launches (KV moves per attention layer, two per GDN layer): under FULL
             # graphs they are the step's largest host work outside the replay.
-            with self.ddtree_stats.timed("commit"):
+            stats = self.ddtree_stats
+            with stats.timed("commit"):
                 boundaries = self._ddtree_state_boundaries(plan)
-                if not self._ddtree_commit_gdn(gpu, boundaries):  # (the K/V moves not recorded with the GDN commit)
-                    self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
+                with stats.detail("commit: gdn"):
+                    moved = self._ddtree_commit_gdn(gpu, boundaries)
+                if not moved:  # (the K/V moves not recorded with the GDN commit)
+                    with stats.detail("commit: kv moves"):
+                        self._ddtree_move_kv(gpu["kv_src"], gpu["kv_dst"])
             self.drafter.context_order = gpu["context_order"]
             self.drafter.flat_positions = self._ddtree_flat_positions
             if accept is not None:
