@@ -147,6 +147,8 @@ def child(args):
         prompts = groups[0]
         params = timed_params(args)
         is_tree = spec is not None and spec.get("method") == "ddtree"
+        if is_tree and args.host_pieces:
+            llm.collective_rpc("ddtree_host_pieces", args=(True,))  # (before the warm-up: its steps are timed too)
         warm_start = llm.collective_rpc("ddtree_summary")[0] if is_tree else None
         # Warm-up at this batch size: the first group as the timed runs serve it. Triton kernels specialise on
         # shapes, and ddtree captures a step graph the first time it meets a step shape (a batch shrinking request
@@ -404,6 +406,13 @@ def main():
         "batch size b's run submits every request at once with at most b running (vLLM admits the next as one "
         "ends): requests end and join all the time, as in served traffic, where the default serves b at a time in "
         "lockstep",
+    )
+    ap.add_argument(
+        "--host-pieces",
+        action="store_true",
+        help="ddtree engines: time the pieces inside each host part too (host_detail_ms_per_verify_step, printed "
+        "part by part; ~0.7 us a piece on a development CPU, ten a step, so off by default to keep the host ms "
+        "comparable with earlier rows)",
     )
     ap.add_argument(
         "--host-profile",
@@ -666,6 +675,7 @@ def child_command(args, name: str, spec, gate: str) -> list:
     cmd += ["--profile-batches", args.profile_batches, "--profile-tokens", str(args.profile_tokens)]
     cmd += ["--name", name, "--out", args.out] + (["--profile-no-stacks"] if args.profile_no_stacks else [])
     cmd += ["--host-profile"] if args.host_profile else []
+    cmd += ["--host-pieces"] if args.host_pieces else []
     cmd += ["--churn"] if args.churn else []
     cmd += engine_arguments(gate) + (["--interleave"] if args.interleave else [])
     if args.prompts:

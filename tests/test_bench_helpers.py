@@ -997,20 +997,21 @@ def test_the_pair_bench_puts_every_request_under_the_regex_when_asked():
     assert bench_vllm_ddtree.timed_params(args).structured_outputs is None
 
 
-def test_the_pair_bench_passes_prefix_caching_the_host_profile_and_churn_to_every_engine_when_asked():
+def test_the_pair_bench_passes_prefix_caching_the_host_profile_pieces_and_churn_to_every_engine_when_asked():
     import bench_vllm_ddtree
 
     args = types.SimpleNamespace(
         gpu_memory_utilization=0.5, concurrent_starts=1, target="t", drafter="d", batches="1", max_tokens=8, requests=3,
         temperature=0.0, seeded=False, regex=None, prompt_len=16, max_model_len=64, repeats=1, draft_len=4,
         profile_batches="", profile_tokens=0, out="o", profile_no_stacks=False, interleave=False, prompts=None,
-        eager=False, prefix_caching=True, kv_cache_gib=0.0, host_profile=True, churn=True,
+        eager=False, prefix_caching=True, kv_cache_gib=0.0, host_profile=True, churn=True, host_pieces=True,
     )  # fmt: skip
+    flags = ("--prefix-caching", "--host-profile", "--churn", "--host-pieces")
     command = bench_vllm_ddtree.child_command(args, "dflash", None, "")
-    assert "--prefix-caching" in command and "--host-profile" in command and "--churn" in command
-    args.prefix_caching = args.host_profile = args.churn = False
+    assert all(flag in command for flag in flags)
+    args.prefix_caching = args.host_profile = args.churn = args.host_pieces = False
     command = bench_vllm_ddtree.child_command(args, "dflash", None, "")
-    assert "--prefix-caching" not in command and "--host-profile" not in command and "--churn" not in command
+    assert not any(flag in command for flag in flags)
 
 
 def test_the_in_engine_ab_times_each_switch_then_the_engines_own_settings_again(monkeypatch):

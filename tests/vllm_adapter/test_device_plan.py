@@ -204,8 +204,10 @@ def test_the_plans_pieces_are_timed_apart_inside_its_part():
     plan object, a host-planned step's whole plan and the published counts, each a piece of the plan part (their sum
     within it), and the proposer's copy, store and kept top-K inside its defer part."""
     runner, rng = _device_runner(batch=3)
-    for _ in range(2):
-        _plan(runner, _defer(runner, rng))
+    _plan(runner, _defer(runner, rng))
+    assert not runner.ddtree_stats.detail_seconds  # off unless asked for (each piece costs its timer)
+    assert runner.ddtree_host_pieces(True) is False
+    _plan(runner, _defer(runner, rng))
     _plan(runner, bench.subset_step(runner, _defer(runner, rng)))  # subsets off here: the host plan
     stats = runner.ddtree_stats
     assert stats.device_plan_steps == 2

@@ -376,6 +376,25 @@ def test_the_host_profile_covers_ddtrees_timed_blocks_only_and_stops_when_read()
     assert "_outside_every_timed_block" not in stats.stop_host_profile()
 
 
+def test_the_host_pieces_switch_reaches_the_runners_statistics_through_the_worker():
+    """``llm.collective_rpc("ddtree_host_pieces", args=(on,))``: the worker hands it to the runner, which turns the
+    pieces' timers on or off and says what they were."""
+    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.worker import DDTreeWorker
+
+    runner = object.__new__(DDTreeGPUModelRunner)
+    runner.ddtree_stats = DDTreeStats(3)
+    worker = object.__new__(DDTreeWorker)
+    worker.model_runner = runner
+    with runner.ddtree_stats.detail("plan: before"):
+        pass
+    assert worker.ddtree_host_pieces(True) is False and runner.ddtree_stats.detail_on
+    with runner.ddtree_stats.detail("plan: x"):
+        pass
+    assert worker.ddtree_host_pieces(False) is True and not runner.ddtree_stats.detail_on
+    assert list(runner.ddtree_stats.detail_seconds) == ["plan: x"]  # timed only while on
+
+
 def test_the_host_profile_counts_the_garbage_collections_inside_timed_blocks_only():
     import gc
 

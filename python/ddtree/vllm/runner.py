@@ -180,7 +180,7 @@ class PartTimer:
 
 class DetailTimer:
     """One block of :meth:`DDTreeStats.detail`: its host seconds added to ``seconds[name]``, nothing else (no
-    profiler range: a part's details run several times a step, ~0.3 us each)."""
+    profiler range: a part's details run several times a step, ~0.7 us each on a development CPU)."""
 
     __slots__ = ("seconds", "name", "start")
 
@@ -192,6 +192,21 @@ class DetailTimer:
 
     def __exit__(self, *exc) -> None:
         self.seconds[self.name] = self.seconds.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+class _NoDetail:
+    """:meth:`DDTreeStats.detail` while the pieces are not timed: a block that does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+NO_DETAIL = _NoDetail()
 
 
 class ProfiledPartTimer(PartTimer):
@@ -259,9 +274,12 @@ class DDTreeStats:
         # Host seconds inside the replays of ddtree's own step graphs, by graph (walk, plan, kv moves, commit): part
         # of the timed parts above; a launch waits there when the GPU's queue is full (a GPU-bound step).
         self.graph_launch_seconds: Dict[str, float] = {}
-        # Host seconds of named pieces inside the timed parts ("plan: upload", "defer: copy", ...: :meth:`detail`):
-        # what a part is made of, measured without a profiler's overhead (part of the parts, not added to them).
+        # Host seconds of named pieces inside the timed parts ("plan: device upload", "defer: copy", ...:
+        # :meth:`detail`): what a part is made of, measured without a profiler's overhead (part of the parts, not
+        # added to them). Off unless asked for (``detail_on``, the benches' --host-pieces): ~0.7 us a piece on a
+        # development CPU, ten pieces a step.
         self.detail_seconds: Dict[str, float] = {}
+        self.detail_on = False
         # Steps that ran one of ddtree's step-graph shapes for the first time (``ShapeGraphs.first_runs``: compiles,
         # allocations, a capture that synchronizes the device; tens of ms, once per shape) keep their host seconds
         # here, by part, instead of in the two dicts above, whose per-step figures are then the steady state's. At
@@ -310,11 +328,11 @@ class DDTreeStats:
             return ProfiledPartTimer(self.host_seconds, part, self.host_profile)
         return PartTimer(self.host_seconds, part)
 
-    def detail(self, name: str) -> DetailTimer:
+    def detail(self, name: str):
         """``with stats.detail(name):`` adds the block's host seconds to ``detail_seconds[name]``, a piece of the
         timed part around it (``host_detail_ms_per_verify_step`` in the summary; a first-run step's are dropped
-        with its launches)."""
-        return DetailTimer(self.detail_seconds, name)
+        with its launches), while ``detail_on``; otherwise a block that does nothing."""
+        return DetailTimer(self.detail_seconds, name) if self.detail_on else NO_DETAIL
 
     def start_host_profile(self) -> None:
         """Profiles every timed block from now on (:class:`ddtree.vllm.host_profile.HostProfile`: ``cProfile``,
@@ -2228,6 +2246,13 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             )
         if hasattr(self, "drafter"):
             self.drafter.warm_up()
+
+    def ddtree_host_pieces(self, on: bool = True) -> bool:
+        """Times the pieces inside ddtree's host parts (``DDTreeStats.detail``) from now on, or stops; returns the
+        previous setting (``llm.collective_rpc("ddtree_host_pieces", args=(True,))``; the pair bench's
+        ``--host-pieces``)."""
+        previous, self.ddtree_stats.detail_on = self.ddtree_stats.detail_on, bool(on)
+        return previous
 
     def ddtree_host_profile_start(self) -> None:
         """Profiles ddtree's timed host work function by function until :meth:`ddtree_host_profile_stop`

@@ -41,6 +41,9 @@ class DDTreeWorker(Worker):
     def ddtree_summary(self):
         return self.model_runner.ddtree_summary()
 
+    def ddtree_host_pieces(self, on: bool = True):
+        return self.model_runner.ddtree_host_pieces(on)
+
     def ddtree_host_profile_start(self):
         return self.model_runner.ddtree_host_profile_start()
 
