@@ -544,8 +544,12 @@ def run_child(
                 "full_graph_steps",
                 # How many of a scenario's steps the device plan served: requests that finish or arrive change the
                 # step's requests, and such a step is planned on the host (the pair bench's lockstep groups rarely
-                # do; served traffic does all the time).
+                # do; served traffic does all the time), unless it is some of the last proposal's requests (subset
+                # steps, DDTREE_DEVICE_PLAN_SUBSETS).
                 "device_plan_steps",
+                "device_plan_subset_steps",
+                # Steps with a prefill beside the trees whose walk replayed a graph (DDTREE_MIXED_WALK_GRAPHS).
+                "mixed_walk_graph_steps",
             )
         }
 
@@ -841,7 +845,9 @@ def scenario_exercised(sname, trees, schedule=False):
     note = (
         f"trees {trees['trees']} (cut {trees['partial_trees']}, filler {trees.get('filler_trees', 0)}, fresh states "
         f"{trees.get('fresh_state_trees', 0)}), FULL-graph steps "
-        f"{trees['full_graph_steps']}/{trees['verify_steps']}, device-planned {trees.get('device_plan_steps', 0)}; "
+        f"{trees['full_graph_steps']}/{trees['verify_steps']}, device-planned {trees.get('device_plan_steps', 0)} "
+        f"(subset steps {trees.get('device_plan_subset_steps', 0)}), mixed steps walked by a graph "
+        f"{trees.get('mixed_walk_graph_steps', 0)}; "
     )
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
     ok = ok and (sname != "one_token_prompts" or schedule or trees.get("filler_trees", 0) > 0)

@@ -282,8 +282,12 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
 
     counts = dict(trees=12, partial_trees=0, verify_steps=12, full_graph_steps=9)
     assert scenario_exercised("batch1", counts)[0] is True
-    assert "FULL-graph steps 9/12, device-planned 0;" in scenario_exercised("batch1", counts)[1]
-    assert "device-planned 7;" in scenario_exercised("batch1", dict(counts, device_plan_steps=7))[1]
+    note = "FULL-graph steps 9/12, device-planned 0 (subset steps 0), mixed steps walked by a graph 0;"
+    assert note in scenario_exercised("batch1", counts)[1]
+    more = dict(counts, device_plan_steps=7, device_plan_subset_steps=2, mixed_walk_graph_steps=3)
+    assert (
+        "device-planned 7 (subset steps 2), mixed steps walked by a graph 3;" in scenario_exercised("batch1", more)[1]
+    )
     assert scenario_exercised("near_max", counts)[0] is False  # no cut tree: plain decoding near the end
     assert scenario_exercised("near_max", dict(counts, partial_trees=3))[0] is True
     assert scenario_exercised("batch32", dict(counts, trees=0))[0] is False
