@@ -74,6 +74,19 @@ def test_the_leading_step_indices_are_one_view_per_count():
         buffers.leading_step_index(81)
 
 
+def test_the_walks_int64_offsets_sit_in_one_buffer_one_view_per_count():
+    """``wide_offsets``: a step's int32 offsets as int64 at the buffer's fixed address (the walk graphs key on it),
+    the same view object for a count of trees every time."""
+    buffers = TreeStepBuffers(CPU, max_requests=4, max_tokens=80, tree_size=65, conv_width=4)
+    first = buffers.wide_offsets(torch.tensor([0, 7, 14], dtype=torch.int32))
+    again = buffers.wide_offsets(torch.tensor([0, 5, 12], dtype=torch.int32))
+    assert again is first and again.dtype == torch.int64 and again.tolist() == [0, 5, 12]
+    assert again.data_ptr() == buffers.node_offsets64.data_ptr()
+    assert buffers.wide_offsets(torch.arange(5, dtype=torch.int32)).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="5 trees exceed the buffers' 4"):
+        buffers.wide_offsets(torch.arange(6, dtype=torch.int32))
+
+
 def test_load_refuses_what_does_not_fit():
     buffers = TreeStepBuffers(CPU, max_requests=2, max_tokens=10, tree_size=17)
     with pytest.raises(ValueError, match="3 requests"):

@@ -729,6 +729,57 @@ def test_a_mixed_step_of_whole_trees_walks_through_one_walk_graph_whatever_its_p
     assert walked["context_order"].shape[0] == plan.num_tokens and runner.ddtree_stats.walk_graph_steps == 2
 
 
+def test_mixed_steps_placed_op_by_op_step_after_step_replay_the_one_graph_their_shape_captured():
+    """In an engine every mixed step is prepared anew (new proposals, the placement op by op): the walk's inputs
+    must sit where the shape's graph reads them, so the second step on replays the first one's graph (a new tensor
+    a step moved every key: four graphs captured, each a device sync, then copies into a fifth)."""
+    from ddtree.vllm import context
+    from ddtree.vllm.counts import PathRing
+    from ddtree.vllm.graphs import WalkGraphs
+    from ddtree.vllm.step import accept
+
+    runner, _, output = _mixed_hybrid_step(device_accept=True, cut=False)
+    runner.max_num_reqs, runner.device = 4, torch.device("cpu")
+    runner._ddtree_counts = PathRing(runner.device, 4, width=3 + 2)
+    captures = []
+
+    def capture(work):
+        captures.append(work)
+        return work
+
+    runner._ddtree_walk_graphs = WalkGraphs(capture, runner._ddtree_counts)
+    runner._ddtree_mixed_walk_graphs, runner._ddtree_mixed_walk_tokens = True, 64
+    for step in range(6):
+        lists = _tree_lists(runner.drafter.store, ["a", "b"], seed=step)  # the proposals after each engine step
+        output.scheduled_spec_decode_tokens = {"a": lists[0], "b": lists[1]}
+        try:
+            runner._ddtree_prepare(output, _mixed_step_tokens(cut=False), "indices", "metadata", 3)
+        finally:
+            context.withdraw()
+        plan = runner._ddtree_plan
+        target = _deep_targets(plan)
+        walked = runner.ddtree_accept_on_device(plan, torch.from_numpy(target), 7)
+        want = accept(plan, target, 7)
+        assert np.array_equal(walked["output_tokens"].numpy(), want.output_tokens)
+        assert np.array_equal(walked["context_order"][: plan.num_tokens].numpy(), want.context_order)
+        assert runner._ddtree_walk_replayed == (step > 0)
+    assert len(captures) == 1 and runner._ddtree_walk_graphs.copied_walks == 0
+    assert runner.ddtree_stats.mixed_walk_graph_steps == 5
+
+
+def test_mixed_walk_graphs_need_the_switch_and_an_engine_with_cuda_graphs(monkeypatch):
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    wanted = DDTreeGPUModelRunner._ddtree_mixed_walk_graphs_wanted
+    monkeypatch.delenv("DDTREE_MIXED_WALK_GRAPHS", raising=False)
+    assert not wanted(CUDAGraphMode.FULL_AND_PIECEWISE)  # off by default
+    monkeypatch.setenv("DDTREE_MIXED_WALK_GRAPHS", "1")
+    assert wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and wanted(CUDAGraphMode.PIECEWISE)
+    assert not wanted(CUDAGraphMode.NONE) and not wanted(None)  # enforce_eager: no graphs of ddtree's either
+
+
 def test_a_mixed_step_with_trees_of_two_sizes_walks_op_by_op():
     """A cut tree beside a whole one: every new mix of sizes would be a new graph, so such a step walks op by op,
     over its own tokens, with the switch on."""

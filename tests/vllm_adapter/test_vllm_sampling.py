@@ -332,6 +332,7 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
         self.parallel_config, self.use_async_scheduling = vllm_config.parallel_config, False
         self.model_config = SimpleNamespace(is_hybrid=False)
         self.max_num_reqs, self.max_num_tokens = 4, 64
+        self.compilation_config = SimpleNamespace(cudagraph_mode=None)  # (an eager engine)
         self.drafter = object()
         # (vLLM 0.25 takes the kernels' block sizes; 0.33 the blocks a request may hold instead)
         blocks = {"kernel_block_sizes": [16]}

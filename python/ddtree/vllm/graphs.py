@@ -64,6 +64,10 @@ class TreeStepBuffers:
         self.row_start = torch.full((max_requests,), -1, dtype=torch.int32, device=self.device)
         self.ancestor_bits = torch.zeros((max_tokens, self.words), dtype=torch.int32, device=self.device)
         self.node_offsets = torch.zeros((max_requests + 1,), dtype=torch.int32, device=self.device)
+        # The same offsets as int64, for the device walk (``wide_offsets``): at a fixed address, so that a walk graph
+        # keyed by its inputs' addresses finds a step placed op by op again (a new tensor a step moved every key).
+        self.node_offsets64 = torch.zeros((max_requests + 1,), dtype=torch.int64, device=self.device)
+        self._offsets64: Dict[int, torch.Tensor] = {}
         self.conv_index = (
             torch.zeros((max_tokens, conv_width), dtype=torch.int64, device=self.device) if conv_width else None
         )
@@ -106,6 +110,18 @@ class TreeStepBuffers:
         if conv_index is not None:
             views["conv_index"].copy_(conv_index)
         return views
+
+    def wide_offsets(self, node_offsets: torch.Tensor) -> torch.Tensor:
+        """``node_offsets`` (``[R + 1]``) copied into the int64 buffer; its view, one object per length (so a trees
+        object built from it is found again by identity)."""
+        count = node_offsets.shape[0]
+        view = self._offsets64.get(count)
+        if view is None:
+            if count > self.node_offsets64.shape[0]:
+                raise ValueError(f"DDTree: {count - 1} trees exceed the buffers' {self.max_requests}")
+            view = self._offsets64[count] = self.node_offsets64[:count]
+        view.copy_(node_offsets)
+        return view
 
     def leading_step_index(self, num_tokens: int) -> torch.Tensor:
         """``step_index[:num_tokens]``, one view per count (at most ``max_tokens`` of them; a slice costs ~2 us of

@@ -644,7 +644,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_step_graphs_on = step_graphs_enabled()
         # ... and the walk of a step with a prefill beside whole trees of one size (DDTREE_MIXED_WALK_GRAPHS), over
         # the scheduler's token budget: its shapes are then the trees' alone.
-        self._ddtree_mixed_walk_graphs = mixed_walk_graphs_enabled()
+        self._ddtree_mixed_walk_graphs = self._ddtree_mixed_walk_graphs_wanted(self.compilation_config.cudagraph_mode)
         self._ddtree_mixed_walk_tokens = int(self.max_num_tokens)
         self._ddtree_precapture = precapture_enabled()  # DDTREE_PRECAPTURE: those of whole-tree steps at start-up
         self._ddtree_precapture_commits = precapture_commits()  # ... and the commit's (DDTREE_PRECAPTURE=all)
@@ -1286,7 +1286,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             mrope = self.mrope_positions.gpu
             mrope[:, gpu["token_index"]] = mrope[:, gpu["root_index"]] + gpu["depths"].to(mrope.dtype)
         if "node_parents" in gpu:
-            placed["node_offsets"] = gpu["node_offsets"].to(torch.int64)
+            placed["node_offsets"] = self._ddtree_buffers.wide_offsets(gpu["node_offsets"])
         return placed
 
     @staticmethod
@@ -1960,6 +1960,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept = None
         self._ddtree_accept_gpu = gpu
         return gpu
+
+    @staticmethod
+    def _ddtree_mixed_walk_graphs_wanted(cudagraph_mode) -> bool:
+        """DDTREE_MIXED_WALK_GRAPHS, in an engine that runs CUDA graphs: under enforce_eager (mode NONE) walk graphs
+        of mixed steps would be the engine's only graphs, and a surprise."""
+        return mixed_walk_graphs_enabled() and cudagraph_mode not in (None, CUDAGraphMode.NONE)
 
     def _ddtree_walk_graphs_for_step(self, plan: VerifyPlan) -> Tuple[Optional[WalkGraphs], int]:
         """The walk graphs for this step (None: the walk op by op) and the tokens its walk lays the drafter's row
