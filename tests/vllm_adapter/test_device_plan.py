@@ -481,10 +481,9 @@ def test_a_top_k_that_does_not_fit_the_buffer_is_refused():
 @pytest.mark.parametrize("subsets", [False, True])
 def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monkeypatch, precapture, subsets):
     """DDTREE_PRECAPTURE with DDTREE_DEVICE_PLAN: the device plan's graph of each FULL size (whose first run would
-    compile the Triton kernels while serving) is captured at start-up, and with DDTREE_DEVICE_PLAN_SUBSETS the subset
-    layout's too; the walk's graph of their outputs is the host plan's (the same staging views, the int64 offsets in
-    one buffer: one walk graph a shape). A steady step of that size, and a reordered one, then run no graph for the
-    first time."""
+    compile the Triton kernels while serving) and the walk's graph of its outputs are captured at start-up, and with
+    DDTREE_DEVICE_PLAN_SUBSETS the subset layout's too; a steady step of that size, and a reordered one, then run no
+    graph for the first time."""
     from ddtree.vllm.graphs import WalkGraphs
 
     monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
@@ -496,9 +495,9 @@ def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monke
     runner._ddtree_device_subsets = subsets
     if precapture:
         runner._ddtree_precapture_step_graphs(batch, budget + 1)
-        # The host plan's placement and walk, the device plan's graph (and the subset layout's); their walks replay
-        # the host plan's walk graph.
-        assert ShapeGraphs.first_runs == 3 + subsets and runner.ddtree_stats.precaptured_device_plans == 1
+        # The host plan's placement and walk, the device plan's graph and the walk of its outputs (and the subset
+        # layout's graph and walk).
+        assert ShapeGraphs.first_runs == 4 + 2 * subsets and runner.ddtree_stats.precaptured_device_plans == 1
         assert runner.ddtree_stats.precaptured_subset_plans == subsets
     rng = np.random.default_rng(0)
     steps = [False, True] if subsets else [False]  # a steady step, then one in another order
@@ -511,8 +510,7 @@ def test_precaptured_device_plan_graphs_are_the_ones_a_steady_step_replays(monke
         assert runner.ddtree_stats.device_plan_subset_steps == reordered
         target = torch.zeros(plan.num_tokens, dtype=torch.int64)
         runner._ddtree_walk_graphs.walk(plan.device_trees, target, budget + 1, 4, plan.num_tokens, plan.conv_window)
-        # Without the precapture: the step's graph, and (the first step only) the shape's walk graph.
-        assert ShapeGraphs.first_runs - before == (0 if precapture else 1 + (step == 0))
+        assert ShapeGraphs.first_runs - before == (0 if precapture else 2)
 
 
 def test_subset_graphs_that_fail_at_start_up_leave_those_steps_to_the_host(monkeypatch):

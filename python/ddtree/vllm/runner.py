@@ -1262,15 +1262,20 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def _ddtree_place(self, gpu: Dict[str, torch.Tensor], total: int, late: bool, whole: int):
         """:meth:`_ddtree_place_plan`, replayed as one CUDA graph per step shape for steps of whole trees (their
         shapes repeat; DDTREE_STEP_GRAPHS=0 turns these graphs off with the walk's)."""
-        work = functools.partial(self._ddtree_place_plan, gpu, total, late)
         if not whole or not self._ddtree_step_graphs_on or self._ddtree_plan_graphs is None:
-            return work()
+            return self._ddtree_place_plan(gpu, total, late, fixed_offsets=True)
+        work = functools.partial(self._ddtree_place_plan, gpu, total, late)
         return self._ddtree_plan_graphs.run((self._ddtree_plan_staging.layout_key(), total, late), work)
 
-    def _ddtree_place_plan(self, gpu: Dict[str, torch.Tensor], total: int, late: bool) -> Dict[str, torch.Tensor]:
+    def _ddtree_place_plan(
+        self, gpu: Dict[str, torch.Tensor], total: int, late: bool, fixed_offsets: bool = False
+    ) -> Dict[str, torch.Tensor]:
         """The plan's device side, from its upload: the tree tokens where vLLM put placeholder drafts (late trees),
         the layout into the fixed buffers, the flat positions kept for the drafter and the depth-based positions
-        written for the target (in place: the model reads these persistent buffers)."""
+        written for the target (in place: the model reads these persistent buffers). ``fixed_offsets``: a placement
+        run op by op writes the walk's int64 offsets into one buffer (``TreeStepBuffers.wide_offsets``), where a new
+        tensor every step would move every walk graph's key (DDTREE_MIXED_WALK_GRAPHS); a placement graph keeps
+        them in its own memory, at its own fixed address."""
         if late:
             self.input_ids.gpu[gpu["draft_step_index"]] = gpu["draft_tokens"]
         self._ddtree_buffers.load(
@@ -1286,7 +1291,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             mrope = self.mrope_positions.gpu
             mrope[:, gpu["token_index"]] = mrope[:, gpu["root_index"]] + gpu["depths"].to(mrope.dtype)
         if "node_parents" in gpu:
-            placed["node_offsets"] = self._ddtree_buffers.wide_offsets(gpu["node_offsets"])
+            offsets = gpu["node_offsets"]
+            placed["node_offsets"] = self._ddtree_buffers.wide_offsets(offsets) if fixed_offsets else offsets.long()
         return placed
 
     @staticmethod
