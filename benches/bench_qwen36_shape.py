@@ -31,7 +31,15 @@ import sys
 import time
 from typing import Optional
 
-from gpu_profile import counter_deltas, enable_scopes, family_comparison, host_ms_fields, profile_generate, scopes_on
+from gpu_profile import (
+    counter_deltas,
+    enable_scopes,
+    family_comparison,
+    host_ms_fields,
+    inprocess_scheduler,
+    profile_generate,
+    scopes_on,
+)
 
 VOCAB = 248320
 ROOT = "/tmp/qwen36_shape"
@@ -217,8 +225,7 @@ class RunningPeak:
     two waves of 4, its "batch-8 step" twice a batch-4 step (``gpu-h100-27b-ab-chain-0cecefa``)."""
 
     def __init__(self, llm):
-        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-        self.scheduler = getattr(core, "scheduler", None)
+        self.scheduler = inprocess_scheduler(llm)
         self.peak: Optional[int] = None
         if self.scheduler is not None:
             schedule = self.scheduler.schedule

@@ -62,6 +62,7 @@ from gpu_profile import (
     enable_scopes,
     first_run_steps,
     host_ms_fields,
+    inprocess_scheduler,
     profile_generate,
     scopes_on,
 )
@@ -651,7 +652,10 @@ def churn_lengths(requests: int, max_tokens: int) -> list:
 def limit_running_requests(llm, limit: int) -> None:
     """``--churn``: at most ``limit`` requests run at once in the in-process engine (vLLM's scheduler admits a
     waiting request as a running one ends); the engine's ``max_num_seqs`` sized its buffers for the largest."""
-    llm.llm_engine.engine_core.engine_core.scheduler.max_num_running_reqs = limit
+    scheduler = inprocess_scheduler(llm)
+    if scheduler is None:
+        raise RuntimeError("--churn needs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    scheduler.max_num_running_reqs = limit
 
 
 def child_command(args, name: str, spec, gate: str) -> list:

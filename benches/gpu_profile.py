@@ -286,6 +286,13 @@ GRAPH_LAUNCH_MS = "graph_launch_ms_per_verify_step"
 HOST_DETAIL_MS = "host_detail_ms_per_verify_step"
 
 
+def inprocess_scheduler(llm):
+    """vLLM's scheduler of an engine whose core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the
+    benches start them); None for a client of a core in another process."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
 def counter_deltas(before: dict, after: dict, names) -> dict:
     """``{name: after - before}`` of the ``ddtree_summary`` counters ``names`` between two snapshots (absent: 0)."""
     return {name: after.get(name, 0) - before.get(name, 0) for name in names}

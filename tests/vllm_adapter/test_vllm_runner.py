@@ -695,7 +695,7 @@ def _device_walked_mixed_step(cut: bool):
     finally:
         context.withdraw()
     runner._ddtree_walk_graphs = WalkGraphs(lambda work: work, runner._ddtree_counts)
-    runner._ddtree_mixed_walk_graphs, runner._ddtree_mixed_walk_tokens = True, 64
+    runner._ddtree_mixed_walk_graphs, runner.max_num_tokens = True, 64
     return runner, runner._ddtree_plan
 
 
@@ -748,7 +748,7 @@ def test_mixed_steps_placed_op_by_op_step_after_step_replay_the_one_graph_their_
         return work
 
     runner._ddtree_walk_graphs = WalkGraphs(capture, runner._ddtree_counts)
-    runner._ddtree_mixed_walk_graphs, runner._ddtree_mixed_walk_tokens = True, 64
+    runner._ddtree_mixed_walk_graphs, runner.max_num_tokens = True, 64
     for step in range(6):
         lists = _tree_lists(runner.drafter.store, ["a", "b"], seed=step)  # the proposals after each engine step
         output.scheduled_spec_decode_tokens = {"a": lists[0], "b": lists[1]}

@@ -251,9 +251,8 @@ class DDTreeStats:
         self.early_output_steps = 0  # steps whose chain rows reached vLLM's bookkeeping ahead of the drafter
         self.device_plan_steps = 0  # late tree steps whose trees were built and laid out on the device
         self.device_plan_resumed_steps = 0  # ... of them, steps that uploaded nothing (the device held all they read)
-        self.device_plan_subset_steps = (
-            0  # ... of them, steps of some of the proposal's requests (DDTREE_DEVICE_PLAN_SUBSETS)
-        )
+        # ... of them, steps of some of the proposal's requests (DDTREE_DEVICE_PLAN_SUBSETS)
+        self.device_plan_subset_steps = 0
         self.precaptured_device_plans = 0  # sizes whose device-plan graph DDTREE_PRECAPTURE captured at start-up
         self.precaptured_subset_plans = 0  # ... and whose subset steps' graph too (DDTREE_DEVICE_PLAN_SUBSETS)
         self.sliding_drafter_steps = 0  # drafter passes whose sliding-window layers got their own metadata
@@ -589,7 +588,6 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_device_plan_state = "off: not decided"
     _ddtree_device_subsets = False  # DDTREE_DEVICE_PLAN_SUBSETS, read with the planner
     _ddtree_mixed_walk_graphs = False  # DDTREE_MIXED_WALK_GRAPHS, read with the step graphs' switch
-    _ddtree_mixed_walk_tokens = 0  # the tokens a mixed step's walk graph lays the drafter's row order over
     _ddtree_draftless_logits_indices: Optional[torch.Tensor] = None  # a step without drafts: its logits rows' tokens
 
     def __init__(self, vllm_config, device):
@@ -643,9 +641,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # each made at the first step of its shape).
         self._ddtree_step_graphs_on = step_graphs_enabled()
         # ... and the walk of a step with a prefill beside whole trees of one size (DDTREE_MIXED_WALK_GRAPHS), over
-        # the scheduler's token budget: its shapes are then the trees' alone.
+        # the scheduler's token budget (``max_num_tokens``): its shapes are then the trees' alone.
         self._ddtree_mixed_walk_graphs = self._ddtree_mixed_walk_graphs_wanted(self.compilation_config.cudagraph_mode)
-        self._ddtree_mixed_walk_tokens = int(self.max_num_tokens)
         self._ddtree_precapture = precapture_enabled()  # DDTREE_PRECAPTURE: those of whole-tree steps at start-up
         self._ddtree_precapture_commits = precapture_commits()  # ... and the commit's (DDTREE_PRECAPTURE=all)
         on_gpu = self.device.type == "cuda"
@@ -941,7 +938,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         serial = self._ddtree_step_serial
         self._ddtree_step_serial = serial + 1
         gpu, placed = self._ddtree_device_upload_and_place(num_reqs, size, total, serial, rows)
-        self.ddtree_stats.device_plan_subset_steps += rows is not None
+        stats.device_plan_subset_steps += rows is not None
         with stats.detail("plan: device bookkeeping"):
             self._ddtree_device_plan_object(template, serial, whole, gpu, placed)
 
@@ -1985,7 +1982,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return graphs, plan.num_tokens
         nodes = plan.num_nodes
         if self._ddtree_mixed_walk_graphs and nodes.shape[0] and nodes.min() == nodes.max():
-            return graphs, max(plan.num_tokens, self._ddtree_mixed_walk_tokens)
+            return graphs, max(plan.num_tokens, self.max_num_tokens)
         return None, plan.num_tokens
 
     def _ddtree_path_ring(self) -> PathRing:
