@@ -115,7 +115,8 @@ def build_runner(batch: int, budget: int, depth: int, top_k: int, conv_window: i
     GPU for the tests that run the device plan's kernels compiled)."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import TreeStepBuffers
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.staging import StepStaging
     from ddtree.vllm.step import TreeStore
 

@@ -442,7 +442,8 @@ def _auto_runner(monkeypatch, captured):
     from ddtree.vllm import runner as runner_module
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import ShapeGraphs
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
 
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.ddtree_cfg = DDTreeConfig(budget=63, draft_len=15, top_k=8, auto=True)
@@ -633,7 +634,7 @@ def test_the_statistics_and_autos_bookkeeping_after_sampling_are_timed_host_work
     engine loop's path every step: it counts as host work ("stats"), beside plan, accept and commit."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
 
     runner, _ = _auto_runner(monkeypatch, [])
     runner.ddtree_stats = DDTreeStats(15)

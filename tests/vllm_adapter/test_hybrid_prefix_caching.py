@@ -459,7 +459,9 @@ def test_the_state_lookup_patch_is_installed_only_on_a_vllm_with_the_bug(monkeyp
 def _runner_for_boundaries(computed, scheduled, tables):
     from types import SimpleNamespace
 
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.staging import StepStaging
 
     runner = object.__new__(DDTreeGPUModelRunner)

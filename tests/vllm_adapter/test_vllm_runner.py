@@ -169,7 +169,8 @@ def _mixed_hybrid_step(mrope=False, device_accept=False, cut=True):
     False: two whole trees). The step's scheduled tokens per request are ``_mixed_step_tokens(cut)``."""
     from ddtree.vllm.config import DDTreeConfig
     from ddtree.vllm.graphs import TreeStepBuffers
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.staging import StepStaging
     from ddtree.vllm.step import TreeStore
 
@@ -317,7 +318,7 @@ def test_the_gdn_commit_reads_the_step_the_runner_kept_after_the_forward_withdre
 
 
 def test_stats_count_cut_trees_against_their_proposal_and_steps_by_budget():
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.step import TreeStore, accept, plan_verify
 
     rng = np.random.default_rng(1)
@@ -347,7 +348,7 @@ def _inside_another_part():
 
 
 def test_the_host_profile_covers_ddtrees_timed_blocks_only_and_stops_when_read():
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
 
     stats = DDTreeStats(4)
     with pytest.raises(RuntimeError, match="no host profile was started"):
@@ -379,7 +380,8 @@ def test_the_host_profile_covers_ddtrees_timed_blocks_only_and_stops_when_read()
 def test_the_host_pieces_switch_reaches_the_runners_statistics_through_the_worker():
     """``llm.collective_rpc("ddtree_host_pieces", args=(on,))``: the worker hands it to the runner, which turns the
     pieces' timers on or off and says what they were."""
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.worker import DDTreeWorker
 
     runner = object.__new__(DDTreeGPUModelRunner)
@@ -398,7 +400,7 @@ def test_the_host_pieces_switch_reaches_the_runners_statistics_through_the_worke
 def test_the_host_profile_counts_the_garbage_collections_inside_timed_blocks_only():
     import gc
 
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
 
     stats = DDTreeStats(4)
     callbacks = len(gc.callbacks)
@@ -418,7 +420,7 @@ def test_the_host_profile_counts_the_garbage_collections_inside_timed_blocks_onl
 def test_steps_that_run_a_graph_shape_first_keep_their_host_seconds_apart():
     """A step in which a step graph ran a shape for the first time (a capture: tens of ms once) has its host
     seconds moved out of the per-step parts, which then average the steady steps only; the launches with them."""
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
 
     stats = DDTreeStats(3)
     plan = SimpleNamespace(num_nodes=np.array([4]), proposed_budgets=np.array([3]), num_filler_trees=0)
@@ -450,7 +452,8 @@ def test_a_summary_closes_the_last_step_so_two_summaries_bracket_their_steps(mon
     apart) without waiting for the next step to start."""
     from ddtree.vllm.counts import PathRing
     from ddtree.vllm.graphs import ShapeGraphs
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
 
     monkeypatch.setattr(ShapeGraphs, "first_runs", 0)
     runner = object.__new__(DDTreeGPUModelRunner)
@@ -483,7 +486,7 @@ def test_stats_say_what_smaller_trees_would_have_accepted(seed):
     trees are left out. ``auto``'s estimate counts the same, its own budget included."""
     import ddtree
     from ddtree.vllm.auto_budget import AutoBudget
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.step import TreeStore, accept, plan_verify
 
     rng = np.random.default_rng(seed)
@@ -527,7 +530,7 @@ def test_stats_say_what_smaller_trees_would_have_accepted(seed):
 
 
 def test_filler_trees_are_not_counted_as_what_smaller_trees_would_accept():
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.step import PLACEHOLDER, TreeStore, accept, plan_verify
 
     store = TreeStore(budget=20)
@@ -540,7 +543,7 @@ def test_filler_trees_are_not_counted_as_what_smaller_trees_would_accept():
 
 
 def test_what_if_counts_a_systematic_sample_of_the_steps():
-    from ddtree.vllm.runner import WHAT_IF_EVERY, DDTreeStats
+    from ddtree.vllm.stats import WHAT_IF_EVERY, DDTreeStats
     from ddtree.vllm.step import TreeStore, accept, plan_verify
 
     stats = DDTreeStats(4, smaller_budgets=(8,))
@@ -560,7 +563,7 @@ def test_what_if_counts_a_systematic_sample_of_the_steps():
 def test_what_if_samples_device_planned_steps_more_sparsely_since_their_trees_are_built_to_count_them():
     import copy
 
-    from ddtree.vllm.runner import WHAT_IF_EVERY, WHAT_IF_EVERY_DEVICE_PLANNED, DDTreeStats
+    from ddtree.vllm.stats import WHAT_IF_EVERY, WHAT_IF_EVERY_DEVICE_PLANNED, DDTreeStats
     from ddtree.vllm.step import TreeStore, accept, plan_verify
 
     assert WHAT_IF_EVERY_DEVICE_PLANNED > WHAT_IF_EVERY
@@ -610,7 +613,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     """DDTREE_DEVICE_ACCEPT: the plan uploads the device walk's inputs, the walk gives what the Rust acceptance
     gives, and the statistics count the step once its copy has landed."""
     from ddtree.vllm import context
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.step import accept
 
     runner, _, output = _mixed_hybrid_step(device_accept=True)
@@ -796,7 +799,7 @@ def test_a_mixed_step_with_trees_of_two_sizes_walks_op_by_op():
 def _proposers_runner(late: bool, req_ids):
     """What ``DDTreeProposer.propose`` reads of the runner: budget 6, depth 3, the batch's ``req_ids``."""
     from ddtree.vllm.config import DDTreeConfig
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
 
     return SimpleNamespace(
         ddtree_late_trees=late,
@@ -829,7 +832,7 @@ def test_late_trees_write_the_tree_tokens_where_vllm_put_placeholders():
     """DDTREE_LATE_TREES: the proposer returns without building; vLLM schedules placeholders (one tree cut); the
     prepared step is the one trees built at proposal give, with the tree tokens written into the input ids."""
     from ddtree.vllm import context
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.step import PLACEHOLDER, TreeStore
 
     runner, scheduled_early, output = _mixed_hybrid_step()
@@ -874,7 +877,9 @@ def test_bookkeeping_reads_the_early_copy_of_the_chain_rows(monkeypatch):
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    from ddtree.vllm.stats import DDTreeStats
 
     seen = []
     monkeypatch.setattr(GPUModelRunner, "_bookkeeping_sync", lambda self, so, out, *a: seen.append(out))
@@ -907,7 +912,7 @@ def test_asynchronous_scheduling_publishes_from_counts_and_places_trees_from_the
 
     from ddtree.vllm import context
     from ddtree.vllm.counts import PathRing
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.staging import StepStaging
     from ddtree.vllm.step import TreeStore
 
@@ -1126,7 +1131,9 @@ def test_the_forward_launch_is_timed_apart_from_ddtrees_own_host_work(monkeypatc
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    from ddtree.vllm.stats import DDTreeStats
 
     def launch(self, *args, **kwargs):
         time.sleep(0.02)
@@ -1149,7 +1156,7 @@ def test_the_forward_launch_is_timed_apart_from_ddtrees_own_host_work(monkeypatc
 def test_the_summary_reports_the_host_time_inside_ddtrees_graph_launches_per_verify_step():
     """What the runner's step graphs' replays took (``graphs.timed_replays``) is reported by graph, per verify
     step, beside the timed parts it belongs to."""
-    from ddtree.vllm.runner import DDTreeStats
+    from ddtree.vllm.stats import DDTreeStats
 
     stats = DDTreeStats(3)
     stats.steps = 4
@@ -1336,7 +1343,7 @@ def test_an_early_launch_whose_forward_fails_or_never_comes_lets_the_gpu_go(monk
 def test_tree_counters_folded_in_batches_equal_step_by_step_counting(seed):
     """``DDTreeStats`` counts steps FOLD_EVERY at a time; read at any point, every counter is what counting each
     step on its own gives (cut trees, fillers, the budget of each step, acceptance per depth)."""
-    from ddtree.vllm.runner import FOLD_EVERY, DDTreeStats
+    from ddtree.vllm.stats import FOLD_EVERY, DDTreeStats
 
     rng = np.random.default_rng(seed)
     depth = 15
@@ -1657,7 +1664,8 @@ def test_the_commit_moves_kv_once_with_the_gdn_commit_in_place_or_beside_it(monk
     move."""
     from ddtree.vllm import runner as runner_module
     from ddtree.vllm.graphs import CommitGraphs
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
 
     runner = object.__new__(DDTreeGPUModelRunner)
     ran = []
@@ -1697,7 +1705,9 @@ def test_queueing_an_early_launch_is_timed_as_the_plans_host_work(monkeypatch):
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+
+    from ddtree.vllm.stats import DDTreeStats
 
     monkeypatch.setattr(GPUModelRunner, "_preprocess", lambda self, *a, **k: "vllm's")
     runner = object.__new__(DDTreeGPUModelRunner)

@@ -14,7 +14,8 @@ vllm = pytest.importorskip("vllm")
 def _fake_runner(plan, on_device):
     """The runner's state the sampler touches, with the runner's own acceptance upload."""
     from ddtree.vllm.min_tokens import MinTokensRequests
-    from ddtree.vllm.runner import DDTreeGPUModelRunner, DDTreeStats
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
     from ddtree.vllm.staging import StepStaging
 
     methods = (
