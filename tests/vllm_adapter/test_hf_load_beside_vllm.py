@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from ddtree.vllm.patches import vllm_below  # noqa: E402
+
 TARGET = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "target"
 
 CHILD = f"""
@@ -32,5 +34,8 @@ def test_the_target_loads_after_vllm_registered_its_config_classes():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith(("auto:", "ddtree:"))]
-    assert lines[0].startswith("auto: failed:") and "vocab_size" in lines[0]  # the premise: vLLM's side effect
+    # The premise: vLLM 0.25's registered config classes break a plain transformers load of this target (0.33's no
+    # longer do); ddtree's loader must work either way.
+    if vllm_below((0, 26, 0)):
+        assert lines[0].startswith("auto: failed:") and "vocab_size" in lines[0]
     assert lines[1].startswith("ddtree: Qwen3_5ForCausalLM ")
