@@ -290,6 +290,14 @@ def timed_window_counts(before: dict, after: dict, names) -> dict:
     counts = counter_deltas(before, after, names)
     if counts.get("verify_steps") and "device_plan_steps" in counts:
         counts["device_plan_share"] = round(counts["device_plan_steps"] / counts["verify_steps"], 4)
+    # Why the device plan turned the others down (the host planned them), by reason.
+    declined = counter_deltas(
+        before.get("device_plan_declined_steps", {}),
+        after.get("device_plan_declined_steps", {}),
+        after.get("device_plan_declined_steps", {}),
+    )
+    if any(declined.values()):
+        counts["device_plan_declined_steps"] = {reason: n for reason, n in declined.items() if n}
     return counts
 
 

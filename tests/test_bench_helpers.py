@@ -383,6 +383,11 @@ def test_the_timed_window_counts_are_the_counters_differences_with_the_device_pl
     assert "device_plan_share" not in pair_bench.timed_window_counts(
         before, before, ("verify_steps", "device_plan_steps")
     )
+    # Why the device plan turned steps down, over the same window (reasons seen only before it are left out).
+    before["device_plan_declined_steps"] = {"near max_model_len": 3, "top-K not kept": 1}
+    after["device_plan_declined_steps"] = {"near max_model_len": 5, "top-K not kept": 1, "structured outputs": 2}
+    counts = pair_bench.timed_window_counts(before, after, ("verify_steps",))
+    assert counts["device_plan_declined_steps"] == {"near max_model_len": 2, "structured outputs": 2}
 
 
 def test_the_plan_path_bench_runs_the_runners_plan_and_restores_vllm():

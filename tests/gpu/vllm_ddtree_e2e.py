@@ -551,6 +551,8 @@ def run_child(
                 # Steps with a prefill beside the trees whose walk replayed a graph (DDTREE_MIXED_WALK_GRAPHS).
                 "mixed_walk_graph_steps",
             )
+        } | {  # the steps the device plan turned down, one counter a reason ("declined: near max_model_len", ...)
+            f"declined: {reason}": count for reason, count in summary.get("device_plan_declined_steps", {}).items()
         }
 
     def scenario(sname, fn):
@@ -576,7 +578,7 @@ def run_child(
                 res["scenarios"][sname]["after_error_in"] = earlier_error
             if is_ddtree:  # what the scenario verified: trees, cut trees, steps that replayed FULL graphs
                 after = tree_counts(llm)
-                res["scenarios"][sname]["trees"] = {k: after[k] - trees_before[k] for k in after}
+                res["scenarios"][sname]["trees"] = {k: after[k] - trees_before.get(k, 0) for k in after}
             if sname in CONSTRAINED_SCENARIOS:  # what fp32_reference.py replays, kept with the outputs
                 res["scenarios"][sname]["settings"] = CONSTRAINED_SCENARIOS[sname]
             elif sname == "structured":  # row r under regex r mod 2, ended by the stop token
@@ -849,6 +851,9 @@ def scenario_exercised(sname, trees, schedule=False):
         f"(subset steps {trees.get('device_plan_subset_steps', 0)}), mixed steps walked by a graph "
         f"{trees.get('mixed_walk_graph_steps', 0)}; "
     )
+    declined = {k.split(": ", 1)[1]: n for k, n in trees.items() if k.startswith("declined: ") and n}
+    if declined:
+        note += f"device plan declined {declined}; "
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
     ok = ok and (sname != "one_token_prompts" or schedule or trees.get("filler_trees", 0) > 0)
     return ok, note

@@ -197,6 +197,7 @@ def test_a_steady_step_is_planned_on_the_device_without_waiting_for_the_top_k():
         np.testing.assert_array_equal(plan.deepest, [4, 4])  # the drafter's depth bounds every tree
         np.testing.assert_array_equal(plan.num_nodes, [16, 16])
         assert plan.filler_mask is None and plan.num_cut_trees == 0
+    assert runner.ddtree_stats.device_plan_declined_steps == {}
 
 
 def test_the_plans_pieces_are_timed_apart_inside_its_part():
@@ -243,6 +244,14 @@ def test_other_steps_keep_the_host_plan(why):
     _plan(runner, output, num_scheduled)
     assert runner.ddtree_stats.device_plan_steps == 0
     assert runner._ddtree_plan.trees is not None and runner.drafter.store.deferred is None
+    reason = {
+        "near max_model_len": "near max_model_len",
+        "trees over 128 nodes": "tree size or request count",
+        "a cut tree": "not whole trees of one size",
+        "top-K not kept": "top-K not kept",
+        "another request order": "not the kept proposal's requests",
+    }[why]
+    assert runner.ddtree_stats.summary()["device_plan_declined_steps"] == {reason: 1}  # (why the host planned it)
 
 
 def test_just_far_enough_from_max_model_len_is_planned_on_the_device():

@@ -288,6 +288,9 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
     assert (
         "device-planned 7 (subset steps 2), mixed steps walked by a graph 3;" in scenario_exercised("batch1", more)[1]
     )
+    assert "declined" not in scenario_exercised("batch1", more)[1]
+    declined = dict(more, **{"declined: near max_model_len": 4, "declined: top-K not kept": 0})
+    assert "device plan declined {'near max_model_len': 4};" in scenario_exercised("batch1", declined)[1]
     assert scenario_exercised("near_max", counts)[0] is False  # no cut tree: plain decoding near the end
     assert scenario_exercised("near_max", dict(counts, partial_trees=3))[0] is True
     assert scenario_exercised("batch32", dict(counts, trees=0))[0] is False

@@ -547,15 +547,21 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         planner = self._ddtree_device_planner
         if planner is None:
             return False
+        if not self._ddtree_step_graphs_on or self._ddtree_plan_graphs is None:
+            return False
+        stats = self.ddtree_stats
         size = self._ddtree_whole_tree_tokens
-        if not size or not self._ddtree_step_graphs_on or self._ddtree_plan_graphs is None:
+        if not size:  # (a prefill beside the trees, or trees of several sizes: cut, or a schedule's mixed budgets)
+            stats.device_plan_declined("not whole trees of one size")
             return False
         scheduler_output, _, _, _, num_reqs = late
         if not planner.serves(num_reqs, size):
+            stats.device_plan_declined("tree size or request count")
             return False
         if getattr(scheduler_output, "has_structured_output_requests", False):
-            return False  # the grammar masks read the trees at once: the host builds the ones the GPU verifies
-        stats = self.ddtree_stats
+            # The grammar masks read the trees at once: the host builds the ones the GPU verifies.
+            stats.device_plan_declined("structured outputs")
+            return False
         with stats.timed("plan"):  # (the tests too: a declined step's are its plan's host work)
             with stats.detail("plan: device checks"):
                 whole, rows = self._ddtree_device_plannable(scheduler_output, num_reqs, size)
@@ -567,19 +573,28 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     def _ddtree_device_plannable(self, scheduler_output, num_reqs: int, size: int):
         """``(whole, rows)``: the step's proposal records taken for the device plan (``rows``: a subset step's rows of
         the kept top-K, else None), or ``(None, None)`` when the step goes to the host plan (near the end of the
-        context, other requests or trees, top-K not kept)."""
+        context, other requests or trees, top-K not kept), the reason counted."""
         planner = self._ddtree_device_planner
         limit = min(self.max_model_len, getattr(self, "effective_drafter_max_model_len", self.max_model_len))
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
         if not fits_far_from_the_end(computed, size, planner.draft_len, limit):
+            self.ddtree_stats.device_plan_declined("near max_model_len")
             return None, None
         req_ids = self.input_batch.req_ids[:num_reqs]
         spec = scheduler_output.scheduled_spec_decode_tokens
         whole = take_device_plannable(self.drafter.store, req_ids, spec, top_k_kept=planner.holds)
-        if whole is not None or not self._ddtree_device_subsets:
+        if whole is not None:
             return whole, None
-        subset = take_device_subset(self.drafter.store, req_ids, spec, planner.kept_for, planner.rows_in_kept)
-        return subset if subset is not None else (None, None)
+        subset = None
+        if self._ddtree_device_subsets:
+            subset = take_device_subset(self.drafter.store, req_ids, spec, planner.kept_for, planner.rows_in_kept)
+        if subset is None:
+            # The kept top-K is another proposal's (or none: a drafter pass that kept none), or this step's requests
+            # are not that proposal's, whole and in its order (or, with subsets, some of them), each its whole tree.
+            kept = planner.kept_for is not None
+            self.ddtree_stats.device_plan_declined("not the kept proposal's requests" if kept else "top-K not kept")
+            return None, None
+        return subset
 
     def _ddtree_device_prepare(self, whole, num_reqs: int, size: int, total: int, rows=None) -> None:
         """The device-planned step: the shape's constants and the step's serial uploaded, then one graph (per step

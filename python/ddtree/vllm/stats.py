@@ -128,6 +128,9 @@ class DDTreeStats:
         self.device_plan_resumed_steps = 0  # ... of them, steps that uploaded nothing (the device held all they read)
         # ... of them, steps of some of the proposal's requests (DDTREE_DEVICE_PLAN_SUBSETS)
         self.device_plan_subset_steps = 0
+        # Steps the device plan turned down, by why (the host planned them): which check a workload's host-planned
+        # steps fail, where the device plan is on.
+        self.device_plan_declined_steps: Dict[str, int] = {}
         self.precaptured_device_plans = 0  # sizes whose device-plan graph DDTREE_PRECAPTURE captured at start-up
         self.precaptured_subset_plans = 0  # ... and whose subset steps' graph too (DDTREE_DEVICE_PLAN_SUBSETS)
         self.sliding_drafter_steps = 0  # drafter passes whose sliding-window layers got their own metadata
@@ -222,6 +225,10 @@ class DDTreeStats:
             raise RuntimeError("DDTree: no host profile was started (start_host_profile)")
         profile, self.host_profile = self.host_profile, None
         return profile.report(self.steps, limit)
+
+    def device_plan_declined(self, reason: str) -> None:
+        """One step the device plan turned down for ``reason`` (planned on the host)."""
+        self.device_plan_declined_steps[reason] = self.device_plan_declined_steps.get(reason, 0) + 1
 
     def count_full_graph(self, graph: Optional[GraphKey]) -> None:
         """One verify step and the FULL graph, (tokens, trees), that replayed it (None: none did)."""
@@ -326,6 +333,7 @@ class DDTreeStats:
             "device_plan_steps": self.device_plan_steps,
             "device_plan_resumed_steps": self.device_plan_resumed_steps,
             "device_plan_subset_steps": self.device_plan_subset_steps,
+            "device_plan_declined_steps": dict(sorted(self.device_plan_declined_steps.items())),
             "precaptured_subset_plans": self.precaptured_subset_plans,
             "precaptured_device_plans": self.precaptured_device_plans,
             "sliding_drafter_steps": self.sliding_drafter_steps,
