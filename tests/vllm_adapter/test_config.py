@@ -17,6 +17,7 @@ from ddtree.vllm.config import (
     commit_in_place_enabled,
     device_accept_enabled,
     late_trees_enabled,
+    large_batch_advice,
     lone_row_advice,
     lone_row_budgets,
     precapture_commits,
@@ -587,6 +588,23 @@ def test_budgets_that_open_a_kernel_block_for_one_row_get_a_hint():
         assert lone_row_budgets(cfg) == () and lone_row_advice(cfg) is None
     advice = lone_row_advice(parse_spec_config(BASE)[1])
     assert "budget(s) 64 verify one token past a multiple of 16" in advice and "63 for 64" in advice
+
+
+def test_a_fixed_budget_on_a_large_target_served_to_many_requests_gets_a_hint():
+    """At the Qwen3.6-27B shape (hidden size 5120) budget 64 costs 2.47x the chain's step at batch 8: a fixed budget
+    whose steps would be bound by the target's arithmetic is pointed at a schedule (or ``auto``)."""
+    cfg = parse_spec_config(dict(BASE, ddtree_budget=63))[1]
+    advice = large_batch_advice(cfg, max_num_seqs=256, hidden_size=5120)
+    assert "a fixed budget of 63 verifies up to 256 x 64 = 16384 tokens a step" in advice
+    assert 'a schedule such as {"1": 63, "8": 15}, or "auto"' in advice
+    wide = parse_spec_config(dict(BASE, ddtree_budget=127))[1]  # 4 x 128 tokens: from 4 requests on
+    assert 'a schedule such as {"1": 127, "4": 15}' in large_batch_advice(wide, max_num_seqs=4, hidden_size=5120)
+    deep = parse_spec_config(dict(BASE, ddtree_budget=63, num_speculative_tokens=31))[1]
+    assert '"8": 31}' in large_batch_advice(deep, max_num_seqs=256, hidden_size=5120)  # (no budget below the depth)
+    assert large_batch_advice(cfg, max_num_seqs=256, hidden_size=256) is None  # the test pair: host-bound steps
+    assert large_batch_advice(cfg, max_num_seqs=7, hidden_size=5120) is None  # 7 x 64 < 512 tokens a step
+    for chosen in ({"1": 63, "8": 15}, "auto"):
+        assert large_batch_advice(parse_spec_config(dict(BASE, ddtree_budget=chosen))[1], 256, 5120) is None
 
 
 @pytest.mark.parametrize(

@@ -331,7 +331,7 @@ def test_runner_batch_holds_the_logit_bias_and_min_p_processors(monkeypatch):
     def vllm_init(self, vllm_config, device):  # what GPUModelRunner.__init__ sets up that the subclass uses
         self.vllm_config, self.device, self.speculative_config = vllm_config, device, vllm_config.speculative_config
         self.parallel_config, self.use_async_scheduling = vllm_config.parallel_config, False
-        self.model_config = SimpleNamespace(is_hybrid=False)
+        self.model_config = SimpleNamespace(is_hybrid=False, get_hidden_size=lambda: 64)
         self.max_num_reqs, self.max_num_tokens = 4, 64
         self.compilation_config = SimpleNamespace(cudagraph_mode=None)  # (an eager engine)
         self.drafter = object()

@@ -302,6 +302,35 @@ def lone_row_advice(cfg: DDTreeConfig) -> Optional[str]:
     )
 
 
+#: Tokens a step of whole trees reaches at full concurrency from which, on a large target, a fixed budget's step is
+#: bound by the target's arithmetic: at the Qwen3.6-27B shape 8 trees of 65 tokens (520) cost 2.47x the chain's step
+#: (``gpu-h200-async-b798afe``), 8 trees of 16 (128) 0.90x (``gpu-h200-27b-94baa94``).
+ARITHMETIC_BOUND_STEP_TOKENS = 512
+#: The hidden size from which a target counts as large for that advice (Qwen3.6-27B: 5120; the test pair: 256, whose
+#: steps are host work at any batch the bench runs).
+LARGE_TARGET_HIDDEN_SIZE = 2048
+
+
+def large_batch_advice(cfg: DDTreeConfig, max_num_seqs: int, hidden_size: int) -> Optional[str]:
+    """A start-up hint for a fixed budget on a large target served to many requests at once, whose steps of whole
+    trees would be bound by the target's arithmetic (None when there is none: a schedule or ``auto`` picks budgets
+    by batch size, a small target's steps are host work, few requests make small steps)."""
+    if cfg.auto or cfg.budget_schedule or hidden_size < LARGE_TARGET_HIDDEN_SIZE:
+        return None
+    tokens = max_num_seqs * (cfg.budget + 1)
+    if tokens < ARITHMETIC_BOUND_STEP_TOKENS:
+        return None
+    small = max(15, cfg.draft_len or 0)
+    many = min(8, max_num_seqs)
+    return (
+        f"a fixed budget of {cfg.budget} verifies up to {max_num_seqs} x {cfg.budget + 1} = {tokens} tokens a step; on "
+        f"a target this large (hidden size {hidden_size}) such steps cost the target's arithmetic, more than the trees "
+        f"gain (at the Qwen3.6-27B shape budget 64 costs 2.47x the DFlash chain's step at batch 8, budget 15 0.90x): a "
+        f'schedule such as {{"1": {cfg.budget}, "{many}": {small}}}, or "auto", keeps large batches fast '
+        "(docs/vllm-adapter.md, choosing a budget)"
+    )
+
+
 def parse_spec_config(spec: Mapping[str, Any]) -> Tuple[Dict[str, Any], DDTreeConfig]:
     """Splits a ``method: "ddtree"`` speculative config.
 

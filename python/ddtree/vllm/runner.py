@@ -64,6 +64,7 @@ from ddtree.vllm.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
     async_scheduling_lacks,
+    large_batch_advice,
     lone_row_advice,
     budget_description,
     commit_graphs_enabled,
@@ -389,6 +390,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         advice = lone_row_advice(self.ddtree_cfg)
         if advice:
             logger.info("DDTree: %s", advice)
+        advice = large_batch_advice(self.ddtree_cfg, self.max_num_reqs, self.model_config.get_hidden_size())
+        if advice:
+            logger.warning("DDTree: %s", advice)
 
     def _ddtree_make_device_planner(self) -> Optional[DevicePlanner]:
         """DDTREE_DEVICE_PLAN: the device side of device-planned steps, or None (``0``; or ``auto`` where the engine
