@@ -265,6 +265,34 @@ def test_just_far_enough_from_max_model_len_is_planned_on_the_device():
     assert runner.ddtree_stats.device_plan_steps == 1
 
 
+def test_the_shape_constants_are_written_again_after_a_host_upload_of_the_same_layout():
+    """A host-planned step whose trees fill the same layout as a device-planned shape (as many trees and tokens, in
+    other sizes: a budget schedule's trees of two budgets) writes its own offsets where that shape's constants go,
+    and makes no new layout: the next device-planned step must write the constants again, not upload the host
+    step's (its masks, walk and commit would read the wrong trees, silently). Found by a review helper."""
+    runner, rng = _device_runner(batch=2)
+    staging = runner._ddtree_plan_staging
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_steps == 1
+    constants = runner._ddtree_device_planner.templates[(2, 16)][1]
+    # The host-planned writer of the same layout: its own values (here: all 7) in every array, and its upload.
+    layout = {name: (dtype, shape) for name, dtype, shape in staging._key}  # (the layout the device step made)
+    layouts = staging.layouts
+    for view in staging.host_arrays(layout).values():
+        view[...] = 7
+    staging.upload_host()
+    assert staging.layouts == layouts  # the same layout: nothing but the uploads says the buffer changed
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_steps == 2 and runner.ddtree_stats.device_plan_resumed_steps == 0
+    uploaded = staging.device_views()  # (the kernels are no-ops here: what the upload holds is what the host wrote)
+    for name, value in constants.items():
+        if name != "step_serial":
+            np.testing.assert_array_equal(uploaded[name].numpy(), value, err_msg=name)
+    # And a steady step after it resumes: nothing uploaded, the constants still in place.
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_resumed_steps == 1
+
+
 def test_the_shape_constants_are_written_again_after_another_layout():
     """The upload carries the shape's constants from the staging's host buffer: a host-planned step of another
     shape in between lays that buffer out anew, so the next device-planned step writes them again (the kernels

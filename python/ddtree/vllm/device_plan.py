@@ -65,7 +65,7 @@ class DevicePlanner:
         # By step shape, (requests, tree size): the trees' scratch and the placement's starts and query starts.
         self._shapes: Dict[Tuple[int, int], Tuple[DeviceTrees, torch.Tensor, torch.Tensor]] = {}
         # The staging layout the shape constants were last written into (``(layout key, layouts made)``).
-        self._constants_written: Optional[tuple] = None
+        self._constants_uploaded: Optional[tuple] = None
         # By step shape, (requests, tree size): the runner's plan of that shape and its staged arrays.
         self.templates: Dict[Tuple[int, int], tuple] = {}
         # The next step's serial on the device: the graph writes it into the upload's view and adds one, so a
@@ -127,12 +127,15 @@ class DevicePlanner:
         return 2 <= tree_size <= MAX_TREE_SIZE and 0 < num_requests <= self.max_requests
 
     def constants_stale(self, staging) -> bool:
-        """Whether the staging's host buffer may hold another layout's bytes where this step's shape constants go
-        (a layout made since they were written): then :meth:`wrote_constants` after writing them."""
-        return self._constants_written != (staging.layout_key(), staging.layouts)
+        """Whether the staging's host buffer may hold other bytes where this step's shape constants go: a layout
+        made since a device-planned step's upload carried them, or any other upload through the staging since (a
+        host-planned step whose trees fill the same layout, the same trees and tokens in other sizes, writes its own
+        offsets there). The caller then writes them, and calls :meth:`uploaded_constants` after its upload."""
+        return self._constants_uploaded != (staging.layout_key(), staging.layouts, staging.uploads)
 
-    def wrote_constants(self, staging) -> None:
-        self._constants_written = (staging.layout_key(), staging.layouts)
+    def uploaded_constants(self, staging) -> None:
+        """Right after a device-planned step's upload, which carried its shape's constants."""
+        self._constants_uploaded = (staging.layout_key(), staging.layouts, staging.uploads)
 
     def resumes(self, num_requests: int, tree_size: int, staging, serial: int) -> bool:
         """Whether this step can run on what the last device-planned step left: the same shape, nothing uploaded

@@ -674,11 +674,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
                 for name, view in views.items():
                     if name in constants:  # (a subset layout's row index is the step's own, below)
                         view[...] = constants[name]
-                planner.wrote_constants(staging)
             views["step_serial"][0] = serial
             if rows is not None:
                 views["proposal_rows"][...] = rows
             gpu = staging.upload_host()
+            planner.uploaded_constants(staging)
             planner.serial.copy_(gpu["step_serial"])  # (the graph takes the step's serial from the device's)
         return gpu
 
