@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from ddtree.vllm import launch_gate
 from ddtree.vllm.launch_gate import WAIT_GEQ, GateTimeout, StreamGate, probe
 from ddtree.vllm.staging import StepStaging
 
@@ -70,6 +71,15 @@ def test_the_watchdog_releases_a_ticket_held_too_long_and_the_late_release_says_
 
 
 def test_the_probe_says_why_a_cpu_cannot_gate():
+    assert probe(CPU) == "not a CUDA device"
+
+
+def test_the_probe_refuses_hosts_whose_store_order_the_release_cannot_rely_on(monkeypatch):
+    """The release is a plain store after the plan's: only x86-64 makes the GPU see them in that order (a review
+    helper's finding: on aarch64, a GH200, the gated copy could read the plan's old bytes)."""
+    monkeypatch.setattr(launch_gate.platform, "machine", lambda: "aarch64")
+    assert probe(torch.device("cuda")) == "the gate's release relies on x86-64's store order; this host is aarch64"
+    monkeypatch.setattr(launch_gate.platform, "machine", lambda: "x86_64")
     assert probe(CPU) == "not a CUDA device"
 
 

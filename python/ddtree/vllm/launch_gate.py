@@ -23,6 +23,7 @@ Torch and ctypes only (no vLLM import); CI tests it on CPU with a stand-in drive
 from __future__ import annotations
 
 import ctypes
+import platform
 import threading
 import time
 from typing import Callable, Optional
@@ -30,6 +31,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+#: Hosts whose store order the release relies on (``platform.machine()``, lower case).
+X86_64 = ("x86_64", "amd64")
 #: ``CU_STREAM_WAIT_VALUE_GEQ``: wait until ``(int32_t)(*addr - value) >= 0``.
 WAIT_GEQ = 0x0
 #: Seconds a queued ticket may wait for its release before the watchdog releases it (a step's host work between
@@ -159,6 +162,10 @@ class Watchdog:
 def probe(device: torch.device) -> Optional[str]:
     """Why a launch gate cannot work on ``device`` (None: it can): a gate whose ticket is already released is
     queued on the current stream and must pass."""
+    if platform.machine().lower() not in X86_64:
+        # The release (``StreamGate._write``) is a plain store after the plan's stores; only x86-64's store order
+        # makes the GPU see them first. Elsewhere (aarch64: GH200) it would need a release fence.
+        return f"the gate's release relies on x86-64's store order; this host is {platform.machine()}"
     if torch.device(device).type != "cuda":
         return "not a CUDA device"
     try:
