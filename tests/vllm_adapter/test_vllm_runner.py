@@ -1698,6 +1698,45 @@ def test_the_commit_moves_kv_once_with_the_gdn_commit_in_place_or_beside_it(monk
     assert runner.ddtree_stats.commit_in_place_steps == (1 if in_place else 0)  # the second step replayed
 
 
+def test_the_precapture_commits_first_eager_run_writes_at_slot_0_only(monkeypatch):
+    """DDTREE_PRECAPTURE=all commits a filler step right after a FULL graph's capture, before the graph ever
+    replayed: the inputs its capture recorded hold whatever its memory held, the state slots included (a copy made
+    inside the graph for two trees or more). Its first run is eager and writes, so the slots point at slot 0 (vLLM's
+    null block) first, not at slots read from unwritten memory (a review helper's finding)."""
+    from ddtree.vllm import runner as runner_module
+    from ddtree.vllm.gdn import PendingCommit
+    from ddtree.vllm.graphs import CapturedCommits, CommitGraphs, TreeStepBuffers
+    from ddtree.vllm.runner import DDTreeGPUModelRunner
+    from ddtree.vllm.stats import DDTreeStats
+
+    cpu, trees, tokens = torch.device("cpu"), 2, 32
+    runner = object.__new__(DDTreeGPUModelRunner)
+    seen = []
+    monkeypatch.setattr(runner_module, "commit_layer", lambda pending, plan: seen.append(pending.slots.tolist()))
+    runner._ddtree_conv_window, runner.device = 3, cpu
+    runner._ddtree_buffers = TreeStepBuffers(cpu, 4, 4 * 16 + 8, 16, 4)
+    garbage = torch.tensor([123456, -7])  # what the graph's memory held: unbounded slots
+    state = torch.zeros(2)
+    pending = PendingCommit(state, state, garbage, state, state, state, state)
+    runner._ddtree_captured = CapturedCommits()
+    runner._ddtree_captured.by_graph[(tokens, trees)] = {"layer.0": pending, "layer.1": pending}
+    runner._ddtree_commit_graphs = CommitGraphs(cpu, 4, 5, 3, capture=lambda work: work)
+    runner._ddtree_commit_graphs_on, runner._ddtree_commit_in_place = True, True
+    runner._ddtree_aligned_states = False
+    runner._ddtree_full_graph, runner._ddtree_walk_replayed, runner._ddtree_accept = None, False, None
+    runner.ddtree_stats = DDTreeStats(4)
+    walked = {
+        "paths": torch.zeros((trees, 5), dtype=torch.int32),
+        "path_lengths": torch.ones(trees, dtype=torch.int32),
+        "commit_conv_index": torch.zeros((trees, 3), dtype=torch.int64),
+        "kv_src": torch.zeros(0, dtype=torch.int64),
+        "kv_dst": torch.zeros(0, dtype=torch.int64),
+    }
+    runner._ddtree_precapture_commit(walked, trees, tokens)
+    assert seen and all(slots == [0, 0] for slots in seen)
+    assert runner.ddtree_stats.precaptured_commits == 1 and runner._ddtree_full_graph is None
+
+
 def test_queueing_an_early_launch_is_timed_as_the_plans_host_work(monkeypatch):
     """A step queued ahead of its trees spends host time queueing the gate, the upload and the placement before
     vLLM's forward: it counts in the plan's timer, like the trees built later for it."""

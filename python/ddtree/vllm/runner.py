@@ -1443,10 +1443,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         runs it after a replayed walk, on the precapture's walked filler trees: the GDN commit graph (with the K/V
         moves, in place) of a hybrid target, the K/V-move graph of an attention-only one. Their keys are the FULL
         graph and the addresses of the walk graph's outputs and of the fixed tree buffers, which serving's steps of
-        that size hand over too. The first run commits the filler step into the slots vLLM's capture run used."""
+        that size hand over too. The first run is eager and writes: it commits the filler step into slot 0, vLLM's
+        null block, where no request's state lives."""
         saved = (self._ddtree_full_graph, self._ddtree_walk_replayed, self._ddtree_accept)
         self._ddtree_full_graph, self._ddtree_walk_replayed, self._ddtree_accept = (total, num_trees), True, None
         if self._ddtree_conv_window > 0:
+            # The FULL graph has not replayed since its capture (vLLM's capture call replays nothing), so the commit
+            # inputs it recorded hold whatever its memory held, the state slots too (for two trees or more a copy
+            # made inside the graph): unbounded slots to write at. Serving's first replay rewrites them.
+            for pending in self._ddtree_captured.replayed((total, num_trees)).values():
+                pending.slots.zero_()
             layout = self._ddtree_buffers.views(num_trees, total, num_trees, conv=True)  # (serving's views too)
             self._ddtree_gdn_step = GdnTreeStep(
                 token_index=self._ddtree_buffers.leading_step_index(total),
