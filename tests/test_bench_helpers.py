@@ -550,8 +550,14 @@ def test_precapture_all_commits_a_filler_step_the_way_serving_commits_that_size(
 
     runner._ddtree_commit_gdn = commit_gdn
     runner._ddtree_move_kv = lambda src, dst: moves.append((src, dst))
-    runner._ddtree_precapture_step_graphs(batch, budget + 1)
     total = batch * (budget + 1)
+    # What the FULL graph's capture recorded (its slots read from memory no replay has written yet).
+    slots = torch.tensor([9, 99, 999])
+    runner._ddtree_captured = types.SimpleNamespace(
+        replayed=lambda graph: {"layer.0": types.SimpleNamespace(slots=slots)}
+    )
+    runner._ddtree_precapture_step_graphs(batch, budget + 1)
+    assert slots.tolist() == [0, 0, 0]  # the eager first commit writes at vLLM's null block, nowhere else
     ((graph, replayed, host_walk, node_offsets, walked),) = commits
     assert (graph, replayed, host_walk) == ((total, batch), True, None)
     assert moves == [(walked["kv_src"], walked["kv_dst"])]
