@@ -603,8 +603,12 @@ def test_a_fixed_budget_on_a_large_target_served_to_many_requests_gets_a_hint():
     assert '"8": 31}' in large_batch_advice(deep, max_num_seqs=256, hidden_size=5120)  # (no budget below the depth)
     assert large_batch_advice(cfg, max_num_seqs=256, hidden_size=256) is None  # the test pair: host-bound steps
     assert large_batch_advice(cfg, max_num_seqs=7, hidden_size=5120) is None  # 7 x 64 < 512 tokens a step
-    for chosen in ({"1": 63, "8": 15}, "auto"):
+    for chosen in ({"1": 63, "8": 15}, "auto", 15):  # a schedule, auto, or no larger than the advised budget
         assert large_batch_advice(parse_spec_config(dict(BASE, ddtree_budget=chosen))[1], 256, 5120) is None
+    shallow = parse_spec_config(dict(BASE, ddtree_budget=7, num_speculative_tokens=7))[1]
+    assert large_batch_advice(shallow, 256, 5120) is None  # (a schedule to 15 would raise it)
+    huge = parse_spec_config(dict(BASE, ddtree_budget=511))[1]
+    assert large_batch_advice(huge, max_num_seqs=1, hidden_size=5120) is None  # one request: no batch to schedule
 
 
 @pytest.mark.parametrize(

@@ -224,7 +224,14 @@ def test_the_plans_pieces_are_timed_apart_inside_its_part():
 
 @pytest.mark.parametrize(
     "why",
-    ["near max_model_len", "trees over 128 nodes", "a cut tree", "top-K not kept", "another request order"],
+    [
+        "near max_model_len",
+        "trees over 128 nodes",
+        "a cut tree",
+        "top-K not kept",
+        "another request order",
+        "a structured request",
+    ],
 )
 def test_other_steps_keep_the_host_plan(why):
     budget = 127 + 128 * (why == "trees over 128 nodes")
@@ -241,6 +248,8 @@ def test_other_steps_keep_the_host_plan(why):
         runner._ddtree_device_planner.forget()
     elif why == "another request order":
         runner.req_ids.reverse()
+    elif why == "a structured request":
+        output.has_structured_output_requests = True
     _plan(runner, output, num_scheduled)
     assert runner.ddtree_stats.device_plan_steps == 0
     assert runner._ddtree_plan.trees is not None and runner.drafter.store.deferred is None
@@ -250,6 +259,7 @@ def test_other_steps_keep_the_host_plan(why):
         "a cut tree": "not whole trees of one size",
         "top-K not kept": "top-K not kept",
         "another request order": "not the kept proposal's requests",
+        "a structured request": "structured outputs",
     }[why]
     assert runner.ddtree_stats.summary()["device_plan_declined_steps"] == {reason: 1}  # (why the host planned it)
 

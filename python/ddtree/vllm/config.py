@@ -306,8 +306,8 @@ def lone_row_advice(cfg: DDTreeConfig) -> Optional[str]:
 #: bound by the target's arithmetic: at the Qwen3.6-27B shape 8 trees of 65 tokens (520) cost 2.47x the chain's step
 #: (``gpu-h200-async-b798afe``), 8 trees of 16 (128) 0.90x (``gpu-h200-27b-94baa94``).
 ARITHMETIC_BOUND_STEP_TOKENS = 512
-#: The hidden size from which a target counts as large for that advice (Qwen3.6-27B: 5120; the test pair: 256, whose
-#: steps are host work at any batch the bench runs).
+#: The hidden size from which a target counts as large for that advice: a heuristic, measured at one shape only
+#: (Qwen3.6-27B: 5120; the test pair, 256, runs host-bound steps at any batch its bench runs).
 LARGE_TARGET_HIDDEN_SIZE = 2048
 
 
@@ -318,10 +318,9 @@ def large_batch_advice(cfg: DDTreeConfig, max_num_seqs: int, hidden_size: int) -
     if cfg.auto or cfg.budget_schedule or hidden_size < LARGE_TARGET_HIDDEN_SIZE:
         return None
     tokens = max_num_seqs * (cfg.budget + 1)
-    if tokens < ARITHMETIC_BOUND_STEP_TOKENS:
-        return None
-    small = max(15, cfg.draft_len or 0)
-    many = min(8, max_num_seqs)
+    small, many = max(15, cfg.draft_len or 0), min(8, max_num_seqs)
+    if tokens < ARITHMETIC_BOUND_STEP_TOKENS or cfg.budget <= small or many < 2:
+        return None  # (small steps; a budget no larger than the one advised; one request: nothing to schedule)
     return (
         f"a fixed budget of {cfg.budget} verifies up to {max_num_seqs} x {cfg.budget + 1} = {tokens} tokens a step; on "
         f"a target this large (hidden size {hidden_size}) such steps cost the target's arithmetic, more than the trees "

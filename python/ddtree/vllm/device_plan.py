@@ -9,7 +9,8 @@ Triton kernels (``ddtree.kernels.tree_build_triton``, ``tree_layout_triton``: th
 exactly) from a device copy of the drafter's top-K, inside one CUDA graph per step shape with the placement:
 
 * the host uploads the plan staging's arrays as before, but what depends on the step's shape alone (the rows, node
-  offsets, step indices, the walk's tree and local indices: written once per layout, ``constants_stale``) and the
+  offsets, step indices, the walk's tree and local indices: written again only when another upload went through the
+  staging since a device-planned step's, ``constants_stale``) and the
   step's serial; the arrays that depend on the trees are left as they are, and the layout kernel writes them over
   on the device, after the copy (stream order). A step right after another device-planned step of its shape
   uploads nothing at all (``resumes``): the device buffer still holds the constants, and the graph writes the serial
@@ -64,7 +65,8 @@ class DevicePlanner:
         self._kept_for: Optional[tuple] = None  # the request ids of the proposal whose top-K the buffer holds
         # By step shape, (requests, tree size): the trees' scratch and the placement's starts and query starts.
         self._shapes: Dict[Tuple[int, int], Tuple[DeviceTrees, torch.Tensor, torch.Tensor]] = {}
-        # The staging layout the shape constants were last written into (``(layout key, layouts made)``).
+        # The staging's state right after the last device-planned upload, which carried its shape's constants
+        # (``(layout key, layouts made, uploads)``): any other upload or layout since makes them stale.
         self._constants_uploaded: Optional[tuple] = None
         # By step shape, (requests, tree size): the runner's plan of that shape and its staged arrays.
         self.templates: Dict[Tuple[int, int], tuple] = {}

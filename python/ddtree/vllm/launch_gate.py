@@ -162,12 +162,12 @@ class Watchdog:
 def probe(device: torch.device) -> Optional[str]:
     """Why a launch gate cannot work on ``device`` (None: it can): a gate whose ticket is already released is
     queued on the current stream and must pass."""
+    if torch.device(device).type != "cuda":
+        return "not a CUDA device"
     if platform.machine().lower() not in X86_64:
         # The release (``StreamGate._write``) is a plain store after the plan's stores; only x86-64's store order
         # makes the GPU see them first. Elsewhere (aarch64: GH200) it would need a release fence.
         return f"the gate's release relies on x86-64's store order; this host is {platform.machine()}"
-    if torch.device(device).type != "cuda":
-        return "not a CUDA device"
     try:
         wait = driver_wait()
     except (OSError, AttributeError) as exc:

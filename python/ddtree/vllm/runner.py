@@ -639,7 +639,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _ddtree_device_upload_and_place(self, num_reqs: int, size: int, total: int, serial: int, rows=None):
         """A device-planned step's upload (the shape's constants, written into the staging when its buffer may
-        hold another layout's bytes, and ``serial``, which the device's serial then takes) and its graph; returns
+        hold other bytes there: another layout, or another upload since a device-planned one; and ``serial``, which the device's serial then takes) and its graph; returns
         the upload's device views and the placement's outputs. Right after a device-planned step of its shape,
         with nothing uploaded and no host-planned step since, nothing is uploaded: the device holds the constants
         and the serial already (``DevicePlanner.resumes``). A subset step (``rows``) uploads its rows every time,
@@ -1447,23 +1447,24 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         null block, where no request's state lives."""
         saved = (self._ddtree_full_graph, self._ddtree_walk_replayed, self._ddtree_accept)
         self._ddtree_full_graph, self._ddtree_walk_replayed, self._ddtree_accept = (total, num_trees), True, None
-        if self._ddtree_conv_window > 0:
-            # The FULL graph has not replayed since its capture (vLLM's capture call replays nothing), so the commit
-            # inputs it recorded hold whatever its memory held, the state slots too (for two trees or more a copy
-            # made inside the graph): unbounded slots to write at. Serving's first replay rewrites them.
-            for pending in self._ddtree_captured.replayed((total, num_trees)).values():
-                pending.slots.zero_()
-            layout = self._ddtree_buffers.views(num_trees, total, num_trees, conv=True)  # (serving's views too)
-            self._ddtree_gdn_step = GdnTreeStep(
-                token_index=self._ddtree_buffers.leading_step_index(total),
-                other_index=None,
-                node_offsets=layout["node_offsets"],
-                ancestor_bits=layout["ancestor_bits"],
-                conv_index=layout["conv_index"],
-                num_requests=num_trees,
-                num_tree_tokens=total,
-            )
         try:
+            if self._ddtree_conv_window > 0:
+                # The FULL graph has not replayed since its capture (vLLM's capture call replays nothing), so the
+                # commit inputs it recorded hold whatever its memory held, the state slots too (for two trees or
+                # more a copy made inside the graph): unbounded slots to write at. Serving's first replay rewrites
+                # them.
+                for pending in self._ddtree_captured.replayed((total, num_trees)).values():
+                    pending.slots.zero_()
+                layout = self._ddtree_buffers.views(num_trees, total, num_trees, conv=True)  # (serving's views too)
+                self._ddtree_gdn_step = GdnTreeStep(
+                    token_index=self._ddtree_buffers.leading_step_index(total),
+                    other_index=None,
+                    node_offsets=layout["node_offsets"],
+                    ancestor_bits=layout["ancestor_bits"],
+                    conv_index=layout["conv_index"],
+                    num_requests=num_trees,
+                    num_tree_tokens=total,
+                )
             if not self._ddtree_commit_gdn(walked):
                 self._ddtree_move_kv(walked["kv_src"], walked["kv_dst"])
             self.ddtree_stats.precaptured_commits += 1
