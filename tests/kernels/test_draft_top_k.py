@@ -51,6 +51,15 @@ def run_checks(device: str) -> None:
     packed = pack_top_k_triton(logits, values, ids, out=buffer[:5])
     assert packed.data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer[:5], pack_top_k_triton(logits, values, ids)) and bool((buffer[5:] == 7.0).all())
+    # And into the leading rows of a host buffer beside it (pinned on a GPU: the kernel writes it through its device
+    # address), the device buffer unchanged: the same rows in both.
+    host = torch.full((9, 14), 3.0, pin_memory=device == "cuda")
+    buffer.fill_(7.0)
+    packed = pack_top_k_triton(logits, values, ids, out=buffer[:5], host_out=host[:5])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(host[:5], buffer[:5].cpu()) and torch.equal(buffer[:5], pack_top_k_triton(logits, values, ids))
+    assert bool((host[5:] == 3.0).all()) and bool((buffer[5:] == 7.0).all())
     # Rows of numbers that ran away (a NaN logit, an infinite one, all -inf) become the filler row in both.
     for k in (4, 1):
         logits, values, ids = _poisoned(device, k)
@@ -123,6 +132,19 @@ def test_the_reference_packs_into_the_callers_buffer_and_refuses_a_wrong_one():
         pack_top_k_reference(logits, values, ids, out=torch.zeros(3, 10, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"out must be a float32 \[3, 10\] tensor"):
         pack_top_k_reference(logits, values, ids, out=torch.zeros(4, 10))
+
+
+def test_the_reference_also_packs_into_a_host_buffer_and_refuses_a_wrong_one():
+    logits, values, ids = _inputs(3, 50, 5, torch.float32, "cpu", 3)
+    buffer, host = torch.zeros(4, 10), torch.full((4, 10), 2.0)
+    pack_top_k_reference(logits, values, ids, out=buffer[:3], host_out=host[:3])
+    expected = pack_top_k_reference(logits, values, ids)
+    assert torch.equal(host[:3], expected) and torch.equal(buffer[:3], expected) and bool((host[3] == 2.0).all())
+    with pytest.raises(ValueError, match=r"host_out must be a float32 \[3, 10\] tensor"):
+        pack_top_k_reference(logits, values, ids, host_out=torch.zeros(3, 5))
+    meta = torch.zeros(3, 10, device="meta")
+    with pytest.raises(ValueError, match="host_out must be a host tensor, got one on meta"):
+        pack_top_k_reference(logits, values, ids, host_out=meta)
 
 
 def test_rows_whose_numbers_ran_away_are_packed_as_the_filler_row_the_tree_build_takes():

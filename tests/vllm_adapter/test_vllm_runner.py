@@ -828,6 +828,69 @@ def _late_proposer(runner, store, batch_size, draft_len=3, top_k=4, seed=0):
     return proposer, log_probs.view(batch_size, draft_len, top_k).numpy(), ids.view(batch_size, draft_len, top_k)
 
 
+def test_the_deferral_queues_no_copy_where_the_top_k_kernel_wrote_the_hosts_rows():
+    """Late trees: where the drafter's top-K kernel wrote the host's rows itself (``_packed_on_host``) the deferral
+    only records the event (the rows it finds are the proposal); otherwise it copies the packed top-K there."""
+    from ddtree.vllm.step import TreeStore
+
+    runner = _proposers_runner(True, ["a", "b"])
+    proposer, log_probs, _ = _late_proposer(runner, TreeStore(6), 2)
+    views = proposer._late_views_for(2)
+    views[0].copy_(proposer._capture * 0 + 0.5)  # what the kernel wrote, told apart from the device's rows
+    proposer._packed_on_host = True
+    proposer._defer(["a", "b"], 2)
+    assert bool((views[0] == 0.5).all()) and proposer._packed_on_host is False
+    assert proposer.store.deferred.host is views[1]
+    proposer.store.settle()
+    proposer._capture = torch.full((6, 8), 1.5)
+    proposer._defer(["a", "b"], 2)  # the flag was spent: this one copies
+    assert bool((views[0] == 1.5).all())
+
+
+def test_a_late_proposal_settles_the_last_one_before_its_drafter_pass_writes_the_host_buffer(monkeypatch):
+    """The top-K kernel writes the host's rows during the drafter pass, into the pinned buffer the last deferred
+    proposal is read from: that proposal is settled (its rows copied out) before the pass is queued; the new
+    proposal's rows are the pass's packed top-K, and the deferral queues no copy."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from ddtree.kernels.draft_top_k import pack_top_k
+    from ddtree.vllm.step import TreeStore
+
+    runner = _proposers_runner(True, ["a", "b"])
+    store = TreeStore(6)
+    proposer, _, _ = _late_proposer(runner, store, 2)
+    proposer._defer(["a", "b"], 2)  # the last proposal: deferred, its rows in the pinned buffer
+    weight = torch.randn(30, 8, generator=torch.Generator().manual_seed(5))
+    proposer.model = SimpleNamespace(compute_logits=lambda hidden: hidden @ weight.T)
+    proposer.context_order = proposer.flat_positions = None
+    proposer._capturing = False
+    hidden = torch.randn(6, 8, generator=torch.Generator().manual_seed(6))
+    seen = []
+
+    def drafter_pass(self, *args, **kwargs):
+        seen.append(store.deferred is None)  # settled before the pass
+        self._sample_draft_tokens(hidden, None)
+        seen.append(self._packed_on_host)
+
+    monkeypatch.setattr(DFlashProposer, "propose", drafter_pass)
+    metadata = SimpleNamespace(batch_size=lambda: 2)
+    zeros = proposer.propose(3, None, None, None, None, None, metadata, None)
+    assert seen == [True, True] and zeros.shape == (2, 6) and proposer._late_target is None
+    logits = hidden @ weight.T
+    assert torch.equal(proposer._late_host[:6], pack_top_k(logits, *logits.topk(4, dim=-1)))
+    assert store.deferred.host is proposer._late_views_for(2)[1] and proposer._packed_on_host is False
+
+
+def test_the_late_trees_buffer_refuses_a_batch_larger_than_it_was_made_for():
+    from ddtree.vllm.step import TreeStore
+
+    runner = _proposers_runner(True, ["a", "b"])
+    proposer, _, _ = _late_proposer(runner, TreeStore(6), 2)
+    proposer._late_views_for(4)
+    with pytest.raises(RuntimeError, match=r"5 requests x 3 positions exceeds the late trees' pinned buffer \(12 rows"):
+        proposer._late_views_for(5)
+
+
 def test_late_trees_write_the_tree_tokens_where_vllm_put_placeholders():
     """DDTREE_LATE_TREES: the proposer returns without building; vLLM schedules placeholders (one tree cut); the
     prepared step is the one trees built at proposal give, with the tree tokens written into the input ids."""
@@ -1375,10 +1438,12 @@ def test_tree_counters_folded_in_batches_equal_step_by_step_counting(seed):
     assert stats.steps == step + 1
 
 
-def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypatch):
+@pytest.mark.parametrize("late", [False, True])
+def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypatch, late):
     """vLLM's warm-up never reaches the packed top-K (the drafter samples only in a real proposal), so its kernel
     would compile in the first request's step: the worker runs it once after vLLM's warm-up, on logits of the
-    drafter's shape and dtype."""
+    drafter's shape and dtype; with late trees also the kernel's variant that writes the host's copy, into the
+    pinned buffer's first rows."""
     from vllm.v1.worker.gpu_worker import Worker
 
     from ddtree.vllm import proposer as proposer_module
@@ -1391,17 +1456,27 @@ def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypa
     monkeypatch.setattr(
         proposer_module,
         "pack_top_k",
-        lambda logits, values, ids: calls.append((tuple(logits.shape), logits.dtype, tuple(ids.shape))),
+        lambda logits, values, ids, host_out=None: calls.append(
+            (tuple(logits.shape), logits.dtype, tuple(ids.shape))
+            + (() if host_out is None else (tuple(host_out.shape), host_out.data_ptr()))
+        ),
     )
     drafter = object.__new__(DDTreeProposer)
-    drafter.draft_len, drafter.draft_vocab_size, drafter.top_k = 15, 4096, 64
+    drafter.draft_len, drafter.draft_vocab_size, drafter.top_k, drafter.budget = 15, 4096, 64, 63
     drafter.draft_logits_dtype, drafter.device = torch.bfloat16, torch.device("cpu")
+    drafter._late_host = None
+    drafter.runner = SimpleNamespace(ddtree_late_trees=late, max_num_reqs=4)
     runner = object.__new__(DDTreeGPUModelRunner)
     runner.drafter, runner._ddtree_auto = drafter, None
     worker = object.__new__(DDTreeWorker)
     worker.model_runner = runner
     assert worker.compile_or_warm_up_model() == 1.5
-    assert calls == ["vllm", ((15, 4096), torch.bfloat16, (15, 64))]
+    warm = ((15, 4096), torch.bfloat16, (15, 64))
+    if late:
+        assert drafter._late_host.shape == (4 * 15, 128)
+        assert calls == ["vllm", warm, warm + ((15, 128), drafter._late_host.data_ptr())]
+    else:
+        assert calls == ["vllm", warm] and drafter._late_host is None
     runner_without_drafter = object.__new__(DDTreeGPUModelRunner)
     runner_without_drafter._ddtree_auto = None
     worker.model_runner = runner_without_drafter  # no speculative drafter: nothing to warm

@@ -15,6 +15,11 @@ computation it replaces, and its oracle in the tests.
 The two differ in the last bits of the log-sum (the reduction order): only the trees' scores move, by ~1e-7
 relative, so near-ties between branches can order differently; verification is exact either way.
 
+With ``host_out`` (pinned host memory) the kernel also writes each row there, through the pinned memory's device
+address (CUDA maps pinned memory into the device's address space): the host's copy of the top-K needs no copy of
+its own, which was ~0.047 ms of host time a step at batch 1 (``gpu-h100-pair-pieces-7672df9``: a copy's launch and
+the caching host allocator's bookkeeping). The host reads it once an event recorded after the kernel completed.
+
 A row whose log-probabilities are not finite numbers at most ``LOG_PROB_TOLERANCE`` (NaN logits, an infinite
 logit: a request whose numbers ran away) is written as the filler row instead: candidate ``k`` with log-probability
 ``-k - 1`` and token id ``k``. The tree build refuses such values (one request's numbers would stop every request),
@@ -42,7 +47,13 @@ BLOCK_V = 2048
 LOG_PROB_TOLERANCE = 1e-3
 
 
-def _check(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> None:
+def _check(
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    host_out: Optional[torch.Tensor] = None,
+) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {list(logits.shape)}")
     rows = logits.shape[0]
@@ -54,21 +65,29 @@ def _check(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: O
         raise ValueError(f"K = {values.shape[1]} exceeds the vocabulary ({logits.shape[1]})")
     if ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
-    if out is not None:
-        wanted = (rows, 2 * values.shape[1])
-        if out.shape != wanted or out.dtype != torch.float32 or out.stride(-1) != 1:
+    wanted = (rows, 2 * values.shape[1])
+    for name, buffer in (("out", out), ("host_out", host_out)):
+        if buffer is not None and (buffer.shape != wanted or buffer.dtype != torch.float32 or buffer.stride(-1) != 1):
             raise ValueError(
-                f"out must be a float32 {list(wanted)} tensor with unit stride along its rows, got "
-                f"{list(out.shape)} {out.dtype}"
+                f"{name} must be a float32 {list(wanted)} tensor with unit stride along its rows, got "
+                f"{list(buffer.shape)} {buffer.dtype}"
             )
+    if host_out is not None and host_out.device.type != "cpu":
+        raise ValueError(f"host_out must be a host tensor, got one on {host_out.device}")
+    if host_out is not None and logits.is_cuda and not host_out.is_pinned():
+        raise ValueError("host_out must be pinned host memory: the kernel writes it through its device address")
 
 
 def pack_top_k_reference(
-    logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    host_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``[rows, 2K]`` float32: ``values - logsumexp(logits)`` then the ids' int32 bits, in torch (into ``out``
-    when given, and returned)."""
-    _check(logits, values, ids, out)
+    when given, and returned; also into ``host_out`` when given, a non-blocking copy)."""
+    _check(logits, values, ids, out, host_out)
     log_probs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
     ids = ids.to(torch.int32)
     bad = (~(log_probs <= LOG_PROB_TOLERANCE)).any(dim=-1, keepdim=True)  # (NaN compares false)
@@ -76,9 +95,11 @@ def pack_top_k_reference(
     log_probs = torch.where(bad, -(candidates + 1).to(torch.float32), log_probs)
     ids = torch.where(bad, candidates.to(torch.int32), ids)
     packed = torch.cat([log_probs, ids.view(torch.float32)], dim=-1)
-    if out is None:
-        return packed
-    return out.copy_(packed)
+    if out is not None:
+        packed = out.copy_(packed)
+    if host_out is not None:
+        host_out.copy_(packed, non_blocking=True)
+    return packed
 
 
 if triton is not None:
@@ -90,15 +111,19 @@ if triton is not None:
         ids_ptr,
         out_ptr,
         out_ids_ptr,
+        host_ptr,
+        host_ids_ptr,
         vocab,
         k,
         logits_stride,
         values_stride,
         ids_stride,
         out_stride,
+        host_stride,
         BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr,
         TOLERANCE: tl.constexpr,
+        TO_HOST: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         offsets = tl.arange(0, BLOCK_V)
@@ -126,15 +151,24 @@ if triton is not None:
         token = tl.where(row_bad, candidates.to(tl.int32), token)
         tl.store(out_ptr + row * out_stride + candidates, log_prob, mask=kept)
         tl.store(out_ids_ptr + row * out_stride + k + candidates, token, mask=kept)
+        if TO_HOST:  # the same row into pinned host memory, through its device address (a copy's launch saved)
+            tl.store(host_ptr + row * host_stride + candidates, log_prob, mask=kept)
+            tl.store(host_ids_ptr + row * host_stride + k + candidates, token, mask=kept)
 
 
 def pack_top_k_triton(
-    logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    host_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """:func:`pack_top_k_reference` in one Triton kernel (one program per row)."""
+    """:func:`pack_top_k_reference` in one Triton kernel (one program per row). ``host_out`` (pinned): the kernel
+    writes each row there too, through the pinned memory's device address; the host reads it once an event recorded
+    after the kernel has completed."""
     if triton is None:
         raise RuntimeError("pack_top_k_triton needs triton; use pack_top_k_reference")
-    _check(logits, values, ids, out)
+    _check(logits, values, ids, out, host_out)
     rows, vocab = logits.shape
     k = values.shape[1]
     logits, values, ids = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, values, ids))
@@ -147,24 +181,32 @@ def pack_top_k_triton(
             ids,
             out,
             out.view(torch.int32),
+            out if host_out is None else host_out,
+            (out if host_out is None else host_out).view(torch.int32),
             vocab,
             k,
             logits.stride(0),
             values.stride(0),
             ids.stride(0),
             out.stride(0),
+            out.stride(0) if host_out is None else host_out.stride(0),
             BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
             BLOCK_K=triton.next_power_of_2(k),
             TOLERANCE=LOG_PROB_TOLERANCE,
+            TO_HOST=host_out is not None,
         )
     return out
 
 
 def pack_top_k(
-    logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    host_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The packed top-K (into ``out`` when given): the Triton kernel on a CUDA device where Triton is installed,
-    else torch."""
+    """The packed top-K (into ``out`` when given, and into the pinned ``host_out`` too when given): the Triton
+    kernel on a CUDA device where Triton is installed, else torch."""
     if logits.is_cuda and triton is not None:
-        return pack_top_k_triton(logits, values, ids, out)
-    return pack_top_k_reference(logits, values, ids, out)
+        return pack_top_k_triton(logits, values, ids, out, host_out)
+    return pack_top_k_reference(logits, values, ids, out, host_out)

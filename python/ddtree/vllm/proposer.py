@@ -52,6 +52,10 @@ class DDTreeProposer(DFlashProposer):
     # DDTREE_TOPK_GRAPHS (set in __init__; proposers built without it, as the CPU tests do, launch by launch).
     _topk_graphs_on = False
     _topk_graphs: Optional[DraftTopKGraphs] = None
+    # Late trees: the step's views of the pinned buffer (``_late_views_for``) while its drafter pass runs, and whether
+    # the pass's top-K kernel wrote its rows there itself (then ``_defer`` queues no copy).
+    _late_target: Optional[Tuple[torch.Tensor, np.ndarray, torch.Tensor]] = None
+    _packed_on_host = False
 
     def __init__(self, vllm_config, device, runner, cfg: DDTreeConfig):
         super().__init__(vllm_config, device, runner)
@@ -122,6 +126,8 @@ class DDTreeProposer(DFlashProposer):
         graphs = self._draft_top_k_graphs()
         out = graphs.run(hidden_states, self._top_k_of) if graphs is not None else self._top_k_of(hidden_states)
         self._capture = out["packed"]
+        # (A graph captured its kernel with the same target: the buffer never moves, its rows are this batch's.)
+        self._packed_on_host = self._late_target is not None
         return out["top1"], None
 
     def _top_k_of(self, hidden_states: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -133,7 +139,13 @@ class DDTreeProposer(DFlashProposer):
         # DDTREE_DEVICE_PLAN (launch by launch): packed straight into the buffer the device plan's graph reads.
         planner = None if self._topk_graphs_on else self._device_planner()
         out = planner.pack_target(logits.shape[0]) if planner is not None else None
-        return {"packed": pack_top_k(logits, values, ids, out), "top1": ids[:, 0]}
+        # Late trees: the kernel writes the host's copy too (into the pinned buffer ``propose`` made ready).
+        host = None if self._late_target is None else self._late_target[0]
+        if host is not None and host.shape[0] != logits.shape[0]:
+            raise RuntimeError(
+                f"DDTree: the drafter gave {logits.shape[0]} rows of logits for a proposal of {host.shape[0]} rows"
+            )
+        return {"packed": pack_top_k(logits, values, ids, out, host), "top1": ids[:, 0]}
 
     def _device_planner(self):
         """The runner's ``DevicePlanner`` (None: DDTREE_DEVICE_PLAN off; also for the tests' stand-in runners)."""
@@ -158,6 +170,8 @@ class DDTreeProposer(DFlashProposer):
         logits = torch.zeros((self.draft_len, self.draft_vocab_size), dtype=self.draft_logits_dtype, device=self.device)
         values, ids = logits.topk(self.top_k, dim=-1)
         pack_top_k(logits, values, ids)
+        if self.runner.ddtree_late_trees:  # (the kernel's variant that writes the host's copy too)
+            pack_top_k(logits, values, ids, host_out=self._late_views_for(1)[0])
 
     def propose(
         self,
@@ -185,6 +199,15 @@ class DDTreeProposer(DFlashProposer):
 
         batch_size = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
+        late = self.runner.ddtree_late_trees
+        if late:
+            # The drafter's top-K kernel writes this proposal into the pinned buffer the last one is read from: that
+            # one leaves it first (usually settled by the plan already; after a device-planned step, which never
+            # waits for the top-K, this waits for the GPU to land it: outside the timed part, as every GPU wait of
+            # the step is, and with this step's verification queued behind it).
+            with record_function_or_nullcontext("ddtree: wait for the last top-K's copy"):
+                self.store.settle()
+            self._late_target = self._late_views_for(batch_size)
         self._capturing = True
         self._capture = None
         try:
@@ -203,16 +226,12 @@ class DDTreeProposer(DFlashProposer):
             )
         finally:
             self._capturing = False
+            self._late_target = None
             # Restore vLLM's view of the draft length (the budget).
             self.num_speculative_tokens = self.budget
         assert self._capture is not None, "DDTree: the drafter's logits were not captured"
         self.last_req_ids = req_ids
-        if self.runner.ddtree_late_trees:
-            # The last deferred proposal leaves the pinned buffer before this copy overwrites it. Usually settled
-            # by the plan already; after a device-planned step (which never waits for the top-K) this waits for
-            # the GPU to land that copy: outside the timed part, as every GPU wait of the step is.
-            with record_function_or_nullcontext("ddtree: wait for the last top-K's copy"):
-                self.store.settle()
+        if late:
             with self.runner.ddtree_stats.timed("defer"):
                 return self._defer(req_ids, batch_size)
         # The step's second wait for the GPU (the drafter's tail): its own profiler range.
@@ -235,15 +254,18 @@ class DDTreeProposer(DFlashProposer):
                 out[r, : len(drafts)] = drafts
         return torch.from_numpy(out).to(self.device, non_blocking=True)
 
-    def _defer(self, req_ids: List[str], batch_size: int) -> torch.Tensor:
-        """Late trees: the top-K goes to the host without a wait and the trees are built at the next verification
-        (``plan_verify``); vLLM's scheduler gets placeholder drafts of each tree's size. Returns zeros in place of
-        the drafts: vLLM keeps them, and under asynchronous scheduling writes them into the next step's input ids,
-        where the runner writes the tree tokens over them."""
-        # Every rank: each builds its trees at verification from the same gathered top-K.
-        self.store.settle()  # (the caller settled the last deferred proposal: a no-op then)
+    def _late_views_for(self, batch_size: int) -> Tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """Late trees, a batch of ``batch_size``: the pinned buffer's rows as a tensor and as ``[R, L, 2K]`` numpy
+        (the same memory), and the zeros handed to vLLM in place of drafts. The buffers are made once, for the
+        largest batch, and never move: a top-K graph captured with its rows as a target keeps writing there."""
         rows, width = batch_size * self.draft_len, 2 * self.top_k
-        if self._late_host is None or self._late_host.shape[0] < rows:
+        if self._late_host is not None and self._late_host.shape[0] < rows:
+            # (A batch is at most max_num_seqs requests: the buffer cannot move under a graph that writes it.)
+            raise RuntimeError(
+                f"DDTree: a proposal of {batch_size} requests x {self.draft_len} positions exceeds the late trees' "
+                f"pinned buffer ({self._late_host.shape[0]} rows, made for max_num_seqs={self.runner.max_num_reqs})"
+            )
+        if self._late_host is None:
             on_gpu = self.device.type == "cuda"
             capacity = max(rows, self.runner.max_num_reqs * self.draft_len)
             self._late_host = torch.empty((capacity, width), dtype=torch.float32, pin_memory=on_gpu)
@@ -251,19 +273,30 @@ class DDTreeProposer(DFlashProposer):
             self._late_drafts = torch.zeros(
                 (self.runner.max_num_reqs, self.budget), dtype=torch.int64, device=self.device
             )
-            # By batch size: the buffer's rows as a tensor and as [R, L, 2K] numpy, and the zeros handed to vLLM.
             self._late_views = {}
         views = self._late_views.get(batch_size)
-        if views is None:  # (a batch size's views are made once: the buffers never move)
+        if views is None:  # (a batch size's views are made once)
             host = self._late_host[:rows]
             views = self._late_views[batch_size] = (
                 host,
                 host.numpy().reshape(batch_size, self.draft_len, width),
                 self._late_drafts[:batch_size],
             )
+        return views
+
+    def _defer(self, req_ids: List[str], batch_size: int) -> torch.Tensor:
+        """Late trees: the top-K goes to the host without a wait and the trees are built at the next verification
+        (``plan_verify``); vLLM's scheduler gets placeholder drafts of each tree's size. Returns zeros in place of
+        the drafts: vLLM keeps them, and under asynchronous scheduling writes them into the next step's input ids,
+        where the runner writes the tree tokens over them."""
+        # Every rank: each builds its trees at verification from the same gathered top-K.
+        self.store.settle()  # (the caller settled the last deferred proposal: a no-op then)
+        views = self._late_views_for(batch_size)
+        on_host, self._packed_on_host = self._packed_on_host, False
         stats = self.runner.ddtree_stats
-        with stats.detail("defer: copy"):
-            views[0].copy_(self._capture, non_blocking=True)
+        with stats.detail("defer: copy"):  # (only the event's record where the kernel wrote the host's rows)
+            if not on_host:
+                views[0].copy_(self._capture, non_blocking=True)
             if self._late_landed is not None:
                 self._late_landed.record()
         packed, self._capture = self._capture, None
