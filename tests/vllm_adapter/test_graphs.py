@@ -767,10 +767,10 @@ def test_draft_top_k_graphs_replay_each_row_count_on_each_steps_hidden_states_an
 
     weight = torch.randn(64, 16)  # a stand-in lm_head: vocab 64, hidden 16
 
-    def top_k_of(hidden):
+    def top_k_of(hidden, host=None):
         logits = hidden @ weight.T
         values, ids = logits.topk(4, dim=-1)
-        return {"packed": pack_top_k(logits, values, ids), "top1": ids[:, 0]}
+        return {"packed": pack_top_k(logits, values, ids, host_out=host), "top1": ids[:, 0]}
 
     # 64 x 4-byte logits per row: at most 5 rows under a 1280-byte limit.
     graphs = DraftTopKGraphs(capture, vocab=64, itemsize=4, max_logit_bytes=1280)
@@ -786,3 +786,11 @@ def test_draft_top_k_graphs_replay_each_row_count_on_each_steps_hidden_states_an
     got = graphs.run(big, top_k_of)
     assert torch.equal(got["packed"], top_k_of(big)["packed"])
     assert len(captured) == 2 and graphs.eager_steps == 1
+    # A host target (late trees' pinned rows) is part of the key: its own graph, whose work writes there.
+    host = torch.zeros(5, 8)
+    hidden = torch.randn(5, 16)
+    graphs.run(hidden, top_k_of, host)
+    assert len(captured) == 3 and torch.equal(host, top_k_of(hidden)["packed"])
+    hidden = torch.randn(5, 16)
+    graphs.run(hidden, top_k_of, host)  # a replay of that graph
+    assert len(captured) == 3 and torch.equal(host, top_k_of(hidden)["packed"])

@@ -1442,7 +1442,7 @@ def test_tree_counters_folded_in_batches_equal_step_by_step_counting(seed):
 def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypatch, late):
     """vLLM's warm-up never reaches the packed top-K (the drafter samples only in a real proposal), so its kernel
     would compile in the first request's step: the worker runs it once after vLLM's warm-up, on logits of the
-    drafter's shape and dtype; with late trees also the kernel's variant that writes the host's copy, into the
+    drafter's shape and dtype; with late trees the kernel's variant that writes the host's rows too, into the
     pinned buffer's first rows."""
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -1474,7 +1474,7 @@ def test_the_worker_warms_the_drafters_packed_top_k_after_vllms_warm_up(monkeypa
     warm = ((15, 4096), torch.bfloat16, (15, 64))
     if late:
         assert drafter._late_host.shape == (4 * 15, 128)
-        assert calls == ["vllm", warm, warm + ((15, 128), drafter._late_host.data_ptr())]
+        assert calls == ["vllm", warm + ((15, 128), drafter._late_host.data_ptr())]  # (the variant late trees run)
     else:
         assert calls == ["vllm", warm] and drafter._late_host is None
     runner_without_drafter = object.__new__(DDTreeGPUModelRunner)
@@ -1536,12 +1536,33 @@ def test_the_proposers_top_k_through_its_graphs_equals_the_eager_one_and_feeds_t
         assert torch.equal(drafter._capture, pack_top_k(logits, values, ids)) and probs is None
         assert torch.equal(top1, ids[:, 0]), step
     assert drafter.topk_graph_steps == 2  # the first proposal ran eagerly, then was captured
+    assert drafter._packed_on_host is False  # (no late target: the deferral would copy)
+    # Late trees: the graphs of a host target write the host's rows, replay after replay, and say so.
+    host = torch.zeros(6, 8)
+    drafter._late_target = (host, host.numpy(), None)
+    for step in range(2):
+        hidden = torch.randn(6, 8)
+        logits = hidden @ weight.T
+        drafter._sample_draft_tokens(hidden, None)
+        assert torch.equal(host, pack_top_k(logits, *logits.topk(4, dim=-1))) and drafter._packed_on_host, step
+    assert drafter.topk_graph_steps == 3  # the target's graph: captured once, then replayed
+    drafter._late_target = None
     drafter._topk_graphs = None  # switched off: launch by launch, the same values
     hidden = torch.randn(6, 8)
     drafter._sample_draft_tokens(hidden, None)
     logits = hidden @ weight.T
     assert torch.equal(drafter._capture, pack_top_k(logits, *logits.topk(4, dim=-1)))
     assert drafter.topk_graph_steps == 0
+
+
+def test_the_drafter_refuses_logits_rows_that_are_not_the_proposals():
+    from ddtree.vllm.proposer import DDTreeProposer
+
+    drafter = object.__new__(DDTreeProposer)
+    drafter.model = SimpleNamespace(compute_logits=lambda hidden: hidden @ torch.ones(8, 32))
+    drafter.top_k, drafter._topk_graphs_on = 4, False
+    with pytest.raises(RuntimeError, match="the drafter gave 5 rows of logits for a proposal of 6 rows"):
+        drafter._top_k_of(torch.randn(5, 8), torch.zeros(6, 8))
 
 
 def test_spec_decode_metadata_kept_for_repeated_counts_is_vllms_own(monkeypatch):

@@ -454,16 +454,19 @@ class DraftTopKGraphs:
     def replayed(self) -> int:
         return self._graphs.replayed
 
-    def run(self, hidden: torch.Tensor, top_k_of: Callable[[torch.Tensor], Dict[str, torch.Tensor]]):
+    def run(self, hidden: torch.Tensor, top_k_of: Callable[..., Dict[str, torch.Tensor]], host=None):
+        """``top_k_of(hidden, host)``'s outputs; ``host`` (late trees' pinned rows, or None) is part of a graph's
+        key: a graph's kernel writes where its capture was told to."""
         if hidden.shape[0] > self.max_rows:
             self.eager_steps += 1
-            return top_k_of(hidden)
+            return top_k_of(hidden, host)
         key = (tuple(hidden.shape), hidden.dtype, hidden.device)
         own = self._inputs.get(key)
         if own is None:
             own = self._inputs[key] = torch.empty_like(hidden)
         own.copy_(hidden)
-        return self._graphs.run(("draft top-k",) + key, lambda: top_k_of(own))
+        target = None if host is None else (host.data_ptr(), tuple(host.shape))
+        return self._graphs.run(("draft top-k",) + key + (target,), lambda: top_k_of(own, host))
 
 
 def _reserved_bytes() -> int:

@@ -3,10 +3,11 @@
 One drafter forward per step (vLLM's own ``DFlashProposer`` machinery, called
 with the drafter's depth L rather than vLLM's ``num_speculative_tokens``,
 which is the tree budget B). The drafter's logits at the L mask positions are
-reduced on the GPU to per-position top-K log-probabilities, copied to the host
+reduced on the GPU to per-position top-K log-probabilities, brought to the host
 once as a single ``[batch, L, 2K]`` float32 tensor (log-probs and token ids
-bit-cast side by side), and all trees of the batch are built in one call to the
-Rust core (:class:`ddtree.vllm.step.TreeStore`).
+bit-cast side by side; with late trees the packing kernel writes it into a
+pinned buffer itself, otherwise one copy), and all trees of the batch are built
+in one call to the Rust core (:class:`ddtree.vllm.step.TreeStore`).
 
 Conditioning: after a verification the target's rows of a tree request are
 in node order; the runner computes the permutation that puts the accepted path
@@ -81,8 +82,8 @@ class DDTreeProposer(DFlashProposer):
         # Draft token lists of the last propose(), in batch order.
         self.last_req_ids: List[str] = []
         self.last_drafts: List[List[int]] = []
-        # Late trees (the runner's DDTREE_LATE_TREES): the pinned buffer the top-K is copied into without a wait,
-        # the event that says it landed, and the device tensor returned to vLLM in place of drafts.
+        # Late trees (the runner's DDTREE_LATE_TREES): the pinned buffer the top-K kernel writes the host's rows into
+        # (not waited for), the event recorded after it, and the device tensor returned to vLLM in place of drafts.
         self._late_host: Optional[torch.Tensor] = None
         self._late_landed = None
         self._late_drafts: Optional[torch.Tensor] = None
@@ -124,28 +125,35 @@ class DDTreeProposer(DFlashProposer):
         if not self._capturing:
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         graphs = self._draft_top_k_graphs()
-        out = graphs.run(hidden_states, self._top_k_of) if graphs is not None else self._top_k_of(hidden_states)
+        host = None if self._late_target is None else self._late_target[0]
+        if graphs is not None:  # (a graph per target: its kernel writes where its capture was told to)
+            out = graphs.run(hidden_states, self._top_k_of, host)
+        else:
+            out = self._top_k_of(hidden_states, host)
         self._capture = out["packed"]
-        # (A graph captured its kernel with the same target: the buffer never moves, its rows are this batch's.)
-        self._packed_on_host = self._late_target is not None
+        # Whether the kernel wrote this batch's rows into the host buffer (then the deferral queues no copy).
+        written = out.get("host")
+        self._packed_on_host = host is not None and written is not None and written.data_ptr() == host.data_ptr()
         return out["top1"], None
 
-    def _top_k_of(self, hidden_states: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _top_k_of(self, hidden_states: torch.Tensor, host: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """The drafter's logits ``[batch * L, V]`` reduced to the packed top-K for the host (``packed``: ``[rows,
         2K]`` float32, the ids' int32 bits beside the log-probs, one kernel on a GPU) and each row's top token
-        (``top1``, what vLLM's chain would have drafted)."""
+        (``top1``, what vLLM's chain would have drafted). ``host`` (late trees: pinned, ``[rows, 2K]``): the kernel
+        writes the rows there too, returned as ``host``."""
         logits = self.model.compute_logits(hidden_states)
         values, ids = logits.topk(self.top_k, dim=-1)
         # DDTREE_DEVICE_PLAN (launch by launch): packed straight into the buffer the device plan's graph reads.
         planner = None if self._topk_graphs_on else self._device_planner()
         out = planner.pack_target(logits.shape[0]) if planner is not None else None
-        # Late trees: the kernel writes the host's copy too (into the pinned buffer ``propose`` made ready).
-        host = None if self._late_target is None else self._late_target[0]
         if host is not None and host.shape[0] != logits.shape[0]:
             raise RuntimeError(
                 f"DDTree: the drafter gave {logits.shape[0]} rows of logits for a proposal of {host.shape[0]} rows"
             )
-        return {"packed": pack_top_k(logits, values, ids, out, host), "top1": ids[:, 0]}
+        packed = {"packed": pack_top_k(logits, values, ids, out, host), "top1": ids[:, 0]}
+        if host is not None:
+            packed["host"] = host
+        return packed
 
     def _device_planner(self):
         """The runner's ``DevicePlanner`` (None: DDTREE_DEVICE_PLAN off; also for the tests' stand-in runners)."""
@@ -169,9 +177,10 @@ class DDTreeProposer(DFlashProposer):
         before the first request (whose first step would otherwise wait for the compilation)."""
         logits = torch.zeros((self.draft_len, self.draft_vocab_size), dtype=self.draft_logits_dtype, device=self.device)
         values, ids = logits.topk(self.top_k, dim=-1)
-        pack_top_k(logits, values, ids)
-        if self.runner.ddtree_late_trees:  # (the kernel's variant that writes the host's copy too)
+        if self.runner.ddtree_late_trees:  # (the kernel's variant that writes the host's rows too: late trees')
             pack_top_k(logits, values, ids, host_out=self._late_views_for(1)[0])
+        else:
+            pack_top_k(logits, values, ids)
 
     def propose(
         self,
@@ -205,7 +214,7 @@ class DDTreeProposer(DFlashProposer):
             # one leaves it first (usually settled by the plan already; after a device-planned step, which never
             # waits for the top-K, this waits for the GPU to land it: outside the timed part, as every GPU wait of
             # the step is, and with this step's verification queued behind it).
-            with record_function_or_nullcontext("ddtree: wait for the last top-K's copy"):
+            with record_function_or_nullcontext("ddtree: wait for the last top-K on the host"):
                 self.store.settle()
             self._late_target = self._late_views_for(batch_size)
         self._capturing = True

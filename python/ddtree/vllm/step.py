@@ -186,7 +186,8 @@ class TreeStore:
         drafts (``PLACEHOLDER`` x the size of the tree it will get: all vLLM's scheduler needs).
 
         The trees are built at the verification (:func:`plan_verify`), after :meth:`settle`. The caller settles the
-        previous deferred proposal before it queues the copy that overwrites that proposal's host buffer.
+        previous deferred proposal before it queues the drafter pass whose top-K kernel (or copy) overwrites that
+        proposal's host buffer.
         """
         budget = self._step_budget(budget)
         if self.deferred is not None:
@@ -210,7 +211,8 @@ class TreeStore:
         return proposal is None or proposal.landed is None or bool(proposal.landed.query())
 
     def settle(self) -> None:
-        """Waits for the deferred proposal's copy (if any) and gives its remaining records their own arrays."""
+        """Waits for the deferred proposal's rows to reach the host (the event after the kernel's write or the copy),
+        if any, and gives its remaining records their own arrays, copied out of the reused buffer."""
         proposal, self.deferred = self.deferred, None
         if proposal is None:
             return
