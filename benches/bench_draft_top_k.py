@@ -13,6 +13,13 @@ Per row count (requests x drafter depth: 15 is one request of the test pair's de
 
 Both paths are compared first (log-probabilities within 2e-5, ids equal): a mismatch stops the bench. Needs CUDA for
 the Triton row (on CPU only the torch row is timed). Rows are printed and written (``--json``) as measured.
+
+On CUDA two more rows time what the late trees' deferral pays to bring the rows to the host, each ending with the
+event the host later waits on: ``copy`` (the kernel into a device buffer, then a non-blocking copy into pinned host
+memory: the deferral until the thirty-fourth session) and ``to-host`` (the kernel writing the pinned rows itself, no
+copy). Their rows come from ``--rounds`` alternating rounds (the host's drift falls on both), each the median of
+``--steps`` calls; ``to-host / copy`` is the ratio of their medians, measured in the same run. Both are checked
+first: the host rows equal the device rows after the event.
 """
 
 from __future__ import annotations
@@ -56,12 +63,66 @@ def keep_row(results: dict, row: dict, line: str, json_path) -> None:
             json.dump(results, f, indent=1)
 
 
+def deferral_paths(logits, values, ids):
+    """``copy`` and ``to-host``: the packed top-K brought to pinned host memory, each ending with an event record."""
+    rows, k = values.shape[0], values.shape[1]
+    device_out = torch.empty((rows, 2 * k), dtype=torch.float32, device=logits.device)
+    host = torch.empty((rows, 2 * k), dtype=torch.float32, pin_memory=True)
+    landed = torch.cuda.Event()
+
+    def copy() -> None:
+        pack_top_k_triton(logits, values, ids, device_out)
+        host.copy_(device_out, non_blocking=True)
+        landed.record()
+
+    def to_host() -> None:
+        pack_top_k_triton(logits, values, ids, device_out, host)
+        landed.record()
+
+    for path in (copy, to_host):  # (each checked: the host's rows are the device's once the event has landed)
+        host.fill_(-7.0)
+        path()
+        landed.synchronize()
+        if not torch.equal(host, device_out.cpu()):
+            raise SystemExit(f"{path.__name__}: the host's rows differ from the device's")
+    return {"copy": copy, "to-host": to_host}
+
+
+def time_deferral(results, logits, values, ids, args, device) -> None:
+    """The two deferral rows, alternating round by round, and their ratio."""
+    paths = deferral_paths(logits, values, ids)
+    per_round = {name: [] for name in paths}
+    for _ in range(args.rounds):
+        for name, path in paths.items():
+            per_round[name].append(timed_call(path, args.steps, device))
+    rows, vocab, k = logits.shape[0], logits.shape[1], values.shape[1]
+    medians = {}
+    for name, measured in per_round.items():
+        host = statistics.median(m[0] for m in measured)
+        gpu = statistics.median(m[1] for m in measured)
+        medians[name] = host
+        row = {
+            "rows": rows,
+            "vocab": vocab,
+            "top_k": k,
+            "path": name,
+            "host_us": host,
+            "gpu_us": gpu,
+            "host_us_by_round": [m[0] for m in measured],
+        }
+        keep_row(results, row, f"{rows:>6}{vocab:>8}{name:>8}{host:>10.1f}{gpu:>10.1f}", args.json)
+    ratio = medians["to-host"] / medians["copy"]
+    results.setdefault("deferral_ratios", []).append({"rows": rows, "vocab": vocab, "to_host_over_copy": ratio})
+    print(f"{rows:>6}{vocab:>8}  to-host / copy host us: {ratio:.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[15, 120, 480])
     parser.add_argument("--vocab", type=int, nargs="+", default=[4096, 151936])
     parser.add_argument("--top-k", type=int, default=255)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the two deferral rows (CUDA)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,6 +147,8 @@ def main() -> None:
                 row = {"rows": rows, "vocab": vocab, "top_k": k, "path": name, "host_us": host, "gpu_us": gpu}
                 line = f"{rows:>6}{vocab:>8}{name:>8}{host:>10.1f}{(f'{gpu:.1f}' if gpu else '-'):>10}"
                 keep_row(results, row, line, args.json)
+            if device.type == "cuda":
+                time_deferral(results, logits, values, ids, args, device)
 
 
 if __name__ == "__main__":
