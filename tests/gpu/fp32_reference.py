@@ -49,6 +49,7 @@ PROMPT_SETS = {
     "batch1": "batch1",
     "batch16": "batch32",
     "batch32": "batch32",
+    "arrivals": "batch32",  # (its rows: batch32's first prompts, in order, greedy to each row's length)
     "near_max": None,
     "one_token_prompts": "one_token",
     **{name: "stop" for name in CONSTRAINED_SCENARIOS},

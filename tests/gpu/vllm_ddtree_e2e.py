@@ -331,6 +331,40 @@ SHARED_PREFIX = 64
 SHARED_PREFIX_REQUESTS = 8
 
 
+#: The arrivals scenario: requests that decode long (their trees verified step after step) while short requests
+#: arrive one at a time, each once the last has finished and the long ones have verified trees alone for
+#: ``ARRIVAL_QUIET_STEPS`` steps: every arrival's prefill runs beside the same number of trees of one size, so that
+#: with ``DDTREE_MIXED_WALK_GRAPHS`` its walk replays one graph from the second arrival on (the harness's other
+#: scenarios submit their requests together: at most a mixed step or two, each a first run).
+ARRIVALS_LONG, ARRIVALS_SHORT = 4, 6
+ARRIVALS_LONG_TOKENS, ARRIVALS_SHORT_TOKENS = 4 * MAX_TOKENS, 12
+ARRIVAL_QUIET_STEPS = 2
+
+
+def run_arrivals(engine, long_requests, short_requests, quiet_steps: int = ARRIVAL_QUIET_STEPS, max_steps=100_000):
+    """Drives ``engine`` (vLLM's ``LLMEngine``: ``add_request``, ``step``, ``has_unfinished_requests``) through the
+    arrivals scenario: ``long_requests`` (``(id, prompt, params)`` each) added at once, then ``short_requests`` one
+    at a time, each after ``quiet_steps`` steps without a short request (the one before it finished). Returns the
+    finished outputs by id and the step each short request was first in."""
+    for rid, prompt, params in long_requests:
+        engine.add_request(rid, prompt, params)
+    waiting, finished, arrived = list(short_requests), {}, {}
+    last, quiet = None, 0
+    for step in range(max_steps):
+        if not waiting and not engine.has_unfinished_requests():
+            return finished, arrived
+        alone = last is None or last in finished  # (no short request in this step)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        quiet = quiet + 1 if alone else 0
+        if waiting and quiet >= quiet_steps:
+            last, prompt, params = waiting.pop(0)
+            engine.add_request(last, prompt, params)
+            arrived[last], quiet = step + 1, 0
+    raise RuntimeError(f"the arrivals scenario did not finish in {max_steps} engine steps")
+
+
 def second_turn(prompt, answer):
     """The shared_prefix scenario's third round: a prompt, its first answer and three new tokens."""
     return list(prompt) + list(answer) + [5, 6, 7]
@@ -685,6 +719,20 @@ def run_child(
                 break
         return [{"tokens": collect([finished[rid]])[0]["tokens"]} for rid in ids]
 
+    def arrivals():
+        # Rows in prompt order: the long requests' (batch32's first prompts), then the short ones' (the next).
+        tag = time.monotonic_ns()
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in P["batch32"][: ARRIVALS_LONG + ARRIVALS_SHORT]]
+        ids = [f"arrivals-{i}-{tag}" for i in range(len(prompts))]
+        long_params, short_params = greedy(ARRIVALS_LONG_TOKENS), greedy(ARRIVALS_SHORT_TOKENS)
+        requests = [
+            (rid, p, long_params if i < ARRIVALS_LONG else short_params) for i, (rid, p) in enumerate(zip(ids, prompts))
+        ]
+        finished, arrived = run_arrivals(llm.llm_engine, requests[:ARRIVALS_LONG], requests[ARRIVALS_LONG:])
+        rows = [collect([finished[rid]])[0] for rid in ids]
+        rows[0]["arrival_steps"] = [arrived[rid] for rid in ids[ARRIVALS_LONG:]]
+        return rows, sum(len(r["tokens"]) for r in rows)
+
     at_abort = {}
 
     def abort():
@@ -769,6 +817,7 @@ def run_child(
         *((sname, functools.partial(constrained, sname)) for sname in CONSTRAINED_SCENARIOS),
         ("min_p", min_p),
         ("abort", abort),
+        ("arrivals", arrivals),
         ("t1", t1),
         ("shared_prefix", shared_prefix),
         *((("second_turns", second_turns),) if is_gdn_target(target) else ()),
@@ -840,7 +889,8 @@ def scenario_exercised(sname, trees, schedule=False):
     Every scenario must verify trees; near_max must verify cut trees (requests near max_model_len get what
     still fits) -- a run that decoded one token per step there tested plain decoding, not trees; one_token_prompts
     must verify filler trees (the first decodes vLLM padded with placeholders no proposal stands behind), except
-    with a budget ``schedule`` (or ``auto``), under which vLLM's asynchronous scheduler pads no first decode.
+    with a budget ``schedule`` (or ``auto``), under which vLLM's asynchronous scheduler pads no first decode;
+    arrivals must verify trees in steps beside a prefill (steps no FULL graph ran).
     """
     if not trees:
         return None
@@ -856,6 +906,8 @@ def scenario_exercised(sname, trees, schedule=False):
         note += f"device plan declined {declined}; "
     ok = trees["trees"] > 0 and (sname != "near_max" or trees["partial_trees"] > 0)
     ok = ok and (sname != "one_token_prompts" or schedule or trees.get("filler_trees", 0) > 0)
+    # arrivals: prefills beside trees (steps no FULL graph ran), not every request decoding alone or together.
+    ok = ok and (sname != "arrivals" or trees["verify_steps"] > trees["full_graph_steps"])
     return ok, note
 
 

@@ -299,6 +299,57 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=0))[0] is False
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=2))[0] is True
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=0), schedule=True)[0] is True
+    # arrivals: some verify step ran beside a prefill (not a FULL graph), else no request arrived beside trees.
+    assert scenario_exercised("arrivals", dict(counts, full_graph_steps=12))[0] is False
+    assert scenario_exercised("arrivals", counts)[0] is True
+
+
+class _FakeEngine:
+    """vLLM's LLMEngine as the arrivals scenario drives it: a request finishes ``steps[rid]`` engine steps after it
+    was added; each step reports the requests that finished in it, and records which requests were running."""
+
+    def __init__(self, steps):
+        self.steps, self.left, self.log = steps, {}, []
+
+    def add_request(self, rid, prompt, params):
+        self.left[rid] = self.steps[rid]
+
+    def has_unfinished_requests(self):
+        return bool(self.left)
+
+    def step(self):
+        self.log.append(sorted(self.left))
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            if not self.left[rid]:
+                del self.left[rid]
+                outs.append(SimpleNamespace(request_id=rid, finished=True))
+        return outs
+
+
+def test_the_arrivals_scenario_adds_each_short_request_once_the_last_has_finished_and_the_long_ones_ran_alone():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from vllm_ddtree_e2e import run_arrivals
+
+    steps = {"long-0": 30, "long-1": 30, "s0": 3, "s1": 4, "s2": 2}
+    engine = _FakeEngine(steps)
+    longs = [("long-0", "p", "lp"), ("long-1", "p", "lp")]
+    shorts = [("s0", "p", "sp"), ("s1", "p", "sp"), ("s2", "p", "sp")]
+    finished, arrived = run_arrivals(engine, longs, shorts, quiet_steps=2)
+    assert set(finished) == set(steps)
+    assert arrived == {"s0": 2, "s1": 7, "s2": 13}  # 2 quiet steps, then each 2 steps after the last one finished
+    for step, running in enumerate(engine.log):  # every arrival's steps beside both long requests, alone
+        assert len([r for r in running if r.startswith("s")]) <= 1, (step, running)
+    assert engine.log[2] == ["long-0", "long-1", "s0"] and engine.log[5] == ["long-0", "long-1"]
+    # Long requests that finish first: the short ones still arrive, one at a time, and the scenario ends.
+    engine = _FakeEngine(dict(steps, **{"long-0": 3, "long-1": 3}))
+    finished, arrived = run_arrivals(engine, longs, shorts, quiet_steps=2)
+    assert set(finished) == set(steps) and list(arrived) == ["s0", "s1", "s2"]
+    with pytest.raises(RuntimeError, match="did not finish in 5 engine steps"):
+        run_arrivals(_FakeEngine(steps), longs, shorts, max_steps=5)
 
 
 def test_one_token_prompts_queue_behind_a_full_batch_of_longer_ones():
