@@ -92,8 +92,9 @@ def time_deferral(results, logits, values, ids, args, device) -> None:
     """The two deferral rows, alternating round by round, and their ratio."""
     paths = deferral_paths(logits, values, ids)
     per_round = {name: [] for name in paths}
-    for _ in range(args.rounds):
-        for name, path in paths.items():
+    for round_index in range(args.rounds):  # (which path goes first alternates too)
+        order = list(paths.items())[:: 1 if round_index % 2 == 0 else -1]
+        for name, path in order:
             per_round[name].append(timed_call(path, args.steps, device))
     rows, vocab, k = logits.shape[0], logits.shape[1], values.shape[1]
     medians = {}
@@ -113,6 +114,9 @@ def time_deferral(results, logits, values, ids, args, device) -> None:
         keep_row(results, row, f"{rows:>6}{vocab:>8}{name:>8}{host:>10.1f}{gpu:>10.1f}", args.json)
     ratio = medians["to-host"] / medians["copy"]
     results.setdefault("deferral_ratios", []).append({"rows": rows, "vocab": vocab, "to_host_over_copy": ratio})
+    if args.json:  # (rewritten with the ratio: a run cut short keeps it)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     print(f"{rows:>6}{vocab:>8}  to-host / copy host us: {ratio:.3f}", flush=True)
 
 

@@ -282,11 +282,12 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
 
     counts = dict(trees=12, partial_trees=0, verify_steps=12, full_graph_steps=9)
     assert scenario_exercised("batch1", counts)[0] is True
-    note = "FULL-graph steps 9/12, device-planned 0 (subset steps 0), mixed steps walked by a graph 0;"
+    note = "FULL-graph steps 9/12, device-planned 0 (subset steps 0), mixed steps walked by a graph 0 of 0 beside"
     assert note in scenario_exercised("batch1", counts)[1]
     more = dict(counts, device_plan_steps=7, device_plan_subset_steps=2, mixed_walk_graph_steps=3)
     assert (
-        "device-planned 7 (subset steps 2), mixed steps walked by a graph 3;" in scenario_exercised("batch1", more)[1]
+        "device-planned 7 (subset steps 2), mixed steps walked by a graph 3 of 0 beside a prefill;"
+        in scenario_exercised("batch1", more)[1]
     )
     assert "declined" not in scenario_exercised("batch1", more)[1]
     declined = dict(more, **{"declined: near max_model_len": 4, "declined: top-K not kept": 0})
@@ -299,9 +300,14 @@ def test_harness_fails_a_scenario_that_did_not_exercise_its_trees():
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=0))[0] is False
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=2))[0] is True
     assert scenario_exercised("one_token_prompts", dict(counts, filler_trees=0), schedule=True)[0] is True
-    # arrivals: some verify step ran beside a prefill (not a FULL graph), else no request arrived beside trees.
-    assert scenario_exercised("arrivals", dict(counts, full_graph_steps=12))[0] is False
-    assert scenario_exercised("arrivals", counts)[0] is True
+    # arrivals: some verify step ran beside a prefill, else no request arrived beside trees (also in an eager engine,
+    # where no step is a FULL graph's).
+    assert scenario_exercised("arrivals", dict(counts, full_graph_steps=0))[0] is False
+    assert scenario_exercised("arrivals", dict(counts, prefill_beside_trees_steps=5))[0] is True
+    assert (
+        "mixed steps walked by a graph 3 of 5 beside a prefill;"
+        in scenario_exercised("arrivals", dict(more, prefill_beside_trees_steps=5))[1]
+    )
 
 
 class _FakeEngine:
@@ -340,7 +346,8 @@ def test_the_arrivals_scenario_adds_each_short_request_once_the_last_has_finishe
     shorts = [("s0", "p", "sp"), ("s1", "p", "sp"), ("s2", "p", "sp")]
     finished, arrived = run_arrivals(engine, longs, shorts, quiet_steps=2)
     assert set(finished) == set(steps)
-    assert arrived == {"s0": 2, "s1": 7, "s2": 13}  # 2 quiet steps, then each 2 steps after the last one finished
+    # 2 quiet steps, then each 2 steps after the last one finished; both long requests running at each arrival.
+    assert arrived == {"s0": (2, 2), "s1": (7, 2), "s2": (13, 2)}
     for step, running in enumerate(engine.log):  # every arrival's steps beside both long requests, alone
         assert len([r for r in running if r.startswith("s")]) <= 1, (step, running)
     assert engine.log[2] == ["long-0", "long-1", "s0"] and engine.log[5] == ["long-0", "long-1"]
@@ -348,6 +355,7 @@ def test_the_arrivals_scenario_adds_each_short_request_once_the_last_has_finishe
     engine = _FakeEngine(dict(steps, **{"long-0": 3, "long-1": 3}))
     finished, arrived = run_arrivals(engine, longs, shorts, quiet_steps=2)
     assert set(finished) == set(steps) and list(arrived) == ["s0", "s1", "s2"]
+    assert [running for _, running in arrived.values()] == [2, 0, 0]  # (recorded: the later ones arrived alone)
     with pytest.raises(RuntimeError, match="did not finish in 5 engine steps"):
         run_arrivals(_FakeEngine(steps), longs, shorts, max_steps=5)
 

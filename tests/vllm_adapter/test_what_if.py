@@ -199,3 +199,21 @@ def test_the_what_if_line_is_logged_on_the_statistics_interval_after_new_trees()
         log_interval({"VLLM_LOG_STATS_INTERVAL": "soon"}) == 10.0
         and log_interval({"VLLM_LOG_STATS_INTERVAL": "0"}) == 10.0
     )
+
+
+def test_the_statistics_count_verify_steps_with_a_prefill_beside_the_trees():
+    """A verify step no FULL graph replayed counts as beside a prefill when its scheduled tokens are more than its
+    trees' nodes; a FULL graph's step (trees only) is not looked at."""
+    from types import SimpleNamespace
+
+    from ddtree.vllm.stats import DDTreeStats
+
+    stats = DDTreeStats(3)
+    trees = SimpleNamespace(num_nodes=np.array([4, 4]), num_tokens=8)
+    beside = SimpleNamespace(num_nodes=np.array([4, 4]), num_tokens=13)
+    stats.count_verify_step(trees, None)
+    assert stats.prefill_beside_trees_steps == 0
+    stats.count_verify_step(beside, None)
+    stats.count_verify_step(beside, (8, 2))  # (a FULL graph's key: (tokens, trees); not a mixed step by vLLM's word)
+    assert stats.prefill_beside_trees_steps == 1 and stats.full_graph_steps == 1
+    assert stats.summary()["prefill_beside_trees_steps"] == 1

@@ -434,9 +434,10 @@ class DraftTopKGraphs:
     ``[rows, 2K]`` tensor for the host (:func:`ddtree.kernels.draft_top_k.pack_top_k`): a few launches, one of them
     a Triton kernel whose Python launch alone costs tens of microseconds, on the host's path of every step. Here
     the sampled hidden states (a new tensor each step: vLLM gathers them) are copied into the graph's own, and
-    one replay runs the rest. ``top_k_of(hidden)`` is the eager computation (a dict of outputs); a graph's outputs
-    are rewritten by its next replay, which the proposer's step consumes before (the packed top-K goes to the host
-    in the same ``propose``).
+    one replay runs the rest. ``top_k_of(hidden, host)`` is the eager computation (a dict of outputs; ``host``: the
+    late trees' pinned rows, which the kernel writes too, a graph per target); a graph's outputs are rewritten by
+    its next replay, which the proposer's step consumes before (the packed top-K reaches the host in the same
+    ``propose``).
 
     The graphs share one memory pool (``capture`` is made with one), and a step whose logits would exceed
     ``max_logit_bytes`` runs eagerly: a graph keeps its temporaries' memory reserved for good, and at a 248k

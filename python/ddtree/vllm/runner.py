@@ -1534,7 +1534,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             else:  # walked on the device: counted once the copy of its paths has landed
                 with self.ddtree_stats.timed("stats"):  # (host work of every step, a copy every fourth)
                     self._ddtree_count_device_steps(*self._ddtree_send_paths(gpu, plan))
-            self.ddtree_stats.count_full_graph(self._ddtree_full_graph)
+            self.ddtree_stats.count_verify_step(plan, self._ddtree_full_graph)
         else:
             self.drafter.context_order = None
             self.drafter.flat_positions = None

@@ -118,6 +118,7 @@ class DDTreeStats:
         self.fresh_state_trees = 0  # new requests whose first step verified a tree from zeroed states
         self.walk_graph_steps = 0  # steps whose device walk replayed a walk graph (FULL steps, and mixed ones)
         self.mixed_walk_graph_steps = 0  # ... of them, steps with a prefill beside the trees (not a FULL graph's)
+        self.prefill_beside_trees_steps = 0  # verify steps with other tokens than tree tokens (a prefill's) in them
         self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
@@ -230,6 +231,13 @@ class DDTreeStats:
         """One step the device plan turned down for ``reason`` (planned on the host)."""
         self.device_plan_declined_steps[reason] = self.device_plan_declined_steps.get(reason, 0) + 1
 
+    def count_verify_step(self, plan: VerifyPlan, graph: Optional[GraphKey]) -> None:
+        """One verify step, the FULL graph that replayed it (None: none did) and whether other tokens than its trees'
+        (a prefill's) were scheduled beside them."""
+        self.count_full_graph(graph)
+        if graph is None:  # (a FULL graph's step is trees only: no sum on the steady path)
+            self.prefill_beside_trees_steps += int(plan.num_nodes.sum()) < plan.num_tokens
+
     def count_full_graph(self, graph: Optional[GraphKey]) -> None:
         """One verify step and the FULL graph, (tokens, trees), that replayed it (None: none did)."""
         if graph is not None:
@@ -324,6 +332,7 @@ class DDTreeStats:
             "boundary_commit_steps": self.boundary_commit_steps,
             "walk_graph_steps": self.walk_graph_steps,
             "mixed_walk_graph_steps": self.mixed_walk_graph_steps,
+            "prefill_beside_trees_steps": self.prefill_beside_trees_steps,
             "walk_copied_steps": self.walk_copied_steps,
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,

@@ -182,7 +182,7 @@ class TreeStore:
     def defer(
         self, req_ids: Sequence[str], proposal: "DeferredProposal", budget: Optional[int] = None
     ) -> List[List[int]]:
-        """Keeps a proposal whose top-K is still being copied to the host; returns each request's placeholder
+        """Keeps a proposal whose top-K is still on its way to the host; returns each request's placeholder
         drafts (``PLACEHOLDER`` x the size of the tree it will get: all vLLM's scheduler needs).
 
         The trees are built at the verification (:func:`plan_verify`), after :meth:`settle`. The caller settles the
