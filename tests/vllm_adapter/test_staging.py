@@ -76,3 +76,41 @@ def test_a_layout_is_kept_while_its_specs_are_equal_however_they_are_written():
     staging.upload_host()
     back = staging.host_arrays({"a": (np.int64, (3,)), "b": (np.int32, (2, 2))})
     assert staging.layout_key() == key and back["b"].shape == (2, 2)
+
+
+def test_alternating_layouts_take_their_views_again_and_upload_what_was_written():
+    """A step shape seen recently (a subset step's layout, then the whole step's, then the subset's again) gets its
+    views back instead of new ones; each upload carries what its step wrote; the layouts still count as changes
+    (what the host buffer holds may differ), and a buffer that grows drops them."""
+    from ddtree.vllm import staging as staging_module
+
+    staging = StepStaging(torch.device("cpu"), initial_bytes=256)
+    whole = {"a": (np.int64, (4,)), "b": (np.int32, (3,))}
+    subset = {"a": (np.int64, (4,)), "b": (np.int32, (3,)), "rows": (np.int64, (2,))}
+    first = staging.host_arrays(whole)
+    first["a"][:] = [1, 2, 3, 4]
+    first["b"][:] = [5, 6, 7]
+    staging.upload_host()
+    second = staging.host_arrays(subset)
+    second["rows"][:] = [9, 8]
+    assert torch.equal(staging.upload_host()["rows"], torch.tensor([9, 8]))
+    again = staging.host_arrays(whole)
+    assert again["a"] is first["a"] and again["b"] is first["b"]  # the same views, not new ones
+    again["a"][:] = [4, 3, 2, 1]
+    got = staging.upload_host()
+    assert got["a"].tolist() == [4, 3, 2, 1] and got["b"].tolist() == [5, 6, 7]
+    assert staging.host_arrays(subset)["rows"] is second["rows"]
+    assert (staging.layouts, staging.layouts_reused) == (4, 2)
+    staging.upload_host()
+    big = staging.host_arrays({"a": (np.int64, (100,))})  # grows the buffers: the kept views were of the old ones
+    big["a"][:] = 0
+    staging.upload_host()
+    assert staging.host_arrays(whole)["a"] is not first["a"] and staging.layouts_reused == 2
+    staging.upload_host()
+    # At most MAX_RECENT_LAYOUTS kept: the oldest is made anew.
+    for n in range(1, staging_module.MAX_RECENT_LAYOUTS + 1):
+        staging.host_arrays({"a": (np.int64, (n,))})
+        staging.upload_host()
+    made = staging.layouts - staging.layouts_reused
+    staging.host_arrays(whole)
+    assert staging.layouts - staging.layouts_reused == made + 1

@@ -35,6 +35,10 @@ ArraySpec = Tuple[np.dtype, Tuple[int, ...]]
 ALIGN = 16
 
 
+#: Layouts whose views a staging keeps for reuse (a step shape each: whole steps, subset steps, mixed steps).
+MAX_RECENT_LAYOUTS = 8
+
+
 def _aligned(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
@@ -56,6 +60,12 @@ class StepStaging:
         self._copy_pending = False
         self.uploads = 0
         self.layouts = 0  # layouts made (views of the buffers laid out anew: what the host buffer holds may differ)
+        self.layouts_reused = 0  # ... of them, a recent layout's views taken again (not made anew)
+        # Recent layouts' views by key, ``(host views, device views, total bytes)``: steps that alternate between
+        # layouts (a device-planned subset step and the whole step after it: the subset's has a row index more) take
+        # their views again instead of making ~40 numpy and torch views each time (~0.3 ms of a batch-32 subset
+        # step's plan on the development CPU). Views of the current buffers only: emptied when they grow.
+        self._recent_layouts: Dict[tuple, Tuple[Dict[str, np.ndarray], Dict[str, torch.Tensor], int]] = {}
         self._key: Optional[tuple] = None  # the current layout's (name, dtype, shape)s
         self._host_views: Dict[str, np.ndarray] = {}
         self._device_views: Dict[str, torch.Tensor] = {}
@@ -72,6 +82,7 @@ class StepStaging:
         self._device_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self._capacity = capacity
         self._key = None  # views of the old buffers are stale
+        self._recent_layouts = {}
         self._given = None  # the specs the current layout was made from, as given
         self._given_read_only = None  # ... when they were a read-only mapping: recognised by identity
 
@@ -116,6 +127,14 @@ class StepStaging:
         return dict(self._host_views)
 
     def _lay_out(self, key) -> None:
+        recent = self._recent_layouts.get(key)
+        if recent is not None:
+            self._wait_for_previous_copy()  # (the host buffer may still be read by the last transfer)
+            self._host_views, self._device_views, self._total = recent
+            self._key = key
+            self.layouts += 1
+            self.layouts_reused += 1
+            return
         layout, total = [], 0
         for name, dtype, shape in key:
             dtype = np.dtype(dtype)
@@ -139,6 +158,9 @@ class StepStaging:
         }
         self._key, self._total = key, total
         self.layouts += 1
+        if len(self._recent_layouts) >= MAX_RECENT_LAYOUTS:
+            del self._recent_layouts[next(iter(self._recent_layouts))]  # (the oldest)
+        self._recent_layouts[key] = (self._host_views, self._device_views, total)
 
     def device_views(self) -> Dict[str, torch.Tensor]:
         """The current layout's device views, as the last :meth:`upload_host` returned them, without a copy: what
