@@ -174,6 +174,8 @@ def pack_top_k_triton(
     logits, values, ids = (t if t.stride(-1) == 1 else t.contiguous() for t in (logits, values, ids))
     if out is None:
         out = torch.empty((rows, 2 * k), dtype=torch.float32, device=logits.device)
+    # Without host_out the kernel's host pointers are never written (TO_HOST off): the device buffer stands in.
+    host = out if host_out is None else host_out
     if rows:
         _pack_top_k_kernel[(rows,)](
             logits,
@@ -181,15 +183,15 @@ def pack_top_k_triton(
             ids,
             out,
             out.view(torch.int32),
-            out if host_out is None else host_out,
-            (out if host_out is None else host_out).view(torch.int32),
+            host,
+            host.view(torch.int32),
             vocab,
             k,
             logits.stride(0),
             values.stride(0),
             ids.stride(0),
             out.stride(0),
-            out.stride(0) if host_out is None else host_out.stride(0),
+            host.stride(0),
             BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
             BLOCK_K=triton.next_power_of_2(k),
             TOLERANCE=LOG_PROB_TOLERANCE,

@@ -639,11 +639,12 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     def _ddtree_device_upload_and_place(self, num_reqs: int, size: int, total: int, serial: int, rows=None):
         """A device-planned step's upload (the shape's constants, written into the staging when its buffer may
-        hold other bytes there: another layout, or another upload since a device-planned one; and ``serial``, which the device's serial then takes) and its graph; returns
-        the upload's device views and the placement's outputs. Right after a device-planned step of its shape,
-        with nothing uploaded and no host-planned step since, nothing is uploaded: the device holds the constants
-        and the serial already (``DevicePlanner.resumes``). A subset step (``rows``) uploads its rows every time,
-        in a layout of its own (so a graph of its own)."""
+        hold other bytes there: another layout, or another upload since a device-planned one; and ``serial``, which
+        the device's serial then takes) and its graph; returns the upload's device views and the placement's
+        outputs. Right after a device-planned step of its shape, with nothing uploaded and no host-planned step
+        since, nothing is uploaded: the device holds the constants and the serial already
+        (``DevicePlanner.resumes``). A subset step (``rows``) uploads its rows every time, in a layout of its own (so
+        a graph of its own)."""
         planner = self._ddtree_device_planner
         staging = self._ddtree_plan_staging
         with self.ddtree_stats.detail("plan: device upload"):

@@ -118,8 +118,8 @@ class DDTreeStats:
         self.fresh_state_trees = 0  # new requests whose first step verified a tree from zeroed states
         self.walk_graph_steps = 0  # steps whose device walk replayed a walk graph (FULL steps, and mixed ones)
         self.mixed_walk_graph_steps = 0  # ... of them, steps with a prefill beside the trees (not a FULL graph's)
-        self.prefill_beside_trees_steps = 0  # verify steps with other tokens than tree tokens (a prefill's) in them
         self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
+        self.prefill_beside_trees_steps = 0  # verify steps with other tokens than tree tokens (a prefill's) in them
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
         self.early_launch_steps = 0  # of those, steps whose forward was queued before the trees (DDTREE_LAUNCH_AHEAD)
