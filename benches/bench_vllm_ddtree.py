@@ -446,7 +446,8 @@ def main():
         "default where the engine allows it), set explicitly; ddtree-B-host-plan: DDTREE_DEVICE_PLAN=0, every "
         "step's trees built on the host; ddtree-B-no-subsets: DDTREE_DEVICE_PLAN_SUBSETS=0, the step after a "
         "request ends planned on the host (the default plans it on the device); ddtree-B-mixed-walk: "
-        "DDTREE_MIXED_WALK_GRAPHS=1, a step with a prefill beside its trees walked by a graph too; "
+        "DDTREE_MIXED_WALK_GRAPHS=1, a step with a prefill beside its trees walked by a graph too (the default), "
+        "set explicitly; ddtree-B-op-walk: DDTREE_MIXED_WALK_GRAPHS=0, such a step walked op by op; "
         "ddtree-auto: budget \"auto\" up to the largest of --budgets; ddtree-auto-late: the same, synchronous)",
     )
     ap.add_argument("--name", default="", help=argparse.SUPPRESS)
@@ -509,8 +510,10 @@ def main():
         engines.append((f"ddtree-{b}-host-plan", dict(tree, env={"DDTREE_DEVICE_PLAN": "0"})))
         # ... and with the step after a request ends left to the host plan (the default plans it on the device).
         engines.append((f"ddtree-{b}-no-subsets", dict(tree, env={"DDTREE_DEVICE_PLAN_SUBSETS": "0"})))
-        # ... and with the walk of a step with a prefill beside its trees as a graph too (experimental, off).
+        # ... and with the walk of a step with a prefill beside its trees as a graph too, set explicitly (the
+        # default since gpu-h100-e2e-arrivals-b5124aa), and op by op (DDTREE_MIXED_WALK_GRAPHS=0).
         engines.append((f"ddtree-{b}-mixed-walk", dict(tree, env={"DDTREE_MIXED_WALK_GRAPHS": "1"})))
+        engines.append((f"ddtree-{b}-op-walk", dict(tree, env={"DDTREE_MIXED_WALK_GRAPHS": "0"})))
     # ddtree_budget "auto" up to the largest budget asked for (each batch size's budget chosen live).
     largest = max(int(b) for b in args.budgets.split(","))
     auto = {"method": "ddtree", "num_speculative_tokens": args.draft_len, "ddtree_budget": "auto"}

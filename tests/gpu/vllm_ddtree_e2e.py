@@ -256,7 +256,8 @@ ENGINES = {
     # ... with steps of some of a proposal's requests in any order (after a request ends) left to the host plan
     # (DDTREE_DEVICE_PLAN_SUBSETS=0; on by default since gpu-h100-e2e-subsets-0cecefa).
     "ddtree64-async-no-subsets": async_ddtree(DDTREE_DEVICE_PLAN="1", DDTREE_DEVICE_PLAN_SUBSETS="0"),
-    # ... with the walk of a step with a prefill beside the trees replayed as a graph too (experimental, off).
+    # ... with the walk of a step with a prefill beside the trees replayed as a graph too, set explicitly so that the
+    # run must show replays (the default since gpu-h100-e2e-arrivals-b5124aa; DDTREE_MIXED_WALK_GRAPHS=0 walks op by op).
     "ddtree64-async-mixed-walk-graphs": async_ddtree(DDTREE_MIXED_WALK_GRAPHS="1"),
     # ... with every step's trees built on the host (DDTREE_DEVICE_PLAN=0, the default before 9e8b443's record),
     # and FULL steps' forwards queued before their trees on every such step (DDTREE_LAUNCH_AHEAD=always: the pair's

@@ -777,10 +777,12 @@ def test_mixed_walk_graphs_need_the_switch_and_an_engine_with_cuda_graphs(monkey
 
     wanted = DDTreeGPUModelRunner._ddtree_mixed_walk_graphs_wanted
     monkeypatch.delenv("DDTREE_MIXED_WALK_GRAPHS", raising=False)
-    assert not wanted(CUDAGraphMode.FULL_AND_PIECEWISE)  # off by default
-    monkeypatch.setenv("DDTREE_MIXED_WALK_GRAPHS", "1")
-    assert wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and wanted(CUDAGraphMode.PIECEWISE)
+    assert wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and wanted(CUDAGraphMode.PIECEWISE)  # on by default
     assert not wanted(CUDAGraphMode.NONE) and not wanted(None)  # enforce_eager: no graphs of ddtree's either
+    monkeypatch.setenv("DDTREE_MIXED_WALK_GRAPHS", "0")
+    assert not wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and not wanted(CUDAGraphMode.PIECEWISE)
+    monkeypatch.setenv("DDTREE_MIXED_WALK_GRAPHS", "1")
+    assert wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and not wanted(CUDAGraphMode.NONE)
 
 
 def test_a_mixed_step_with_trees_of_two_sizes_walks_op_by_op():
