@@ -639,7 +639,7 @@ def test_a_device_walked_step_equals_the_host_walk_and_counts_the_same():
     assert np.array_equal(gpu["output_tokens"].numpy(), host.output_tokens)
     assert np.array_equal(gpu["context_order"].numpy(), host.context_order)
     assert np.array_equal(gpu["commit_conv_index"].numpy(), host.commit_conv_index)
-    assert runner._ddtree_send_paths(gpu, plan) == []  # (the walk wrote the ring; copied every fourth step)
+    assert runner._ddtree_send_paths(gpu, plan) == []  # (the walk wrote the ring; copied every PATH_RING_SLOTS-th step)
     runner._ddtree_count_device_steps(*runner._ddtree_counts.landed(wait=True))
     expected = DDTreeStats(3)
     expected.observe(plan, host)

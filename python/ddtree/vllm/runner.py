@@ -175,6 +175,13 @@ def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool
     input_batch.sampling_metadata = input_batch._make_sampling_metadata()
 
 
+#: Slots of the device ring of accepted paths (``ddtree.vllm.counts``): the host copies the ring, and records an
+#: event, once every this many device-walked steps. Four slots made it every fourth step; an event's record alone
+#: cost ~0.028 ms of a batch-1 step's host work on an H100 inside the engine (``gpu-h100-pair-to-host-b5124aa``'s
+#: `defer: copy` piece), so the copy and its record are spread over 16 steps (the statistics lag 16 steps more at
+#: most; the ring is 16 x (max_num_seqs + 1) rows of depth + 2 int32 on the device and twice that pinned).
+PATH_RING_SLOTS = 16
+
 #: Entries of the runner's caches by step shape (``_calc_spec_decode_metadata``, ``_ddtree_staged_plan_specs``)
 #: before one starts afresh: a batch of whole trees repeats one shape, mixed steps' shapes vary without bound.
 MAX_KEPT_SHAPES = 64
@@ -309,8 +316,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_precapture_commits = precapture_commits()  # ... and the commit's (DDTREE_PRECAPTURE=all)
         on_gpu = self.device.type == "cuda"
         # The accepted paths of device-walked steps, written by the walk into a device ring the host reads every
-        # fourth step (``ddtree.vllm.counts``); ``_ddtree_step_serial`` (from 0) numbers the steps that place rows
-        # there.
+        # PATH_RING_SLOTS steps (``ddtree.vllm.counts``); ``_ddtree_step_serial`` (from 0) numbers the steps that
+        # place rows there.
         self._ddtree_counts = self._ddtree_path_ring()
         self._ddtree_walk_graphs = WalkGraphs(self._ddtree_capture("walk"), self._ddtree_counts) if on_gpu else None
         # The plan's device side (the KV moves after a graphed walk: ``_ddtree_forget_kv_cache``).
@@ -1533,7 +1540,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             if accept is not None:
                 self.ddtree_stats.observe(plan, accept)
             else:  # walked on the device: counted once the copy of its paths has landed
-                with self.ddtree_stats.timed("stats"):  # (host work of every step, a copy every fourth)
+                with self.ddtree_stats.timed("stats"):  # (host work of every step, a copy every PATH_RING_SLOTS)
                     self._ddtree_count_device_steps(*self._ddtree_send_paths(gpu, plan))
             self.ddtree_stats.count_verify_step(plan, self._ddtree_full_graph)
         else:
@@ -1674,14 +1681,16 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return None, plan.num_tokens
 
     def _ddtree_path_ring(self) -> PathRing:
-        """The ring the device walk writes its accepted paths into, for the statistics: four slots, copied to the
-        host together every fourth step (the host runs a step ahead; a copy is read once it has landed)."""
-        return PathRing(self.device, self.max_num_reqs, width=(self.ddtree_cfg.draft_len or 0) + 2, slots=4)
+        """The ring the device walk writes its accepted paths into, for the statistics: ``PATH_RING_SLOTS`` slots,
+        copied to the host together every ``PATH_RING_SLOTS``-th step (the host runs a step ahead; a copy is read
+        once it has landed)."""
+        width = (self.ddtree_cfg.draft_len or 0) + 2
+        return PathRing(self.device, self.max_num_reqs, width=width, slots=PATH_RING_SLOTS)
 
     def _ddtree_send_paths(self, gpu: Dict[str, torch.Tensor], plan: VerifyPlan):
         """Notes a device-walked step whose walk wrote its accepted paths into the ring (one row per tree: its
-        length, then the path); every fourth step starts the ring's copy. Returns older steps that had to be read
-        first (``PathRing.note``)."""
+        length, then the path); every ``PATH_RING_SLOTS``-th step starts the ring's copy. Returns older steps that
+        had to be read first (``PathRing.note``)."""
         return self._ddtree_counts.note(plan.step_serial, int(plan.num_nodes.shape[0]), plan)
 
     def _ddtree_count_device_steps(self, *steps) -> None:
