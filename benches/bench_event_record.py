@@ -11,11 +11,13 @@ Rows, each the median over ``--calls`` calls of one call's host wall time, round
 
 * ``record`` / ``record(stream)``: ``Event.record()`` (torch looks the current stream up) and ``Event.record(s)``
   with the stream looked up once;
-* ``query``: ``Event.query()`` of an event recorded behind the work;
-* each ``idle`` (the device synchronised before the call) and ``busy`` (a ``--busy-ms`` spin kernel queued before
-  the call, untimed, so the call is made while the device runs it).
+* ``query``: ``Event.query()`` of an event that has landed (the engine queries the statistics ring's copy so);
+* each ``idle`` (the device synchronised before the call), ``busy`` (a ``--busy-ms`` spin kernel queued before
+  the call, untimed, so the call is made while the device runs it) and ``deep`` (the same spin, then ``--deep``
+  tiny kernels queued behind it, untimed: the call is made with a long launch queue, which the driver bounds; a
+  launch into a full queue waits for the device).
 
-``busy / idle`` per call kind is the ratio of the medians, measured in the same run. CUDA only.
+``busy / idle`` and ``deep / idle`` per call kind are ratios of the medians, measured in the same run. CUDA only.
 """
 
 from __future__ import annotations
@@ -55,13 +57,16 @@ def calls(stream: torch.cuda.Stream):
     return {"record": record, "record(stream)": record_stream, "query": query}
 
 
-def timed(call, n: int, busy_cycles: int) -> float:
-    """Median host us of ``call`` over ``n`` calls; ``busy_cycles`` > 0 queues a spin kernel before each."""
+def timed(call, n: int, busy_cycles: int, deep: int = 0) -> float:
+    """Median host us of ``call`` over ``n`` calls; ``busy_cycles`` > 0 queues a spin kernel before each, and
+    ``deep`` tiny spin kernels behind it."""
     seconds = []
     for _ in range(n):
         torch.cuda.synchronize()
         if busy_cycles:
             torch.cuda._sleep(busy_cycles)
+        for _ in range(deep):
+            torch.cuda._sleep(1)
         began = time.perf_counter()
         call()
         seconds.append(time.perf_counter() - began)
@@ -74,29 +79,32 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--busy-ms", type=float, default=2.0)
+    parser.add_argument("--deep", type=int, default=1200, help="tiny kernels queued behind the spin (deep state)")
+    parser.add_argument("--deep-calls", type=int, default=20, help="calls per round in the deep state (slow to set)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_event_record.py needs CUDA")
     busy = spin_cycles(args.busy_ms)
+    setups = {"idle": (args.calls, 0, 0), "busy": (args.calls, busy, 0), "deep": (args.deep_calls, 4 * busy, args.deep)}
     kinds = calls(torch.cuda.current_stream())
-    cases = [(name, state) for name in kinds for state in ("idle", "busy")]
+    cases = [(name, state) for name in kinds for state in setups]
     by_round = {case: [] for case in cases}
     for round_index in range(args.rounds):
         for name, state in cases[:: 1 if round_index % 2 == 0 else -1]:
-            by_round[(name, state)].append(timed(kinds[name], args.calls, busy if state == "busy" else 0))
-    results = {"device": torch.cuda.get_device_name(), "busy_ms": args.busy_ms, "rows": []}
+            by_round[(name, state)].append(timed(kinds[name], *setups[state]))
+    results = {"device": torch.cuda.get_device_name(), "busy_ms": args.busy_ms, "deep": args.deep, "rows": []}
     print(f"{'call':>16}{'state':>7}{'host us':>10}")
     for (name, state), measured in by_round.items():
         host = statistics.median(measured)
         results["rows"].append({"call": name, "state": state, "host_us": host, "host_us_by_round": measured})
         print(f"{name:>16}{state:>7}{host:>10.2f}", flush=True)
-    results["busy_over_idle"] = {}
-    for name in kinds:
-        idle = statistics.median(by_round[(name, "idle")])
-        ratio = statistics.median(by_round[(name, "busy")]) / idle
-        results["busy_over_idle"][name] = ratio
-        print(f"{name:>16}  busy / idle: {ratio:.2f}", flush=True)
+    for state in ("busy", "deep"):
+        results[f"{state}_over_idle"] = {}
+        for name in kinds:
+            ratio = statistics.median(by_round[(name, state)]) / statistics.median(by_round[(name, "idle")])
+            results[f"{state}_over_idle"][name] = ratio
+            print(f"{name:>16}  {state} / idle: {ratio:.2f}", flush=True)
     if args.json:  # (one write: the whole run takes seconds)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
