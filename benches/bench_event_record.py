@@ -11,7 +11,8 @@ Rows, each the median over ``--calls`` calls of one call's host wall time, round
 
 * ``record`` / ``record(stream)``: ``Event.record()`` (torch looks the current stream up) and ``Event.record(s)``
   with the stream looked up once;
-* ``query``: ``Event.query()`` of an event that has landed (the engine queries the statistics ring's copy so);
+* ``query``: ``Event.query()`` of an event recorded (untimed) just before: behind the spin when the device is
+  busy, so still pending, as the statistics ring's copy often is when the engine queries it;
 * each ``idle`` (the device synchronised before the call), ``busy`` (a ``--busy-ms`` spin kernel queued before
   the call, untimed, so the call is made while the device runs it) and ``deep`` (the same spin, then ``--deep``
   tiny kernels queued behind it, untimed: the call is made with a long launch queue, which the driver bounds; a
@@ -42,24 +43,20 @@ def spin_cycles(busy_ms: float) -> int:
 
 
 def calls(stream: torch.cuda.Stream):
+    """``{name: (untimed setup or None, timed call)}``."""
     event = torch.cuda.Event()
     event.record()
-
-    def record() -> None:
-        event.record()
-
-    def record_stream() -> None:
-        event.record(stream)
-
-    def query() -> None:
-        event.query()
-
-    return {"record": record, "record(stream)": record_stream, "query": query}
+    return {
+        "record": (None, lambda: event.record()),
+        "record(stream)": (None, lambda: event.record(stream)),
+        "query": (lambda: event.record(), lambda: event.query()),
+    }
 
 
-def timed(call, n: int, busy_cycles: int, deep: int = 0) -> float:
-    """Median host us of ``call`` over ``n`` calls; ``busy_cycles`` > 0 queues a spin kernel before each, and
-    ``deep`` tiny spin kernels behind it."""
+def timed(kind, n: int, busy_cycles: int, deep: int = 0) -> float:
+    """Median host us of ``kind``'s call over ``n`` calls; ``busy_cycles`` > 0 queues a spin kernel before each,
+    and ``deep`` tiny spin kernels behind it, then its setup runs (untimed)."""
+    setup, call = kind
     seconds = []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -67,6 +64,8 @@ def timed(call, n: int, busy_cycles: int, deep: int = 0) -> float:
             torch.cuda._sleep(busy_cycles)
         for _ in range(deep):
             torch.cuda._sleep(1)
+        if setup is not None:
+            setup()
         began = time.perf_counter()
         call()
         seconds.append(time.perf_counter() - began)

@@ -429,19 +429,23 @@ def test_the_early_path_bench_queues_each_step_before_its_trees_and_releases_the
 
 def test_the_stats_path_counts_every_step_through_the_runners_ring_and_is_compared_by_its_mean():
     """bench_plan_path --path stats: each timed call notes one step whose path rows the (untimed) walk wrote into
-    the ring the runner makes, and counts what landed; with the ring copied every fourth step, all steps are
-    counted by then. The comparison of an amortized path is the mean of its steps (the slowest 2% left out), not
-    the median step."""
+    the ring the runner makes, and counts what landed; with the ring copied every PATH_RING_SLOTS-th step, all
+    steps are counted by then. The comparison of an amortized path is the mean of its steps (the slowest 2% left
+    out), not the median step."""
     import bench_plan_path
     import numpy as np
 
+    from ddtree.vllm.runner import PATH_RING_SLOTS
+
     runner, rng = bench_plan_path.build_runner(2, 8, 3, 4), np.random.default_rng(0)
-    assert runner._ddtree_counts.slots == 4
+    slots = runner._ddtree_counts.slots
+    assert slots == PATH_RING_SLOTS
     counted = []
-    for _ in range(8):
+    for _ in range(2 * slots):
         assert bench_plan_path._timed_stats(bench_plan_path, runner, rng, False) > 0
         counted.append(runner.ddtree_stats.steps)
-    assert counted == [0, 0, 0, 4, 4, 4, 4, 8]  # read once four steps are in flight
+    # Read once PATH_RING_SLOTS steps are in flight (on CPU a copy lands at once).
+    assert counted == [0] * (slots - 1) + [slots] * slots + [2 * slots]
     assert runner._ddtree_counts.lost_steps == 0  # each step found its own serial in its slot
     steps = [1.0] * 50 + [5.0] * 49 + [100.0]  # a read every other step and one hiccup
     assert bench_plan_path._typical(steps, amortized=False) == 3.0

@@ -259,6 +259,8 @@ ENGINES = {
     # ... with the walk of a step with a prefill beside the trees replayed as a graph too, set explicitly so that the
     # run must show replays (the default since gpu-h100-e2e-arrivals-b5124aa; DDTREE_MIXED_WALK_GRAPHS=0 walks op by op).
     "ddtree64-async-mixed-walk-graphs": async_ddtree(DDTREE_MIXED_WALK_GRAPHS="1"),
+    # ... with such steps walked op by op (DDTREE_MIXED_WALK_GRAPHS=0; still the path of cut trees and mixed sizes).
+    "ddtree64-async-op-walk": async_ddtree(DDTREE_MIXED_WALK_GRAPHS="0"),
     # ... with every step's trees built on the host (DDTREE_DEVICE_PLAN=0, the default before 9e8b443's record),
     # and FULL steps' forwards queued before their trees on every such step (DDTREE_LAUNCH_AHEAD=always: the pair's
     # drafter lands before the host reaches the step, where the default does not gate).

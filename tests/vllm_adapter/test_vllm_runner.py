@@ -777,12 +777,56 @@ def test_mixed_walk_graphs_need_the_switch_and_an_engine_with_cuda_graphs(monkey
 
     wanted = DDTreeGPUModelRunner._ddtree_mixed_walk_graphs_wanted
     monkeypatch.delenv("DDTREE_MIXED_WALK_GRAPHS", raising=False)
-    assert wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and wanted(CUDAGraphMode.PIECEWISE)  # on by default
+    assert wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and wanted(CUDAGraphMode.FULL)  # on by default
     assert not wanted(CUDAGraphMode.NONE) and not wanted(None)  # enforce_eager: no graphs of ddtree's either
+    # PIECEWISE alone: no step is a FULL graph's, so every tree step would walk over the token budget: op by op.
+    assert not wanted(CUDAGraphMode.PIECEWISE)
     monkeypatch.setenv("DDTREE_MIXED_WALK_GRAPHS", "0")
-    assert not wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and not wanted(CUDAGraphMode.PIECEWISE)
+    assert not wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and not wanted(CUDAGraphMode.FULL)
     monkeypatch.setenv("DDTREE_MIXED_WALK_GRAPHS", "1")
     assert wanted(CUDAGraphMode.FULL_AND_PIECEWISE) and not wanted(CUDAGraphMode.NONE)
+
+
+def _mixed_shape_plan(num_nodes, proposed, num_tokens):
+    """What ``_ddtree_mixed_walk_shape_allowed`` reads of a plan."""
+    return SimpleNamespace(
+        num_nodes=np.asarray(num_nodes, dtype=np.int64),
+        proposed_budgets=np.asarray(proposed, dtype=np.int64),
+        num_tokens=num_tokens,
+    )
+
+
+def test_mixed_walk_graphs_take_whole_trees_beside_a_prefill_in_a_bounded_number_of_shapes():
+    """A graph per tree count and size is worth its memory only for steps that repeat: whole trees of one size
+    beside a prefill. Trees cut near max_model_len (a new size nearly every step), a step without a prefill, and
+    shapes past MAX_MIXED_WALK_SHAPES walk op by op; a shape given graphs keeps them."""
+    from ddtree.vllm.runner import MAX_MIXED_WALK_SHAPES, DDTreeGPUModelRunner
+
+    runner = DDTreeGPUModelRunner.__new__(DDTreeGPUModelRunner)
+    allowed = runner._ddtree_mixed_walk_shape_allowed
+    assert allowed(_mixed_shape_plan([16, 16], [15, 15], 32 + 5))  # two whole trees and a 5-token prefill
+    assert not allowed(_mixed_shape_plan([16, 16], [15, 15], 32))  # no prefill beside them
+    assert not allowed(_mixed_shape_plan([9, 9], [15, 15], 18 + 5))  # both cut alike near the end
+    assert not allowed(_mixed_shape_plan([37], [63], 37 + 1))  # one cut tree
+    assert not allowed(_mixed_shape_plan([16, 9], [15, 15], 25 + 5))  # two sizes
+    assert not allowed(_mixed_shape_plan([], [], 5))  # a prefill alone
+    for count in range(2, MAX_MIXED_WALK_SHAPES + 1):  # (2 trees of 16 taken above)
+        assert allowed(_mixed_shape_plan([16] * (count + 1), [15] * (count + 1), 16 * (count + 1) + 3))
+    assert not allowed(_mixed_shape_plan([16] * 20, [15] * 20, 16 * 20 + 3))  # a shape past the bound
+    assert allowed(_mixed_shape_plan([16, 16], [15, 15], 32 + 300))  # a shape met before, any prefill
+
+
+def test_the_statistics_ring_is_read_every_few_steps_under_an_auto_budget():
+    """auto's probes alternate budgets every few observed steps: its engine's ring keeps AUTO_PATH_RING_SLOTS
+    slots (observed steps a few at a time), any other engine PATH_RING_SLOTS."""
+    from ddtree.vllm.runner import AUTO_PATH_RING_SLOTS, PATH_RING_SLOTS, DDTreeGPUModelRunner
+
+    assert AUTO_PATH_RING_SLOTS < PATH_RING_SLOTS
+    for auto, slots in ((True, AUTO_PATH_RING_SLOTS), (False, PATH_RING_SLOTS)):
+        runner = SimpleNamespace(
+            device=torch.device("cpu"), max_num_reqs=4, ddtree_cfg=SimpleNamespace(draft_len=3, auto=auto)
+        )
+        assert DDTreeGPUModelRunner._ddtree_path_ring(runner).slots == slots
 
 
 def test_a_mixed_step_with_trees_of_two_sizes_walks_op_by_op():

@@ -648,7 +648,9 @@ def mixed_walk_graphs_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     pair under churn at batch 8, where they doubled ddtree's host work a step (0.91 ms against 0.47 with full
     batches, ``gpu-h100-pair-churn-subsets-0cecefa``). Its shapes are the trees' (``R`` trees of one size) once the
     drafter's row order is laid out over a fixed number of tokens (the scheduler's token budget) rather than the
-    step's: the graphs are few, one per tree count and size. On by default since ``gpu-h100-e2e-arrivals-b5124aa``:
+    step's: one set of graphs per tree count and size, for the first ``runner.MAX_MIXED_WALK_SHAPES`` shapes met, and
+    only for whole trees beside a prefill in an engine with FULL graphs (the rest op by op: cut trees near
+    ``max_model_len``, PIECEWISE-only engines). On by default since ``gpu-h100-e2e-arrivals-b5124aa``:
     inside an engine it replayed on 5 of 8 such steps (the others captured their shapes), its outputs equal the op-by-op
     walk's token for token in every scenario of the e2e harness, 0 real divergences by the fp32 judge, and the run's
     accept part fell 0.090 -> 0.063 ms a verify step; the walk so graphed equals the walk op by op on an H100, 12-30 us

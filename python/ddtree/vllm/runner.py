@@ -182,6 +182,16 @@ def serve_builtin_logitsprocs(input_batch, vllm_config, device, pin_memory: bool
 #: most; the ring is 16 x (max_num_seqs + 1) rows of depth + 2 int32 on the device and twice that pinned).
 PATH_RING_SLOTS = 16
 
+#: ... with ``ddtree_budget: "auto"``: its probes alternate two budgets every few observed steps and close after 16
+#: (``auto_budget``), so the observed steps must arrive a few at a time, as they happen; 16 at once would put a whole
+#: probe in one burst and measure nothing.
+AUTO_PATH_RING_SLOTS = 4
+
+#: Tree counts and sizes of steps with a prefill beside their trees that get walk graphs (DDTREE_MIXED_WALK_GRAPHS):
+#: such a step's tree count is any number of running requests, and each shape's graphs (up to
+#: ``WalkGraphs.ADDRESS_SETS`` + 1, ~2 MB each) are kept for the engine's life; the shapes after these walk op by op.
+MAX_MIXED_WALK_SHAPES = 8
+
 #: Entries of the runner's caches by step shape (``_calc_spec_decode_metadata``, ``_ddtree_staged_plan_specs``)
 #: before one starts afresh: a batch of whole trees repeats one shape, mixed steps' shapes vary without bound.
 MAX_KEPT_SHAPES = 64
@@ -257,6 +267,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
     _ddtree_device_plan_state = "off: not decided"
     _ddtree_device_subsets = False  # DDTREE_DEVICE_PLAN_SUBSETS, read with the planner
     _ddtree_mixed_walk_graphs = False  # DDTREE_MIXED_WALK_GRAPHS, read with the step graphs' switch
+    _ddtree_mixed_walk_shapes: Optional[Set[Tuple[int, int]]] = None  # ... the (tree count, size)s given graphs
     _ddtree_draftless_logits_indices: Optional[torch.Tensor] = None  # a step without drafts: its logits rows' tokens
 
     def __init__(self, vllm_config, device):
@@ -1661,31 +1672,54 @@ class DDTreeGPUModelRunner(GPUModelRunner):
 
     @staticmethod
     def _ddtree_mixed_walk_graphs_wanted(cudagraph_mode) -> bool:
-        """DDTREE_MIXED_WALK_GRAPHS, in an engine that runs CUDA graphs: under enforce_eager (mode NONE) walk graphs
-        of mixed steps would be the engine's only graphs, and a surprise."""
-        return mixed_walk_graphs_enabled() and cudagraph_mode not in (None, CUDAGraphMode.NONE)
+        """DDTREE_MIXED_WALK_GRAPHS, in an engine that runs FULL CUDA graphs: under enforce_eager (mode NONE) walk
+        graphs of mixed steps would be the engine's only graphs, and a surprise; under PIECEWISE alone no step is a
+        FULL graph's, so every tree step would walk through graphs laid over the token budget (never run on a GPU)."""
+        if not mixed_walk_graphs_enabled() or cudagraph_mode is None:
+            return False
+        return cudagraph_mode.has_full_cudagraphs()
 
     def _ddtree_walk_graphs_for_step(self, plan: VerifyPlan) -> Tuple[Optional[WalkGraphs], int]:
         """The walk graphs for this step (None: the walk op by op) and the tokens its walk lays the drafter's row
         order over. On a GPU with DDTREE_STEP_GRAPHS on: a step a FULL graph replayed, over its own tokens; with
         DDTREE_MIXED_WALK_GRAPHS, a step with a prefill beside trees that are all of one size, over the
         scheduler's token budget (the drafter reads the first ``num_tokens`` rows of the order), so that its
-        graph is one per tree count and size, not per prefill length. Trees of mixed sizes (cut near
-        ``max_model_len``) would make a new shape nearly every step: op by op."""
+        graph is one per tree count and size, not per prefill length. Op by op: trees cut (near
+        ``max_model_len``: a new size nearly every step, rarely replayed), a step without a prefill beside its trees
+        (not what the graphs are for), and a tree count and size beyond the first ``MAX_MIXED_WALK_SHAPES`` met (each
+        shape's graphs hold memory of their own for the engine's life)."""
         graphs = self._ddtree_walk_graphs if self._ddtree_step_graphs_on else None
         if graphs is None or self._ddtree_full_graph is not None:
             return graphs, plan.num_tokens
-        nodes = plan.num_nodes
-        if self._ddtree_mixed_walk_graphs and nodes.shape[0] and nodes.min() == nodes.max():
+        if self._ddtree_mixed_walk_graphs and self._ddtree_mixed_walk_shape_allowed(plan):
             return graphs, max(plan.num_tokens, self.max_num_tokens)
         return None, plan.num_tokens
+
+    def _ddtree_mixed_walk_shape_allowed(self, plan: VerifyPlan) -> bool:
+        """Whether a step that no FULL graph replayed walks through the walk graphs (DDTREE_MIXED_WALK_GRAPHS): a
+        prefill beside trees that are all whole and of one size, of a shape met before or while fewer than
+        ``MAX_MIXED_WALK_SHAPES`` are."""
+        nodes = plan.num_nodes
+        if not nodes.shape[0] or nodes.min() != nodes.max() or plan.num_tokens <= int(nodes.sum()):
+            return False
+        if not np.array_equal(nodes, plan.proposed_budgets + 1):  # (a cut tree, or a smaller one near the end)
+            return False
+        shape = (int(nodes.shape[0]), int(nodes[0]))
+        shapes = self._ddtree_mixed_walk_shapes
+        if shapes is None:
+            shapes = self._ddtree_mixed_walk_shapes = set()
+        if shape not in shapes and len(shapes) >= MAX_MIXED_WALK_SHAPES:
+            return False
+        shapes.add(shape)
+        return True
 
     def _ddtree_path_ring(self) -> PathRing:
         """The ring the device walk writes its accepted paths into, for the statistics: ``PATH_RING_SLOTS`` slots,
         copied to the host together every ``PATH_RING_SLOTS``-th step (the host runs a step ahead; a copy is read
         once it has landed)."""
         width = (self.ddtree_cfg.draft_len or 0) + 2
-        return PathRing(self.device, self.max_num_reqs, width=width, slots=PATH_RING_SLOTS)
+        slots = AUTO_PATH_RING_SLOTS if self.ddtree_cfg.auto else PATH_RING_SLOTS
+        return PathRing(self.device, self.max_num_reqs, width=width, slots=slots)
 
     def _ddtree_send_paths(self, gpu: Dict[str, torch.Tensor], plan: VerifyPlan):
         """Notes a device-walked step whose walk wrote its accepted paths into the ring (one row per tree: its

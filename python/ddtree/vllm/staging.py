@@ -93,7 +93,9 @@ class StepStaging:
         capacity = max(nbytes, 2 * self._capacity)
         for buffer in range(len(self._hosts)):
             self._wait_for_copy_from(buffer)  # the old host buffers may still be read by transfers
-        self._hosts = [torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pin) for _ in range(HOST_BUFFERS)]
+        # Zeroed, not left as found: an early upload whose step never filled its views (its forward failed, and
+        # the gate was released) copies what the buffer held, which must be indices in range, not garbage.
+        self._hosts = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=self._pin) for _ in range(HOST_BUFFERS)]
         self._hosts_np = [host.numpy() for host in self._hosts]
         self._device_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self._capacity = capacity
