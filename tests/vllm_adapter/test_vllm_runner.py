@@ -1356,8 +1356,7 @@ def test_a_whole_tree_step_queues_its_forward_before_its_trees_and_releases_it_o
 
     def deferred_upload():  # the copy reads the pinned buffer when the GPU runs it, after the release
         views = upload_ahead()
-        host = staging._hosts[staging.host_buffer]  # (the pinned buffer this upload copies: they take turns)
-        stream.append(lambda: staging._device_buffer.copy_(host))
+        stream.append(lambda: staging._device_buffer.copy_(staging._host))
         return views
 
     monkeypatch.setattr(staging, "upload_ahead", deferred_upload)

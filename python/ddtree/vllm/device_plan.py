@@ -129,21 +129,15 @@ class DevicePlanner:
         return 2 <= tree_size <= MAX_TREE_SIZE and 0 < num_requests <= self.max_requests
 
     def constants_stale(self, staging) -> bool:
-        """Whether the pinned buffer the staging handed out (after ``host_arrays``) may hold other bytes where this
-        step's shape constants go: another of the staging's buffers than the one a device-planned step's upload
-        carried them from (they take turns, one upload each), a layout made since, or any other upload through the
-        staging since (a host-planned step whose trees fill the same layout, the same trees and tokens in other
-        sizes, writes its own offsets there). The caller then writes them, and calls :meth:`uploaded_constants`
-        after its upload."""
-        return self._constants_uploaded != self._constants_key(staging)
+        """Whether the staging's host buffer may hold other bytes where this step's shape constants go: a layout
+        made since a device-planned step's upload carried them, or any other upload through the staging since (a
+        host-planned step whose trees fill the same layout, the same trees and tokens in other sizes, writes its own
+        offsets there). The caller then writes them, and calls :meth:`uploaded_constants` after its upload."""
+        return self._constants_uploaded != (staging.layout_key(), staging.layouts, staging.uploads)
 
     def uploaded_constants(self, staging) -> None:
         """Right after a device-planned step's upload, which carried its shape's constants."""
-        self._constants_uploaded = self._constants_key(staging)
-
-    @staticmethod
-    def _constants_key(staging) -> tuple:
-        return (staging.layout_key(), staging.layouts, staging.uploads, staging.host_buffer)
+        self._constants_uploaded = (staging.layout_key(), staging.layouts, staging.uploads)
 
     def resumes(self, num_requests: int, tree_size: int, staging, serial: int) -> bool:
         """Whether this step can run on what the last device-planned step left: the same shape, nothing uploaded

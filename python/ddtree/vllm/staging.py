@@ -3,19 +3,18 @@
 A verification step needs about ten small arrays on the GPU (positions, ancestor bits, logits rows, the GDN
 conv gather index, ...) and its acceptance about six more (accepted rows, KV moves, the GDN commit plan, the
 drafter's row order). Copied one by one from pageable numpy memory, each costs a driver call and a staging
-copy on the host. :class:`StepStaging` lays them out in a pinned buffer that it owns and reuses (the Rust
+copy on the host. :class:`StepStaging` lays them out in one pinned buffer that it owns and reuses (the Rust
 core writes the tree layouts straight into its views: :meth:`StepStaging.host_arrays`), copies it with one
 asynchronous transfer, and hands back typed views of one device buffer.
 
-Two pinned buffers take turns, one upload each. Reuse is safe because :meth:`StepStaging.host_arrays` first waits
-for the transfer out of the buffer it hands out, the one two uploads back (a recorded CUDA event). With one buffer
-the wait was for the previous upload's transfer, which under asynchronous scheduling is queued behind the previous
-step's forward: batch 32's steps after a request ended (they upload every time) waited there ~0.16 ms a verify step
-on average (the device plan's `device upload` piece in ``gpu-h100-pair-pieces-7672df9`` and
-``gpu-h100-pair-to-host-b5124aa``, unchanged by a 0.60x cut of that piece's host work on CPU). The device views of an
-upload stay valid until the next upload into the same staging (one device buffer: the transfers into it are
-stream-ordered behind the kernels that read it); the runner keeps one staging per phase (verification inputs,
-acceptance outputs), each uploaded once per step.
+Reuse is safe because the next :meth:`StepStaging.host_arrays` first waits for the previous transfer to have left
+the pinned buffer (a recorded CUDA event). For the stagings filled in vLLM's input preparation (the plan's, the
+counts') that wait costs nothing: vLLM 0.25.1 waits at the start of each step's input preparation for an event it
+recorded at the end of the last one (``GPUModelRunner.synchronize_input_prep``), after which that transfer was
+queued. (A second pinned buffer taking turns was tried for batch 32's 0.16 ms `device upload` piece and taken
+back: that piece is not this wait.) The device views
+of an upload stay valid until the next upload into the same staging; the runner keeps one staging per phase
+(verification inputs, acceptance outputs), each uploaded once per step.
 
 An upload may also be queued before its data exists (:meth:`StepStaging.upload_ahead`), behind a device-side wait
 that the caller releases once it has filled the views (``ddtree.vllm.launch_gate``): the copy reads the pinned
@@ -26,7 +25,6 @@ Torch only (no vLLM import): CI tests it on CPU, where the buffers are ordinary 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import types
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -49,39 +47,30 @@ def _aligned(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-#: Pinned host buffers a staging's uploads take in turn (see the module's docstring).
-HOST_BUFFERS = 2
-
-
 class StepStaging:
-    """Reusable pinned host buffers (taken in turn) and one device buffer for one upload per step."""
+    """A reusable pinned host buffer and device buffer for one upload per step."""
 
     def __init__(self, device: torch.device, initial_bytes: int = 1 << 16):
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         self._capacity = 0
-        self._hosts: List[torch.Tensor] = []
-        self._hosts_np: List[np.ndarray] = []
+        self._host: Optional[torch.Tensor] = None
+        self._host_np: Optional[np.ndarray] = None
         self._device_buffer: Optional[torch.Tensor] = None
-        self.host_buffer = 0  # the pinned buffer the views handed out belong to (the next upload's source)
-        self._turn_after_upload = False  # an upload copied the current buffer: the next views are the other's
-        # One event per buffer, recorded again by each upload from it, instead of a new one (and a driver event
-        # created) per upload on the step's critical path (the upload's event was ~0.05 ms of host time in a
-        # 27B-shape profile; the saving of reuse is not measured by itself); ``_copies_pending``: recorded and not
-        # yet waited for.
-        self._events: List[Optional[torch.cuda.Event]] = [None] * HOST_BUFFERS
-        self._copies_pending = [False] * HOST_BUFFERS
+        # One event, recorded again by every upload, instead of a new one (and a driver event created) per upload on
+        # the step's critical path (the upload's event was ~0.05 ms of host time in a 27B-shape profile; the saving
+        # of reuse is not measured by itself); ``_copy_pending``: recorded and not yet waited for.
+        self._event: Optional[torch.cuda.Event] = None
+        self._copy_pending = False
         self.uploads = 0
         self.layouts = 0  # layouts made (views of the buffers laid out anew: what the host buffer holds may differ)
         self.layouts_reused = 0  # ... of them, a recent layout's views taken again (not made anew)
-        # Recent layouts by key, ``(placement, host views by buffer, device views, total bytes)``: steps that
-        # alternate between layouts (a device-planned subset step and the whole step after it: the subset's has a
-        # row index more) take their views again instead of making ~40 numpy and torch views each time (~0.3 ms of a
-        # batch-32 subset step's plan on the development CPU); a buffer's host views are made at its first turn.
-        # Views of the current buffers only: emptied when they grow.
-        self._recent_layouts: Dict[tuple, _Layout] = {}
+        # Recent layouts' views by key, ``(host views, device views, total bytes)``: steps that alternate between
+        # layouts (a device-planned subset step and the whole step after it: the subset's has a row index more) take
+        # their views again instead of making ~40 numpy and torch views each time (~0.3 ms of a batch-32 subset
+        # step's plan on the development CPU). Views of the current buffers only: emptied when they grow.
+        self._recent_layouts: Dict[tuple, Tuple[Dict[str, np.ndarray], Dict[str, torch.Tensor], int]] = {}
         self._key: Optional[tuple] = None  # the current layout's (name, dtype, shape)s
-        self._layout: Optional[_Layout] = None  # ... and the layout itself
         self._host_views: Dict[str, np.ndarray] = {}
         self._device_views: Dict[str, torch.Tensor] = {}
         self._total = 0
@@ -91,24 +80,20 @@ class StepStaging:
 
     def _grow(self, nbytes: int) -> None:
         capacity = max(nbytes, 2 * self._capacity)
-        for buffer in range(len(self._hosts)):
-            self._wait_for_copy_from(buffer)  # the old host buffers may still be read by transfers
-        # Zeroed, not left as found: an early upload whose step never filled its views (its forward failed, and
-        # the gate was released) copies what the buffer held, which must be indices in range, not garbage.
-        self._hosts = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=self._pin) for _ in range(HOST_BUFFERS)]
-        self._hosts_np = [host.numpy() for host in self._hosts]
+        self._wait_for_previous_copy()  # the old host buffer may still be read by a transfer
+        self._host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pin)
+        self._host_np = self._host.numpy()
         self._device_buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self._capacity = capacity
-        self._key = self._layout = None  # views of the old buffers are stale
+        self._key = None  # views of the old buffers are stale
         self._recent_layouts = {}
         self._given = None  # the specs the current layout was made from, as given
         self._given_read_only = None  # ... when they were a read-only mapping: recognised by identity
 
-    def _wait_for_copy_from(self, buffer: int) -> None:
-        """Waits for the transfer out of pinned buffer ``buffer``, if one is queued and not waited for."""
-        if self._copies_pending[buffer]:
-            self._events[buffer].synchronize()
-            self._copies_pending[buffer] = False
+    def _wait_for_previous_copy(self) -> None:
+        if self._copy_pending:
+            self._event.synchronize()
+            self._copy_pending = False
 
     def host_arrays(self, specs: Mapping[str, ArraySpec]) -> Dict[str, np.ndarray]:
         """Numpy views of the host buffer, one per ``name: (dtype, shape)``, for the caller (e.g. the Rust core)
@@ -125,7 +110,8 @@ class StepStaging:
             if given == self._given:
                 key = self._key
             else:
-                key = tuple((name, dtype, tuple(shape)) for name, (dtype, shape) in specs.items())
+                # (np.dtype: a numpy class and its dtype compare equal but hash apart, and the key is hashed.)
+                key = tuple((name, np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in specs.items())
         if self._awaiting_data:
             # The copy of these views is queued already and waits for them: filling is all that is left (waiting
             # for that copy here would wait for ever).
@@ -135,14 +121,10 @@ class StepStaging:
                     f"{_names(self._key)} (a bug)"
                 )
             return dict(self._host_views)
-        if self._turn_after_upload:  # the buffer the last upload copied may still be read: the other one's turn
-            self._turn_after_upload = False
-            self.host_buffer = (self.host_buffer + 1) % HOST_BUFFERS
-            self._wait_for_copy_from(self.host_buffer)  # (its transfer, two uploads back: in practice long done)
-            if key == self._key:
-                self._host_views = self._layout_host_views(self._layout)
         if key != self._key:
             self._lay_out(key)
+        else:
+            self._wait_for_previous_copy()
         if not recognised:
             self._given = given
             self._given_read_only = specs if isinstance(specs, types.MappingProxyType) else None
@@ -152,46 +134,38 @@ class StepStaging:
     def _lay_out(self, key) -> None:
         recent = self._recent_layouts.get(key)
         if recent is not None:
-            self._host_views = self._layout_host_views(recent)
-            self._device_views, self._total = recent.device_views, recent.total
-            self._key, self._layout = key, recent
+            self._wait_for_previous_copy()  # (the host buffer may still be read by the last transfer)
+            self._host_views, self._device_views, self._total = recent
+            self._key = key
             self.layouts += 1
             self.layouts_reused += 1
             return
-        placement, total = [], 0
+        layout, total = [], 0
         for name, dtype, shape in key:
             dtype = np.dtype(dtype)
             _torch_dtype(dtype)  # refuse what the device side cannot view, before anything is written
             nbytes = dtype.itemsize * math.prod(shape)
-            placement.append((name, dtype, shape, total, nbytes))
+            layout.append((name, dtype, shape, total, nbytes))
             total += _aligned(nbytes)
         if total > self._capacity:
-            self._grow(total)  # (waits for every transfer out of the old buffers, empties the recent layouts)
-        device = self._device_buffer
-        device_views = {
-            name: device[o : o + n].view(_torch_dtype(dtype)).view(shape) for name, dtype, shape, o, n in placement
+            self._grow(total)
+        else:
+            self._wait_for_previous_copy()
+        host, device = self._host_np, self._device_buffer
+        # An empty array gets its own (empty) allocation: numpy gives empty views of the buffer one address,
+        # and the Rust core refuses outputs that share memory.
+        self._host_views = {
+            name: host[o : o + n].view(dtype).reshape(shape) if n else np.empty(shape, dtype)
+            for name, dtype, shape, o, n in layout
         }
-        layout = _Layout(placement, [None] * HOST_BUFFERS, device_views, total)
-        self._host_views = self._layout_host_views(layout)
-        self._device_views = device_views
-        self._key, self._layout, self._total = key, layout, total
+        self._device_views = {
+            name: device[o : o + n].view(_torch_dtype(dtype)).view(shape) for name, dtype, shape, o, n in layout
+        }
+        self._key, self._total = key, total
         self.layouts += 1
         if len(self._recent_layouts) >= MAX_RECENT_LAYOUTS:
             del self._recent_layouts[next(iter(self._recent_layouts))]  # (the oldest)
-        self._recent_layouts[key] = layout
-
-    def _layout_host_views(self, layout: "_Layout") -> Dict[str, np.ndarray]:
-        """``layout``'s views of the current pinned buffer, made at that buffer's first turn with it."""
-        views = layout.host_views[self.host_buffer]
-        if views is None:
-            host = self._hosts_np[self.host_buffer]
-            # An empty array gets its own (empty) allocation: numpy gives empty views of the buffer one address,
-            # and the Rust core refuses outputs that share memory.
-            views = layout.host_views[self.host_buffer] = {
-                name: host[o : o + n].view(dtype).reshape(shape) if n else np.empty(shape, dtype)
-                for name, dtype, shape, o, n in layout.placement
-            }
-        return views
+        self._recent_layouts[key] = (self._host_views, self._device_views, total)
 
     def device_views(self) -> Dict[str, torch.Tensor]:
         """The current layout's device views, as the last :meth:`upload_host` returned them, without a copy: what
@@ -208,15 +182,14 @@ class StepStaging:
         if not self._pending:
             raise RuntimeError("StepStaging.upload_host() without host_arrays() first")
         self._pending = False
-        total, buffer = self._total, self.host_buffer
+        total = self._total
         if total:
-            self._device_buffer[:total].copy_(self._hosts[buffer][:total], non_blocking=True)
+            self._device_buffer[:total].copy_(self._host[:total], non_blocking=True)
             if self._pin:
-                if self._events[buffer] is None:
-                    self._events[buffer] = torch.cuda.Event()
-                self._events[buffer].record()
-                self._copies_pending[buffer] = True
-            self._turn_after_upload = True
+                if self._event is None:
+                    self._event = torch.cuda.Event()
+                self._event.record()
+                self._copy_pending = True
         self.uploads += 1
         return dict(self._device_views)
 
@@ -243,17 +216,6 @@ class StepStaging:
             views[str(i)][...] = a
         device = self.upload_host()
         return [device[str(i)] for i in range(len(arrays))]
-
-
-@dataclasses.dataclass
-class _Layout:
-    """One layout of a staging's buffers: each array's ``(name, dtype, shape, offset, nbytes)``, its host views by
-    pinned buffer (None until that buffer's first turn with it), its device views and its total bytes."""
-
-    placement: List[Tuple[str, np.dtype, Tuple[int, ...], int, int]]
-    host_views: List[Optional[Dict[str, np.ndarray]]]
-    device_views: Dict[str, torch.Tensor]
-    total: int
 
 
 _DTYPES = {
