@@ -1714,9 +1714,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         return True
 
     def _ddtree_path_ring(self) -> PathRing:
-        """The ring the device walk writes its accepted paths into, for the statistics: ``PATH_RING_SLOTS`` slots,
-        copied to the host together every ``PATH_RING_SLOTS``-th step (the host runs a step ahead; a copy is read
-        once it has landed)."""
+        """The ring the device walk writes its accepted paths into, for the statistics: ``PATH_RING_SLOTS`` slots
+        (``AUTO_PATH_RING_SLOTS`` under an ``auto`` budget), copied to the host together once they are all written
+        (the host runs a step ahead; a copy is read once it has landed)."""
         width = (self.ddtree_cfg.draft_len or 0) + 2
         slots = AUTO_PATH_RING_SLOTS if self.ddtree_cfg.auto else PATH_RING_SLOTS
         return PathRing(self.device, self.max_num_reqs, width=width, slots=slots)
