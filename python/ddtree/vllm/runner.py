@@ -109,9 +109,11 @@ from ddtree.vllm.step import (
     TreeStore,
     VerifyPlan,
     accept,
+    cut_trees,
     numpy_arrays,
     plan_specs,
     plan_verify,
+    prefill_beside_trees,
     same_values,
     take_device_plannable,
     take_device_subset,
@@ -1700,9 +1702,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         prefill beside trees that are all whole and of one size, of a shape met before or while fewer than
         ``MAX_MIXED_WALK_SHAPES`` are."""
         nodes = plan.num_nodes
-        if not nodes.shape[0] or nodes.min() != nodes.max() or plan.num_tokens <= int(nodes.sum()):
+        if not nodes.shape[0] or nodes.min() != nodes.max() or not prefill_beside_trees(plan):
             return False
-        if not np.array_equal(nodes, plan.proposed_budgets + 1):  # (a cut tree, or a smaller one near the end)
+        if cut_trees(nodes, plan.proposed_budgets):  # (near max_model_len: a new size nearly every step)
             return False
         shape = (int(nodes.shape[0]), int(nodes[0]))
         shapes = self._ddtree_mixed_walk_shapes

@@ -16,7 +16,7 @@ import numpy as np
 from vllm.v1.utils import record_function_or_nullcontext
 
 from ddtree.vllm.host_profile import HostProfile
-from ddtree.vllm.step import AcceptPlan, VerifyPlan, cut_trees
+from ddtree.vllm.step import AcceptPlan, VerifyPlan, cut_trees, prefill_beside_trees
 from ddtree.vllm.what_if import WhatIfAcceptance, whole_proposed_trees
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class DDTreeStats:
         (a prefill's) were scheduled beside them."""
         self.count_full_graph(graph)
         if graph is None:  # (a FULL graph's step is trees only: no sum on the steady path)
-            self.prefill_beside_trees_steps += int(plan.num_nodes.sum()) < plan.num_tokens
+            self.prefill_beside_trees_steps += prefill_beside_trees(plan)
 
     def count_full_graph(self, graph: Optional[GraphKey]) -> None:
         """One verify step and the FULL graph, (tokens, trees), that replayed it (None: none did)."""

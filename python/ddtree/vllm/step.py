@@ -320,6 +320,11 @@ def cut_trees(num_nodes: np.ndarray, proposed_budgets: np.ndarray) -> int:
     return int((num_nodes < proposed_budgets + 1).sum())
 
 
+def prefill_beside_trees(plan: "VerifyPlan") -> bool:
+    """Whether a verify step scheduled other tokens than its trees' (a request's prefill beside them)."""
+    return plan.num_tokens > int(plan.num_nodes.sum())
+
+
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     """``np.array_equal`` for the plan's small integer arrays: by their bytes when dtype and shape agree (~0.5 us
     against ~5 for ``array_equal`` on a CPU; the step's checks run on the engine loop's path), else by value."""
