@@ -7,13 +7,23 @@ import torch
 from ddtree.vllm.counts import PathRing
 
 
+#: What the ring's ``current_stream`` returns here: the stream its events must be recorded on.
+ENGINE_STREAM = "the engine's current stream"
+
+
+def _engine_stream():
+    return ENGINE_STREAM
+
+
 class FakeEvent:
-    """A CUDA event's interface, with the copy landing when the test says so."""
+    """A CUDA event's interface, with the copy landing when the test says so. ``record`` takes the stream: a
+    record without one would have torch look the stream up (``PathRing``'s ``current_stream``)."""
 
     def __init__(self):
         self.done, self.waited, self.recorded = False, 0, 0
 
-    def record(self):
+    def record(self, stream):
+        assert stream is ENGINE_STREAM, f"recorded on {stream!r}, not the stream the ring was given"
         self.done = False
         self.recorded += 1
 
@@ -41,7 +51,7 @@ def _walk(ring: PathRing, serial: int, num_trees: int) -> torch.Tensor:
 
 
 def test_every_slots_th_step_copies_the_ring_once_and_its_steps_come_back_in_order_once_landed():
-    ring = PathRing(torch.device("cpu"), max_reqs=4, width=3, slots=4)
+    ring = PathRing(torch.device("cpu"), max_reqs=4, width=3, slots=4, current_stream=_engine_stream)
     events = ring._events = [FakeEvent(), FakeEvent()]
     sizes = [2, 4, 1, 3]
     for serial, n in enumerate(sizes):
@@ -61,7 +71,7 @@ def test_every_slots_th_step_copies_the_ring_once_and_its_steps_come_back_in_ord
 
 def test_the_copy_is_a_snapshot_later_walks_do_not_change():
     """On CPU the copy lands at once: the rows read are those of the noted steps, whatever the walks write after."""
-    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=2)
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=2, current_stream=_engine_stream)
     for serial in range(2):
         _walk(ring, serial, 2)
         ring.note(serial, 2, serial)
@@ -71,7 +81,7 @@ def test_the_copy_is_a_snapshot_later_walks_do_not_change():
 
 
 def test_a_pinned_buffer_still_in_flight_is_read_before_it_is_reused():
-    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=1)
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=1, current_stream=_engine_stream)
     events = ring._events = [FakeEvent(), FakeEvent()]
     _walk(ring, 0, 1)
     assert ring.note(0, 1, "a") == []  # copy into buffer 0
@@ -85,7 +95,7 @@ def test_a_pinned_buffer_still_in_flight_is_read_before_it_is_reused():
 
 
 def test_the_summary_copies_the_steps_noted_since_the_last_copy():
-    ring = PathRing(torch.device("cpu"), max_reqs=3, width=3, slots=4)
+    ring = PathRing(torch.device("cpu"), max_reqs=3, width=3, slots=4, current_stream=_engine_stream)
     _walk(ring, 0, 3)
     ring.note(0, 3, "only")
     assert ring.landed(wait=False) == []  # below the copy's period: nothing read
@@ -97,7 +107,7 @@ def test_the_summary_copies_the_steps_noted_since_the_last_copy():
 def test_a_slot_holding_another_steps_serial_is_lost_not_miscounted():
     """A step whose walk did not write (or whose slot a later serial of the same copy overwrote) is left out and
     counted as lost: the statistics never count another step's paths."""
-    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=4)
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=4, current_stream=_engine_stream)
     _walk(ring, 0, 1)
     ring.note(0, 1, "walked")
     ring.note(1, 1, "not walked")  # its slot still holds the initial -1
@@ -110,7 +120,7 @@ def test_a_slot_holding_another_steps_serial_is_lost_not_miscounted():
 
 
 def test_serials_wrap_through_the_ring_and_past_the_int32_stamp():
-    ring = PathRing(torch.device("cpu"), max_reqs=1, width=3, slots=2)
+    ring = PathRing(torch.device("cpu"), max_reqs=1, width=3, slots=2, current_stream=_engine_stream)
     counted = []
     for serial in (2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1, 2**33 + 4):
         _walk(ring, serial, 1)
@@ -121,8 +131,8 @@ def test_serials_wrap_through_the_ring_and_past_the_int32_stamp():
 
 
 def test_rows_that_do_not_fit_are_refused_by_name():
-    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3)
+    ring = PathRing(torch.device("cpu"), max_reqs=2, width=3, current_stream=_engine_stream)
     with pytest.raises(ValueError, match=r"rows of shape \(3, 3\) do not fit 2 rows of width 3"):
         ring.write(torch.zeros((3, 3), dtype=torch.int32), torch.tensor([0]))
     with pytest.raises(ValueError, match="slots, max_reqs and width must be positive"):
-        PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=0)
+        PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=0, current_stream=_engine_stream)

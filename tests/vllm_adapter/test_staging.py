@@ -127,3 +127,22 @@ def test_a_recent_layout_is_found_again_when_its_dtypes_are_written_another_way(
     staging.upload_host()
     again = staging.host_arrays({"a": (np.dtype(np.int64), (3,))})
     assert again["a"] is first["a"] and staging.layouts_reused == 1 and staging.layout_key() == key
+
+
+class _RecordedEvent:
+    def __init__(self):
+        self.streams = []
+
+    def record(self, stream):
+        self.streams.append(stream)
+
+
+def test_an_uploads_event_is_recorded_on_the_stream_the_staging_was_given():
+    # (torch's own lookup of the stream costs ~20 us more a record in the engine: test_event_records.py)
+    stream = object()
+    staging = StepStaging(torch.device("cpu"), current_stream=lambda: stream)
+    staging.host_arrays({"positions": (np.int64, (4,))})["positions"][...] = 7
+    staging._pin, staging._event = True, _RecordedEvent()  # as on a GPU, where the copy is asynchronous
+    views = staging.upload_host()
+    assert staging._event.streams == [stream]
+    assert views["positions"].tolist() == [7, 7, 7, 7]

@@ -19,7 +19,7 @@ Torch only (no vLLM import): CI tests it on CPU, where copies land at once.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, List, Tuple
+from typing import Any, Callable, Deque, List, Tuple
 
 import numpy as np
 import torch
@@ -35,7 +35,14 @@ class PathRing:
     """``slots`` device slots of ``max_reqs`` rows of ``width`` int32, each with the serial of the step that wrote
     it; the host copies all of them every ``slots`` noted steps into one of two pinned buffers."""
 
-    def __init__(self, device: torch.device, max_reqs: int, width: int, slots: int = 4):
+    def __init__(
+        self,
+        device: torch.device,
+        max_reqs: int,
+        width: int,
+        slots: int = 4,
+        current_stream: Callable[[], torch.cuda.Stream] = torch.cuda.current_stream,
+    ):
         if slots < 1 or max_reqs < 1 or width < 1:
             raise ValueError(f"PathRing: slots, max_reqs and width must be positive, got {slots}, {max_reqs}, {width}")
         self.slots, self.max_reqs, self.width = slots, max_reqs, width
@@ -47,6 +54,7 @@ class PathRing:
         self._host = [torch.empty(self.ring.shape, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         self._host_arrays = [buffer.numpy() for buffer in self._host]  # the same memory, read without torch
         self._events = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
+        self._current_stream = current_stream  # (the adapter passes vLLM's: see ``StepStaging``)
         self._next_buffer = 0
         self._noted: List[NotedStep] = []
         self._in_flight: Deque[Tuple[int, List[NotedStep]]] = deque()  # (pinned buffer, its steps), oldest first
@@ -101,7 +109,7 @@ class PathRing:
             freed = self._read_oldest()
         self._host[buffer].copy_(self.ring, non_blocking=True)
         if self._events[buffer] is not None:
-            self._events[buffer].record()
+            self._events[buffer].record(self._current_stream())
         self._in_flight.append((buffer, self._noted))
         self._noted = []
         return freed

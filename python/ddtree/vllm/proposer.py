@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from vllm.utils.torch_utils import current_stream
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.utils import record_function_or_nullcontext
 
@@ -307,7 +308,7 @@ class DDTreeProposer(DFlashProposer):
             if not on_host:
                 views[0].copy_(self._capture, non_blocking=True)
             if self._late_landed is not None:
-                self._late_landed.record()
+                self._late_landed.record(current_stream())  # (torch's own lookup of the stream: ~22 us more here)
         packed, self._capture = self._capture, None
         with stats.detail("defer: store"):
             proposal = DeferredProposal(views[1], self.top_k, self._late_landed)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from ddtree.vllm.log import get_logger
+from vllm.utils.torch_utils import current_stream
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.utils import record_function_or_nullcontext
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -290,8 +291,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # and commit graphs): none yet, made when first needed, dropped with the cache (``initialize_kv_cache``).
         self._ddtree_forget_kv_cache()
         # One host-to-device copy per phase and step (the plan's arrays; the acceptance's).
-        self._ddtree_plan_staging = StepStaging(self.device)
-        self._ddtree_accept_staging = StepStaging(self.device)
+        self._ddtree_plan_staging = StepStaging(self.device, current_stream=current_stream)
+        self._ddtree_accept_staging = StepStaging(self.device, current_stream=current_stream)
         # Hybrid GDN targets: W - 1 of the conv (0: attention-only target).
         self._ddtree_conv_window = gdn_conv_window(self.model_config) if self.model_config.is_hybrid else 0
         # vLLM 0.33 counts a decode without drafts as a spec decode of 0 drafts (its chain reads the last state at
@@ -305,7 +306,9 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         )
         self._ddtree_state_group_layers: Optional[List[Tuple[int, List[str]]]] = None
         # The boundary commits' prefixes and destination blocks: one pinned copy on the steps that have them.
-        self._ddtree_boundary_staging = StepStaging(self.device) if self._ddtree_aligned_states else None
+        self._ddtree_boundary_staging = (
+            StepStaging(self.device, current_stream=current_stream) if self._ddtree_aligned_states else None
+        )
         # The tree layout at fixed addresses (CUDA graphs read them), and what FULL graphs' captures recorded.
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_buffers = TreeStepBuffers(
@@ -347,7 +350,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_min_tokens = MinTokensRequests()
         # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING, on by default with one GPU): the step is published from
         # vLLM's counts in _prepare_inputs (its own upload), and its trees are built in _preprocess, after vLLM's metadata builds.
-        self._ddtree_count_staging = StepStaging(self.device)
+        self._ddtree_count_staging = StepStaging(self.device, current_stream=current_stream)
         # vLLM's spec-decode metadata by its inputs' bytes (``_calc_spec_decode_metadata``).
         self._ddtree_spec_metadata: Dict[tuple, tuple] = {}
         self._ddtree_trees_by_tensors: Dict[tuple, device_accept.DeviceTrees] = {}
@@ -687,20 +690,26 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             gpu = staging.device_views()
             self.ddtree_stats.device_plan_resumed_steps += 1
         else:
-            constants = self._ddtree_device_template(num_reqs, size, total)[1]
-            specs = plan_specs(num_reqs, num_reqs, total, self._ddtree_buffers.words, self._ddtree_conv_window, True)
-            staged = self._ddtree_staged_plan_specs(specs, total, self._ddtree_conv_window > 0, rows is not None)
-            views = staging.host_arrays(staged[0])
-            if planner.constants_stale(staging):
-                for name, view in views.items():
-                    if name in constants:  # (a subset layout's row index is the step's own, below)
-                        view[...] = constants[name]
-            views["step_serial"][0] = serial
-            if rows is not None:
-                views["proposal_rows"][...] = rows
-            gpu = staging.upload_host()
-            planner.uploaded_constants(staging)
-            planner.serial.copy_(gpu["step_serial"])  # (the graph takes the step's serial from the device's)
+            # (Pieces inside the piece: batch 32's uploads cost ~4 ms each, ``gpu-h100-pair-ring16-33a1deb``.)
+            detail = self.ddtree_stats.detail
+            with detail("plan: device upload: layout"):
+                constants = self._ddtree_device_template(num_reqs, size, total)[1]
+                words, window = self._ddtree_buffers.words, self._ddtree_conv_window
+                specs = plan_specs(num_reqs, num_reqs, total, words, window, True)
+                staged = self._ddtree_staged_plan_specs(specs, total, window > 0, rows is not None)
+                views = staging.host_arrays(staged[0])
+            with detail("plan: device upload: fill"):
+                if planner.constants_stale(staging):
+                    for name, view in views.items():
+                        if name in constants:  # (a subset layout's row index is the step's own, below)
+                            view[...] = constants[name]
+                views["step_serial"][0] = serial
+                if rows is not None:
+                    views["proposal_rows"][...] = rows
+            with detail("plan: device upload: copy"):
+                gpu = staging.upload_host()
+                planner.uploaded_constants(staging)
+                planner.serial.copy_(gpu["step_serial"])  # (the graph takes the step's serial from the device's)
         return gpu
 
     def _ddtree_device_place(self, gpu: Dict[str, torch.Tensor], total: int, num_reqs: int, size: int):
@@ -765,7 +774,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         key = (staging.layout_key(), total, True)
         if not graphs.has(key):  # its first step captures (which synchronizes): prepared now
             return False
-        ticket = gate.queue()  # on vLLM's current stream, where the copy, the placement and the forward follow
+        ticket = gate.queue(current_stream().cuda_stream)  # where the copy, the placement and the forward follow
         gpu = staging.upload_ahead()
         placed = graphs.run(key, functools.partial(self._ddtree_place_plan, gpu, total, True))
         self._ddtree_early = EarlyLaunch(gate, ticket, staging, late, gpu, placed)
@@ -1611,7 +1620,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         host = self._ddtree_output_host[: out.numel()].view(out.shape)
         host.copy_(out, non_blocking=True)
         if self._ddtree_output_landed is not None:
-            self._ddtree_output_landed.record()
+            self._ddtree_output_landed.record(current_stream())
         self._ddtree_output_early = (out, host)
 
     def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
@@ -1721,7 +1730,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         (the host runs a step ahead; a copy is read once it has landed)."""
         width = (self.ddtree_cfg.draft_len or 0) + 2
         slots = AUTO_PATH_RING_SLOTS if self.ddtree_cfg.auto else PATH_RING_SLOTS
-        return PathRing(self.device, self.max_num_reqs, width=width, slots=slots)
+        return PathRing(self.device, self.max_num_reqs, width=width, slots=slots, current_stream=current_stream)
 
     def _ddtree_send_paths(self, gpu: Dict[str, torch.Tensor], plan: VerifyPlan):
         """Notes a device-walked step whose walk wrote its accepted paths into the ring (one row per tree: its
@@ -1854,7 +1863,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self.input_batch.num_accepted_tokens_cpu[:num_reqs] = 1
         self.num_accepted_tokens.gpu[:num_reqs].fill_(1)
         if self.num_accepted_tokens_event is not None:
-            self.num_accepted_tokens_event.record()
+            self.num_accepted_tokens_event.record(current_stream())
 
     def _ddtree_commit_graphs_for(self, commit: GdnCommitPlan) -> Optional[CommitGraphs]:
         """The commit graphs on a GPU unless DDTREE_COMMIT_GRAPHS=0 (None: commit layer by layer)."""
