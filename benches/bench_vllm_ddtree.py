@@ -241,6 +241,7 @@ def child(args):
                     "full_graph_steps",
                     "device_plan_steps",
                     "device_plan_subset_steps",
+                    "prefill_beside_trees_steps",
                     "mixed_walk_graph_steps",
                     "landed_before_launch_steps",
                 ),

@@ -516,17 +516,21 @@ def test_the_runner_keeps_accepted_counts_at_one_and_skips_vllms_state_copies(mo
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from ddtree.vllm import runner as runner_module
+
     runner = _runner_for_boundaries([40, 5, 60], [8, 1, 8], [np.zeros((3, 4), dtype=np.int32)] * 3)
     runner.input_batch.num_accepted_tokens_cpu = np.array([3, 5, 2, 7])
     runner.num_accepted_tokens = SimpleNamespace(gpu=torch.tensor([3, 5, 2, 7]))
     recorded = []
-    runner.num_accepted_tokens_event = SimpleNamespace(record=lambda: recorded.append(True))
+    runner.num_accepted_tokens_event = SimpleNamespace(record=recorded.append)
+    monkeypatch.setattr(runner_module, "current_stream", lambda: "vLLM's current stream")
     called = []
     monkeypatch.setattr(GPUModelRunner, "_update_states_after_model_execute", lambda *a: called.append(a))
     output = torch.tensor([[1, 2, -1], [4, -1, -1], [5, 6, 7]])
     runner._update_states_after_model_execute(output, None)
     assert runner.input_batch.num_accepted_tokens_cpu.tolist() == [1, 1, 1, 7]
-    assert runner.num_accepted_tokens.gpu.tolist() == [1, 1, 1, 7] and recorded == [True] and not called
+    assert runner.num_accepted_tokens.gpu.tolist() == [1, 1, 1, 7] and not called
+    assert recorded == ["vLLM's current stream"]  # (the event's stream given: torch's lookup is slow)
     runner._ddtree_aligned_states = False  # without prefix caching: vLLM's own
     runner._update_states_after_model_execute(output, None)
     assert len(called) == 1

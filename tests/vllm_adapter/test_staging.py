@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.vllm.staging import ALIGN, StepStaging
+from ddtree.vllm.staging import ALIGN, MAX_RECENT_LAYOUTS, StepStaging
 
 
 def _arrays(rng, scale=1):
@@ -146,3 +146,20 @@ def test_an_uploads_event_is_recorded_on_the_stream_the_staging_was_given():
     views = staging.upload_host()
     assert staging._event.streams == [stream]
     assert views["positions"].tolist() == [7, 7, 7, 7]
+
+
+def test_the_least_recently_used_layout_is_the_one_dropped():
+    """A drain goes through a layout per request count, again at every repeat: the layouts still in use stay."""
+    staging = StepStaging(torch.device("cpu"), initial_bytes=1 << 16)  # (no growth below: views stay valid)
+
+    def take(n):
+        views = staging.host_arrays({"a": (np.int64, (n,))})
+        staging.upload_host()
+        return views["a"]
+
+    first = {n: take(n) for n in range(1, MAX_RECENT_LAYOUTS + 1)}
+    assert take(1) is first[1]  # used again: now the most recent
+    take(MAX_RECENT_LAYOUTS + 1)  # one more: the least recently used (2) goes
+    assert take(1) is first[1]
+    assert take(3) is first[3]
+    assert take(2) is not first[2]

@@ -774,7 +774,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         key = (staging.layout_key(), total, True)
         if not graphs.has(key):  # its first step captures (which synchronizes): prepared now
             return False
-        ticket = gate.queue(current_stream().cuda_stream)  # where the copy, the placement and the forward follow
+        ticket = gate.queue()  # on the current stream, where the copy, the placement and the forward follow
         gpu = staging.upload_ahead()
         placed = graphs.run(key, functools.partial(self._ddtree_place_plan, gpu, total, True))
         self._ddtree_early = EarlyLaunch(gate, ticket, staging, late, gpu, placed)
