@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from vllm.utils.torch_utils import current_stream
+from ddtree.vllm.streams import current_stream
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.utils import record_function_or_nullcontext
 

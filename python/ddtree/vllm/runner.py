@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from ddtree.vllm.log import get_logger
-from vllm.utils.torch_utils import current_stream
+from ddtree.vllm.streams import current_stream
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.utils import record_function_or_nullcontext
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
