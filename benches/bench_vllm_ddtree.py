@@ -224,6 +224,8 @@ def child(args):
             # Walks by a graph, and of those, by one that copied its trees in (they were not where it reads).
             row["walk_graph_steps"] = summary.get("walk_graph_steps", 0)
             row["walk_copied_steps"] = summary.get("walk_copied_steps", 0)
+            # ... of them, walks whose node tokens the sampler wrote where the graph reads them (no copy launched).
+            row["walk_target_in_place_steps"] = summary.get("walk_target_in_place_steps", 0)
             # Engine life so far: steps whose forward was queued before their trees (DDTREE_LAUNCH_AHEAD).
             row["early_launch_steps"] = summary.get("early_launch_steps", 0)
             row["landed_before_launch_steps"] = summary.get("landed_before_launch_steps", 0)
@@ -243,6 +245,7 @@ def child(args):
                     "device_plan_subset_steps",
                     "prefill_beside_trees_steps",
                     "mixed_walk_graph_steps",
+                    "walk_target_in_place_steps",
                     "landed_before_launch_steps",
                 ),
             )

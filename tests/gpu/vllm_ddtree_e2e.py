@@ -972,12 +972,16 @@ def schedule_graphs_exercised(spec, summary):
 
 def step_graphs_exercised(env, summary):
     """``[(counter, passed)]``: with the step graphs on (the default), an engine that walked FULL steps on the device
-    replayed walk graphs (each shape's first walk runs eagerly, so a few FULL steps are needed)."""
+    replayed walk graphs (each shape's first walk runs eagerly, so a few FULL steps are needed), and on some of
+    them the sampler wrote its greedy tokens where the graph reads them (the batch scenarios are greedy)."""
     if env.get("DDTREE_STEP_GRAPHS", "1") != "1" or summary.get("full_graph_steps", 0) < 4:
         return []
     if not summary.get("device_accept_steps", 0):
         return []
-    return [("walk_graph_steps", summary.get("walk_graph_steps", 0) > 0)]
+    return [
+        ("walk_graph_steps", summary.get("walk_graph_steps", 0) > 0),
+        ("walk_target_in_place_steps", summary.get("walk_target_in_place_steps", 0) > 0),
+    ]
 
 
 def statistics_complete(summary):

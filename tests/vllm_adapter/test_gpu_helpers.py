@@ -464,9 +464,14 @@ def test_harness_fails_an_engine_whose_device_walk_replayed_no_graph():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
     from vllm_ddtree_e2e import step_graphs_exercised
 
-    ran = dict(full_graph_steps=40, device_accept_steps=50, walk_graph_steps=35)
-    assert step_graphs_exercised({}, ran) == [("walk_graph_steps", True)]
-    assert step_graphs_exercised({}, dict(ran, walk_graph_steps=0)) == [("walk_graph_steps", False)]
+    ran = dict(full_graph_steps=40, device_accept_steps=50, walk_graph_steps=35, walk_target_in_place_steps=30)
+    assert step_graphs_exercised({}, ran) == [("walk_graph_steps", True), ("walk_target_in_place_steps", True)]
+    assert step_graphs_exercised({}, dict(ran, walk_graph_steps=0))[0] == ("walk_graph_steps", False)
+    # The sampler's greedy tokens never written where the graph reads them: the walks copied every step.
+    assert step_graphs_exercised({}, dict(ran, walk_target_in_place_steps=0))[1] == (
+        "walk_target_in_place_steps",
+        False,
+    )
     assert step_graphs_exercised({"DDTREE_STEP_GRAPHS": "0"}, dict(ran, walk_graph_steps=0)) == []
     assert step_graphs_exercised({}, dict(ran, device_accept_steps=0, walk_graph_steps=0)) == []  # the host walk
     assert step_graphs_exercised({}, dict(ran, full_graph_steps=2, walk_graph_steps=0)) == []  # too few to replay

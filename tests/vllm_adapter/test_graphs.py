@@ -554,6 +554,35 @@ def test_walk_graphs_replay_a_shape_on_each_steps_inputs_and_capture_each_shape_
     assert len(captured) == 2 and graphs.replayed == 2
 
 
+def test_the_sampler_can_write_a_known_walks_target_in_place_and_the_walk_copies_nothing():
+    """``target_for``: None until a walk of the trees object found its graph; then the graph's own target, which a
+    walk given it as its target reads without a copy (counted), walking exactly what a fresh tensor would."""
+    from test_device_accept import agreeing_target, device_trees, random_step
+
+    from ddtree.vllm.device_accept import accept_on_device
+    from ddtree.vllm.graphs import WalkGraphs
+
+    graphs = WalkGraphs(lambda work: work)
+    rng = np.random.default_rng(5)
+    plan, depth = random_step(rng, conv_window=3)
+    trees, args = device_trees(plan), (depth + 2, int(plan.trees.draft_depth) + 1, plan.num_tokens, 3)
+    rows = plan.num_tree_tokens
+    assert graphs.target_for(trees, rows, *args) is None  # no walk yet
+    graphs.walk(trees, torch.from_numpy(agreeing_target(rng, plan)), *args)
+    own = graphs.target_for(trees, rows, *args)
+    assert own is not None and own.dtype == torch.int64 and tuple(own.shape) == (rows,)
+    assert graphs.target_for(trees, rows + 1, *args) is None  # another target shape: another graph's
+    assert graphs.target_for(trees, rows, *args[:3], 0) is None  # another walk shape
+    for _ in range(2):
+        tokens = torch.from_numpy(agreeing_target(rng, plan))
+        own.copy_(tokens)  # (what the sampler's argmax does there)
+        got, want = graphs.walk(trees, own, *args), accept_on_device(trees, tokens, *args)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert graphs.targets_in_place == 2 and graphs.replayed == 2
+    graphs.walk(trees, torch.from_numpy(agreeing_target(rng, plan)), *args)  # a tensor of its own: copied in
+    assert graphs.targets_in_place == 2
+
+
 def test_a_walk_writes_its_path_rows_into_the_ring_under_the_serial_uploaded_with_its_trees():
     """With the statistics' ring, every walk (the eager first one and each replay of its graph, which reads the
     serial in place like the trees) puts its path rows in slot ``serial % slots`` with the serial beside them; the

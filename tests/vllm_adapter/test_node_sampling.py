@@ -18,6 +18,17 @@ def test_greedy_rows_are_argmax():
     assert torch.equal(sample_rows(logits, None, None, None, all_greedy=True), logits.argmax(-1))
 
 
+def test_an_all_greedy_step_writes_its_argmax_where_it_is_asked_to():
+    """``greedy_out``: the walk graph's own target buffer, so the walk copies nothing; only for all-greedy steps."""
+    logits = torch.randn(7, 30)
+    buffer = torch.full((7,), -1, dtype=torch.int64)
+    assert sample_rows(logits, None, None, None, all_greedy=True, greedy_out=buffer) is buffer
+    assert torch.equal(buffer, logits.argmax(-1))
+    temp = torch.tensor([0.0, 1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
+    with pytest.raises(ValueError, match="greedy_out is for all-greedy steps"):
+        sample_rows(logits, temp, None, None, greedy_out=buffer)
+
+
 def test_top_k_top_p_masks():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 3)
     out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 0, 5]), torch.tensor([1.0, 0.5, 1.0]))

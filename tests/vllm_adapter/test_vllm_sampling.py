@@ -25,6 +25,7 @@ def _fake_runner(plan, on_device):
         "ddtree_output_to_host",
         "ddtree_min_tokens_pending",
         "_ddtree_walk_graphs_for_step",
+        "ddtree_walk_target",
     )
     runner = type("FakeRunner", (), {name: getattr(DDTreeGPUModelRunner, name) for name in methods})()
     runner.use_async_scheduling, runner.device, runner.max_num_reqs = False, torch.device("cpu"), 4
@@ -515,6 +516,45 @@ def test_a_step_where_every_request_verifies_a_tree_takes_the_walks_rows_as_a_co
     assert device_rows.data_ptr() != walked.data_ptr()
     walked.fill_(0)  # the walk graph's next replay
     assert torch.equal(device_rows, host_rows)
+
+
+def test_a_greedy_step_of_trees_writes_its_tokens_where_the_walk_graph_reads_them():
+    """Once the step shape's walk graph is known, the sampler's argmax goes into the graph's own target: the walk
+    copies nothing (counted), and the rows are the host walk's, step after step."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from ddtree.vllm.graphs import WalkGraphs
+    from ddtree.vllm.sampler import DDTreeRejectionSampler
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    rng = np.random.default_rng(4)
+    lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
+    ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
+    greedy = SimpleNamespace(
+        temperature=None, all_greedy=True, top_k=None, top_p=None, generators={}, no_penalties=True,
+        bad_words_token_ids={}, allowed_token_ids_mask=None, max_num_logprobs=None,
+    )  # fmt: skip
+
+    def planned(on_device):  # (each runner its own plan: the host's has no device trees)
+        store = TreeStore(budget=6)
+        lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+        drafts = [lists[0], lists[1][:4]]
+        plan = plan_verify(store, ["a", "b"], np.array([10, 20]), np.array([7, 5]), dict(zip("ab", drafts)))
+        plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+        plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+        return _fake_runner(plan, on_device), drafts
+
+    (device, drafts), (host, _) = planned(True), planned(False)
+    device._ddtree_walk_graphs = WalkGraphs(lambda work: work)  # (a replay runs the work, as a graph would)
+    device._ddtree_full_graph = (12, 2)  # a FULL graph's step: its walk goes through the walk graphs
+    md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    for step in range(3):
+        logits = torch.from_numpy(rng.normal(size=(12, 20)).astype(np.float32))
+        rows = DDTreeRejectionSampler(device)(md, None, logits, greedy).sampled_token_ids
+        assert torch.equal(rows, DDTreeRejectionSampler(host)(md, None, logits, greedy).sampled_token_ids)
+        # The first step finds the shape's graph by walking; the next ones write into its target.
+        assert device.ddtree_stats.walk_target_in_place_steps == step
+    assert device._ddtree_walk_graphs.replayed == 2 and device.ddtree_stats.walk_graph_steps == 2
 
 
 def test_step_rows_are_kept_by_their_counts_read_only(monkeypatch):

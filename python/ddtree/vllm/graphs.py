@@ -246,10 +246,21 @@ class WalkGraphs:
         # is never another object's while remembered).
         self._known: Dict[tuple, tuple] = {}
         self.copied_walks = 0  # walks that copied their trees in (inputs that kept moving)
+        self.targets_in_place = 0  # walks whose target tokens were already in the graph's own (``target_for``)
 
     @property
     def replayed(self) -> int:
         return self._graphs.replayed
+
+    def target_for(
+        self, trees, rows: int, width: int, path_width: int, num_tokens: int, conv_window: int
+    ) -> Optional[torch.Tensor]:
+        """The target tokens' buffer (int64 ``[rows]``) of the graph that a :meth:`walk` of ``trees`` with these
+        arguments will replay, for the sampler to write its tokens into: the walk then launches no copy of them
+        (one launch a step, ~10-20 us of host time behind the engine's deep launch queue). None until a walk has
+        found that graph by the trees object (the shape's first steps), or when its target is another shape."""
+        hit = self._known.get((id(trees), width, path_width, num_tokens, conv_window, torch.int64, (rows,), (1,)))
+        return None if hit is None else self._inputs[hit[0]][0]
 
     def walk(self, trees, target: torch.Tensor, width: int, path_width: int, num_tokens: int, conv_window: int):
         """The walk's outputs (a replay's, or an eager walk's the first time). A trees object seen before with a
@@ -263,7 +274,10 @@ class WalkGraphs:
         hit = self._known.get(known)
         if hit is not None:
             own_target, own_trees = self._inputs[hit[0]]
-            own_target.copy_(target)
+            if target is own_target:  # the sampler wrote its tokens there (``target_for``): no copy to launch
+                self.targets_in_place += 1
+            else:
+                own_target.copy_(target)
             return self._graphs.run(hit[0], lambda: accept_on_device(own_trees, own_target, *args, ring=self.ring))
         fields = [f.name for f in dataclasses.fields(trees)]
         inputs = [getattr(trees, name) for name in fields]

@@ -74,6 +74,7 @@ def sample_rows(
     min_p: Optional[torch.Tensor] = None,
     row_positions: Optional[torch.Tensor] = None,
     max_depth: Optional[int] = None,
+    greedy_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` (int64 ``[N]``).
 
@@ -90,10 +91,14 @@ def sample_rows(
             samples depend on its seed and its trees' sizes). ``max_depth``:
             the trees' deepest possible node (the drafter's depth), which
             bounds the noise vectors made per request.
+        greedy_out: int64 ``[N]``, for an all-greedy step only: the argmax is written there and returned (the
+            walk graph's own target buffer: the walk then copies nothing).
     """
-    greedy_tokens = logits.argmax(dim=-1)
     if all_greedy or temperature is None:
-        return greedy_tokens
+        return logits.argmax(dim=-1) if greedy_out is None else torch.argmax(logits, dim=-1, out=greedy_out)
+    if greedy_out is not None:
+        raise ValueError("sample_rows: greedy_out is for all-greedy steps (all_greedy=True or no temperature)")
+    greedy_tokens = logits.argmax(dim=-1)
     # No ``greedy.all()`` shortcut: reading it would wait for the GPU (vLLM's ``all_greedy``, from the host, is it).
     greedy = temperature < GREEDY_EPS
     scaled = logits.to(torch.float32) / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None].to(

@@ -1667,10 +1667,11 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             walk_args = (width, plan.draft_depth + 1, num_tokens, plan.conv_window)
             self._ddtree_walk_replayed = False
             if graphs is not None:
-                before, copied = graphs.replayed, graphs.copied_walks
+                before, copied, in_place = graphs.replayed, graphs.copied_walks, graphs.targets_in_place
                 gpu = graphs.walk(plan.device_trees, node_tokens, *walk_args)
                 self._ddtree_walk_replayed = graphs.replayed > before
                 self.ddtree_stats.walk_graph_steps += self._ddtree_walk_replayed
+                self.ddtree_stats.walk_target_in_place_steps += graphs.targets_in_place > in_place
                 self.ddtree_stats.mixed_walk_graph_steps += self._ddtree_walk_replayed and not self._ddtree_full_graph
                 self.ddtree_stats.walk_copied_steps += graphs.copied_walks > copied
             else:
@@ -1680,6 +1681,17 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_accept = None
         self._ddtree_accept_gpu = gpu
         return gpu
+
+    def ddtree_walk_target(self, plan: VerifyPlan, width: int, rows: int) -> Optional[torch.Tensor]:
+        """Where the sampler may write the step's node tokens (int64 ``[rows]``, every row a tree node): the
+        buffer the step's walk graph reads them from (``WalkGraphs.target_for``), so the walk copies nothing. None:
+        anywhere (no walk graph, or not known yet; the walk copies them in). Called by the rejection sampler."""
+        with self.ddtree_stats.timed("accept"):  # (the walk's host work, looked up ahead of it)
+            graphs, num_tokens = self._ddtree_walk_graphs_for_step(plan)
+            if graphs is None:
+                return None
+            trees, depth = plan.device_trees, plan.draft_depth
+            return graphs.target_for(trees, rows, width, depth + 1, num_tokens, plan.conv_window)
 
     @staticmethod
     def _ddtree_mixed_walk_graphs_wanted(cudagraph_mode) -> bool:

@@ -193,6 +193,12 @@ class DDTreeRejectionSampler(nn.Module):
             logits, plan, sampling_metadata, per_row, starts, counts, num_reqs, min_tokens
         )
         min_p = None
+        walks = plan is not None and runner.ddtree_device_accepts(plan)
+        every_request = walks and plan.every_request(num_reqs)
+        greedy_out = None
+        if every_request and sampling_metadata.all_greedy:
+            # The tokens go straight where the step's walk graph reads them (one copy launch fewer).
+            greedy_out = runner.ddtree_walk_target(plan, width, int(logits.shape[0]))
         for processor in _processors(sampling_metadata, "argmax_invariant"):
             if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
                 min_p = per_row(_to_device(processor.min_p_cpu[:num_reqs], logits.device))
@@ -209,11 +215,11 @@ class DDTreeRejectionSampler(nn.Module):
             # Seeded requests' noise by position (``seeded_noise``), each tree's vectors bounded by the drafter's depth.
             row_positions=_sampled_positions(runner, metadata) if sampling_metadata.generators else None,
             max_depth=plan.draft_depth if plan is not None and sampling_metadata.generators else None,
+            greedy_out=greedy_out,
         )
         result = walked = None
-        if plan is not None and runner.ddtree_device_accepts(plan):
+        if walks:
             # Walked on the device: no wait here; the commit and the drafter are queued behind the verification.
-            every_request = plan.every_request(num_reqs)
             # Every request verifying a tree, its logits rows are its nodes, in order: the tokens as they are.
             walked = runner.ddtree_accept_on_device(
                 plan, tokens if every_request else tokens[plan.logit_rows_gpu], width

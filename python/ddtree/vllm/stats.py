@@ -119,6 +119,7 @@ class DDTreeStats:
         self.walk_graph_steps = 0  # steps whose device walk replayed a walk graph (FULL steps, and mixed ones)
         self.mixed_walk_graph_steps = 0  # ... of them, steps with a prefill beside the trees (not a FULL graph's)
         self.walk_copied_steps = 0  # ... walked by a graph that copied its trees in (they were not where it reads)
+        self.walk_target_in_place_steps = 0  # ... whose node tokens the sampler wrote where the graph reads them
         self.prefill_beside_trees_steps = 0  # verify steps with other tokens than tree tokens (a prefill's) in them
         self.device_accept_steps = 0  # verify steps whose trees were walked on the device (DDTREE_DEVICE_ACCEPT)
         self.late_tree_steps = 0  # verify steps whose trees were built at verification (DDTREE_LATE_TREES)
@@ -334,6 +335,7 @@ class DDTreeStats:
             "mixed_walk_graph_steps": self.mixed_walk_graph_steps,
             "prefill_beside_trees_steps": self.prefill_beside_trees_steps,
             "walk_copied_steps": self.walk_copied_steps,
+            "walk_target_in_place_steps": self.walk_target_in_place_steps,
             "device_accept_steps": self.device_accept_steps,
             "late_tree_steps": self.late_tree_steps,
             "early_launch_steps": self.early_launch_steps,
