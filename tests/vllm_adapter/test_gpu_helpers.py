@@ -472,6 +472,9 @@ def test_harness_fails_an_engine_whose_device_walk_replayed_no_graph():
         "walk_target_in_place_steps",
         False,
     )
+    # Only sampled scenarios ran (t1, min_p): no all-greedy step to write in place.
+    only_sampled = step_graphs_exercised({}, dict(ran, walk_target_in_place_steps=0), greedy_ran=False)
+    assert only_sampled == [("walk_graph_steps", True)]
     assert step_graphs_exercised({"DDTREE_STEP_GRAPHS": "0"}, dict(ran, walk_graph_steps=0)) == []
     assert step_graphs_exercised({}, dict(ran, device_accept_steps=0, walk_graph_steps=0)) == []  # the host walk
     assert step_graphs_exercised({}, dict(ran, full_graph_steps=2, walk_graph_steps=0)) == []  # too few to replay
