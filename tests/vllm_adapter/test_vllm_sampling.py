@@ -477,6 +477,28 @@ def test_a_seeded_request_samples_by_its_seed_and_positions_not_its_generators_s
     assert any(run(seed, 0, 4) != first for seed in (8, 9, 10))  # the seed does
 
 
+def _all_greedy():
+    """vLLM's sampling metadata of an all-greedy step with no constraint."""
+    return SimpleNamespace(
+        temperature=None, all_greedy=True, top_k=None, top_p=None, generators={}, no_penalties=True,
+        bad_words_token_ids={}, allowed_token_ids_mask=None, max_num_logprobs=None,
+    )  # fmt: skip
+
+
+def _every_request_runner(lp, ids, on_device):
+    """A fake runner whose plan has requests "a" and "b" verify trees of 7 and 5 nodes (12 logits rows) from the
+    proposal ``lp``/``ids`` ``[2, 3, 3]``; and the drafts vLLM scheduled."""
+    from ddtree.vllm.step import TreeStore, plan_verify
+
+    store = TreeStore(budget=6)
+    lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
+    drafts = [lists[0], lists[1][:4]]
+    plan = plan_verify(store, ["a", "b"], np.array([10, 20]), np.array([7, 5]), dict(zip("ab", drafts)))
+    plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
+    plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
+    return _fake_runner(plan, on_device), drafts
+
+
 def test_a_step_where_every_request_verifies_a_tree_takes_the_walks_rows_as_a_copy(monkeypatch):
     """Every request a tree: the chain rows are the device walk's rows, whole (one copy, not a fill and two
     scatters), equal to the host walk's, and not the walk's own tensor (a walk graph's output, rewritten by its
@@ -484,25 +506,15 @@ def test_a_step_where_every_request_verifies_a_tree_takes_the_walks_rows_as_a_co
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from ddtree.vllm.sampler import DDTreeRejectionSampler
-    from ddtree.vllm.step import TreeStore, plan_verify
 
     rng = np.random.default_rng(4)
     lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
     ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
     logits = torch.from_numpy(rng.normal(size=(12, 20)).astype(np.float32))
-    greedy = SimpleNamespace(
-        temperature=None, all_greedy=True, top_k=None, top_p=None, generators={}, no_penalties=True,
-        bad_words_token_ids={}, allowed_token_ids_mask=None, max_num_logprobs=None,
-    )  # fmt: skip
+    greedy = _all_greedy()
 
     def run(on_device):
-        store = TreeStore(budget=6)
-        lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
-        drafts = [lists[0], lists[1][:4]]
-        plan = plan_verify(store, ["a", "b"], np.array([10, 20]), np.array([7, 5]), dict(zip("ab", drafts)))
-        plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
-        plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
-        runner = _fake_runner(plan, on_device)
+        runner, drafts = _every_request_runner(lp, ids, on_device)
         md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
         walks = []
         if on_device:
@@ -525,26 +537,13 @@ def test_a_greedy_step_of_trees_writes_its_tokens_where_the_walk_graph_reads_the
 
     from ddtree.vllm.graphs import WalkGraphs
     from ddtree.vllm.sampler import DDTreeRejectionSampler
-    from ddtree.vllm.step import TreeStore, plan_verify
 
     rng = np.random.default_rng(4)
     lp = np.sort(rng.normal(size=(2, 3, 3)).astype(np.float32), axis=-1)[..., ::-1] - 10.0
     ids = np.stack([np.stack([rng.permutation(20)[:3] for _ in range(3)]) for _ in range(2)]).astype(np.int64)
-    greedy = SimpleNamespace(
-        temperature=None, all_greedy=True, top_k=None, top_p=None, generators={}, no_penalties=True,
-        bad_words_token_ids={}, allowed_token_ids_mask=None, max_num_logprobs=None,
-    )  # fmt: skip
-
-    def planned(on_device):  # (each runner its own plan: the host's has no device trees)
-        store = TreeStore(budget=6)
-        lists = store.propose(["a", "b"], np.ascontiguousarray(lp), ids)
-        drafts = [lists[0], lists[1][:4]]
-        plan = plan_verify(store, ["a", "b"], np.array([10, 20]), np.array([7, 5]), dict(zip("ab", drafts)))
-        plan.logit_rows_gpu = torch.from_numpy(plan.logit_rows)
-        plan.batch_index_gpu = torch.from_numpy(plan.batch_index)
-        return _fake_runner(plan, on_device), drafts
-
-    (device, drafts), (host, _) = planned(True), planned(False)
+    greedy = _all_greedy()
+    # (each runner its own plan: the host's has no device trees)
+    (device, drafts), (host, _) = _every_request_runner(lp, ids, True), _every_request_runner(lp, ids, False)
     device._ddtree_walk_graphs = WalkGraphs(lambda work: work)  # (a replay runs the work, as a graph would)
     device._ddtree_full_graph = (12, 2)  # a FULL graph's step: its walk goes through the walk graphs
     md = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
