@@ -554,6 +554,11 @@ def test_a_greedy_step_of_trees_writes_its_tokens_where_the_walk_graph_reads_the
         # The first step finds the shape's graph by walking; the next ones write into its target.
         assert device.ddtree_stats.walk_target_in_place_steps == step
     assert device._ddtree_walk_graphs.replayed == 2 and device.ddtree_stats.walk_graph_steps == 2
+    # A sampled step of the same shape writes its tokens where it samples them: the walk copies them in.
+    sampled = SimpleNamespace(**dict(vars(greedy), all_greedy=False, temperature=torch.tensor([1.0, 0.7])))
+    logits = torch.from_numpy(rng.normal(size=(12, 20)).astype(np.float32))
+    DDTreeRejectionSampler(device)(md, None, logits, sampled)
+    assert device.ddtree_stats.walk_target_in_place_steps == 2 and device._ddtree_walk_graphs.replayed == 3
 
 
 def test_step_rows_are_kept_by_their_counts_read_only(monkeypatch):
