@@ -291,8 +291,8 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         # and commit graphs): none yet, made when first needed, dropped with the cache (``initialize_kv_cache``).
         self._ddtree_forget_kv_cache()
         # One host-to-device copy per phase and step (the plan's arrays; the acceptance's).
-        self._ddtree_plan_staging = StepStaging(self.device, current_stream=current_stream)
-        self._ddtree_accept_staging = StepStaging(self.device, current_stream=current_stream)
+        self._ddtree_plan_staging = self._ddtree_new_staging()
+        self._ddtree_accept_staging = self._ddtree_new_staging()
         # Hybrid GDN targets: W - 1 of the conv (0: attention-only target).
         self._ddtree_conv_window = gdn_conv_window(self.model_config) if self.model_config.is_hybrid else 0
         # vLLM 0.33 counts a decode without drafts as a spec decode of 0 drafts (its chain reads the last state at
@@ -306,9 +306,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         )
         self._ddtree_state_group_layers: Optional[List[Tuple[int, List[str]]]] = None
         # The boundary commits' prefixes and destination blocks: one pinned copy on the steps that have them.
-        self._ddtree_boundary_staging = (
-            StepStaging(self.device, current_stream=current_stream) if self._ddtree_aligned_states else None
-        )
+        self._ddtree_boundary_staging = self._ddtree_new_staging() if self._ddtree_aligned_states else None
         # The tree layout at fixed addresses (CUDA graphs read them), and what FULL graphs' captures recorded.
         tree_size = self.ddtree_cfg.budget + 1
         self._ddtree_buffers = TreeStepBuffers(
@@ -350,7 +348,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
         self._ddtree_min_tokens = MinTokensRequests()
         # Asynchronous scheduling (DDTREE_ASYNC_SCHEDULING, on by default with one GPU): the step is published from
         # vLLM's counts in _prepare_inputs (its own upload), and its trees are built in _preprocess, after vLLM's metadata builds.
-        self._ddtree_count_staging = StepStaging(self.device, current_stream=current_stream)
+        self._ddtree_count_staging = self._ddtree_new_staging()
         # vLLM's spec-decode metadata by its inputs' bytes (``_calc_spec_decode_metadata``).
         self._ddtree_spec_metadata: Dict[tuple, tuple] = {}
         self._ddtree_trees_by_tensors: Dict[tuple, device_accept.DeviceTrees] = {}
@@ -690,7 +688,7 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             gpu = staging.device_views()
             self.ddtree_stats.device_plan_resumed_steps += 1
         else:
-            # (Pieces inside the piece: batch 32's uploads cost ~4 ms each, ``gpu-h100-pair-ring16-33a1deb``.)
+            # (Pieces inside the piece: a batch-32 upload cost ~0.3-0.5 ms, ``gpu-h100-pair-stream-223b38b``.)
             detail = self.ddtree_stats.detail
             with detail("plan: device upload: layout"):
                 constants = self._ddtree_device_template(num_reqs, size, total)[1]
@@ -1735,6 +1733,10 @@ class DDTreeGPUModelRunner(GPUModelRunner):
             return False
         shapes.add(shape)
         return True
+
+    def _ddtree_new_staging(self) -> StepStaging:
+        """A staging for one upload a step, its events recorded on vLLM's current stream (``ddtree.vllm.streams``)."""
+        return StepStaging(self.device, current_stream=current_stream)
 
     def _ddtree_path_ring(self) -> PathRing:
         """The ring the device walk writes its accepted paths into, for the statistics: ``PATH_RING_SLOTS`` slots

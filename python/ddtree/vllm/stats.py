@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import vllm.envs as envs
 from vllm.v1.utils import record_function_or_nullcontext
 
 from ddtree.vllm.host_profile import HostProfile
@@ -36,8 +37,6 @@ FOLD_EVERY = 64
 def profiler_scopes_on() -> bool:
     """Whether vLLM's named profiler ranges are on in this process (VLLM_CUSTOM_SCOPES_FOR_PROFILING or
     VLLM_NVTX_SCOPES_FOR_PROFILING: vLLM reads them at its first range, before any step)."""
-    import vllm.envs as envs
-
     names = ("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "VLLM_NVTX_SCOPES_FOR_PROFILING")
     return any(bool(getattr(envs, name, False)) for name in names)
 
