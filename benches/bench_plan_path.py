@@ -41,6 +41,9 @@ this checkout with ``DDTREE_DEVICE_PLAN``'s steps (:func:`prepare_device_plan`: 
 runs the tree build, layout and placement, a no-op) against the baseline's host plan with its placement a replayed
 graph (a no-op too): the host work each leaves on a steady step.
 
+``--path device-ab`` (an A/B only; ``--baseline`` a checkout with ``DDTREE_DEVICE_PLAN``): the device plan's
+steps, as ``--path device`` runs them, on both sides.
+
 ``--path sampler`` (an A/B only): the rejection sampler's call for the planned step instead (ddtree's sampler in
 place of vLLM's: per-row settings, the chain rows; all greedy, the device walk stubbed with fixed rows, logits of a
 64-token vocabulary, so its argmax is small beside the host work).
@@ -522,6 +525,7 @@ TIMED_PATHS = {
     "sampler": _timed_sampler_call,
     "stats": _timed_stats,
     "device": _timed_plan_step,
+    "device-ab": _timed_plan_step,
 }
 
 #: Paths whose work differs from step to step by design (``stats`` reads its ring every few steps): compared by
@@ -531,7 +535,7 @@ AMORTIZED_PATHS = {"stats"}
 
 def _prepare_side(path: str, bench, runner, rng, modules, this: bool) -> None:
     graphs_module = modules["ddtree.vllm.graphs"]
-    if path == "device" and this:
+    if path == "device" and this or path == "device-ab":
         bench.prepare_device_plan(runner, run_kernels=False)
     elif path == "device":  # the host plan, its placement a replayed graph as on a GPU
         runner._ddtree_plan_graphs = graphs_module.ShapeGraphs(placement_stand_in(False))

@@ -136,3 +136,17 @@ def test_rows_that_do_not_fit_are_refused_by_name():
         ring.write(torch.zeros((3, 3), dtype=torch.int32), torch.tensor([0]))
     with pytest.raises(ValueError, match="slots, max_reqs and width must be positive"):
         PathRing(torch.device("cpu"), max_reqs=2, width=3, slots=0, current_stream=_engine_stream)
+
+
+def test_rows_read_are_the_steps_own_when_the_pinned_buffer_is_written_again():
+    """A read hands rows that outlive the pinned buffer's next copy (the statistics keep them for a later fold)."""
+    ring = PathRing(torch.device("cpu"), max_reqs=3, width=3, slots=2, current_stream=_engine_stream)
+    for serial, n in enumerate([3, 1]):
+        _walk(ring, serial, n)
+        ring.note(serial, n, serial)
+    first = ring.landed(wait=False)
+    for serial in range(2, 6):  # both pinned buffers written again, twice
+        _walk(ring, serial, 3)
+        ring.note(serial, 3, serial)
+        ring.landed(wait=False)
+    assert [(tag, rows.tolist()) for tag, rows in first] == [(0, _rows(0, 3).tolist()), (1, _rows(1, 1).tolist())]

@@ -810,3 +810,44 @@ def test_every_ddtree_setting_refuses_a_value_it_does_not_take():
     assert config.check_environment({"DDTREE_DEVICE_PLAN": "auto", "DDTREE_PRECAPTURE": "all", "OTHER": "x"}) == []
     (warning,) = config.check_environment({"DDTREE_DEVICEPLAN": "1"})
     assert "DDTREE_DEVICEPLAN is not a ddtree setting" in warning and "DDTREE_DEVICE_PLAN?" in warning
+
+
+def test_a_device_planned_steps_trees_are_those_of_the_staging_views_it_uploaded():
+    """The walk's trees of a device-planned step: a repeated step shape's steps share one object (found by the
+    staging's views and the placement's offsets, not by reading every tensor), and a step after the staging laid
+    out other views gets trees of the views it uploaded, never the last step's."""
+    runner, rng = _device_runner(batch=2)
+    staging = runner._ddtree_plan_staging
+
+    def trees_read_the_current_views():
+        trees, views = runner._ddtree_plan.device_trees, staging.device_views()
+        return trees.token_index is views["token_index"] and trees.ancestor_bits is views["ancestor_bits"]
+
+    for _ in range(2):  # (the shape's first step runs its placement eagerly: its outputs are not the graph's)
+        _plan(runner, _defer(runner, rng))
+    first = runner._ddtree_plan.device_trees
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_resumed_steps == 2
+    assert runner._ddtree_plan.device_trees is first and trees_read_the_current_views()
+    # A host-planned step of one request lays the staging out anew; then two requests again, device-planned.
+    runner.req_ids.pop()
+    runner.input_batch.num_reqs = 1
+    output = _defer(runner, rng)
+    runner._ddtree_device_planner.forget()
+    _plan(runner, output, np.array([16]))
+    runner.req_ids.append("r1")
+    runner.input_batch.num_reqs = 2
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_steps == 4 and trees_read_the_current_views()
+    staging._recent_layouts.clear()  # the next layout of this shape is made anew: new views, at other objects
+    runner.req_ids.pop()
+    runner.input_batch.num_reqs = 1
+    output = _defer(runner, rng)
+    runner._ddtree_device_planner.forget()
+    _plan(runner, output, np.array([16]))
+    staging._recent_layouts.clear()
+    runner.req_ids.append("r1")
+    runner.input_batch.num_reqs = 2
+    _plan(runner, _defer(runner, rng))
+    assert runner.ddtree_stats.device_plan_steps == 5 and trees_read_the_current_views()
+    assert runner._ddtree_plan.device_trees is not first

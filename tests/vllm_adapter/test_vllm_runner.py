@@ -1906,3 +1906,55 @@ def test_queueing_an_early_launch_is_timed_as_the_plans_host_work(monkeypatch):
     runner._ddtree_late_step = ("late",)
     assert runner._preprocess() == "vllm's" and prepared == []  # queued: the trees come after the launch
     assert runner.ddtree_stats.host_seconds["plan"] >= 0.003
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_counted_together_from_one_ring_read_equal_the_same_steps_counted_one_by_one(seed):
+    """``DDTreeStats.observe_device_steps`` (one read of the path ring: many steps, their lengths converted at once)
+    counts what ``observe_paths`` step by step counts: trees, depths, budgets, the what-if sample and ``auto``."""
+    from ddtree.vllm.auto_budget import AutoBudget
+    from ddtree.vllm.stats import FOLD_EVERY, WHAT_IF_EVERY, DDTreeStats
+    from ddtree.vllm.step import TreeStore, accept, plan_verify
+
+    rng = np.random.default_rng(seed)
+    depth, width, budget = 6, 5, 40
+    together, one_by_one = (DDTreeStats(depth, smaller_budgets=(8, 16)) for _ in range(2))
+    for stats in (together, one_by_one):
+        stats.auto = AutoBudget((8, 16, 40), max_num_seqs=4)
+    steps = []
+    for step in range(2 * FOLD_EVERY + 3 * WHAT_IF_EVERY + 5):  # several folds and what-if samples, a ragged end
+        num_reqs = int(rng.integers(1, 4))
+        names = [f"r{i}" for i in range(num_reqs)]
+        shape = (num_reqs, depth, width)
+        ids = np.stack([rng.permutation(50)[:width] for _ in range(num_reqs * depth)]).reshape(shape).astype(np.int32)
+        lp = np.sort(rng.normal(size=shape) * 1.5, axis=-1)[..., ::-1]
+        lp = (lp - np.log(np.exp(lp).sum(-1, keepdims=True))).astype(np.float32)
+        store = TreeStore(budget=budget)
+        lists = store.propose(names, lp, ids)
+        scheduled = {name: drafts for name, drafts in zip(names, lists)}
+        counts = np.array([len(drafts) + 1 for drafts in lists])
+        plan = plan_verify(store, names, np.full(num_reqs, 4), counts, scheduled)
+        target = rng.integers(0, 50, size=plan.num_tokens)
+        walked = accept(plan, target, depth + 1)
+        # The ring's rows: each tree's path length, then its path (int32, as the walk writes them).
+        rows = np.concatenate([walked.path_lengths[:, None], walked.paths], axis=1).astype(np.int32)
+        one_by_one.observe_paths(plan, rows[:, 1:], rows[:, 0])
+        one_by_one.device_accept_steps += 1
+        steps.append((plan, rows))
+    for start in range(0, len(steps), 16):  # as the ring hands them: 16 steps a read, the last read shorter
+        together.observe_device_steps(steps[start : start + 16])
+    together.observe_device_steps([])  # (a read that landed nothing)
+
+    def counted(stats):
+        summary = stats.summary()
+        summary.pop("host_ms_per_verify_step")
+        return summary
+
+    assert counted(together) == counted(one_by_one)
+    assert together.steps == len(steps) == together.device_accept_steps and together.trees > len(steps)
+    assert together.what_if.summary()["budgets"][8]["trees"] > 0
+    for stats in (together, one_by_one):
+        stats.auto.acceptance.close_window()
+    assert together.auto.acceptance.acceptance_length(min_trees=1) == one_by_one.auto.acceptance.acceptance_length(
+        min_trees=1
+    )

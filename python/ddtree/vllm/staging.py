@@ -186,6 +186,12 @@ class StepStaging:
         that upload left there (the caller knows nothing was uploaded since: :attr:`uploads`)."""
         return dict(self._device_views)
 
+    def views_token(self) -> object:
+        """An object that is the same exactly while the device views are (the current layout's own mapping; a
+        caller holding it keeps its identity unique): the views of two uploads with one token are the same
+        tensors."""
+        return self._device_views
+
     def layout_key(self) -> tuple:
         """What fixes the device views' addresses: the current layout and the device buffer. Two uploads with one
         key hand out views at the same addresses (a CUDA graph captured on one reads the other's arrays)."""

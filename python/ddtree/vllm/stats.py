@@ -279,12 +279,36 @@ class DDTreeStats:
         ``path_lengths`` ``[R]`` of them)."""
         acc = np.asarray(path_lengths, dtype=np.int64) - 1  # (a new array: kept as it is)
         self._observe_own_counts(plan, acc)
+        self._observe_samples(plan, paths, acc)
+
+    def _observe_samples(self, plan: VerifyPlan, paths: np.ndarray, acc: np.ndarray) -> None:
+        """The observed step (``self.steps`` counts it already) for the what-if sample and ``auto``."""
         every = WHAT_IF_EVERY if plan.trees is not None else WHAT_IF_EVERY_DEVICE_PLANNED
         if (self.steps - 1) % every == 0:
             self.what_if.observe(plan, paths, acc)
         if self.auto is not None:  # every step: its first choice should not wait for a sample of the traffic
             paths = np.asarray(paths, dtype=np.int64)
             self.auto.observe(plan.num_nodes - 1, whole_proposed_trees(plan), paths[:, 1:], acc)
+
+    def observe_device_steps(self, steps: Sequence[Tuple[VerifyPlan, np.ndarray]]) -> None:
+        """Device-walked steps whose path rows landed together (``PathRing``), ``(plan, rows)`` each: ``rows``
+        ``[R, 1 + P]``, each tree's path length, then its path. :meth:`observe_paths` of each, the lengths
+        converted in one pass (one read of the ring hands 16 steps: per step, the conversion and the call were
+        ~5 us of a batch-1 step's host work on a development CPU)."""
+        if not steps:
+            return
+        lengths = np.concatenate([rows[:, 0] for _, rows in steps]).astype(np.int64) - 1
+        start = 0
+        for plan, rows in steps:
+            end = start + rows.shape[0]
+            acc = lengths[start:end]  # (a view of an array nothing else holds: kept as it is)
+            start = end
+            self.steps += 1
+            self._unfolded.append((plan.num_nodes, plan.proposed_budgets, plan.num_filler_trees, acc))
+            self._observe_samples(plan, rows[:, 1:], acc)
+        self.device_accept_steps += len(steps)
+        if len(self._unfolded) >= FOLD_EVERY:
+            self._fold()
 
     def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
         """One verify step whose trees accepted ``acc`` ``[R]`` drafts each (copied: it may be a view of a reused
