@@ -573,14 +573,19 @@ def test_the_sampler_can_write_a_known_walks_target_in_place_and_the_walk_copies
     assert own is not None and own.dtype == torch.int64 and tuple(own.shape) == (rows,)
     assert graphs.target_for(trees, rows + 1, *args) is None  # another target shape: another graph's
     assert graphs.target_for(trees, rows, *args[:3], 0) is None  # another walk shape
-    for _ in range(2):
+    for asked_first in (False, True, True):  # (as the sampler does: asked for the step's buffer, then walked)
+        if asked_first:
+            assert graphs.target_for(trees, rows, *args) is own
         tokens = torch.from_numpy(agreeing_target(rng, plan))
         own.copy_(tokens)  # (what the sampler's argmax does there)
         got, want = graphs.walk(trees, own, *args), accept_on_device(trees, tokens, *args)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert graphs.targets_in_place == 2 and graphs.replayed == 2
-    graphs.walk(trees, torch.from_numpy(agreeing_target(rng, plan)), *args)  # a tensor of its own: copied in
-    assert graphs.targets_in_place == 2
+    assert graphs.targets_in_place == 3 and graphs.replayed == 3
+    assert graphs.target_for(trees, rows, *args) is own  # handed out, then not used: the walk copies its own in
+    tokens = torch.from_numpy(agreeing_target(rng, plan))
+    got, want = graphs.walk(trees, tokens, *args), accept_on_device(trees, tokens, *args)
+    assert all(torch.equal(got[k], want[k]) for k in want) and graphs.targets_in_place == 3
+    assert torch.equal(own, tokens)  # (copied into the graph's own target)
 
 
 def test_a_walk_writes_its_path_rows_into_the_ring_under_the_serial_uploaded_with_its_trees():

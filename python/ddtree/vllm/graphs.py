@@ -245,6 +245,9 @@ class WalkGraphs:
         # By the trees object and the walk's other inputs' shapes: (the key, the trees object itself, so its id
         # is never another object's while remembered).
         self._known: Dict[tuple, tuple] = {}
+        # What the last :meth:`target_for` handed out, for the walk that follows it: (trees, walk arguments, the
+        # target buffer, the graph's key and trees); None once a walk has taken it.
+        self._handed: Optional[tuple] = None
         self.copied_walks = 0  # walks that copied their trees in (inputs that kept moving)
         self.targets_in_place = 0  # walks whose target tokens were already in the graph's own (``target_for``)
 
@@ -259,8 +262,14 @@ class WalkGraphs:
         arguments will replay, for the sampler to write its tokens into: the walk then launches no copy of them
         (one launch a step, ~10-20 us of host time behind the engine's deep launch queue). None until a walk has
         found that graph by the trees object (the shape's first steps), or when its target is another shape."""
-        hit = self._known.get((id(trees), width, path_width, num_tokens, conv_window, torch.int64, (rows,), (1,)))
-        return None if hit is None else self._inputs[hit[0]][0]
+        args = (width, path_width, num_tokens, conv_window)
+        hit = self._known.get((id(trees), *args, torch.int64, (rows,), (1,)))
+        if hit is None:
+            return None
+        own_target = self._inputs[hit[0]][0]
+        # The walk that follows, with this buffer as its target, needs no look-up of its own.
+        self._handed = (trees, args, own_target, hit)
+        return own_target
 
     def walk(self, trees, target: torch.Tensor, width: int, path_width: int, num_tokens: int, conv_window: int):
         """The walk's outputs (a replay's, or an eager walk's the first time). A trees object seen before with a
@@ -270,6 +279,14 @@ class WalkGraphs:
         from ddtree.vllm.device_accept import accept_on_device
 
         args = (width, path_width, num_tokens, conv_window)
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[2] is target and handed[0] is trees and handed[1] == args:
+            # The sampler wrote its tokens into the buffer :meth:`target_for` handed out for this walk: no copy to
+            # launch, and the graph is the one found there.
+            self.targets_in_place += 1
+            hit = handed[3]
+            own_trees = self._inputs[hit[0]][1]
+            return self._graphs.run(hit[0], lambda: accept_on_device(own_trees, target, *args, ring=self.ring))
         known = (id(trees), *args, target.dtype, tuple(target.shape), target.stride())
         hit = self._known.get(known)
         if hit is not None:
