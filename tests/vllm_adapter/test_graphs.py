@@ -1,5 +1,6 @@
 """Tree steps under CUDA graphs, the parts that need no GPU: persistent layout, dummy trees, graph dispatch."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -586,6 +587,22 @@ def test_the_sampler_can_write_a_known_walks_target_in_place_and_the_walk_copies
     got, want = graphs.walk(trees, tokens, *args), accept_on_device(trees, tokens, *args)
     assert all(torch.equal(got[k], want[k]) for k in want) and graphs.targets_in_place == 3
     assert torch.equal(own, tokens)  # (copied into the graph's own target)
+    # Another trees object of the same shapes (its own graph): a buffer handed out for the first trees is not its
+    # target, so its walk copies the tokens into its own graph's.
+    other = dataclasses.replace(trees, **{f.name: _clone(getattr(trees, f.name)) for f in dataclasses.fields(trees)})
+    graphs.walk(other, torch.from_numpy(agreeing_target(rng, plan)), *args)  # its graph found
+    other_own = graphs.target_for(other, rows, *args)
+    assert other_own is not None and other_own is not own
+    assert graphs.target_for(trees, rows, *args) is own
+    tokens = torch.from_numpy(agreeing_target(rng, plan))
+    own.copy_(tokens)
+    got, want = graphs.walk(other, own, *args), accept_on_device(other, tokens, *args)
+    assert all(torch.equal(got[k], want[k]) for k in want) and graphs.targets_in_place == 3
+    assert torch.equal(other_own, tokens)
+
+
+def _clone(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def test_a_walk_writes_its_path_rows_into_the_ring_under_the_serial_uploaded_with_its_trees():
