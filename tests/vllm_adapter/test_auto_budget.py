@@ -638,7 +638,7 @@ def test_the_statistics_and_autos_bookkeeping_after_sampling_are_timed_host_work
 
     runner, _ = _auto_runner(monkeypatch, [])
     runner.ddtree_stats = DDTreeStats(15)
-    runner._ddtree_counts = SimpleNamespace(landed=lambda wait: [None])
+    runner._ddtree_counts = SimpleNamespace(landed=lambda wait: [])  # (nothing landed this step)
     runner._ddtree_what_if_log = None
     runner._ddtree_plan, runner._ddtree_step_timer, runner.drafter = None, None, SimpleNamespace()
     stepped = []
