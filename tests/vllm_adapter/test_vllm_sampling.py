@@ -559,6 +559,16 @@ def test_a_greedy_step_of_trees_writes_its_tokens_where_the_walk_graph_reads_the
     logits = torch.from_numpy(rng.normal(size=(12, 20)).astype(np.float32))
     DDTreeRejectionSampler(device)(md, None, logits, sampled)
     assert device.ddtree_stats.walk_target_in_place_steps == 2 and device._ddtree_walk_graphs.replayed == 3
+    # A greedy step that no FULL graph replayed (cut trees near max_model_len; a prefill beside the trees without
+    # mixed walk graphs) walks op by op: the sampler asks for no buffer, and its rows are the host walk's.
+    graphs, asked = device._ddtree_walk_graphs, []
+    target_for = graphs.target_for
+    graphs.target_for = lambda *args: asked.append(args) or target_for(*args)
+    device._ddtree_full_graph, device._ddtree_mixed_walk_graphs = None, False
+    logits = torch.from_numpy(rng.normal(size=(12, 20)).astype(np.float32))
+    rows = DDTreeRejectionSampler(device)(md, None, logits, greedy).sampled_token_ids
+    assert torch.equal(rows, DDTreeRejectionSampler(host)(md, None, logits, greedy).sampled_token_ids)
+    assert asked == [] and graphs.replayed == 3 and device.ddtree_stats.walk_target_in_place_steps == 2
 
 
 def test_step_rows_are_kept_by_their_counts_read_only(monkeypatch):
