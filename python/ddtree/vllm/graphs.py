@@ -281,14 +281,10 @@ class WalkGraphs:
         args = (width, path_width, num_tokens, conv_window)
         handed, self._handed = self._handed, None
         if handed is not None and handed[2] is target and handed[0] is trees and handed[1] == args:
-            # The sampler wrote its tokens into the buffer :meth:`target_for` handed out for this walk: no copy to
-            # launch, and the graph is the one found there.
-            self.targets_in_place += 1
-            hit = handed[3]
-            own_trees = self._inputs[hit[0]][1]
-            return self._graphs.run(hit[0], lambda: accept_on_device(own_trees, target, *args, ring=self.ring))
-        known = (id(trees), *args, target.dtype, tuple(target.shape), target.stride())
-        hit = self._known.get(known)
+            hit = handed[3]  # (the buffer :meth:`target_for` handed out for this walk: its graph found there)
+        else:
+            known = (id(trees), *args, target.dtype, tuple(target.shape), target.stride())
+            hit = self._known.get(known)
         if hit is not None:
             own_target, own_trees = self._inputs[hit[0]]
             if target is own_target:  # the sampler wrote its tokens there (``target_for``): no copy to launch

@@ -303,12 +303,9 @@ class DDTreeStats:
             end = start + rows.shape[0]
             acc = lengths[start:end]  # (a view of an array nothing else holds: kept as it is)
             start = end
-            self.steps += 1
-            self._unfolded.append((plan.num_nodes, plan.proposed_budgets, plan.num_filler_trees, acc))
+            self._observe_own_counts(plan, acc)
             self._observe_samples(plan, rows[:, 1:], acc)
         self.device_accept_steps += len(steps)
-        if len(self._unfolded) >= FOLD_EVERY:
-            self._fold()
 
     def observe_counts(self, plan: VerifyPlan, acc: np.ndarray) -> None:
         """One verify step whose trees accepted ``acc`` ``[R]`` drafts each (copied: it may be a view of a reused
